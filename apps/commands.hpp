@@ -1,0 +1,19 @@
+// Subcommands of the `troupe` command. Each apps/cmd_*.cpp adds one subcommand to the CLI11 app and
+// returns the function that runs it once the command line has been parsed; that function returns
+// -1 when its subcommand was not the one chosen, else the process exit code.
+#pragma once
+
+#include <functional>
+
+namespace CLI {
+class App;
+}
+
+namespace troupe::apps {
+
+using command_fn = std::function<int()>;
+
+command_fn add_bench_command(CLI::App& app);  // troupe bench ...   (apps/cmd_bench.cpp)
+command_fn add_train_command(CLI::App& app);  // troupe train ...   (apps/cmd_train.cpp)
+
+}  // namespace troupe::apps
