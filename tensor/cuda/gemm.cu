@@ -1,0 +1,69 @@
+// CUDA matmul: c = alpha * a @ b + beta * c on cuBLAS (cublasGemmEx, f32 accumulation) for f32,
+// bf16 and f16 views; see gemm_plan.hpp for the row-major to column-major mapping.
+#include <climits>
+
+#include "tensor/backend.hpp"
+#include "tensor/cuda/check.cuh"
+#include "tensor/cuda/gemm_plan.hpp"
+
+namespace troupe::cuda {
+namespace {
+
+using detail::from_f32;
+using detail::to_f32;
+
+cudaDataType_t cuda_type(dtype t) {
+  switch (t) {
+    case dtype::f32:
+      return CUDA_R_32F;
+    case dtype::bf16:
+      return CUDA_R_16BF;
+    case dtype::f16:
+      return CUDA_R_16F;
+    default:
+      break;
+  }
+  TROUPE_FAIL("cuda matmul: dtype ", dtype_name(t), " not supported");
+}
+
+int as_int(std::int64_t v, const char* what) {
+  TROUPE_CHECK(v <= INT_MAX, "cuda matmul: ", what, " = ", v, " exceeds cuBLAS's int range");
+  return static_cast<int>(v);
+}
+
+// c[rows, cols] (row stride ldc) *= beta, or = 0 when beta == 0 (c is not read, as in BLAS).
+template <class T>
+__global__ void scale_rows_kernel(T* c, std::int64_t rows, std::int64_t cols, std::int64_t ldc,
+                                  float beta) {
+  TROUPE_GRID_STRIDE(k, rows * cols) {
+    T* p = c + (k / cols) * ldc + k % cols;
+    *p = from_f32<T>(beta == 0.0f ? 0.0f : to_f32(*p) * beta);
+  }
+}
+
+}  // namespace
+
+void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha, double beta) {
+  cudaDataType_t type = cuda_type(a.type());
+  std::int64_t rows = c.size(0), cols = c.size(1);
+  if (rows == 0 || cols == 0) return;
+  gemm_plan p = plan_gemm(a, b, c);
+  if (p.k == 0) {  // a @ b is all zeros: c = beta * c
+    detail::dispatch_16_32("matmul", c, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      scale_rows_kernel<T><<<detail::grid_for(rows * cols), detail::block_threads>>>(
+          detail::ptr<T>(c), rows, cols, p.ldc, static_cast<float>(beta));
+      TROUPE_CUDA_CHECK_LAUNCH();
+    });
+    return;
+  }
+  const float alpha_f = static_cast<float>(alpha), beta_f = static_cast<float>(beta);
+  TROUPE_CUBLAS_CHECK(
+      cublasGemmEx(detail::cublas_handle(), p.b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N,
+                   p.a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N, as_int(p.m, "N"), as_int(p.n, "M"),
+                   as_int(p.k, "K"), &alpha_f, b.data(), type, as_int(p.b.ld, "ldb"), a.data(),
+                   type, as_int(p.a.ld, "lda"), &beta_f, c.data(), type, as_int(p.ldc, "ldc"),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace troupe::cuda
