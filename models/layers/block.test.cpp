@@ -1,0 +1,200 @@
+// A tiny pre-norm transformer block composed from the layers, as a model would compose them:
+//   r = x + attn(ln_1(x));  y = r + mlp(ln_2(r))
+// checked end to end against finite differences in f64, run in f32 against the f64 result, and
+// on a GPU against the CPU.
+#include <catch2/catch.hpp>
+
+#include "memory/gpu.hpp"
+#include "models/layers/attention.hpp"
+#include "models/layers/layernorm.hpp"
+#include "models/layers/mlp.hpp"
+#include "models/layers/testing.hpp"
+#include "tensor/ops.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::testing;
+
+namespace {
+
+struct block {
+  struct config {
+    std::int64_t dim = 0, n_head = 0, n_kv_head = 0;
+    bool rope = false;
+  };
+  layernorm ln_1, ln_2;
+  attention attn;
+  mlp ff;
+
+  // Saved by forward (each is the input a sub-layer saved, or the residual).
+  tensor ln_1_out, ln_2_out, resid;  // [B, T, C]
+  tensor attn_out, ff_out;           // [B, T, C]; not read by backward
+  // Scratch for backward.
+  tensor dnorm, dresid;  // [B, T, C]
+
+  explicit block(const config& c)
+      : ln_1({.dim = c.dim}),
+        ln_2({.dim = c.dim}),
+        attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
+        ff({.dim = c.dim, .hidden = 4 * c.dim}) {}
+
+  void declare(slot_list& s, std::string_view name, batch_dims b) {
+    auto scope = s.enter(name);
+    ln_1.declare(s, "ln_1", b);
+    attn.declare(s, "attn", b);
+    ln_2.declare(s, "ln_2", b);
+    ff.declare(s, "mlp", b);
+    shape bt{b.batch, b.seq, ln_1.cfg.dim};
+    s.activation("ln_1_out", bt, ln_1_out);
+    s.activation("attn_out", bt, attn_out);
+    s.activation("resid", bt, resid);
+    s.activation("ln_2_out", bt, ln_2_out);
+    s.activation("ff_out", bt, ff_out);
+    s.scratch("dnorm", bt, dnorm);
+    s.scratch("dresid", bt, dresid);
+  }
+
+  void forward(const tensor& x, const tensor& y) {
+    ln_1.forward(x, ln_1_out);
+    attn.forward(ln_1_out, attn_out);
+    ops::add(x, attn_out, resid);
+    ln_2.forward(resid, ln_2_out);
+    ff.forward(ln_2_out, ff_out);
+    ops::add(resid, ff_out, y);
+  }
+
+  void backward(const tensor& dy, const tensor& dx) {
+    ff.backward(dy, dnorm);
+    ln_2.backward(dnorm, dresid);
+    ops::add(dresid, dy, dresid);  // the residual path
+    attn.backward(dresid, dnorm);
+    ln_1.backward(dnorm, dx);
+    ops::add(dx, dresid, dx);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("A transformer block composed of layers matches finite differences end to end", "[cpu]") {
+  rng g(201);
+  for (bool rope : {false, true}) {
+    INFO("rope " << rope);
+    block blk({.dim = 8, .n_head = 4, .n_kv_head = rope ? 2 : 4, .rope = rope});
+    slot_list s;
+    blk.declare(s, "h.0", {2, 3});
+    layer_memory mem(s, dtype::f64);
+    randomize_params(s, g);
+    auto x = random_tensor({2, 3, 8}, g);
+    auto y = host_zeros({2, 3, 8});
+    auto r = random_tensor({2, 3, 8}, g);
+    auto dx = host_zeros({2, 3, 8});
+    auto loss = [&] {
+      blk.forward(x, y);
+      return dot(y, r);
+    };
+    loss();
+    blk.backward(r, dx);
+    check_gradient("dx", x, values(dx), loss, g, {.max_elems = 48});
+    check_param_gradients(s, loss, g, {.max_elems = 30});
+    check_accumulation(
+        mem, [&] { blk.backward(r, dx); }, dx);
+    // The scratch of sibling layers shares bytes.
+    CHECK(mem.scratch_bytes() < mem.scratch_bytes_without_reuse());
+  }
+}
+
+TEST_CASE("The same block in f32 agrees with f64", "[cpu]") {
+  rng g(202);
+  block b64({.dim = 16, .n_head = 4, .n_kv_head = 2, .rope = true});
+  block b32({.dim = 16, .n_head = 4, .n_kv_head = 2, .rope = true});
+  slot_list s64, s32;
+  b64.declare(s64, "h", {2, 6});
+  b32.declare(s32, "h", {2, 6});
+  layer_memory m64(s64, dtype::f64), m32(s32, dtype::f32);
+  randomize_params(s64, g);
+  auto to_f32 = [](const tensor& src, const tensor& dst) {
+    for (std::int64_t i = 0; i < src.numel(); ++i)
+      ptr<float>(dst)[i] = static_cast<float>(ptr(src)[i]);
+  };
+  for (std::size_t i = 0; i < s64.slots().size(); ++i)
+    if (s64.slots()[i].kind == slot_kind::param)
+      to_f32(*s64.slots()[i].field, *s32.slots()[i].field);
+  auto x64 = random_tensor({2, 6, 16}, g);
+  auto r64 = random_tensor({2, 6, 16}, g);
+  auto x32 = empty({2, 6, 16}, dtype::f32), r32 = empty({2, 6, 16}, dtype::f32);
+  to_f32(x64, x32);
+  to_f32(r64, r32);
+  auto y64 = host_zeros({2, 6, 16}), dx64 = host_zeros({2, 6, 16});
+  auto y32 = host_zeros({2, 6, 16}, dtype::f32), dx32 = host_zeros({2, 6, 16}, dtype::f32);
+  b64.forward(x64, y64);
+  b64.backward(r64, dx64);
+  b32.forward(x32, y32);
+  b32.backward(r32, dx32);
+  auto widen = [](const tensor& t) {
+    std::vector<double> v(t.numel());
+    for (std::int64_t i = 0; i < t.numel(); ++i) v[i] = ptr<float>(t)[i];
+    return v;
+  };
+  // f32 rounding (6e-8) grown by a few dozen operations per value, far under 1e-4; values near
+  // zero are compared on an absolute scale of 1e-2 of the typical O(1) magnitude.
+  CHECK(max_rel_diff(widen(y32), values(y64), 1e-2) <= 1e-4);
+  CHECK(max_rel_diff(widen(dx32), values(dx64), 1e-2) <= 1e-4);
+  for (std::size_t i = 0; i < s64.slots().size(); ++i) {
+    const auto& p = s64.slots()[i];
+    if (p.kind != slot_kind::param) continue;
+    INFO(p.name);
+    CHECK(max_rel_diff(widen(*s32.slots()[i].grad), values(*p.grad), 1e-2) <= 1e-4);
+  }
+}
+
+TEST_CASE("The same block on a GPU agrees with the CPU", "[gpu]") {
+  if (!memory::gpu_available()) {
+    WARN("troupe-skip: no GPU");
+    return;
+  }
+  rng g(203);
+  const device gpu = device::cuda();
+  block cpu_blk({.dim = 16, .n_head = 4, .n_kv_head = 2, .rope = true});
+  block gpu_blk({.dim = 16, .n_head = 4, .n_kv_head = 2, .rope = true});
+  slot_list sc, sg;
+  cpu_blk.declare(sc, "h", {2, 6});
+  gpu_blk.declare(sg, "h", {2, 6});
+  layer_memory mc(sc, dtype::f32), mg(sg, dtype::f32, gpu);
+  auto random_f32 = [&](const shape& s) {
+    auto t = empty(s, dtype::f32);
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      ptr<float>(t)[i] = static_cast<float>(g.uniform(-1, 1));
+    return t;
+  };
+  for (std::size_t i = 0; i < sc.slots().size(); ++i) {
+    const auto& p = sc.slots()[i];
+    if (p.kind != slot_kind::param) continue;
+    auto v = random_f32(p.sizes);
+    for (std::int64_t j = 0; j < v.numel(); ++j) ptr<float>(v)[j] *= 0.5f;
+    std::memcpy(p.field->data(), v.data(), v.nbytes());
+    ops::copy(to_device(v, gpu), *sg.slots()[i].field);
+  }
+  auto x = random_f32({2, 6, 16}), r = random_f32({2, 6, 16});
+  auto y = host_zeros({2, 6, 16}, dtype::f32), dx = host_zeros({2, 6, 16}, dtype::f32);
+  auto xg = to_device(x, gpu), rg = to_device(r, gpu);
+  auto yg = empty({2, 6, 16}, dtype::f32, gpu), dxg = empty({2, 6, 16}, dtype::f32, gpu);
+  cpu_blk.forward(x, y);
+  cpu_blk.backward(r, dx);
+  gpu_blk.forward(xg, yg);
+  gpu_blk.backward(rg, dxg);
+  auto host = [](const tensor& t) {
+    auto h = to_device(t, device::cpu());
+    std::vector<double> v(h.numel());
+    for (std::int64_t i = 0; i < h.numel(); ++i) v[i] = ptr<float>(h)[i];
+    return v;
+  };
+  // Both in f32 with f32 accumulation: differences are rounding, ~1e-6 relative.
+  CHECK(max_rel_diff(host(yg), host(y), 1e-2) <= 1e-4);
+  CHECK(max_rel_diff(host(dxg), host(dx), 1e-2) <= 1e-4);
+  for (std::size_t i = 0; i < sc.slots().size(); ++i) {
+    const auto& p = sc.slots()[i];
+    if (p.kind != slot_kind::param) continue;
+    INFO(p.name);
+    CHECK(max_rel_diff(host(*sg.slots()[i].grad), host(*p.grad), 1e-2) <= 1e-4);
+  }
+}

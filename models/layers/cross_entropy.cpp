@@ -1,0 +1,41 @@
+// cross_entropy_loss: mean cross-entropy over non-ignored positions (see cross_entropy.hpp).
+#include "models/layers/cross_entropy.hpp"
+
+#include "memory/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models {
+
+void cross_entropy_loss::declare(slot_list& s, std::string_view name, batch_dims b) {
+  auto scope = s.enter(name);
+  label = "cross_entropy_loss '" + s.prefix() + "'";
+  s.activation("losses", {b.rows()}, losses);
+}
+
+double cross_entropy_loss::forward(const tensor& logits_in, const tensor& targets_in) {
+  TROUPE_CHECK(logits_in.defined() && logits_in.dim() >= 1, label,
+               ": logits must be [..., V], got ", describe(logits_in));
+  shape rows = logits_in.sizes();
+  rows.erase(rows.rank() - 1);
+  TROUPE_CHECK(targets_in.defined() && targets_in.sizes() == rows, label, ": targets must be ",
+               rows.str(), " to match logits ", logits_in.sizes().str(), ", got ",
+               describe(targets_in));
+  logits = logits_in;
+  targets = targets_in;
+  std::int64_t n = leading_rows(logits.sizes());
+  tensor l = planned_view(losses, {n}, label, "losses");
+  count = ops::cross_entropy(logits, targets, l, tensor{}, 0.0, cfg.ignore_index);
+  return count == 0 ? 0.0 : ops::sum(l) / static_cast<double>(count);
+}
+
+void cross_entropy_loss::backward(const tensor& dlogits, double dloss) {
+  TROUPE_CHECK(logits.defined(), label, ": backward called before forward");
+  TROUPE_CHECK(dlogits.defined() && dlogits.sizes() == logits.sizes(), label, ": dlogits must be ",
+               logits.sizes().str(), " like the logits, got ", describe(dlogits));
+  std::int64_t n = leading_rows(logits.sizes());
+  double grad_scale = count == 0 ? 0.0 : dloss / static_cast<double>(count);
+  ops::cross_entropy(logits, targets, planned_view(losses, {n}, label, "losses"), dlogits,
+                     grad_scale, cfg.ignore_index);
+}
+
+}  // namespace troupe::models

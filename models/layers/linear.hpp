@@ -1,0 +1,46 @@
+// linear: y = x W^T + b, with W [out, in] as in torch nn.Linear.
+//
+// (HF GPT-2 stores Conv1D weights as [in, out]; transposing them is a load-time concern.)
+// Gradients: dx = dy W (overwritten, or added with accumulate_dx), dW += dy^T x, db +=
+// sum_rows(dy).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "models/layers/slots.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models {
+
+struct linear {
+  struct config {
+    std::int64_t in = 0;
+    std::int64_t out = 0;
+    bool bias = true;
+  };
+
+  config cfg;
+  std::string label = "linear";  // names the layer in errors, e.g. "linear 'h.0.mlp.fc'"
+
+  // Parameters and their gradients (accumulated).
+  tensor weight, bias;  // [out, in], [out] (undefined without bias)
+  tensor dweight, dbias;
+
+  // Saved by forward for backward.
+  tensor x;  // the input: a view of the caller's tensor, which must stay intact until backward
+
+  linear() = default;
+  explicit linear(const config& c) : cfg(c) {}
+
+  // Declares weight (and bias) under `name`. A linear has no activations of its own.
+  void declare(slot_list& s, std::string_view name, batch_dims b = {});
+
+  // x [..., in] -> y [..., out]; both contiguous.
+  void forward(const tensor& x, const tensor& y);
+  // dy [..., out] -> dx [..., in] (dx may be undefined when not needed).
+  void backward(const tensor& dy, const tensor& dx, bool accumulate_dx = false);
+};
+
+}  // namespace troupe::models

@@ -1,0 +1,179 @@
+// Slot lists and the layer_memory that binds them (see slots.hpp).
+#include "models/layers/slots.hpp"
+
+#include <limits>
+
+#include "memory/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models {
+
+slot_list::scope slot_list::enter(std::string_view name) {
+  scopes_.push_back({std::string(name), ++clock_, {}});
+  return scope(this);
+}
+
+void slot_list::leave() {
+  std::int64_t closed = ++clock_;
+  for (std::size_t i : scopes_.back().scratch) slots_[i].last = closed;
+  scopes_.pop_back();
+}
+
+std::string slot_list::prefix() const {
+  std::string p;
+  for (const auto& s : scopes_) {
+    if (s.name.empty()) continue;
+    if (!p.empty()) p += '.';
+    p += s.name;
+  }
+  return p;
+}
+
+std::string slot_list::full_name(std::string_view name) const {
+  std::string p = prefix();
+  if (p.empty()) return std::string(name);
+  return p + "." + std::string(name);
+}
+
+void slot_list::add(tensor_slot s) {
+  for (auto d : s.sizes)
+    TROUPE_CHECK(d >= 0, "slot '", s.name, "': negative extent in ", s.sizes.str());
+  for (const auto& o : slots_)
+    TROUPE_CHECK(o.name != s.name, "slot '", s.name, "' is declared twice");
+  slots_.push_back(std::move(s));
+}
+
+void slot_list::param(std::string_view name, const shape& sizes, tensor& value, tensor& grad) {
+  add({slot_kind::param, full_name(name), sizes, &value, &grad, 0,
+       std::numeric_limits<std::int64_t>::max()});
+}
+
+void slot_list::activation(std::string_view name, const shape& sizes, tensor& t) {
+  add({slot_kind::activation, full_name(name), sizes, &t, nullptr, 0,
+       std::numeric_limits<std::int64_t>::max()});
+}
+
+void slot_list::scratch(std::string_view name, const shape& sizes, tensor& t) {
+  if (scopes_.empty()) {  // outside every scope: live for the whole step
+    add({slot_kind::scratch, full_name(name), sizes, &t, nullptr, 0,
+         std::numeric_limits<std::int64_t>::max()});
+    return;
+  }
+  // The interval closes when the scope does (leave() fills in `last`).
+  add({slot_kind::scratch, full_name(name), sizes, &t, nullptr, scopes_.back().opened,
+       std::numeric_limits<std::int64_t>::max()});
+  scopes_.back().scratch.push_back(slots_.size() - 1);
+}
+
+std::int64_t slot_list::param_count() const {
+  std::int64_t n = 0;
+  for (const auto& s : slots_)
+    if (s.kind == slot_kind::param) n += s.sizes.numel();
+  return n;
+}
+
+namespace {
+
+constexpr std::size_t slot_alignment = 64;
+
+memory::tier tier_of(device dev) {
+  return dev.is_cpu() ? memory::tier::host : memory::tier::device;
+}
+
+struct planned {
+  memory::memory_plan plan;
+  memory::arena arena;
+};
+
+planned plan_kind(const slot_list& slots, slot_kind kind, dtype t, device dev) {
+  std::vector<memory::size_spec> specs;
+  for (const auto& s : slots.slots()) {
+    if (s.kind != kind) continue;
+    specs.push_back({s.name, static_cast<std::size_t>(s.sizes.numel()) * dtype_size(t),
+                     slot_alignment, s.first, s.last});
+  }
+  planned p;
+  if (specs.empty()) return p;
+  p.plan = memory::plan_memory(specs);
+  p.arena = memory::arena(p.plan, 0, tier_of(dev));
+  return p;
+}
+
+tensor bind(const memory::arena& a, const tensor_slot& s, dtype t, device dev) {
+  std::size_t bytes = static_cast<std::size_t>(s.sizes.numel()) * dtype_size(t);
+  return tensor(a.at(s.name), bytes, t, s.sizes, dev);
+}
+
+tensor flat(const memory::arena& a, dtype t, device dev) {
+  if (a.capacity() == 0) return {};
+  auto n = static_cast<std::int64_t>(a.capacity() / dtype_size(t));
+  return tensor(a.base(), a.capacity(), t, {n}, dev);
+}
+
+}  // namespace
+
+layer_memory::layer_memory(const slot_list& slots, dtype t, device dev) {
+  TROUPE_CHECK(is_floating(t), "layer_memory: layers need a floating dtype, got ", dtype_name(t));
+  planned p = plan_kind(slots, slot_kind::param, t, dev);
+  planned g = plan_kind(slots, slot_kind::param, t, dev);
+  planned a = plan_kind(slots, slot_kind::activation, t, dev);
+  planned s = plan_kind(slots, slot_kind::scratch, t, dev);
+  params_ = std::move(p.arena);
+  grads_ = std::move(g.arena);
+  activations_ = std::move(a.arena);
+  scratch_ = std::move(s.arena);
+  scratch_naive_ = s.plan.naive_total;
+  params_flat_ = flat(params_, t, dev);
+  grads_flat_ = flat(grads_, t, dev);
+  for (const auto& slot : slots.slots()) {
+    switch (slot.kind) {
+      case slot_kind::param:
+        *slot.field = bind(params_, slot, t, dev);
+        *slot.grad = bind(grads_, slot, t, dev);
+        break;
+      case slot_kind::activation:
+        *slot.field = bind(activations_, slot, t, dev);
+        break;
+      case slot_kind::scratch:
+        *slot.field = bind(scratch_, slot, t, dev);
+        break;
+    }
+  }
+  // Zero parameters and gradients, padding included, so flat views hold no garbage.
+  if (params_flat_.defined()) ops::fill(params_flat_, 0.0);
+  zero_grads();
+}
+
+void layer_memory::zero_grads() const {
+  if (grads_flat_.defined()) ops::fill(grads_flat_, 0.0);
+}
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+std::string describe(const tensor& t) {
+  return t.defined() ? t.describe() : "undefined";
+}
+
+shape with_last(shape s, std::int64_t last) {
+  if (s.rank() == 0) return {last};
+  s[s.rank() - 1] = last;
+  return s;
+}
+
+std::int64_t leading_rows(const shape& s) {
+  std::int64_t n = 1;
+  for (int i = 0; i + 1 < s.rank(); ++i) n *= s[i];
+  return n;
+}
+
+tensor planned_view(const tensor& planned, const shape& sizes, std::string_view layer,
+                    std::string_view what) {
+  TROUPE_CHECK(planned.defined(), layer, ": '", what,
+               "' is not bound (declare the layer and build its layer_memory first)");
+  TROUPE_CHECK(sizes.numel() <= planned.numel(), layer, ": '", what, "' needs ", sizes.str(),
+               " but memory was planned for ", planned.sizes().str(),
+               " (the batch is larger than the one declared)");
+  return tensor(planned.data(), planned.nbytes(), planned.type(), sizes, planned.dev());
+}
+
+}  // namespace troupe::models

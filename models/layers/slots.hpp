@@ -1,0 +1,137 @@
+// Slots: how layers name the tensors they need, and how a caller gives them planned memory.
+//
+// A layer never allocates. Its parameters, their gradients, the activations its backward reads and
+// the scratch it uses inside one forward or backward call are tensor fields; `declare` lists them
+// in a slot_list (a dotted name, a shape, the field to fill). A model declares all its layers,
+// then builds one layer_memory from the list: that plans the memory (memory::plan_memory), makes
+// the arenas and writes a bound tensor into every field, all before step 1.
+//
+//   slot_list slots;
+//   block.declare(slots, "h.0", {batch, seq});   // nested layers open nested scopes
+//   layer_memory mem(slots, dtype::f32, device::cpu());
+//   block.forward(x, y); ... block.backward(dy, dx);
+//
+// Parameters and gradients live in two arenas with the same layout, so an optimizer or an
+// allreduce may treat each as one flat buffer (the padding between tensors stays zero).
+// Activations are live for the whole step. Scratch declared inside a scope is live only while
+// that scope's layer runs, so sibling layers share the same scratch bytes.
+//
+// The slot_list keeps pointers to the fields: a layer must not move between declare and the
+// construction of its layer_memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memory/arena.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models {
+
+// The extents of one batch: `batch` sequences of `seq` positions. Layers size their activations
+// for it; a forward may then run on any batch with at most as many rows (and, for attention,
+// at most `seq` positions).
+struct batch_dims {
+  std::int64_t batch = 1;
+  std::int64_t seq = 1;
+  std::int64_t rows() const { return batch * seq; }
+};
+
+enum class slot_kind : std::uint8_t { param, activation, scratch };
+
+struct tensor_slot {
+  slot_kind kind = slot_kind::param;
+  std::string name;  // dotted, e.g. "h.0.attn.qkv_proj.weight"
+  shape sizes;
+  tensor* field = nullptr;  // receives the bound tensor
+  tensor* grad = nullptr;   // params: receives the gradient (same shape)
+  std::int64_t first = 0;   // scratch: the interval of its scope (see memory::size_spec)
+  std::int64_t last = 0;
+};
+
+class slot_list {
+ public:
+  // A named scope: names declared while it is open get "<scope>." in front; scratch declared in it
+  // is live only while it is open. Closes when destroyed.
+  class scope {
+   public:
+    scope(scope&& o) noexcept : list_(o.list_) { o.list_ = nullptr; }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    scope& operator=(scope&&) = delete;
+    ~scope() {
+      if (list_ != nullptr) list_->leave();
+    }
+
+   private:
+    friend class slot_list;
+    explicit scope(slot_list* l) : list_(l) {}
+    slot_list* list_;
+  };
+
+  [[nodiscard]] scope enter(std::string_view name);
+  std::string prefix() const;  // the dotted name of the open scopes ("" at top level)
+
+  void param(std::string_view name, const shape& sizes, tensor& value, tensor& grad);
+  void activation(std::string_view name, const shape& sizes, tensor& t);
+  void scratch(std::string_view name, const shape& sizes, tensor& t);
+
+  const std::vector<tensor_slot>& slots() const { return slots_; }
+  std::int64_t param_count() const;  // number of parameter elements
+
+ private:
+  struct open_scope {
+    std::string name;
+    std::int64_t opened;
+    std::vector<std::size_t> scratch;  // indices of the scratch slots declared directly in it
+  };
+  std::string full_name(std::string_view name) const;
+  void add(tensor_slot s);
+  void leave();
+
+  std::vector<tensor_slot> slots_;
+  std::vector<open_scope> scopes_;
+  std::int64_t clock_ = 0;
+};
+
+// The storage of every slot of a slot_list, bound into the fields the slots point to.
+class layer_memory {
+ public:
+  layer_memory() = default;
+  layer_memory(const slot_list& slots, dtype t, device dev = device::cpu());
+  layer_memory(layer_memory&&) noexcept = default;
+  layer_memory& operator=(layer_memory&&) noexcept = default;
+
+  // All parameters (and all gradients) as one flat 1-D tensor, padding included.
+  const tensor& params() const { return params_flat_; }
+  const tensor& grads() const { return grads_flat_; }
+  void zero_grads() const;
+
+  std::size_t param_bytes() const { return params_.capacity(); }
+  std::size_t activation_bytes() const { return activations_.capacity(); }
+  std::size_t scratch_bytes() const { return scratch_.capacity(); }
+  std::size_t scratch_bytes_without_reuse() const { return scratch_naive_; }
+
+ private:
+  memory::arena params_, grads_, activations_, scratch_;
+  tensor params_flat_, grads_flat_;
+  std::size_t scratch_naive_ = 0;
+};
+
+// ---- helpers for layer code ------------------------------------------------------------------
+
+// t.describe(), or "undefined", for error messages.
+std::string describe(const tensor& t);
+// `s` with its last extent replaced.
+shape with_last(shape s, std::int64_t last);
+// Product of all extents but the last (1 for rank 0).
+std::int64_t leading_rows(const shape& s);
+
+// A contiguous view of the first numel(sizes) elements of a planned buffer, shaped `sizes`.
+// Fails naming `layer` and `what` when the buffer is not bound or is too small for the batch.
+tensor planned_view(const tensor& planned, const shape& sizes, std::string_view layer,
+                    std::string_view what);
+
+}  // namespace troupe::models
