@@ -1,3 +1,4 @@
+cmake_minimum_required(VERSION 3.25)
 # Run at build time (POST_BUILD) on a Catch2 v2 test binary: registers one CTest test per test case
 # and turns the tags [gpu], [multirank] and [slow] into CTest labels.
 # Inputs: TEST_BIN, OUT_FILE, PREFIX, WORKDIR.

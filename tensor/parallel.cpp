@@ -25,7 +25,8 @@ class pool {
     stop();
     n_ = std::max(1, n);
     quit_ = false;
-    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { work(i); });
+    // A new worker starts at the current generation, or it would rerun the last (finished) region.
+    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i, g = generation_] { work(i, g); });
   }
 
   void run(std::int64_t begin, std::int64_t end, std::int64_t grain, range_fn fn) {
@@ -68,10 +69,9 @@ class pool {
     if (lo < hi) (*fn_)(lo, hi);
   }
 
-  void work(int index) {
+  void work(int index, std::uint64_t seen) {
     t_index = index;
     t_in_parallel = true;
-    std::uint64_t seen = 0;
     for (;;) {
       {
         std::unique_lock lk(mu_);

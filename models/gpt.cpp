@@ -1,0 +1,181 @@
+#include "models/gpt.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "memory/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models {
+
+gpt_block::gpt_block(const gpt_config& c)
+    : ln_1({.dim = c.dim, .eps = c.ln_eps}),
+      ln_2({.dim = c.dim, .eps = c.ln_eps}),
+      attn({.dim = c.dim, .n_head = c.n_head}),
+      ff({.dim = c.dim, .hidden = 4 * c.dim}) {}
+
+void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
+  auto scope = s.enter(name);
+  ln_1.declare(s, "ln_1", b);
+  attn.declare(s, "attn", b);
+  ln_2.declare(s, "ln_2", b);
+  ff.declare(s, "mlp", b);
+  shape bt{b.batch, b.seq, ln_1.cfg.dim};
+  s.activation("ln_1_out", bt, ln_1_out);
+  s.activation("attn_out", bt, attn_out);
+  s.activation("resid", bt, resid);
+  s.activation("ln_2_out", bt, ln_2_out);
+  s.activation("ff_out", bt, ff_out);
+  s.scratch("dnorm", bt, dnorm);
+  s.scratch("dresid", bt, dresid);
+}
+
+void gpt_block::forward(const tensor& x, const tensor& y) {
+  const shape& sz = x.sizes();
+  auto v = [&](const tensor& planned, const char* what) {
+    return planned_view(planned, sz, "gpt_block", what);
+  };
+  tensor l1 = v(ln_1_out, "ln_1_out"), ao = v(attn_out, "attn_out"), r = v(resid, "resid");
+  tensor l2 = v(ln_2_out, "ln_2_out"), fo = v(ff_out, "ff_out");
+  ln_1.forward(x, l1);
+  attn.forward(l1, ao);
+  ops::add(x, ao, r);
+  ln_2.forward(r, l2);
+  ff.forward(l2, fo);
+  ops::add(r, fo, y);
+}
+
+void gpt_block::backward(const tensor& dy, const tensor& dx) {
+  const shape& sz = dy.sizes();
+  tensor dn = planned_view(dnorm, sz, "gpt_block", "dnorm");
+  tensor dr = planned_view(dresid, sz, "gpt_block", "dresid");
+  ff.backward(dy, dn);
+  ln_2.backward(dn, dr);
+  ops::add(dr, dy, dr);  // the residual path
+  attn.backward(dr, dn);
+  ln_1.backward(dn, dx);
+  ops::add(dx, dr, dx);
+}
+
+gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
+    : cfg_(cfg),
+      dims_(dims),
+      wte_({.vocab = cfg.vocab, .dim = cfg.dim}),
+      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
+      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}) {
+  TROUPE_CHECK(cfg.vocab > 0 && cfg.dim > 0 && cfg.n_layer > 0 && cfg.n_head > 0 && cfg.max_seq > 0,
+               "gpt: vocab, dim, n_layer, n_head and max_seq must be positive");
+  TROUPE_CHECK(cfg.dim % cfg.n_head == 0, "gpt: dim (", cfg.dim, ") must be a multiple of n_head (",
+               cfg.n_head, ")");
+  TROUPE_CHECK(dims.seq <= cfg.max_seq, "gpt: sequence length ", dims.seq, " exceeds max_seq ",
+               cfg.max_seq);
+  h_.reserve(cfg.n_layer);
+  for (std::int64_t i = 0; i < cfg.n_layer; ++i) h_.emplace_back(cfg);
+  x_.resize(cfg.n_layer + 1);
+
+  shape bt{dims.batch, dims.seq, cfg.dim};
+  wte_.declare(slots_, "wte", dims);
+  wpe_.declare(slots_, "wpe", {1, dims.seq});
+  for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
+    slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    h_[i].declare(slots_, "h." + std::to_string(i), dims);
+  }
+  slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
+  ln_f_.declare(slots_, "ln_f", dims);
+  slots_.activation("pos_emb", {dims.seq, cfg.dim}, pos_emb_);
+  slots_.activation("ln_f_out", bt, ln_f_out_);
+  slots_.activation("logits", {dims.rows(), cfg.vocab}, logits_);
+  loss_.declare(slots_, "loss", dims);
+  slots_.scratch("dx_a", bt, dx_a_);
+  slots_.scratch("dx_b", bt, dx_b_);
+  slots_.scratch("dpos", {dims.seq, cfg.dim}, dpos_);
+  mem_ = layer_memory(slots_, t, dev);
+
+  auto pos = empty({cfg.max_seq}, dtype::i32);
+  for (std::int64_t i = 0; i < cfg.max_seq; ++i) pos.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
+  pos_ids_ = dev.is_cpu() ? std::move(pos) : to_device(pos, dev);
+}
+
+void gpt::init_weights(std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal(0.0, 0.02);
+  const double resid_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer));
+  for (const auto& s : slots_.slots()) {
+    if (s.kind != slot_kind::param) continue;
+    auto host = empty(s.sizes, dtype::f64);
+    double* p = host.data_as<double>();
+    const std::string& n = s.name;
+    auto ends_with = [&](std::string_view suf) {
+      return n.size() >= suf.size() && n.compare(n.size() - suf.size(), suf.size(), suf) == 0;
+    };
+    bool is_norm = n.find("ln_") != std::string::npos;
+    for (std::int64_t i = 0; i < host.numel(); ++i) {
+      if (is_norm) p[i] = ends_with(".weight") ? 1.0 : 0.0;
+      else if (ends_with(".bias")) p[i] = 0.0;
+      else p[i] = normal(gen);
+    }
+    if (ends_with("attn.o_proj.weight") || ends_with("mlp.proj.weight"))
+      for (std::int64_t i = 0; i < host.numel(); ++i) p[i] *= resid_scale;
+    if (s.field->is_cpu()) {
+      ops::copy(host, *s.field);
+    } else {
+      auto conv = empty(s.sizes, s.field->type());
+      ops::copy(host, conv);
+      auto dev = to_device(conv, s.field->dev());
+      ops::copy(dev, *s.field);
+    }
+  }
+}
+
+double gpt::forward(const tensor& ids, const tensor& targets) {
+  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "gpt: ids must be i32 [B, T], got ",
+               ids.describe());
+  TROUPE_CHECK(targets.sizes() == ids.sizes(), "gpt: targets ", targets.describe(),
+               " must have the shape of ids ", ids.describe());
+  b_ = ids.size(0);
+  t_ = ids.size(1);
+  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "gpt: batch [", b_, ", ", t_,
+               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  shape bt{b_, t_, cfg_.dim};
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
+  tensor pos = planned_view(pos_emb_, {t_, cfg_.dim}, "gpt", "pos_emb");
+  wte_.forward(ids, x(0));
+  wpe_.forward(pos_ids_.narrow(0, 0, t_), pos);
+  for (std::int64_t b = 0; b < b_; ++b) {
+    tensor xb = x(0).select(0, b);
+    ops::add(xb, pos, xb);
+  }
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) h_[i].forward(x(i), x(i + 1));
+  ln_f_cur_ = planned_view(ln_f_out_, bt, "gpt", "ln_f_out");
+  ln_f_.forward(x(cfg_.n_layer), ln_f_cur_);
+  logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "gpt", "logits");
+  ops::matmul(ln_f_cur_.reshape({b_ * t_, cfg_.dim}), wte_.weight.transpose(0, 1), logits_cur_);
+  return loss_.forward(logits_cur_, targets.reshape({b_ * t_}));
+}
+
+void gpt::backward() {
+  TROUPE_CHECK(b_ > 0, "gpt: backward called before forward");
+  shape bt{b_, t_, cfg_.dim};
+  tensor dlogits = logits_cur_;  // overwritten in place
+  loss_.backward(dlogits);
+  tensor da = planned_view(dx_a_, bt, "gpt", "dx_a"), db = planned_view(dx_b_, bt, "gpt", "dx_b");
+  tensor hf = ln_f_cur_.reshape({b_ * t_, cfg_.dim});
+  // Tied head: dwte += dlogits^T ln_f_out; dln_f_out = dlogits wte.
+  ops::matmul(dlogits.transpose(0, 1), hf, wte_.dweight, 1.0, 1.0);
+  ops::matmul(dlogits, wte_.weight, da.reshape({b_ * t_, cfg_.dim}));
+  ln_f_.backward(da, db);
+  for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    h_[i].backward(db, da);
+    std::swap(da, db);
+  }
+  // db holds d(x0) now: tokens and positions.
+  wte_.backward(db);
+  tensor dpos = planned_view(dpos_, {t_, cfg_.dim}, "gpt", "dpos");
+  ops::fill(dpos, 0.0);
+  for (std::int64_t b = 0; b < b_; ++b) ops::add(dpos, db.select(0, b), dpos);
+  wpe_.backward(dpos);
+}
+
+}  // namespace troupe::models

@@ -1,0 +1,37 @@
+// Optimizer steps over a model's flat parameter and gradient buffers.
+#pragma once
+
+#include <cstdint>
+
+#include "tensor/ops.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models {
+
+// torch.nn.utils.clip_grad_norm_ over one flat gradient buffer: returns the global L2 norm before
+// clipping and scales the gradients by max_norm / (norm + 1e-6) when the norm exceeds max_norm
+// (max_norm <= 0: no clipping).
+double clip_grad_norm(const tensor& grads, double max_norm);
+
+// torch.optim.AdamW over one flat parameter buffer, with its moments m and v held here.
+class adamw_optimizer {
+ public:
+  adamw_optimizer(const tensor& params, const ops::adamw_options& opt);
+  // One update with learning rate lr (the schedule is the caller's); increments the step count.
+  void step(const tensor& params, const tensor& grads, double lr);
+  std::int64_t steps_taken() const { return step_; }
+  const tensor& m() const { return m_; }
+  const tensor& v() const { return v_; }
+
+ private:
+  ops::adamw_options opt_;
+  owned_tensor m_, v_;
+  std::int64_t step_ = 0;
+};
+
+// Learning rate at `step` (0-based): linear warmup over `warmup` steps to `lr`, then cosine decay
+// to `min_lr` at `total` steps.
+double warmup_cosine_lr(std::int64_t step, std::int64_t warmup, std::int64_t total, double lr,
+                        double min_lr);
+
+}  // namespace troupe::models
