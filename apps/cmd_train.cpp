@@ -1,7 +1,7 @@
 // troupe train: single-process training of a small GPT on byte-level text (for now the demo; the
 // full trainer with HF checkpoints and job files comes with the models issue).
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -59,8 +59,8 @@ std::string sample_text(models::gpt& model, const std::string& prompt, int chars
 int run_train(const train_args& a) {
   if (a.threads > 0) parallel::set_num_threads(a.threads);
   auto corpus = models::read_text_corpus(a.corpus);
-  models::gpt_config cfg{.vocab = 256, .max_seq = a.seq, .dim = a.dim, .n_layer = a.layers,
-                         .n_head = a.heads};
+  models::gpt_config cfg{
+      .vocab = 256, .max_seq = a.seq, .dim = a.dim, .n_layer = a.layers, .n_head = a.heads};
   models::gpt model(cfg, {a.batch, a.seq});
   model.init_weights(a.seed);
   auto& mem = model.memory();
@@ -70,10 +70,11 @@ int run_train(const train_args& a) {
              static_cast<double>(model.slots().param_count()) / 1e6);
   fmt::print("corpus: {} ({:.1f} MB of text, byte-level tokens); {} threads\n", a.corpus,
              static_cast<double>(corpus.size()) / 1e6, parallel::num_threads());
-  fmt::print("memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
-             "MB, scratch {:.1f} MB\n",
-             mem.param_bytes() / 1e6, mem.param_bytes() / 1e6, mem.activation_bytes() / 1e6,
-             mem.scratch_bytes() / 1e6);
+  fmt::print(
+      "memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
+      "MB, scratch {:.1f} MB\n",
+      mem.param_bytes() / 1e6, mem.param_bytes() / 1e6, mem.activation_bytes() / 1e6,
+      mem.scratch_bytes() / 1e6);
   std::vector<std::int32_t> rows;
   std::vector<std::int32_t> in(static_cast<std::size_t>(a.batch) * a.seq),
       tg(static_cast<std::size_t>(a.batch) * a.seq);
@@ -98,7 +99,8 @@ int run_train(const train_args& a) {
     opt.step(mem.params(), mem.grads(), lr);
     if ((step + 1) % a.log_every == 0 || step == 0 || step + 1 == a.steps) {
       auto now = std::chrono::steady_clock::now();
-      int n = step == 0 ? 1 : ((step + 1) % a.log_every == 0 ? a.log_every : (step + 1) % a.log_every);
+      int n =
+          step == 0 ? 1 : ((step + 1) % a.log_every == 0 ? a.log_every : (step + 1) % a.log_every);
       double secs = std::chrono::duration<double>(now - last).count();
       last = now;
       fmt::print("step {:4d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
@@ -107,10 +109,11 @@ int run_train(const train_args& a) {
     }
   }
   double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("trained {} steps in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "
-             "peak {:.1f} MB\n",
-             a.steps, total, a.steps * double(a.batch) * a.seq / total, first_loss, loss,
-             memory::stats(memory::tier::host).peak / 1e6);
+  fmt::print(
+      "trained {} steps in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "
+      "peak {:.1f} MB\n",
+      a.steps, total, a.steps * double(a.batch) * a.seq / total, first_loss, loss,
+      memory::stats(memory::tier::host).peak / 1e6);
   if (a.sample_chars > 0) {
     models::gpt sampler(cfg, {1, a.seq});
     ops::copy(mem.params(), sampler.memory().params());
@@ -126,24 +129,46 @@ command_fn add_train_command(CLI::App& app) {
   auto a = std::make_shared<train_args>();
   auto* sub = app.add_subcommand("train", "Train a small GPT on byte-level text (single process)");
   sub->add_flag("--demo", a->demo, "Run the demo: a small GPT on the fortunes corpus");
-  sub->add_option("--corpus", a->corpus, "Text file or folder of text files")->capture_default_str();
-  sub->add_option("--steps", a->steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--batch,-B", a->batch, "Sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--seq,-T", a->seq, "Sequence length")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--layers", a->layers, "Transformer blocks")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--dim", a->dim, "Model width")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--heads", a->heads, "Attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--lr", a->lr, "Peak learning rate")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--min-lr", a->min_lr, "Final learning rate of the cosine decay")->capture_default_str();
-  sub->add_option("--warmup", a->warmup, "Warmup steps")->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub->add_option("--corpus", a->corpus, "Text file or folder of text files")
+      ->capture_default_str();
+  sub->add_option("--steps", a->steps, "Optimizer steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--batch,-B", a->batch, "Sequences per step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--seq,-T", a->seq, "Sequence length")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--layers", a->layers, "Transformer blocks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--dim", a->dim, "Model width")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--heads", a->heads, "Attention heads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--lr", a->lr, "Peak learning rate")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--min-lr", a->min_lr, "Final learning rate of the cosine decay")
+      ->capture_default_str();
+  sub->add_option("--warmup", a->warmup, "Warmup steps")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--weight-decay", a->weight_decay, "AdamW weight decay")->capture_default_str();
   sub->add_option("--clip", a->clip, "Gradient-norm clip (0: off)")->capture_default_str();
   sub->add_option("--seed", a->seed, "Seed of weights and batch order")->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
-  sub->add_option("--log-every", a->log_every, "Steps between log lines")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--sample", a->sample_chars, "Characters to generate at the end")->capture_default_str();
+  sub->add_option("--log-every", a->log_every, "Steps between log lines")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--sample", a->sample_chars, "Characters to generate at the end")
+      ->capture_default_str();
   sub->add_option("--prompt", a->prompt, "Prompt of the generated text")->capture_default_str();
-  sub->add_flag("--fixed-batch", a->fixed_batch, "Train repeatedly on one batch (overfitting check)");
+  sub->add_flag("--fixed-batch", a->fixed_batch,
+                "Train repeatedly on one batch (overfitting check)");
   return [sub, a]() -> int {
     if (!sub->parsed()) return -1;
     return run_train(*a);

@@ -8,7 +8,9 @@
 
 namespace troupe::memory {
 namespace {
-std::size_t align_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a; }
+std::size_t align_up(std::size_t x, std::size_t a) {
+  return (x + a - 1) / a * a;
+}
 }  // namespace
 
 std::size_t memory_plan::offset_of(std::string_view name) const {
@@ -68,10 +70,17 @@ arena::arena(const memory_plan& plan, std::size_t scratch_bytes, tier where) {
   planned_ = align_up(plan.total, 64);
   std::size_t bytes = planned_ + scratch_bytes;
   switch (where) {
-    case tier::host: buf_ = buffer::host(bytes); break;
-    case tier::pinned: buf_ = buffer::pinned(bytes); break;
-    case tier::device: buf_ = buffer::device(bytes); break;
-    case tier::nvme: TROUPE_FAIL("an arena cannot live on the nvme tier");
+    case tier::host:
+      buf_ = buffer::host(bytes);
+      break;
+    case tier::pinned:
+      buf_ = buffer::pinned(bytes);
+      break;
+    case tier::device:
+      buf_ = buffer::device(bytes);
+      break;
+    case tier::nvme:
+      TROUPE_FAIL("an arena cannot live on the nvme tier");
   }
   for (const auto& b : plan.blocks) offsets_.emplace(b.name, b.offset);
 }

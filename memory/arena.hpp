@@ -52,7 +52,9 @@ class arena {
 
   void* at(std::string_view name) const;  // start of a planned block
   template <class T>
-  T* at(std::string_view name) const { return static_cast<T*>(at(name)); }
+  T* at(std::string_view name) const {
+    return static_cast<T*>(at(name));
+  }
 
   // Scratch: bump allocation, released all at once by reset_scratch().
   void* allocate(std::size_t bytes, std::size_t alignment = 64);

@@ -54,10 +54,17 @@ buffer buffer::device(std::size_t bytes) {
 void buffer::release() noexcept {
   if (data_ == nullptr) return;
   switch (how_) {
-    case how::aligned: std::free(data_); break;
-    case how::cuda_host: pinned_free(data_); break;
-    case how::cuda_device: device_free(data_); break;
-    case how::none: break;
+    case how::aligned:
+      std::free(data_);
+      break;
+    case how::cuda_host:
+      pinned_free(data_);
+      break;
+    case how::cuda_device:
+      device_free(data_);
+      break;
+    case how::none:
+      break;
   }
   account_free(tier_, size_);
   data_ = nullptr;

@@ -21,7 +21,8 @@ class buffer {
   // Page-locked host memory: cudaHostAlloc when a GPU is present, aligned (4 KiB) host memory
   // otherwise. Accounted as tier::pinned either way.
   static buffer pinned(std::size_t bytes);
-  // Device memory on the current device. Throws troupe::error when there is no GPU or no CUDA build.
+  // Device memory on the current device. Throws troupe::error when there is no GPU or no CUDA
+  // build.
   static buffer device(std::size_t bytes);
 
   void* data() const { return data_; }

@@ -15,10 +15,14 @@ std::size_t caching_allocator::size_class(std::size_t bytes) {
 
 buffer caching_allocator::make(std::size_t bytes) const {
   switch (tier_) {
-    case tier::host: return buffer::host(bytes);
-    case tier::pinned: return buffer::pinned(bytes);
-    case tier::device: return buffer::device(bytes);
-    case tier::nvme: break;
+    case tier::host:
+      return buffer::host(bytes);
+    case tier::pinned:
+      return buffer::pinned(bytes);
+    case tier::device:
+      return buffer::device(bytes);
+    case tier::nvme:
+      break;
   }
   TROUPE_FAIL("caching_allocator cannot allocate on the nvme tier");
 }

@@ -25,10 +25,10 @@ class caching_allocator {
   void empty_cache();        // return every cached (free) block to the system
 
   struct statistics {
-    std::size_t bytes_in_use = 0;   // handed out, by class size
-    std::size_t bytes_cached = 0;   // free blocks kept for reuse
-    std::size_t hits = 0;           // allocations served from the cache
-    std::size_t misses = 0;         // allocations that made a new block
+    std::size_t bytes_in_use = 0;  // handed out, by class size
+    std::size_t bytes_cached = 0;  // free blocks kept for reuse
+    std::size_t hits = 0;          // allocations served from the cache
+    std::size_t misses = 0;        // allocations that made a new block
   };
   statistics stats() const;
   static std::size_t size_class(std::size_t bytes);
@@ -37,8 +37,8 @@ class caching_allocator {
   buffer make(std::size_t bytes) const;
   tier tier_;
   mutable std::mutex mu_;
-  std::multimap<std::size_t, buffer> free_;           // class size -> cached blocks
-  std::unordered_map<void*, buffer> live_;            // handed out
+  std::multimap<std::size_t, buffer> free_;  // class size -> cached blocks
+  std::unordered_map<void*, buffer> live_;   // handed out
   statistics stats_;
 };
 

@@ -37,8 +37,14 @@ class expected {
   static expected failure(std::string message) { return expected(err_tag{}, std::move(message)); }
   bool has_value() const { return v_.index() == 0; }
   explicit operator bool() const { return has_value(); }
-  T& value() & { check(); return std::get<0>(v_); }
-  T&& value() && { check(); return std::get<0>(std::move(v_)); }
+  T& value() & {
+    check();
+    return std::get<0>(v_);
+  }
+  T&& value() && {
+    check();
+    return std::get<0>(std::move(v_));
+  }
   T& operator*() & { return value(); }
   T* operator->() { return &value(); }
   const std::string& error_message() const { return std::get<1>(v_); }
@@ -55,7 +61,7 @@ class expected {
 }  // namespace troupe
 
 #define TROUPE_FAIL(...) ::troupe::detail::fail(__FILE__, __LINE__, __VA_ARGS__)
-#define TROUPE_CHECK(cond, ...)                                         \
-  do {                                                                  \
+#define TROUPE_CHECK(cond, ...)                                           \
+  do {                                                                    \
     if (!(cond)) ::troupe::detail::fail(__FILE__, __LINE__, __VA_ARGS__); \
   } while (0)

@@ -7,17 +7,19 @@
 
 #if defined(TROUPE_HAVE_CUDA)
 #include <cuda_runtime_api.h>
-#define TROUPE_CUDA_CHECK(expr)                                                            \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) TROUPE_FAIL(#expr, " failed: ", cudaGetErrorString(e_));        \
+#define TROUPE_CUDA_CHECK(expr)                                                     \
+  do {                                                                              \
+    cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) TROUPE_FAIL(#expr, " failed: ", cudaGetErrorString(e_)); \
   } while (0)
 #endif
 
 namespace troupe::memory {
 
 #if defined(TROUPE_HAVE_CUDA)
-bool cuda_built() { return true; }
+bool cuda_built() {
+  return true;
+}
 
 int gpu_count() {
   static int count = [] {
@@ -38,13 +40,17 @@ void* device_malloc(std::size_t bytes) {
   TROUPE_CUDA_CHECK(cudaMalloc(&p, bytes));
   return p;
 }
-void device_free(void* p) noexcept { (void)cudaFree(p); }
+void device_free(void* p) noexcept {
+  (void)cudaFree(p);
+}
 void* pinned_malloc(std::size_t bytes) {
   void* p = nullptr;
   TROUPE_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
   return p;
 }
-void pinned_free(void* p) noexcept { (void)cudaFreeHost(p); }
+void pinned_free(void* p) noexcept {
+  (void)cudaFreeHost(p);
+}
 
 void copy_bytes(void* dst, const void* src, std::size_t bytes, copy_kind kind) {
   if (kind == copy_kind::host_to_host) {
@@ -56,17 +62,28 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes, copy_kind kind) {
                                                          : cudaMemcpyDeviceToDevice;
   TROUPE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, k));
 }
-void device_synchronize() { TROUPE_CUDA_CHECK(cudaDeviceSynchronize()); }
+void device_synchronize() {
+  TROUPE_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 #else
-bool cuda_built() { return false; }
-int gpu_count() { return 0; }
-void* device_malloc(std::size_t) { TROUPE_FAIL("device memory requested but troupe was built without CUDA"); }
+bool cuda_built() {
+  return false;
+}
+int gpu_count() {
+  return 0;
+}
+void* device_malloc(std::size_t) {
+  TROUPE_FAIL("device memory requested but troupe was built without CUDA");
+}
 void device_free(void*) noexcept {}
-void* pinned_malloc(std::size_t) { TROUPE_FAIL("cudaHostAlloc requested but troupe was built without CUDA"); }
+void* pinned_malloc(std::size_t) {
+  TROUPE_FAIL("cudaHostAlloc requested but troupe was built without CUDA");
+}
 void pinned_free(void*) noexcept {}
 void copy_bytes(void* dst, const void* src, std::size_t bytes, copy_kind kind) {
-  TROUPE_CHECK(kind == copy_kind::host_to_host, "device copy requested but troupe was built without CUDA");
+  TROUPE_CHECK(kind == copy_kind::host_to_host,
+               "device copy requested but troupe was built without CUDA");
   std::memcpy(dst, src, bytes);
 }
 void device_synchronize() {}

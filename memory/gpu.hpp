@@ -1,15 +1,17 @@
-// The few CUDA runtime services memory/ and its users need, behind a plain C++ header. Without a CUDA
-// build, or on a machine without a GPU (driver missing: cudaErrorInsufficientDriver; no device:
-// cudaErrorNoDevice), gpu_count() is 0 and the rest throw troupe::error.
+// The few CUDA runtime services memory/ and its users need, behind a plain C++ header. Without a
+// CUDA build, or on a machine without a GPU (driver missing: cudaErrorInsufficientDriver; no
+// device: cudaErrorNoDevice), gpu_count() is 0 and the rest throw troupe::error.
 #pragma once
 
 #include <cstddef>
 
 namespace troupe::memory {
 
-bool cuda_built();           // compiled with the CUDA toolkit
-int gpu_count();             // 0 when there is no usable GPU
-inline bool gpu_available() { return gpu_count() > 0; }
+bool cuda_built();  // compiled with the CUDA toolkit
+int gpu_count();    // 0 when there is no usable GPU
+inline bool gpu_available() {
+  return gpu_count() > 0;
+}
 
 void* device_malloc(std::size_t bytes);
 void device_free(void* p) noexcept;

@@ -32,7 +32,10 @@ TEST_CASE("host buffers are aligned and accounted in the host tier") {
 TEST_CASE("peak tracks the high-water mark and can be reset") {
   reset_peak(tier::host);
   auto base = stats(tier::host).in_use;
-  { auto a = buffer::host(1 << 20); auto b = buffer::host(1 << 20); }
+  {
+    auto a = buffer::host(1 << 20);
+    auto b = buffer::host(1 << 20);
+  }
   REQUIRE(stats(tier::host).peak >= base + (2 << 20));
   reset_peak(tier::host);
   REQUIRE(stats(tier::host).peak == stats(tier::host).in_use);
@@ -62,10 +65,10 @@ TEST_CASE("bad alignment is rejected with a message naming it") {
 
 TEST_CASE("the planner shares bytes between blocks whose lifetimes do not overlap") {
   std::vector<size_spec> specs = {
-      {"weights", 4096, 64},                 // live for the whole step
+      {"weights", 4096, 64},  // live for the whole step
       {"act0", 1000, 64, 0, 1},
-      {"act1", 1000, 64, 2, 3},              // disjoint from act0: may reuse its bytes
-      {"act2", 500, 64, 1, 2},               // overlaps both
+      {"act1", 1000, 64, 2, 3},  // disjoint from act0: may reuse its bytes
+      {"act2", 500, 64, 1, 2},   // overlaps both
   };
   auto plan = plan_memory(specs);
   REQUIRE(plan.naive_total == 4096 + 1024 + 1024 + 512);
@@ -86,8 +89,8 @@ TEST_CASE("the planner shares bytes between blocks whose lifetimes do not overla
 }
 
 TEST_CASE("the planner rejects duplicate names") {
-  REQUIRE_THROWS_WITH(plan_memory({{"x", 1}, {"x", 2}}), Catch::Contains("duplicate") &&
-                                                              Catch::Contains("'x'"));
+  REQUIRE_THROWS_WITH(plan_memory({{"x", 1}, {"x", 2}}),
+                      Catch::Contains("duplicate") && Catch::Contains("'x'"));
 }
 
 TEST_CASE("an arena holds a plan and bump-allocates scratch") {

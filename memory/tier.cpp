@@ -14,7 +14,8 @@ counters g_ledger[tier_count];
 
 void account_alloc(tier t, std::size_t bytes) {
   auto& c = g_ledger[static_cast<int>(t)];
-  auto now = c.in_use.fetch_add(static_cast<std::int64_t>(bytes)) + static_cast<std::int64_t>(bytes);
+  auto now =
+      c.in_use.fetch_add(static_cast<std::int64_t>(bytes)) + static_cast<std::int64_t>(bytes);
   c.allocations.fetch_add(1, std::memory_order_relaxed);
   auto p = c.peak.load();
   while (now > p && !c.peak.compare_exchange_weak(p, now)) {

@@ -13,10 +13,14 @@ inline constexpr int tier_count = 4;
 
 constexpr std::string_view tier_name(tier t) {
   switch (t) {
-    case tier::host: return "host";
-    case tier::pinned: return "pinned";
-    case tier::device: return "device";
-    case tier::nvme: return "nvme";
+    case tier::host:
+      return "host";
+    case tier::pinned:
+      return "pinned";
+    case tier::device:
+      return "device";
+    case tier::nvme:
+      return "nvme";
   }
   return "?";
 }

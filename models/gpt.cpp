@@ -10,10 +10,10 @@
 
 namespace troupe::models {
 
-gpt_block::gpt_block(const gpt_config& c)
+gpt_block::gpt_block(const config& c)
     : ln_1({.dim = c.dim, .eps = c.ln_eps}),
       ln_2({.dim = c.dim, .eps = c.ln_eps}),
-      attn({.dim = c.dim, .n_head = c.n_head}),
+      attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
       ff({.dim = c.dim, .hidden = 4 * c.dim}) {}
 
 void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
@@ -72,7 +72,8 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   TROUPE_CHECK(dims.seq <= cfg.max_seq, "gpt: sequence length ", dims.seq, " exceeds max_seq ",
                cfg.max_seq);
   h_.reserve(cfg.n_layer);
-  for (std::int64_t i = 0; i < cfg.n_layer; ++i) h_.emplace_back(cfg);
+  for (std::int64_t i = 0; i < cfg.n_layer; ++i)
+    h_.emplace_back(gpt_block::config{.dim = cfg.dim, .n_head = cfg.n_head, .ln_eps = cfg.ln_eps});
   x_.resize(cfg.n_layer + 1);
 
   shape bt{dims.batch, dims.seq, cfg.dim};
@@ -94,7 +95,8 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   mem_ = layer_memory(slots_, t, dev);
 
   auto pos = empty({cfg.max_seq}, dtype::i32);
-  for (std::int64_t i = 0; i < cfg.max_seq; ++i) pos.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
+  for (std::int64_t i = 0; i < cfg.max_seq; ++i)
+    pos.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
   pos_ids_ = dev.is_cpu() ? std::move(pos) : to_device(pos, dev);
 }
 
@@ -112,9 +114,12 @@ void gpt::init_weights(std::uint64_t seed) {
     };
     bool is_norm = n.find("ln_") != std::string::npos;
     for (std::int64_t i = 0; i < host.numel(); ++i) {
-      if (is_norm) p[i] = ends_with(".weight") ? 1.0 : 0.0;
-      else if (ends_with(".bias")) p[i] = 0.0;
-      else p[i] = normal(gen);
+      if (is_norm)
+        p[i] = ends_with(".weight") ? 1.0 : 0.0;
+      else if (ends_with(".bias"))
+        p[i] = 0.0;
+      else
+        p[i] = normal(gen);
     }
     if (ends_with("attn.o_proj.weight") || ends_with("mlp.proj.weight"))
       for (std::int64_t i = 0; i < host.numel(); ++i) p[i] *= resid_scale;

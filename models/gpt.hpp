@@ -31,15 +31,21 @@ struct gpt_config {
   double ln_eps = 1e-5;
 };
 
-// r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)).
+// r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)), the pre-LN block of GPT-2 (with, as options,
+// grouped-query heads and RoPE).
 struct gpt_block {
+  struct config {
+    std::int64_t dim = 0, n_head = 0, n_kv_head = 0;  // n_kv_head 0: same as n_head
+    bool rope = false;
+    double ln_eps = 1e-5;
+  };
   layernorm ln_1, ln_2;
   attention attn;
   mlp ff;
   tensor ln_1_out, attn_out, resid, ln_2_out, ff_out;  // activations [B, T, C]
   tensor dnorm, dresid;                                // backward scratch [B, T, C]
 
-  explicit gpt_block(const gpt_config& c);
+  explicit gpt_block(const config& c);
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
@@ -74,8 +80,8 @@ class gpt {
   std::vector<gpt_block> h_;
   layernorm ln_f_;
   cross_entropy_loss loss_;
-  owned_tensor pos_ids_;            // i32 [max_seq]: 0..max_seq-1
-  std::vector<tensor> x_;           // residual stream: x_[i] is the input of block i; [B, T, C]
+  owned_tensor pos_ids_;                // i32 [max_seq]: 0..max_seq-1
+  std::vector<tensor> x_;               // residual stream: x_[i] is the input of block i; [B, T, C]
   tensor pos_emb_, ln_f_out_, logits_;  // activations
   tensor dx_a_, dx_b_, dpos_;           // backward scratch [B, T, C]
   tensor logits_cur_, ln_f_cur_;

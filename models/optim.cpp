@@ -31,9 +31,11 @@ void adamw_optimizer::step(const tensor& params, const tensor& grads, double lr)
 
 double warmup_cosine_lr(std::int64_t step, std::int64_t warmup, std::int64_t total, double lr,
                         double min_lr) {
-  if (warmup > 0 && step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (warmup > 0 && step < warmup)
+    return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
   if (total <= warmup) return lr;
-  double p = std::clamp(static_cast<double>(step - warmup) / static_cast<double>(total - warmup), 0.0, 1.0);
+  double p = std::clamp(static_cast<double>(step - warmup) / static_cast<double>(total - warmup),
+                        0.0, 1.0);
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::numbers::pi * p));
 }
 

@@ -64,7 +64,9 @@ void need_vector(const char* op, const arg& v, std::int64_t n, const arg& like) 
                "], got ", v.t.describe());
   need_same_type(op, like, v);
 }
-std::int64_t rows(const tensor& x) { return x.dim() == 0 ? 1 : x.numel() / std::max<std::int64_t>(x.size(-1), 1); }
+std::int64_t rows(const tensor& x) {
+  return x.dim() == 0 ? 1 : x.numel() / std::max<std::int64_t>(x.size(-1), 1);
+}
 
 // Elementwise family: every argument contiguous, floating, same dtype and shape as the first.
 void elementwise(const char* op, std::initializer_list<arg> args) {
@@ -80,16 +82,16 @@ void elementwise(const char* op, std::initializer_list<arg> args) {
 }  // namespace
 
 #if defined(TROUPE_HAVE_CUDA)
-#define TROUPE_DISPATCH(dev, call)  \
-  do {                              \
+#define TROUPE_DISPATCH(dev, call)        \
+  do {                                    \
     if ((dev).is_cpu()) return cpu::call; \
-    return cuda::call;              \
+    return cuda::call;                    \
   } while (0)
 #else
-#define TROUPE_DISPATCH(dev, call)                                                       \
-  do {                                                                                   \
-    if ((dev).is_cpu()) return cpu::call;                                                \
-    TROUPE_FAIL("tensor on ", to_string(dev), " but troupe was built without CUDA");     \
+#define TROUPE_DISPATCH(dev, call)                                                   \
+  do {                                                                               \
+    if ((dev).is_cpu()) return cpu::call;                                            \
+    TROUPE_FAIL("tensor on ", to_string(dev), " but troupe was built without CUDA"); \
   } while (0)
 #endif
 
@@ -182,8 +184,9 @@ void swiglu_backward(const tensor& gate, const tensor& up, const tensor& dout, c
                      const tensor& dup) {
   elementwise("swiglu_backward",
               {{"gate", gate}, {"up", up}, {"dout", dout}, {"dgate", dgate}, {"dup", dup}});
-  auto d = common_device("swiglu_backward",
-                         {{"gate", gate}, {"up", up}, {"dout", dout}, {"dgate", dgate}, {"dup", dup}});
+  auto d =
+      common_device("swiglu_backward",
+                    {{"gate", gate}, {"up", up}, {"dout", dout}, {"dgate", dgate}, {"dup", dup}});
   TROUPE_DISPATCH(d, swiglu_backward(gate, up, dout, dgate, dup));
 }
 
@@ -202,7 +205,8 @@ void layernorm(const tensor& x, const tensor& w, const tensor& b, const tensor& 
                const tensor& mean, const tensor& rstd, double eps) {
   const char* op = "layernorm";
   elementwise(op, {{"x", x}, {"y", y}});
-  auto d = common_device(op, {{"x", x}, {"w", w}, {"b", b}, {"y", y}, {"mean", mean}, {"rstd", rstd}});
+  auto d =
+      common_device(op, {{"x", x}, {"w", w}, {"b", b}, {"y", y}, {"mean", mean}, {"rstd", rstd}});
   std::int64_t c = cols(op, {"x", x});
   need_vector(op, {"w", w}, c, {"x", x});
   if (b.defined()) need_vector(op, {"b", b}, c, {"x", x});
@@ -215,8 +219,14 @@ void layernorm_backward(const tensor& dy, const tensor& x, const tensor& w, cons
                         const tensor& rstd, const tensor& dx, const tensor& dw, const tensor& db) {
   const char* op = "layernorm_backward";
   elementwise(op, {{"x", x}, {"dy", dy}, {"dx", dx}});
-  auto d = common_device(op, {{"dy", dy}, {"x", x}, {"w", w}, {"mean", mean}, {"rstd", rstd},
-                              {"dx", dx}, {"dw", dw}, {"db", db}});
+  auto d = common_device(op, {{"dy", dy},
+                              {"x", x},
+                              {"w", w},
+                              {"mean", mean},
+                              {"rstd", rstd},
+                              {"dx", dx},
+                              {"dw", dw},
+                              {"db", db}});
   std::int64_t c = cols(op, {"x", x});
   need_vector(op, {"w", w}, c, {"x", x});
   need_vector(op, {"dw", dw}, c, {"x", x});
@@ -238,7 +248,8 @@ void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const 
                       const tensor& dx, const tensor& dw) {
   const char* op = "rmsnorm_backward";
   elementwise(op, {{"x", x}, {"dy", dy}, {"dx", dx}});
-  auto d = common_device(op, {{"dy", dy}, {"x", x}, {"w", w}, {"rstd", rstd}, {"dx", dx}, {"dw", dw}});
+  auto d =
+      common_device(op, {{"dy", dy}, {"x", x}, {"w", w}, {"rstd", rstd}, {"dx", dx}, {"dw", dw}});
   std::int64_t c = cols(op, {"x", x});
   need_vector(op, {"w", w}, c, {"x", x});
   need_vector(op, {"dw", dw}, c, {"x", x});
@@ -311,8 +322,8 @@ void embedding_backward(const tensor& ids, const tensor& dout, const tensor& dta
 std::int64_t cross_entropy(const tensor& logits, const tensor& targets, const tensor& losses,
                            const tensor& dlogits, double grad_scale, std::int64_t ignore_index) {
   const char* op = "cross_entropy";
-  auto d = common_device(op, {{"logits", logits}, {"targets", targets}, {"losses", losses},
-                              {"dlogits", dlogits}});
+  auto d = common_device(
+      op, {{"logits", logits}, {"targets", targets}, {"losses", losses}, {"dlogits", dlogits}});
   need_contiguous(op, {"logits", logits});
   need_float(op, {"logits", logits});
   std::int64_t n = rows(logits);
@@ -391,11 +402,20 @@ void attention_backward(const tensor& q, const tensor& k, const tensor& v, const
                         const tensor& dout, const tensor& lse, const tensor& dq, const tensor& dk,
                         const tensor& dv, const attention_options& opt) {
   const char* op = "attention_backward";
-  auto d = common_device(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout},
-                              {"lse", lse}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  auto d = common_device(op, {{"q", q},
+                              {"k", k},
+                              {"v", v},
+                              {"out", out},
+                              {"dout", dout},
+                              {"lse", lse},
+                              {"dq", dq},
+                              {"dk", dk},
+                              {"dv", dv}});
   check_attention(op, q, k, v, out, lse);
   for (auto [g, x] : {std::pair<arg, arg>{{"dout", dout}, {"out", out}},
-                      {{"dq", dq}, {"q", q}}, {{"dk", dk}, {"k", k}}, {{"dv", dv}, {"v", v}}}) {
+                      {{"dq", dq}, {"q", q}},
+                      {{"dk", dk}, {"k", k}},
+                      {{"dv", dv}, {"v", v}}}) {
     need_defined(op, g);
     need_same_shape(op, x, g);
     need_same_type(op, x, g);

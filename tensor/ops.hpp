@@ -1,8 +1,8 @@
 // The tensor operations: one API, dispatched on the device of the arguments.
 //
-// Every op validates its arguments (device, dtype, shape, contiguity) here, before any backend runs,
-// and throws troupe::error naming the op and the offending argument. Outputs are preallocated by
-// the caller: no op allocates tensor memory. Backends: tensor/cpu (f32 and f64; vectorized and
+// Every op validates its arguments (device, dtype, shape, contiguity) here, before any backend
+// runs, and throws troupe::error naming the op and the offending argument. Outputs are preallocated
+// by the caller: no op allocates tensor memory. Backends: tensor/cpu (f32 and f64; vectorized and
 // multi-threaded) and tensor/cuda (f32, plus bf16/f16 where noted; compiled when CUDA is found).
 //
 // Conventions:
@@ -25,14 +25,14 @@ void fill(const tensor& x, double value);
 void copy(const tensor& src, const tensor& dst);
 
 // ---- elementwise -----------------------------------------------------------------------------
-void add(const tensor& a, const tensor& b, const tensor& out);   // out = a + b (out may alias)
-void mul(const tensor& a, const tensor& b, const tensor& out);   // out = a * b
-void axpy(double alpha, const tensor& x, const tensor& y);       // y += alpha * x
-void scale(const tensor& x, double alpha);                       // x *= alpha
-void add_bias(const tensor& x, const tensor& bias);              // x[N,C] += bias[C]
-void sum_rows(const tensor& x, const tensor& out);               // out[C] += sum over rows of x[N,C]
-double sum(const tensor& x);                                     // f64 accumulation
-double sum_squares(const tensor& x);                             // f64 accumulation
+void add(const tensor& a, const tensor& b, const tensor& out);  // out = a + b (out may alias)
+void mul(const tensor& a, const tensor& b, const tensor& out);  // out = a * b
+void axpy(double alpha, const tensor& x, const tensor& y);      // y += alpha * x
+void scale(const tensor& x, double alpha);                      // x *= alpha
+void add_bias(const tensor& x, const tensor& bias);             // x[N,C] += bias[C]
+void sum_rows(const tensor& x, const tensor& out);              // out[C] += sum over rows of x[N,C]
+double sum(const tensor& x);                                    // f64 accumulation
+double sum_squares(const tensor& x);                            // f64 accumulation
 bool all_finite(const tensor& x);
 
 // ---- activations -----------------------------------------------------------------------------

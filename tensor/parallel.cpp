@@ -31,7 +31,8 @@ class pool {
 
   void run(std::int64_t begin, std::int64_t end, std::int64_t grain, range_fn fn) {
     std::int64_t n = end - begin;
-    std::int64_t chunks = std::min<std::int64_t>(n_, (n + grain - 1) / std::max<std::int64_t>(grain, 1));
+    std::int64_t chunks =
+        std::min<std::int64_t>(n_, (n + grain - 1) / std::max<std::int64_t>(grain, 1));
     if (chunks <= 1 || t_in_parallel) {
       fn(begin, end);
       return;
@@ -128,12 +129,16 @@ pool& the_pool() {
 
 void set_blas_threads(int n);  // tensor/cpu/gemm.cpp
 
-int num_threads() { return the_pool().size(); }
+int num_threads() {
+  return the_pool().size();
+}
 void set_num_threads(int n) {
   the_pool().resize(n);
   set_blas_threads(n);
 }
-int thread_index() { return t_index; }
+int thread_index() {
+  return t_index;
+}
 
 void parallel_for_impl(std::int64_t begin, std::int64_t end, std::int64_t grain, range_fn fn) {
   if (end <= begin) return;

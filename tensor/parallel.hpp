@@ -16,9 +16,9 @@ namespace troupe::parallel {
 class range_fn {
  public:
   template <class F>
-  range_fn(F& f) : obj_(&f), call_([](void* o, std::int64_t a, std::int64_t b) {
-                     (*static_cast<F*>(o))(a, b);
-                   }) {}
+  range_fn(F& f)
+      : obj_(&f),
+        call_([](void* o, std::int64_t a, std::int64_t b) { (*static_cast<F*>(o))(a, b); }) {}
   void operator()(std::int64_t a, std::int64_t b) const { call_(obj_, a, b); }
 
  private:

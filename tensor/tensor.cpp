@@ -62,8 +62,12 @@ shape contiguous_strides(const shape& sizes) {
 }  // namespace
 
 tensor::tensor(void* base, std::size_t capacity_bytes, dtype t, const shape& sizes, device dev)
-    : base_(base), capacity_(capacity_bytes), dtype_(t), sizes_(sizes),
-      strides_(contiguous_strides(sizes)), dev_(dev) {
+    : base_(base),
+      capacity_(capacity_bytes),
+      dtype_(t),
+      sizes_(sizes),
+      strides_(contiguous_strides(sizes)),
+      dev_(dev) {
   validate();
 }
 
@@ -94,8 +98,8 @@ void tensor::validate() const {
     hi += (sizes_[i] - 1) * strides_[i];
   }
   TROUPE_CHECK(static_cast<std::size_t>(hi + 1) * element_size() <= capacity_ || numel() == 0,
-               "tensor: ", describe(), " reaches element ", hi, " beyond its buffer of ",
-               capacity_, " bytes");
+               "tensor: ", describe(), " reaches element ", hi, " beyond its buffer of ", capacity_,
+               " bytes");
 }
 
 int tensor::norm_dim(int d, int rank_plus) const {
@@ -105,8 +109,12 @@ int tensor::norm_dim(int d, int rank_plus) const {
   return n;
 }
 
-std::int64_t tensor::size(int d) const { return sizes_[norm_dim(d)]; }
-std::int64_t tensor::stride(int d) const { return strides_[norm_dim(d)]; }
+std::int64_t tensor::size(int d) const {
+  return sizes_[norm_dim(d)];
+}
+std::int64_t tensor::stride(int d) const {
+  return strides_[norm_dim(d)];
+}
 
 bool tensor::is_contiguous() const {
   std::int64_t acc = 1;
@@ -233,10 +241,10 @@ owned_tensor to_device(const tensor& src, device dev) {
     ops::copy(src, out);
     return out;
   }
-  TROUPE_CHECK(src.is_contiguous(), "to_device: a copy between devices needs a contiguous source, got ",
-               src.describe());
+  TROUPE_CHECK(src.is_contiguous(),
+               "to_device: a copy between devices needs a contiguous source, got ", src.describe());
   using memory::copy_kind;
-  copy_kind k = src.is_cpu() ? copy_kind::host_to_device
+  copy_kind k = src.is_cpu()   ? copy_kind::host_to_device
                 : dev.is_cpu() ? copy_kind::device_to_host
                                : copy_kind::device_to_device;
   memory::copy_bytes(out.data(), src.data(), src.nbytes(), k);

@@ -77,9 +77,13 @@ class tensor {
   std::size_t element_size() const { return dtype_size(dtype_); }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(); }
   bool is_contiguous() const;
-  bool last_dim_contiguous() const { return dim() == 0 || sizes_[dim() - 1] <= 1 || strides_[dim() - 1] == 1; }
+  bool last_dim_contiguous() const {
+    return dim() == 0 || sizes_[dim() - 1] <= 1 || strides_[dim() - 1] == 1;
+  }
 
-  void* data() const { return static_cast<char*>(base_) + offset_ * static_cast<std::int64_t>(element_size()); }
+  void* data() const {
+    return static_cast<char*>(base_) + offset_ * static_cast<std::int64_t>(element_size());
+  }
   template <class T>
   T* data_as() const {
     check_type(dtype_of<T>);

@@ -55,7 +55,8 @@ TEST_CASE("bad views are clear errors") {
   REQUIRE_THROWS_WITH(t.reshape({5, 5}), Catch::Contains("25 elements"));
   REQUIRE_THROWS_WITH(t.transpose(0, 1).reshape({24}), Catch::Contains("contiguous"));
   REQUIRE_THROWS_WITH(t.select(2, 0), Catch::Contains("dimension 2 out of range"));
-  REQUIRE_THROWS_WITH(tensor(buf.data(), 40, dtype::f32, {4, 6}), Catch::Contains("beyond its buffer"));
+  REQUIRE_THROWS_WITH(tensor(buf.data(), 40, dtype::f32, {4, 6}),
+                      Catch::Contains("beyond its buffer"));
   REQUIRE_THROWS_WITH(tensor::strided(buf.data(), 96, dtype::f32, {4, 6}, {7, 1}, 0),
                       Catch::Contains("beyond its buffer"));
 }

@@ -1,13 +1,11 @@
-// A tiny pre-norm transformer block composed from the layers, as a model would compose them:
+// The pre-norm transformer block that models compose (models/gpt.hpp):
 //   r = x + attn(ln_1(x));  y = r + mlp(ln_2(r))
 // checked end to end against finite differences in f64, run in f32 against the f64 result, and
 // on a GPU against the CPU.
 #include <catch2/catch.hpp>
 
 #include "memory/gpu.hpp"
-#include "models/layers/attention.hpp"
-#include "models/layers/layernorm.hpp"
-#include "models/layers/mlp.hpp"
+#include "models/gpt.hpp"
 #include "models/layers/testing.hpp"
 #include "tensor/ops.hpp"
 
@@ -15,65 +13,7 @@ using namespace troupe;
 using namespace troupe::models;
 using namespace troupe::models::testing;
 
-namespace {
-
-struct block {
-  struct config {
-    std::int64_t dim = 0, n_head = 0, n_kv_head = 0;
-    bool rope = false;
-  };
-  layernorm ln_1, ln_2;
-  attention attn;
-  mlp ff;
-
-  // Saved by forward (each is the input a sub-layer saved, or the residual).
-  tensor ln_1_out, ln_2_out, resid;  // [B, T, C]
-  tensor attn_out, ff_out;           // [B, T, C]; not read by backward
-  // Scratch for backward.
-  tensor dnorm, dresid;  // [B, T, C]
-
-  explicit block(const config& c)
-      : ln_1({.dim = c.dim}),
-        ln_2({.dim = c.dim}),
-        attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
-        ff({.dim = c.dim, .hidden = 4 * c.dim}) {}
-
-  void declare(slot_list& s, std::string_view name, batch_dims b) {
-    auto scope = s.enter(name);
-    ln_1.declare(s, "ln_1", b);
-    attn.declare(s, "attn", b);
-    ln_2.declare(s, "ln_2", b);
-    ff.declare(s, "mlp", b);
-    shape bt{b.batch, b.seq, ln_1.cfg.dim};
-    s.activation("ln_1_out", bt, ln_1_out);
-    s.activation("attn_out", bt, attn_out);
-    s.activation("resid", bt, resid);
-    s.activation("ln_2_out", bt, ln_2_out);
-    s.activation("ff_out", bt, ff_out);
-    s.scratch("dnorm", bt, dnorm);
-    s.scratch("dresid", bt, dresid);
-  }
-
-  void forward(const tensor& x, const tensor& y) {
-    ln_1.forward(x, ln_1_out);
-    attn.forward(ln_1_out, attn_out);
-    ops::add(x, attn_out, resid);
-    ln_2.forward(resid, ln_2_out);
-    ff.forward(ln_2_out, ff_out);
-    ops::add(resid, ff_out, y);
-  }
-
-  void backward(const tensor& dy, const tensor& dx) {
-    ff.backward(dy, dnorm);
-    ln_2.backward(dnorm, dresid);
-    ops::add(dresid, dy, dresid);  // the residual path
-    attn.backward(dresid, dnorm);
-    ln_1.backward(dnorm, dx);
-    ops::add(dx, dresid, dx);
-  }
-};
-
-}  // namespace
+using block = gpt_block;
 
 TEST_CASE("A transformer block composed of layers matches finite differences end to end", "[cpu]") {
   rng g(201);
