@@ -8,8 +8,8 @@
 // with q, k and v sliced from one fused [B, T, 3 H D] buffer as the model holds them.
 #include <cblas.h>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -143,8 +143,8 @@ int run_kernels(const bench_options& o) {
   const tensor q = part(qkv, 0), k = part(qkv, 1), v = part(qkv, 2);
   const tensor dq = part(dqkv, 0), dk = part(dqkv, 1), dv = part(dqkv, 2);
   const timing fwd_t = time_it(o.repeat, [&] { ops::attention(q, k, v, out, lse); });
-  const timing bwd_t = time_it(
-      o.repeat, [&] { ops::attention_backward(q, k, v, out, dout, lse, dq, dk, dv); });
+  const timing bwd_t =
+      time_it(o.repeat, [&] { ops::attention_backward(q, k, v, out, dout, lse, dq, dk, dv); });
   // Causal forward: QK^T and PV over the T^2/2 visible pairs, 2 flops per multiply-add.
   const double fwd_flops = 4.0 * ab * ah * at * at * ad / 2;
   const double bwd_flops = 2.5 * fwd_flops;  // five block products instead of two
@@ -191,11 +191,12 @@ int run_kernels(const bench_options& o) {
 
   fmt::print("troupe bench kernels: {} threads on {}\n", threads, cpu_model());
   fmt::print("OpenBLAS core: {} ({})\n\n", core.after, core.reason);
-  fmt::print("peak: cblas_sgemm {0}x{0}x{0}: {1:.1f} GFLOP/s best, {2:.1f} median (of {3})\n\n",
-             np, peak, peak_median, o.repeat);
-  fmt::print("GEMM (f32, ops::matmul, {} tokens)        layout      M      N      K      ms  "
-             "GFLOP/s  median  ratio\n",
-             tokens);
+  fmt::print("peak: cblas_sgemm {0}x{0}x{0}: {1:.1f} GFLOP/s best, {2:.1f} median (of {3})\n\n", np,
+             peak, peak_median, o.repeat);
+  fmt::print(
+      "GEMM (f32, ops::matmul, {} tokens)        layout      M      N      K      ms  "
+      "GFLOP/s  median  ratio\n",
+      tokens);
   for (const gemm_row& r : rows)
     fmt::print("  {:<38} {:>6} {:>6} {:>6} {:>6} {:>7.2f} {:>8.1f} {:>7.1f} {:>6.2f}\n", r.name,
                r.layout, r.m, r.n, r.k, r.t.best * 1e3, r.gflops(), r.gflops_median(),
@@ -204,8 +205,8 @@ int run_kernels(const bench_options& o) {
              layer_gflops / peak);
   fmt::print("  {:<38} {:>43.1f} {:>14.2f}\n\n", "block + lm_head (15 GEMMs)", all_gflops,
              all_gflops / peak);
-  fmt::print("attention (f32, B={} T={} H={} D={}, causal)        ms  GFLOP/s  ratio\n", ab, at,
-             ah, ad);
+  fmt::print("attention (f32, B={} T={} H={} D={}, causal)        ms  GFLOP/s  ratio\n", ab, at, ah,
+             ad);
   fmt::print("  {:<44} {:>7.2f} {:>8.1f} {:>6.2f}\n", "forward", fwd_t.best * 1e3,
              fwd_flops / fwd_t.best / 1e9, fwd_flops / fwd_t.best / 1e9 / peak);
   fmt::print("  {:<44} {:>7.2f} {:>8.1f} {:>6.2f}\n", "backward", bwd_t.best * 1e3,
