@@ -1,0 +1,121 @@
+// CPU backend: rotary position embedding tables and their application (HF rotate-half).
+//
+// The f32 tables follow HF's float32 arithmetic step by step, so they match a PyTorch reference:
+// inv_freq = 1 / (theta ** (arange(0, D, 2) / D)) in float, angle = float(position) * inv_freq in
+// float, then cos and sin of that float angle (computed in double and rounded once). The f64
+// tables do the same in double.
+#include <cmath>
+
+#include "tensor/backend.hpp"
+#include "tensor/cpu/kernel_util.hpp"
+#include "tensor/parallel.hpp"
+
+namespace troupe::cpu {
+namespace {
+
+// One head vector of D = 2 * half elements. inverse applies the transposed rotation.
+template <class T, bool inverse>
+inline void rotate(const T* __restrict x, T* __restrict y, const T* c, const T* s,
+                   std::int64_t half) {
+  for (std::int64_t i = 0; i < half; ++i) {
+    T x1 = x[i], x2 = x[i + half];
+    if constexpr (inverse) {
+      y[i] = x1 * c[i] + x2 * s[i];
+      y[i + half] = x2 * c[i] - x1 * s[i];
+    } else {
+      y[i] = x1 * c[i] - x2 * s[i];
+      y[i + half] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+// The same in place: one pointer, so the compiler sees that element i is read before it is
+// written and vectorizes without a runtime overlap check.
+template <class T, bool inverse>
+inline void rotate_in_place(T* p, const T* c, const T* s, std::int64_t half) {
+  T* __restrict p1 = p;
+  T* __restrict p2 = p + half;
+  for (std::int64_t i = 0; i < half; ++i) {
+    T x1 = p1[i], x2 = p2[i];
+    if constexpr (inverse) {
+      p1[i] = x1 * c[i] + x2 * s[i];
+      p2[i] = x2 * c[i] - x1 * s[i];
+    } else {
+      p1[i] = x1 * c[i] - x2 * s[i];
+      p2[i] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+template <class T, bool inverse>
+void rope_typed(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y) {
+  const std::int64_t nb = x.size(0), nt = x.size(1), nh = x.size(2), half = x.size(3) / 2;
+  const T* xp = static_cast<const T*>(x.data());
+  T* yp = static_cast<T*>(y.data());
+  const T* cp = static_cast<const T*>(cos.data());
+  const T* sp = static_cast<const T*>(sin.data());
+  const bool in_place = x.data() == y.data() && x.strides() == y.strides();
+  parallel::parallel_for(
+      0, nb * nt * nh, row_grain(2 * half), [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t r = lo; r < hi; ++r) {
+          const std::int64_t h = r % nh, t = (r / nh) % nt, b = r / (nh * nt);
+          const T* c = cp + t * half;
+          const T* s = sp + t * half;
+          T* yr = yp + b * y.stride(0) + t * y.stride(1) + h * y.stride(2);
+          if (in_place) {
+            rotate_in_place<T, inverse>(yr, c, s, half);
+          } else {
+            rotate<T, inverse>(xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2), yr, c, s,
+                               half);
+          }
+        }
+      });
+}
+
+}  // namespace
+
+void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
+  dispatch_float("rope_tables", cos.type(), [&]<class T>(T) {
+    const std::int64_t nt = cos.size(0), half = cos.size(1), d = 2 * half;
+    T* cp = static_cast<T*>(cos.data());
+    T* sp = static_cast<T*>(sin.data());
+    // One column (frequency) per task: inv_freq once, then every position.
+    parallel::parallel_for(
+        0, half, std::max<std::int64_t>(1, exp_grain / std::max<std::int64_t>(nt, 1)),
+        [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t i = lo; i < hi; ++i) {
+            if constexpr (std::is_same_v<T, float>) {
+              const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
+              const float base_pow = static_cast<float>(std::pow(
+                  static_cast<double>(static_cast<float>(theta)), static_cast<double>(expo)));
+              const float inv_freq = 1.0f / base_pow;
+              for (std::int64_t t = 0; t < nt; ++t) {
+                const double angle = static_cast<double>(static_cast<float>(start + t) * inv_freq);
+                cp[t * half + i] = static_cast<float>(std::cos(angle));
+                sp[t * half + i] = static_cast<float>(std::sin(angle));
+              }
+            } else {
+              const double inv_freq =
+                  1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(d));
+              for (std::int64_t t = 0; t < nt; ++t) {
+                const double angle = static_cast<double>(start + t) * inv_freq;
+                cp[t * half + i] = std::cos(angle);
+                sp[t * half + i] = std::sin(angle);
+              }
+            }
+          }
+        });
+  });
+}
+
+void rope(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y, bool inverse) {
+  dispatch_float("rope", x.type(), [&]<class T>(T) {
+    if (inverse) {
+      rope_typed<T, true>(x, cos, sin, y);
+    } else {
+      rope_typed<T, false>(x, cos, sin, y);
+    }
+  });
+}
+
+}  // namespace troupe::cpu
