@@ -151,6 +151,16 @@ TEST_CASE("copy handles strided and transposed views", "[cpu]") {
     ops::copy(bytes.t.slice(0, 2, 3).slice(1, 3, 4), one);
     REQUIRE(one[0] == 11);
   }
+  SECTION("into a narrowed destination whose rows are not contiguous") {
+    buffer<double> rows({40, 30});
+    fill_uniform(rows, g, -1, 1);
+    buffer<double> wide({40, 50}, 7.0);
+    const tensor dst = wide.t.narrow(1, 10, 30);
+    ops::copy(rows, dst);
+    for (std::int64_t r = 0; r < 40; ++r)
+      for (std::int64_t c = 0; c < 50; ++c)
+        REQUIRE(wide[r * 50 + c] == (c >= 10 && c < 40 ? rows[r * 30 + c - 10] : 7.0));
+  }
   SECTION("of batched transposes larger than a tile") {
     buffer<float> a({3, 70, 45});
     fill_uniform(a, g, -1, 1);
