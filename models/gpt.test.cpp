@@ -123,3 +123,26 @@ TEST_CASE("batches are a pure function of seed and step") {
             static_cast<std::uint8_t>(a[r * 17 + i] + 31));
   REQUIRE_THROWS_WITH(read_text_corpus("/no/such/corpus"), Catch::Contains("/no/such/corpus"));
 }
+
+TEST_CASE("adamw exempts biases norms and embeddings from weight decay on request") {
+  gpt_config cfg{.vocab = 8, .max_seq = 4, .dim = 8, .n_layer = 1, .n_head = 2};
+  gpt model(cfg, {1, 4});
+  model.init_weights(3);
+  auto& mem = model.memory();
+  mem.zero_grads();  // zero gradients: only weight decay moves parameters
+  auto before = to_device(mem.params(), device::cpu());
+  adamw_optimizer opt(mem.params(), {.weight_decay = 0.5});
+  opt.exempt_from_decay(model.slots(), mem.params(), biases_norms_embeddings);
+  opt.step(mem.params(), mem.grads(), 0.1);
+  const float* b = before.data_as<float>();
+  const float* a = mem.params().data_as<float>();
+  for (const auto& s : model.slots().slots()) {
+    if (s.kind != slot_kind::param) continue;
+    INFO(s.name);
+    auto off = s.field->data_as<float>() - mem.params().data_as<float>();
+    bool exempt =
+        s.sizes.rank() < 2 || s.name.rfind("wte.", 0) == 0 || s.name.rfind("wpe.", 0) == 0;
+    for (std::int64_t i = 0; i < s.field->numel(); ++i)
+      REQUIRE(a[off + i] == Approx(exempt ? b[off + i] : b[off + i] * (1 - 0.1 * 0.5)));
+  }
+}
