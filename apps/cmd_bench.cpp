@@ -37,23 +37,6 @@ struct bench_options {
   bool json = false;
 };
 
-// Best and median seconds of `repeat` timed calls, after one untimed warm-up call.
-struct timing {
-  double best = 0, median = 0;
-};
-
-timing time_it(int repeat, const std::function<void()>& f) {
-  f();
-  std::vector<double> s;
-  for (int r = 0; r < repeat; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(s.begin(), s.end());
-  return {s.front(), s[s.size() / 2]};
-}
-
 // Deterministic values in [-0.5, 0.5): no denormals, no NaN, the same in every run.
 owned_tensor filled(const shape& sizes) {
   owned_tensor t = empty(sizes);
@@ -77,61 +60,123 @@ std::string cpu_model() {
   return "unknown";
 }
 
+double seconds(const std::function<void()>& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The machine's SGEMM peak: raw cblas_sgemm on square 2048 matrices (after the core selection).
+class peak_probe {
+ public:
+  peak_probe() : a_(filled({n, n})), b_(filled({n, n})), c_(filled({n, n})) { sample(); }
+  double sample() {  // GFLOP/s of one call
+    const double s = seconds([&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a_.data_as<float>(), n,
+                  b_.data_as<float>(), n, 0.0f, c_.data_as<float>(), n);
+    });
+    const double g = 2.0 * n * n * n / s / 1e9;
+    samples.push_back(g);
+    return g;
+  }
+  static constexpr int n = 2048;
+  std::vector<double> samples;
+
+ private:
+  owned_tensor a_, b_, c_;
+};
+
+// One kernel timed against the peak at the same moment. The machine is shared and its speed drifts
+// (another tenant can take a core for seconds), so after a warm-up call the kernel runs `repeat`
+// rounds, each followed by a peak sample; a round's ratio is the kernel's GFLOP/s over the larger
+// of the peak samples just before and just after it. Reported: the best time, and the medians of
+// the local peaks and of the ratios.
+struct measurement {
+  double flops = 0, best_s = 0, median_s = 0, peak = 0, ratio = 0;
+  double gflops() const { return flops / best_s / 1e9; }
+};
+
+measurement measure(peak_probe& probe, int repeat, double flops, const std::function<void()>& f) {
+  f();
+  double before = probe.sample();
+  std::vector<double> times, peaks, ratios;
+  for (int r = 0; r < repeat; ++r) {
+    const double t = seconds(f);
+    const double after = probe.sample(), local = std::max(before, after);
+    times.push_back(t);
+    peaks.push_back(local);
+    ratios.push_back(flops / t / 1e9 / local);
+    before = after;
+  }
+  measurement m;
+  m.flops = flops;
+  m.best_s = *std::min_element(times.begin(), times.end());
+  m.median_s = median(times);
+  m.peak = median(peaks);
+  m.ratio = median(ratios);
+  return m;
+}
+
 struct gemm_row {
   std::string name, layout;
   std::int64_t m, n, k;
-  timing t;
-  double gflops() const { return 2.0 * m * n * k / t.best / 1e9; }
-  double gflops_median() const { return 2.0 * m * n * k / t.median / 1e9; }
+  measurement t;
 };
 
-// The three GEMMs of one linear layer x [tokens, in] -> y [tokens, out].
+// The three GEMMs of one linear layer x [tokens, in] -> y [tokens, out], W [out, in].
 void bench_linear(const std::string& name, std::int64_t tokens, std::int64_t in, std::int64_t out,
-                  int repeat, std::vector<gemm_row>& rows) {
+                  int repeat, peak_probe& probe, std::vector<gemm_row>& rows) {
   owned_tensor x = filled({tokens, in}), w = filled({out, in}), y = filled({tokens, out});
   owned_tensor dx = filled({tokens, in}), dw = filled({out, in});
-  rows.push_back({name + " fwd  y = x W^T", "NT", tokens, out, in,
-                  time_it(repeat, [&] { ops::matmul(x, w.transpose(0, 1), y); })});
+  const double flops = 2.0 * tokens * in * out;
+  rows.push_back({name + " fwd y = x W^T", "NT", tokens, out, in,
+                  measure(probe, repeat, flops, [&] { ops::matmul(x, w.transpose(0, 1), y); })});
   rows.push_back({name + " dx = dy W", "NN", tokens, in, out,
-                  time_it(repeat, [&] { ops::matmul(y, w, dx); })});
-  rows.push_back({name + " dW += dy^T x", "TN", out, in, tokens,
-                  time_it(repeat, [&] { ops::matmul(y.transpose(0, 1), x, dw, 1.0, 1.0); })});
+                  measure(probe, repeat, flops, [&] { ops::matmul(y, w, dx); })});
+  rows.push_back({name + " dW += dy^T x", "TN", out, in, tokens, measure(probe, repeat, flops, [&] {
+                    ops::matmul(y.transpose(0, 1), x, dw, 1.0, 1.0);
+                  })});
+}
+
+// GFLOP/s of a group of rows (total flops over total best time), and its ratio: the time the
+// group would take at the local peaks over the (median) time it took.
+struct group {
+  double gflops = 0, ratio = 0;
+};
+group summarize(const std::vector<gemm_row>& rows, std::size_t lo, std::size_t hi) {
+  double flops = 0, best = 0, ideal = 0, took = 0;
+  for (std::size_t i = lo; i < hi; ++i) {
+    const measurement& m = rows[i].t;
+    flops += m.flops;
+    best += m.best_s;
+    ideal += m.flops / (m.peak * 1e9);
+    took += m.median_s;
+  }
+  return {flops / best / 1e9, ideal / took};
 }
 
 int run_kernels(const bench_options& o) {
   if (o.threads > 0) parallel::set_num_threads(o.threads);
   const cpu::blas_core_choice& core = cpu::ensure_blas_core();
   const int threads = parallel::num_threads();
-
-  // Raw OpenBLAS SGEMM on square 2048 matrices: the machine's peak for this run.
-  const int np = 2048;
-  owned_tensor pa = filled({np, np}), pb = filled({np, np}), pc = filled({np, np});
-  const timing peak_t = time_it(o.repeat, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, np, np, np, 1.0f, pa.data_as<float>(),
-                np, pb.data_as<float>(), np, 0.0f, pc.data_as<float>(), np);
-  });
-  const double peak = 2.0 * np * np * np / peak_t.best / 1e9;
-  const double peak_median = 2.0 * np * np * np / peak_t.median / 1e9;
+  peak_probe probe;
 
   const std::int64_t tokens = 4096, c = 768;
   std::vector<gemm_row> rows;
-  bench_linear("attn.qkv ", tokens, c, 3 * c, o.repeat, rows);
-  bench_linear("attn.proj", tokens, c, c, o.repeat, rows);
-  bench_linear("mlp.fc   ", tokens, c, 4 * c, o.repeat, rows);
-  bench_linear("mlp.proj ", tokens, 4 * c, c, o.repeat, rows);
-  const std::size_t layer_rows = rows.size();
-  bench_linear("lm_head  ", tokens, c, 50257, o.repeat, rows);
-  auto total = [&](std::size_t lo, std::size_t hi) {
-    double flops = 0, secs = 0;
-    for (std::size_t i = lo; i < hi; ++i) {
-      flops += 2.0 * rows[i].m * rows[i].n * rows[i].k;
-      secs += rows[i].t.best;
-    }
-    return flops / secs / 1e9;
-  };
-  const double layer_gflops = total(0, layer_rows), all_gflops = total(0, rows.size());
+  bench_linear("attn.qkv ", tokens, c, 3 * c, o.repeat, probe, rows);
+  bench_linear("attn.proj", tokens, c, c, o.repeat, probe, rows);
+  bench_linear("mlp.fc   ", tokens, c, 4 * c, o.repeat, probe, rows);
+  bench_linear("mlp.proj ", tokens, 4 * c, c, o.repeat, probe, rows);
+  const std::size_t block_rows = rows.size();
+  bench_linear("lm_head  ", tokens, c, 50257, o.repeat, probe, rows);
+  const group block = summarize(rows, 0, block_rows), all = summarize(rows, 0, rows.size());
 
-  // Attention at B=4, T=1024, H=12, D=64, causal.
+  // Attention at B=4, T=1024, H=12, D=64, causal, q/k/v/dq/dk/dv sliced from fused buffers.
   const std::int64_t ab = 4, at = 1024, ah = 12, ad = 64;
   owned_tensor qkv = filled({ab, at, 3 * ah * ad}), dqkv = filled({ab, at, 3 * ah * ad});
   owned_tensor out = filled({ab, at, ah, ad}), dout = filled({ab, at, ah, ad});
@@ -142,17 +187,27 @@ int run_kernels(const bench_options& o) {
   };
   const tensor q = part(qkv, 0), k = part(qkv, 1), v = part(qkv, 2);
   const tensor dq = part(dqkv, 0), dk = part(dqkv, 1), dv = part(dqkv, 2);
-  const timing fwd_t = time_it(o.repeat, [&] { ops::attention(q, k, v, out, lse); });
-  const timing bwd_t =
-      time_it(o.repeat, [&] { ops::attention_backward(q, k, v, out, dout, lse, dq, dk, dv); });
-  // Causal forward: QK^T and PV over the T^2/2 visible pairs, 2 flops per multiply-add.
-  const double fwd_flops = 4.0 * ab * ah * at * at * ad / 2;
-  const double bwd_flops = 2.5 * fwd_flops;  // five block products instead of two
+  // Causal forward: QK^T and PV over the T^2 / 2 visible pairs, 2 flops per multiply-add.
+  // Backward: five such products (S, dP, dV, dK, dQ) instead of two.
+  const double fwd_flops = 4.0 * ab * ah * at * at * ad / 2, bwd_flops = 2.5 * fwd_flops;
+  const measurement fwd =
+      measure(probe, o.repeat, fwd_flops, [&] { ops::attention(q, k, v, out, lse); });
+  const measurement bwd = measure(probe, o.repeat, bwd_flops, [&] {
+    ops::attention_backward(q, k, v, out, dout, lse, dq, dk, dv);
+  });
   const std::size_t scratch = cpu::attention_scratch_bytes();
   const std::size_t per_thread = cpu::attention_scratch_bytes_per_thread(ad, dtype::f32);
   const double scores_bytes = 4.0 * ab * ah * at * at;
+  const double peak = *std::max_element(probe.samples.begin(), probe.samples.end());
 
   if (o.json) {
+    auto js = [](const measurement& m) {
+      return nlohmann::json{{"ms", m.best_s * 1e3},
+                            {"gflops", m.gflops()},
+                            {"median_ms", m.median_s * 1e3},
+                            {"local_peak_gflops", m.peak},
+                            {"ratio", m.ratio}};
+    };
     nlohmann::json j;
     j["machine"] = {{"cpu", cpu_model()},
                     {"threads", threads},
@@ -160,57 +215,50 @@ int run_kernels(const bench_options& o) {
                     {"blas_core_before", core.before},
                     {"blas_core_overridden", core.overridden},
                     {"blas_core_reason", core.reason}};
-    j["peak_sgemm"] = {{"n", np}, {"gflops", peak}, {"gflops_median", peak_median}};
-    for (const gemm_row& r : rows)
-      j["gemm"].push_back({{"name", r.name},
-                           {"layout", r.layout},
-                           {"m", r.m},
-                           {"n", r.n},
-                           {"k", r.k},
-                           {"ms", r.t.best * 1e3},
-                           {"gflops", r.gflops()},
-                           {"gflops_median", r.gflops_median()},
-                           {"ratio", r.gflops() / peak}});
-    j["gemm_layer"] = {{"gflops", layer_gflops}, {"ratio", layer_gflops / peak}};
-    j["gemm_all"] = {{"gflops", all_gflops}, {"ratio", all_gflops / peak}};
+    j["peak_sgemm"] = {{"n", peak_probe::n}, {"best_gflops", peak}, {"samples", probe.samples}};
+    for (const gemm_row& r : rows) {
+      nlohmann::json e = js(r.t);
+      e.update({{"name", r.name}, {"layout", r.layout}, {"m", r.m}, {"n", r.n}, {"k", r.k}});
+      j["gemm"].push_back(e);
+    }
+    j["gemm_block"] = {{"gflops", block.gflops}, {"ratio", block.ratio}};
+    j["gemm_block_and_head"] = {{"gflops", all.gflops}, {"ratio", all.ratio}};
     j["attention"] = {{"b", ab},
                       {"t", at},
                       {"h", ah},
                       {"d", ad},
                       {"causal", true},
-                      {"fwd_ms", fwd_t.best * 1e3},
-                      {"fwd_gflops", fwd_flops / fwd_t.best / 1e9},
-                      {"bwd_ms", bwd_t.best * 1e3},
-                      {"bwd_gflops", bwd_flops / bwd_t.best / 1e9},
+                      {"forward", js(fwd)},
+                      {"backward", js(bwd)},
                       {"scratch_bytes", scratch},
                       {"scratch_bytes_per_thread", per_thread},
-                      {"score_matrix_bytes_avoided", scores_bytes}};
+                      {"score_matrix_bytes", scores_bytes}};
     fmt::print("{}\n", j.dump(2));
     return 0;
   }
 
   fmt::print("troupe bench kernels: {} threads on {}\n", threads, cpu_model());
-  fmt::print("OpenBLAS core: {} ({})\n\n", core.after, core.reason);
-  fmt::print("peak: cblas_sgemm {0}x{0}x{0}: {1:.1f} GFLOP/s best, {2:.1f} median (of {3})\n\n", np,
-             peak, peak_median, o.repeat);
+  fmt::print("OpenBLAS core: {} ({})\n", core.after, core.reason);
   fmt::print(
-      "GEMM (f32, ops::matmul, {} tokens)        layout      M      N      K      ms  "
-      "GFLOP/s  median  ratio\n",
+      "peak: cblas_sgemm {0}x{0}x{0}, best {1:.1f} GFLOP/s of {2} samples (median {3:.1f})\n",
+      peak_probe::n, peak, probe.samples.size(), median(probe.samples));
+  fmt::print("ratio: GFLOP/s over the peak sampled around the same call (median of {} rounds)\n\n",
+             o.repeat);
+  fmt::print(
+      "GEMM (f32, ops::matmul, {} tokens)   layout      M      N      K       ms  GFLOP/s"
+      "    peak  ratio\n",
       tokens);
   for (const gemm_row& r : rows)
-    fmt::print("  {:<38} {:>6} {:>6} {:>6} {:>6} {:>7.2f} {:>8.1f} {:>7.1f} {:>6.2f}\n", r.name,
-               r.layout, r.m, r.n, r.k, r.t.best * 1e3, r.gflops(), r.gflops_median(),
-               r.gflops() / peak);
-  fmt::print("  {:<38} {:>43.1f} {:>14.2f}\n", "one block (12 GEMMs, time-weighted)", layer_gflops,
-             layer_gflops / peak);
-  fmt::print("  {:<38} {:>43.1f} {:>14.2f}\n\n", "block + lm_head (15 GEMMs)", all_gflops,
-             all_gflops / peak);
-  fmt::print("attention (f32, B={} T={} H={} D={}, causal)        ms  GFLOP/s  ratio\n", ab, at, ah,
-             ad);
-  fmt::print("  {:<44} {:>7.2f} {:>8.1f} {:>6.2f}\n", "forward", fwd_t.best * 1e3,
-             fwd_flops / fwd_t.best / 1e9, fwd_flops / fwd_t.best / 1e9 / peak);
-  fmt::print("  {:<44} {:>7.2f} {:>8.1f} {:>6.2f}\n", "backward", bwd_t.best * 1e3,
-             bwd_flops / bwd_t.best / 1e9, bwd_flops / bwd_t.best / 1e9 / peak);
+    fmt::print("  {:<33} {:>6} {:>6} {:>6} {:>6} {:>8.2f} {:>8.1f} {:>7.1f} {:>6.2f}\n", r.name,
+               r.layout, r.m, r.n, r.k, r.t.best_s * 1e3, r.t.gflops(), r.t.peak, r.t.ratio);
+  fmt::print("  {:<33} {:>44.1f} {:>14.2f}\n", "one block (12 GEMMs)", block.gflops, block.ratio);
+  fmt::print("  {:<33} {:>44.1f} {:>14.2f}\n\n", "block + lm_head (15 GEMMs)", all.gflops,
+             all.ratio);
+  fmt::print("attention (f32, B={} T={} H={} D={}, causal)    ms  GFLOP/s    peak  ratio\n", ab, at,
+             ah, ad);
+  for (auto [name, m] : {std::pair{"forward", fwd}, std::pair{"backward", bwd}})
+    fmt::print("  {:<38} {:>8.2f} {:>8.1f} {:>7.1f} {:>6.2f}\n", name, m.best_s * 1e3, m.gflops(),
+               m.peak, m.ratio);
   fmt::print("  scratch: {} bytes held ({} per thread); a T x T score matrix would be {:.0f} MB\n",
              scratch, per_thread, scores_bytes / 1e6);
   return 0;
