@@ -1,0 +1,120 @@
+#include "models/train_config.hpp"
+
+#include <toml++/toml.h>
+
+#include <functional>
+#include <map>
+#include <sstream>
+
+namespace troupe::models {
+namespace {
+
+// One setter per "section.key", reading a toml node into a field of train_config.
+using setter = std::function<void(train_config&, const toml::node&, const std::string& where)>;
+
+template <class T>
+setter set(T train_config::*field) {
+  return [field](train_config& c, const toml::node& n, const std::string& where) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      auto v = n.value<std::string>();
+      if (!v) throw error(where + " must be a string");
+      c.*field = *v;
+    } else if constexpr (std::is_same_v<T, bool>) {
+      auto v = n.value<bool>();
+      if (!v) throw error(where + " must be true or false");
+      c.*field = *v;
+    } else if constexpr (std::is_floating_point_v<T>) {
+      auto v = n.value<double>();
+      if (!v) throw error(where + " must be a number");
+      c.*field = static_cast<T>(*v);
+    } else {
+      auto v = n.value<std::int64_t>();
+      if (!v || (std::is_unsigned_v<T> && *v < 0))
+        throw error(where + " must be an integer" + (std::is_unsigned_v<T> ? " >= 0" : ""));
+      c.*field = static_cast<T>(*v);
+    }
+  };
+}
+
+const std::map<std::string, setter>& setters() {
+  static const std::map<std::string, setter> s = {
+      {"model.hf", set(&train_config::model_hf)},
+      {"model.size", set(&train_config::model_size)},
+      {"data.tokens", set(&train_config::data_tokens)},
+      {"data.text", set(&train_config::data_text)},
+      {"train.steps", set(&train_config::steps)},
+      {"train.batch", set(&train_config::batch)},
+      {"train.seq", set(&train_config::seq)},
+      {"train.grad_accum", set(&train_config::grad_accum)},
+      {"train.log_every", set(&train_config::log_every)},
+      {"train.seed", set(&train_config::seed)},
+      {"train.fixed_batch", set(&train_config::fixed_batch)},
+      {"optim.lr", set(&train_config::lr)},
+      {"optim.min_lr", set(&train_config::min_lr)},
+      {"optim.beta1", set(&train_config::beta1)},
+      {"optim.beta2", set(&train_config::beta2)},
+      {"optim.eps", set(&train_config::eps)},
+      {"optim.weight_decay", set(&train_config::weight_decay)},
+      {"optim.clip", set(&train_config::clip)},
+      {"optim.warmup", set(&train_config::warmup)},
+      {"optim.decay_exempt", set(&train_config::decay_exempt)},
+      {"checkpoint.dir", set(&train_config::ckpt_dir)},
+      {"checkpoint.every", set(&train_config::ckpt_every)},
+      {"checkpoint.resume", set(&train_config::resume)},
+  };
+  return s;
+}
+
+}  // namespace
+
+void train_config::validate() const {
+  auto need = [](bool ok, const char* key, const std::string& what) {
+    if (!ok) throw error(std::string(key) + " " + what);
+  };
+  need(steps > 0, "train.steps", "must be > 0");
+  need(batch > 0, "train.batch", "must be > 0");
+  need(seq > 1, "train.seq", "must be > 1");
+  need(grad_accum > 0, "train.grad_accum", "must be > 0");
+  need(log_every > 0, "train.log_every", "must be > 0");
+  need(lr > 0, "optim.lr", "must be > 0");
+  need(min_lr >= 0 && min_lr <= lr, "optim.min_lr", "must be in [0, optim.lr]");
+  need(beta1 >= 0 && beta1 < 1, "optim.beta1", "must be in [0, 1)");
+  need(beta2 >= 0 && beta2 < 1, "optim.beta2", "must be in [0, 1)");
+  need(eps > 0, "optim.eps", "must be > 0");
+  need(weight_decay >= 0, "optim.weight_decay", "must be >= 0");
+  need(clip >= 0, "optim.clip", "must be >= 0 (0: no clipping)");
+  need(warmup >= 0, "optim.warmup", "must be >= 0");
+  need(ckpt_every >= 0, "checkpoint.every", "must be >= 0");
+  need(ckpt_every == 0 || !ckpt_dir.empty(), "checkpoint.every", "needs checkpoint.dir");
+}
+
+expected<train_config> load_train_config(const std::string& path) {
+  train_config c;
+  toml::table doc;
+  try {
+    doc = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream os;
+    os << path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": "
+       << e.description();
+    return expected<train_config>::failure(os.str());
+  }
+  try {
+    for (const auto& [section, node] : doc) {
+      const auto* tbl = node.as_table();
+      if (tbl == nullptr) throw error("'" + std::string(section.str()) + "' must be a [section]");
+      for (const auto& [key, value] : *tbl) {
+        std::string name = std::string(section.str()) + "." + std::string(key.str());
+        auto it = setters().find(name);
+        if (it == setters().end()) throw error("unknown key '" + name + "'");
+        it->second(c, value, name);
+      }
+    }
+    c.validate();
+  } catch (const error& e) {
+    return expected<train_config>::failure(path + ": " + e.what());
+  }
+  return c;
+}
+
+}  // namespace troupe::models

@@ -1,0 +1,48 @@
+// train_config: everything a single-process training run is told, from a TOML job file and/or
+// command-line flags (flags win). Validated before anything starts; errors name the file and key
+// (or the flag).
+//
+//   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
+//   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
+//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, log_every
+//   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
+//   [checkpoint]  dir, every, resume
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "memory/error.hpp"
+
+namespace troupe::models {
+
+struct train_config {
+  // [model]
+  std::string model_hf;                  // an HF folder (config.json + safetensors)
+  std::string model_size = "gpt2-demo";  // a named size built from scratch
+  // [data]
+  std::string data_tokens;                              // a token file (models/text)
+  std::string data_text = "/usr/share/games/fortunes";  // byte-level text (file or folder)
+  // [train]
+  std::int64_t steps = 300, batch = 8, seq = 128, grad_accum = 1, log_every = 25;
+  std::uint64_t seed = 1337;
+  bool fixed_batch = false;
+  // [optim]
+  double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double clip = 1.0;
+  std::int64_t warmup = 30;
+  bool decay_exempt = false;  // exempt biases, norm weights and embeddings from weight decay
+  // [checkpoint]
+  std::string ckpt_dir;
+  std::int64_t ckpt_every = 0;  // 0: only at the end (when ckpt_dir is set)
+  std::string resume;           // a checkpoint folder written by troupe train
+
+  // Checks ranges and combinations; the message names the key as "section.key".
+  void validate() const;
+};
+
+// Reads a TOML job file over the defaults; unknown sections or keys, wrong types and bad values
+// are errors naming the file and "section.key".
+expected<train_config> load_train_config(const std::string& path);
+
+}  // namespace troupe::models

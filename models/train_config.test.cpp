@@ -1,0 +1,73 @@
+// Job files: values land in the config; every mistake names the file and the key.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "models/train_config.hpp"
+
+using namespace troupe::models;
+
+namespace {
+std::string write_job(const std::string& text) {
+  static int n = 0;
+  std::string path =
+      "/tmp/troupe_job_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".toml";
+  std::ofstream(path) << text;
+  return path;
+}
+}  // namespace
+
+TEST_CASE("a TOML job file sets the fields it names and keeps the defaults of the rest") {
+  auto path = write_job(R"(
+[model]
+size = "llama-tiny"
+[train]
+steps = 12
+batch = 4
+fixed_batch = true
+[optim]
+lr = 0.001
+decay_exempt = true
+[checkpoint]
+dir = "/tmp/ck"
+every = 5
+)");
+  auto c = load_train_config(path);
+  REQUIRE(c.has_value());
+  CHECK(c->model_size == "llama-tiny");
+  CHECK(c->steps == 12);
+  CHECK(c->batch == 4);
+  CHECK(c->fixed_batch);
+  CHECK(c->lr == Approx(0.001));
+  CHECK(c->decay_exempt);
+  CHECK(c->ckpt_every == 5);
+  CHECK(c->seq == train_config{}.seq);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("job file mistakes are errors naming the file and the key") {
+  struct bad_case {
+    const char* text;
+    const char* says;
+  };
+  for (auto [text, says] :
+       {bad_case{"[train]\nstepz = 3\n", "unknown key 'train.stepz'"},
+        bad_case{"[train]\nsteps = \"many\"\n", "train.steps must be an integer"},
+        bad_case{"[train]\nsteps = 0\n", "train.steps must be > 0"},
+        bad_case{"[optim]\nbeta2 = 1.5\n", "optim.beta2 must be in [0, 1)"},
+        bad_case{"[checkpoint]\nevery = 5\n", "checkpoint.every needs checkpoint.dir"},
+        bad_case{"steps = 3\n", "'steps' must be a [section]"}, bad_case{"[train\n", ".toml:"}}) {
+    auto path = write_job(text);
+    auto c = load_train_config(path);
+    INFO(text);
+    REQUIRE(!c.has_value());
+    CHECK_THAT(c.error_message(), Catch::Contains(says) && Catch::Contains(path));
+    std::remove(path.c_str());
+  }
+  auto missing = load_train_config("/no/such/job.toml");
+  REQUIRE(!missing.has_value());
+  CHECK_THAT(missing.error_message(), Catch::Contains("/no/such/job.toml"));
+}
