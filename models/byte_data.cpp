@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "memory/error.hpp"
+#include "models/text/batch_sampler.hpp"
 
 namespace troupe::models {
 namespace fs = std::filesystem;
@@ -23,12 +24,6 @@ void append_file(const fs::path& p, std::vector<std::uint8_t>& out) {
   }
 }
 
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 }  // namespace
 
 std::vector<std::uint8_t> read_text_corpus(const std::string& path) {
@@ -50,16 +45,8 @@ std::vector<std::uint8_t> read_text_corpus(const std::string& path) {
 
 void sample_batch(const std::vector<std::uint8_t>& corpus, std::uint64_t seed, std::uint64_t step,
                   int batch, int t, std::vector<std::int32_t>& ids) {
-  TROUPE_CHECK(batch > 0 && t > 0, "sample_batch: batch and sequence length must be positive");
-  TROUPE_CHECK(corpus.size() > static_cast<std::size_t>(t) + 1, "sample_batch: corpus of ",
-               corpus.size(), " bytes is shorter than a row of ", t + 1, " tokens");
-  ids.resize(static_cast<std::size_t>(batch) * (t + 1));
-  std::uint64_t span = corpus.size() - static_cast<std::size_t>(t) - 1;
-  for (int b = 0; b < batch; ++b) {
-    std::uint64_t r = splitmix64(splitmix64(seed) ^ splitmix64(step * 1315423911ull + b));
-    std::size_t start = r % span;
-    for (int i = 0; i <= t; ++i) ids[static_cast<std::size_t>(b) * (t + 1) + i] = corpus[start + i];
-  }
+  sample_batch_rows(std::span<const std::uint8_t>(corpus), "byte corpus", seed, step, batch, t,
+                    ids);
 }
 
 }  // namespace troupe::models

@@ -14,7 +14,8 @@ namespace troupe::models {
 std::vector<std::uint8_t> read_text_corpus(const std::string& path);
 
 // Fills ids[b*(t+1) ...] with batch rows of t+1 consecutive tokens (inputs are the first t, targets
-// the last t of each row) at offsets chosen by a splitmix64 stream of (seed, step, row).
+// the last t of each row) at offsets chosen by a splitmix64 stream of (seed, step, row): the
+// sampler of models/text/batch_sampler.hpp, shared with token files.
 void sample_batch(const std::vector<std::uint8_t>& corpus, std::uint64_t seed, std::uint64_t step,
                   int batch, int t, std::vector<std::int32_t>& ids);
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config ccache git clang-format
       libcaf-dev libucx-dev ucx-utils liburing-dev libboost-dev libopenblas-dev
-      catch2 libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libfmt-dev
+      catch2 libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libfmt-dev libsentencepiece-dev
       fortunes)  # fortunes: the English corpus of the demo
 missing=()
 for p in "${pkgs[@]}"; do
