@@ -14,7 +14,7 @@ gpt_block::gpt_block(const config& c)
     : ln_1({.dim = c.dim, .eps = c.ln_eps}),
       ln_2({.dim = c.dim, .eps = c.ln_eps}),
       attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
-      ff({.dim = c.dim, .hidden = 4 * c.dim}) {}
+      ff({.dim = c.dim, .hidden = c.hidden > 0 ? c.hidden : 4 * c.dim}) {}
 
 void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
   auto scope = s.enter(name);
@@ -33,6 +33,15 @@ void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
 }
 
 void gpt_block::forward(const tensor& x, const tensor& y) {
+  run(x, y, nullptr, 0);
+}
+
+void gpt_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
+                             std::int64_t start) {
+  run(x, y, &cache, start);
+}
+
+void gpt_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
   const shape& sz = x.sizes();
   auto v = [&](const tensor& planned, const char* what) {
     return planned_view(planned, sz, "gpt_block", what);
@@ -40,7 +49,10 @@ void gpt_block::forward(const tensor& x, const tensor& y) {
   tensor l1 = v(ln_1_out, "ln_1_out"), ao = v(attn_out, "attn_out"), r = v(resid, "resid");
   tensor l2 = v(ln_2_out, "ln_2_out"), fo = v(ff_out, "ff_out");
   ln_1.forward(x, l1);
-  attn.forward(l1, ao);
+  if (cache != nullptr)
+    attention_step(attn, l1, ao, *cache, start);
+  else
+    attn.forward(l1, ao);
   ops::add(x, ao, r);
   ln_2.forward(r, l2);
   ff.forward(l2, fo);
@@ -64,16 +76,22 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
       dims_(dims),
       wte_({.vocab = cfg.vocab, .dim = cfg.dim}),
       wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
-      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}) {
+      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}),
+      dtype_(t),
+      dev_(dev) {
   TROUPE_CHECK(cfg.vocab > 0 && cfg.dim > 0 && cfg.n_layer > 0 && cfg.n_head > 0 && cfg.max_seq > 0,
                "gpt: vocab, dim, n_layer, n_head and max_seq must be positive");
+  TROUPE_CHECK(cfg.hidden >= 0 && cfg.init_std >= 0 && cfg.ln_eps > 0,
+               "gpt: hidden (n_inner) and init_std must be >= 0 and ln_eps > 0, got ", cfg.hidden,
+               ", ", cfg.init_std, ", ", cfg.ln_eps);
   TROUPE_CHECK(cfg.dim % cfg.n_head == 0, "gpt: dim (", cfg.dim, ") must be a multiple of n_head (",
                cfg.n_head, ")");
   TROUPE_CHECK(dims.seq <= cfg.max_seq, "gpt: sequence length ", dims.seq, " exceeds max_seq ",
                cfg.max_seq);
   h_.reserve(cfg.n_layer);
   for (std::int64_t i = 0; i < cfg.n_layer; ++i)
-    h_.emplace_back(gpt_block::config{.dim = cfg.dim, .n_head = cfg.n_head, .ln_eps = cfg.ln_eps});
+    h_.emplace_back(gpt_block::config{
+        .dim = cfg.dim, .n_head = cfg.n_head, .ln_eps = cfg.ln_eps, .hidden = cfg.hidden});
   x_.resize(cfg.n_layer + 1);
 
   shape bt{dims.batch, dims.seq, cfg.dim};
@@ -102,7 +120,7 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
 
 void gpt::init_weights(std::uint64_t seed) {
   std::mt19937_64 gen(seed);
-  std::normal_distribution<double> normal(0.0, 0.02);
+  std::normal_distribution<double> normal(0.0, cfg_.init_std);
   const double resid_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer));
   for (const auto& s : slots_.slots()) {
     if (s.kind != slot_kind::param) continue;
@@ -181,6 +199,51 @@ void gpt::backward() {
   ops::fill(dpos, 0.0);
   for (std::int64_t b = 0; b < b_; ++b) ops::add(dpos, db.select(0, b), dpos);
   wpe_.backward(dpos);
+}
+
+void gpt::begin_generation(std::int64_t batch, std::int64_t capacity) {
+  if (capacity == 0) capacity = cfg_.max_seq;
+  TROUPE_CHECK(batch > 0 && batch <= dims_.batch, "gpt: generation batch ", batch,
+               " must be in 1..", dims_.batch, " (the planned batch)");
+  TROUPE_CHECK(capacity > 0 && capacity <= cfg_.max_seq, "gpt: generation capacity ", capacity,
+               " must be in 1..", cfg_.max_seq, " (max_seq)");
+  const auto& a = h_[0].attn.cfg;
+  kv_cache_dims d{
+      .batch = batch, .capacity = capacity, .n_kv_head = a.n_kv_head, .head_dim = a.head_dim};
+  if (cache_ && cache_->dims().batch == batch && cache_->dims().capacity == capacity) {
+    cache_->clear();
+    return;
+  }
+  cache_.reset();  // free the old cache before planning the new one
+  cache_ = std::make_unique<kv_cache>(cfg_.n_layer, d, dtype_, dev_);
+}
+
+tensor gpt::step_logits(const tensor& ids) {
+  TROUPE_CHECK(cache_ != nullptr, "gpt: step_logits called before begin_generation");
+  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "gpt: ids must be i32 [B, t], got ",
+               ids.describe());
+  std::int64_t b = ids.size(0), t = ids.size(1), start = cache_->length();
+  TROUPE_CHECK(b <= cache_->dims().batch && t <= dims_.seq, "gpt: step [", b, ", ", t,
+               "] exceeds the generation batch ", cache_->dims().batch, " or the planned seq ",
+               dims_.seq);
+  cache_->check_room(t, "gpt");
+  shape bt{b, t, cfg_.dim};
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
+  tensor pos = planned_view(pos_emb_, {t, cfg_.dim}, "gpt", "pos_emb");
+  wte_.forward(ids, x(0));
+  wpe_.forward(pos_ids_.narrow(0, start, t), pos);
+  for (std::int64_t r = 0; r < b; ++r) {
+    tensor xb = x(0).select(0, r);
+    ops::add(xb, pos, xb);
+  }
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
+    h_[i].forward_step(x(i), x(i + 1), cache_->layer(i), start);
+  tensor hf = planned_view(ln_f_out_, bt, "gpt", "ln_f_out");
+  ln_f_.forward(x(cfg_.n_layer), hf);
+  tensor out = planned_view(logits_, {b, cfg_.vocab}, "gpt", "logits");
+  ops::matmul(hf.select(1, t - 1), wte_.weight.transpose(0, 1), out);
+  cache_->advance(t);
+  return out;
 }
 
 }  // namespace troupe::models

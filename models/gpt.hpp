@@ -1,18 +1,32 @@
-// gpt: a GPT-2-shaped language model composed of the layers (pre-LN blocks, learned positions,
-// GELU-tanh MLP, tied head), with its memory planned before the first step.
+// gpt: a GPT-2 language model (HF GPT2LMHeadModel semantics) composed of the layers (pre-LN
+// blocks, learned positions, GELU-tanh MLP, tied head), with its memory planned before step 1.
 //
 //   x = wte[ids] + wpe[0..T-1]
 //   for each block: r = x + attn(ln_1(x)); x = r + mlp(ln_2(r))
 //   logits = ln_f(x) @ wte^T ; loss = mean cross-entropy(logits, targets)
 //
-// The model is plain: no rank logic. Parameters use the HF GPT-2 names (wte.weight,
-// h.0.ln_1.weight, h.0.attn.qkv_proj.weight, ...); note that the projection weights are [out, in]
-// as in torch nn.Linear (HF's Conv1D [in, out] layout is converted when checkpoints are loaded).
+// As in HF: LayerNorm eps layer_norm_epsilon (1e-5), attention scale 1/sqrt(D), causal softmax,
+// MLP width n_inner (default 4 C) with gelu_new, biases everywhere but the head. Dropout is not
+// modelled (HF's defaults are used for training, but its reference numbers are taken in eval mode
+// or with dropout 0).
+//
+// Loss: HF's `labels=input_ids` shifts internally (logits[:, :-1] against ids[:, 1:], mean over
+// B x (T-1)). Here targets are explicit: pass next_token_targets(ids) (models/targets.hpp), whose
+// last position is ignore_index -100, for exactly that loss.
+//
+// The model is plain: no rank logic. Parameter names follow HF GPT-2's structure with the layer
+// names of models/layers (wte.weight, wpe.weight, h.0.ln_1.weight, h.0.attn.qkv_proj.weight,
+// h.0.attn.o_proj.weight, h.0.mlp.fc.weight, h.0.mlp.proj.weight, ln_f.weight, ...; HF's c_attn,
+// c_proj, c_fc); the projection weights are [out, in] as in torch nn.Linear (HF's Conv1D [in, out]
+// layout is transposed when checkpoints are loaded). The fused qkv rows are q, then k, then v, as
+// in HF's c_attn columns.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
 #include "models/layers/cross_entropy.hpp"
 #include "models/layers/embedding.hpp"
@@ -28,7 +42,9 @@ struct gpt_config {
   std::int64_t dim = 64;
   std::int64_t n_layer = 2;
   std::int64_t n_head = 4;
-  double ln_eps = 1e-5;
+  double ln_eps = 1e-5;     // layer_norm_epsilon
+  std::int64_t hidden = 0;  // n_inner: the MLP width (0: 4 * dim)
+  double init_std = 0.02;   // initializer_range
 };
 
 // r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)), the pre-LN block of GPT-2 (with, as options,
@@ -38,6 +54,7 @@ struct gpt_block {
     std::int64_t dim = 0, n_head = 0, n_kv_head = 0;  // n_kv_head 0: same as n_head
     bool rope = false;
     double ln_eps = 1e-5;
+    std::int64_t hidden = 0;  // MLP width (0: 4 * dim)
   };
   layernorm ln_1, ln_2;
   attention attn;
@@ -49,6 +66,11 @@ struct gpt_block {
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
+  // forward for new positions start.. with the attention over a kv cache (models/kv_cache.hpp).
+  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
+
+ private:
+  void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
 };
 
 class gpt {
@@ -61,8 +83,9 @@ class gpt {
   const slot_list& slots() const { return slots_; }
   layer_memory& memory() { return mem_; }
 
-  // GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit norm weights, and the residual
-  // projections scaled by 1/sqrt(2 n_layer); deterministic in the seed.
+  // GPT-2 initialisation (GPT2PreTrainedModel._init_weights): N(0, init_std) weights and
+  // embeddings, zero biases, unit norm weights, and the residual projections (c_proj of attention
+  // and MLP) N(0, init_std / sqrt(2 n_layer)); deterministic in the seed.
   void init_weights(std::uint64_t seed);
 
   // ids, targets: i32 [B, T] on the model's device (T <= max_seq, B <= the planned batch).
@@ -72,6 +95,15 @@ class gpt {
   tensor logits() const { return logits_cur_; }
   // Accumulates d(loss)/d(params) into the gradients (zero them first with memory().zero_grads()).
   void backward();
+
+  // Incremental decoding with a kv cache. begin_generation plans a cache for `batch` sequences of
+  // up to `capacity` positions (0: max_seq) and empties it; step_logits runs new tokens ids
+  // [B, t] (i32, B <= batch, t <= the planned seq) at the next positions and returns the logits
+  // of the last one, [B, V] (valid until the next call). The prompt is one step, each sampled
+  // token another. Steps reuse the training activations: run forward again before backward.
+  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
+  tensor step_logits(const tensor& ids);
+  std::int64_t generated_length() const { return cache_ ? cache_->length() : 0; }
 
  private:
   gpt_config cfg_;
@@ -88,6 +120,9 @@ class gpt {
   std::int64_t b_ = 0, t_ = 0;
   slot_list slots_;
   layer_memory mem_;
+  std::unique_ptr<kv_cache> cache_;
+  dtype dtype_;
+  device dev_;
 };
 
 }  // namespace troupe::models

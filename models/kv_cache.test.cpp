@@ -1,0 +1,138 @@
+// Incremental decoding with a kv cache: for GPT-2 and Llama, the logits of the prompt step and of
+// every later one-token step equal the full forward's logits at that position (f64), and the
+// cache's bounds give clear errors.
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include "models/gpt.hpp"
+#include "models/layers/testing.hpp"
+#include "models/llama.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::testing;
+
+namespace {
+
+// Runs the full forward on ids [B, T], then the cached path: the first `prompt` positions as one
+// step, then chunks of `chunk` positions; every step's last-position logits must equal the full
+// forward's at that position. In f64 both paths do the same sums in (nearly) the same order:
+// 1e-10 relative to the largest logit leaves room only for reassociation.
+template <class Model>
+void check_cached_logits(Model& model, std::int64_t b, std::int64_t t, std::int64_t vocab,
+                         std::int64_t prompt, std::int64_t chunk, rng& g) {
+  std::vector<std::int32_t> in(b * t), tg(b * t, -100);
+  for (auto& v : in) v = static_cast<std::int32_t>(g.integer(0, vocab - 1));
+  tensor ids(in.data(), in.size() * 4, dtype::i32, {b, t});
+  tensor targets(tg.data(), tg.size() * 4, dtype::i32, {b, t});
+  model.forward(ids, targets);
+  std::vector<double> full = values(model.logits());  // [B*T, V]
+  double scale = 0;
+  for (double v : full) scale = std::max(scale, std::abs(v));
+  REQUIRE(scale > 0);
+
+  model.begin_generation(b);
+  std::int64_t pos = 0;
+  int steps = 0;
+  while (pos < t) {
+    std::int64_t n = pos == 0 ? prompt : std::min(chunk, t - pos);
+    // The new ids as their own contiguous [B, n] tensor, as a sampler would pass them.
+    std::vector<std::int32_t> step_ids(b * n);
+    for (std::int64_t r = 0; r < b; ++r)
+      for (std::int64_t i = 0; i < n; ++i) step_ids[r * n + i] = in[r * t + pos + i];
+    tensor sid(step_ids.data(), step_ids.size() * 4, dtype::i32, {b, n});
+    tensor out = model.step_logits(sid);
+    REQUIRE(out.sizes() == shape({b, vocab}));
+    pos += n;
+    ++steps;
+    CHECK(model.generated_length() == pos);
+    std::vector<double> got = values(out);
+    double worst = 0;
+    for (std::int64_t r = 0; r < b; ++r)
+      for (std::int64_t v = 0; v < vocab; ++v)
+        worst = std::max(worst, std::abs(got[r * vocab + v] - full[(r * t + pos - 1) * vocab + v]));
+    INFO("position " << pos - 1 << " (step " << steps << ")");
+    CHECK(worst <= 1e-10 * scale);
+  }
+  CHECK(steps == 1 + (t - prompt + chunk - 1) / chunk);
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 cached decoding gives the full forward's logits at every position", "[cpu]") {
+  gpt_config cfg{.vocab = 13, .max_seq = 12, .dim = 16, .n_layer = 2, .n_head = 4};
+  gpt model(cfg, {2, 10}, dtype::f64);
+  model.init_weights(1);
+  rng g(11);
+  randomize_params(model.slots(), g, 0.5);
+  check_cached_logits(model, 2, 10, cfg.vocab, 4, 1, g);
+  // Again on the same cache, with a one-token prompt and two-token chunks.
+  check_cached_logits(model, 2, 10, cfg.vocab, 1, 2, g);
+}
+
+TEST_CASE("Llama cached decoding gives the full forward's logits at every position", "[cpu]") {
+  for (bool tied : {false, true}) {
+    INFO("tie_embeddings " << tied);
+    llama_config cfg{.vocab = 13,
+                     .dim = 16,
+                     .n_layer = 2,
+                     .n_head = 4,
+                     .n_kv_head = 2,
+                     .hidden = 24,
+                     .rope_theta = 100.0,  // fast rotations: a wrong position offset shows
+                     .max_seq = 12,
+                     .tie_embeddings = tied,
+                     .attention_bias = tied};
+    llama model(cfg, {2, 10}, dtype::f64);
+    model.init_weights(2);
+    rng g(12);
+    randomize_params(model.slots(), g, 0.5);
+    check_cached_logits(model, 2, 10, cfg.vocab, 4, 1, g);
+    check_cached_logits(model, 2, 10, cfg.vocab, 3, 3, g);
+  }
+}
+
+TEST_CASE("Cached decoding in f32 agrees with f64", "[cpu]") {
+  llama_config cfg{.vocab = 13,
+                   .dim = 16,
+                   .n_layer = 2,
+                   .n_head = 4,
+                   .n_kv_head = 2,
+                   .hidden = 24,
+                   .max_seq = 12};
+  llama m32(cfg, {1, 8}), m64(cfg, {1, 8}, dtype::f64);
+  m32.init_weights(4);
+  m64.init_weights(4);  // the same f64 draws, rounded to f32 in m32
+  std::vector<std::int32_t> in = {3, 1, 4, 1, 5, 9, 2, 6};
+  m32.begin_generation(1);
+  m64.begin_generation(1);
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    tensor id(&in[i], 4, dtype::i32, {1, 1});
+    tensor a = m32.step_logits(id), b = m64.step_logits(id);
+    for (std::int64_t v = 0; v < cfg.vocab; ++v)  // logits are O(0.1): f32 noise is ~1e-7
+      CHECK(ptr<float>(a)[v] == Approx(ptr(b)[v]).margin(1e-5));
+  }
+}
+
+TEST_CASE("Cached decoding rejects steps past the cache and before begin_generation", "[cpu]") {
+  llama_config cfg{.vocab = 8, .dim = 8, .n_layer = 1, .n_head = 2, .hidden = 8, .max_seq = 6};
+  llama model(cfg, {2, 4});
+  model.init_weights(1);
+  std::vector<std::int32_t> in(8, 1);
+  tensor ids(in.data(), 32, dtype::i32, {2, 4});
+  REQUIRE_THROWS_WITH(model.step_logits(ids), Catch::Contains("before begin_generation"));
+  REQUIRE_THROWS_WITH(model.begin_generation(3), Catch::Contains("planned batch"));
+  REQUIRE_THROWS_WITH(model.begin_generation(1, 7), Catch::Contains("max_seq"));
+  model.begin_generation(2);
+  model.step_logits(ids);
+  REQUIRE_THROWS_WITH(model.step_logits(ids), Catch::Contains("exceed the cache capacity 6"));
+  tensor two(in.data(), 16, dtype::i32, {2, 2});
+  model.step_logits(two);  // fills it exactly
+  CHECK(model.generated_length() == 6);
+
+  gpt g({.vocab = 8, .max_seq = 6, .dim = 8, .n_layer = 1, .n_head = 2}, {2, 4});
+  g.begin_generation(2, 5);
+  g.step_logits(ids);
+  REQUIRE_THROWS_WITH(g.step_logits(ids), Catch::Contains("exceed the cache capacity 5"));
+}
