@@ -15,5 +15,6 @@ using command_fn = std::function<int()>;
 
 command_fn add_bench_command(CLI::App& app);  // troupe bench ...   (apps/cmd_bench.cpp)
 command_fn add_train_command(CLI::App& app);  // troupe train ...   (apps/cmd_train.cpp)
+command_fn add_tokenize_command(CLI::App& app);  // troupe tokenize ...  (apps/cmd_tokenize.cpp)
 
 }  // namespace troupe::apps

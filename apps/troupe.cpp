@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   std::vector<troupe::apps::command_fn> commands;
   commands.push_back(troupe::apps::add_train_command(app));
   commands.push_back(troupe::apps::add_bench_command(app));
+  commands.push_back(troupe::apps::add_tokenize_command(app));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
