@@ -1,0 +1,67 @@
+// checkpoint: loading and saving a model's parameters as an HF model folder.
+//
+// A folder holds `config.json` and either `model.safetensors` or shards
+// `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` (whose "weight_map" names
+// the shard of every tensor). Loading is generic over a name_map (name_map.hpp) and fills the
+// parameter slots of a model's slot_list, whatever their dtype (f32 or f64) and device: tensors
+// are read from the mapped file, converted from F32/BF16/F16/F64 and transposed where the map
+// says, on the host, then copied to the parameter. Before anything is written into the model the
+// whole folder is checked: every tensor of the map present (tied ones excepted), no tensor the
+// map does not know (buffers the map lists as ignorable excepted), shapes as the config implies,
+// the index and its shards consistent. Errors name the file and the tensor.
+//
+// Saving writes F32 (or BF16/F16), one file or shards of at most max_shard_bytes, never the tied
+// tensors, with HF's names and layouts; every file is written to `<name>.tmp`, synced and renamed
+// (shards all finished before any is renamed, the index last), and weight files of an earlier
+// save that the new one does not use are removed. Typical use:
+//
+//   auto cfg = hf::read_config(folder).value();             // -> build the model from it
+//   hf::load_weights(folder, cfg, model.slots()).value();
+//   hf::save_checkpoint(out, cfg, model.slots(), {.weights = dtype::bf16}).value();
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <vector>
+
+#include "memory/error.hpp"
+#include "models/hf/config.hpp"
+#include "models/hf/name_map.hpp"
+#include "models/layers/slots.hpp"
+#include "tensor/dtype.hpp"
+
+namespace troupe::models::hf {
+
+struct save_options {
+  dtype weights = dtype::f32;  // dtype on disk: f32, bf16, f16 (or f64)
+  // 0: one model.safetensors. Otherwise shards holding at most this many tensor bytes each (a
+  // tensor larger than the limit gets a shard of its own), plus model.safetensors.index.json.
+  std::uint64_t max_shard_bytes = 0;
+};
+
+// Loads the weights of `folder` into the parameter slots (bound by a layer_memory). Returns the
+// weight files read.
+expected<std::vector<std::filesystem::path>> load_weights(const std::filesystem::path& folder,
+                                                          const name_map& map,
+                                                          const slot_list& slots);
+expected<std::vector<std::filesystem::path>> load_weights(const std::filesystem::path& folder,
+                                                          const model_config& cfg,
+                                                          const slot_list& slots);
+
+// Writes the weight files of the parameter slots into `folder` (which must exist). Returns the
+// files written (shards, then the index).
+expected<std::vector<std::filesystem::path>> save_weights(const std::filesystem::path& folder,
+                                                          const name_map& map,
+                                                          const slot_list& slots,
+                                                          const save_options& opt = {});
+
+// Creates `folder` if needed and writes the weights, then config.json. Returns the files written.
+expected<std::vector<std::filesystem::path>> save_checkpoint(const std::filesystem::path& folder,
+                                                             const model_config& cfg,
+                                                             const slot_list& slots,
+                                                             const save_options& opt = {});
+
+// The shard file name HF uses: "model-00002-of-00005.safetensors".
+std::string shard_file_name(int index, int count);
+
+}  // namespace troupe::models::hf

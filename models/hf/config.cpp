@@ -1,0 +1,245 @@
+// Parsing and writing HF config.json for GPT-2 and Llama (see config.hpp).
+#include "models/hf/config.hpp"
+
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "models/hf/file_io.hpp"
+
+namespace troupe::models::hf {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+// Reads typed fields of one config object; every error names the file and the field.
+class field_reader {
+ public:
+  field_reader(const json& j, std::string origin) : j_(j), origin_(std::move(origin)) {}
+
+  bool present(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
+
+  std::int64_t integer(const char* key, std::optional<std::int64_t> def = std::nullopt) const {
+    if (!present(key)) return required(key, def);
+    const json& v = j_[key];
+    if (!v.is_number_integer()) wrong_type(key, "an integer", v);
+    return v.get<std::int64_t>();
+  }
+  std::int64_t positive(const char* key, std::optional<std::int64_t> def = std::nullopt) const {
+    std::int64_t v = integer(key, def);
+    if (v <= 0) bad(key, "must be positive, got " + std::to_string(v));
+    return v;
+  }
+  double number(const char* key, std::optional<double> def = std::nullopt) const {
+    if (!present(key)) return required(key, def);
+    const json& v = j_[key];
+    if (!v.is_number()) wrong_type(key, "a number", v);
+    return v.get<double>();
+  }
+  double positive_number(const char* key, std::optional<double> def = std::nullopt) const {
+    double v = number(key, def);
+    if (!(v > 0)) bad(key, "must be positive, got " + j_.value(key, json(v)).dump());
+    return v;
+  }
+  bool boolean(const char* key, bool def) const {
+    if (!present(key)) return def;
+    const json& v = j_[key];
+    if (!v.is_boolean()) wrong_type(key, "true or false", v);
+    return v.get<bool>();
+  }
+  std::string string(const char* key, const char* def) const {
+    if (!present(key)) return def;
+    const json& v = j_[key];
+    if (!v.is_string()) wrong_type(key, "a string", v);
+    return v.get<std::string>();
+  }
+
+  [[noreturn]] void bad(const char* key, const std::string& what) const {
+    fail(origin_, ": field '", key, "' ", what);
+  }
+
+ private:
+  template <class T>
+  T required(const char* key, std::optional<T> def) const {
+    if (!def) fail(origin_, ": field '", key, "' is missing");
+    return *def;
+  }
+  [[noreturn]] void wrong_type(const char* key, const char* want, const json& v) const {
+    bad(key, std::string("must be ") + want + ", got " + v.dump());
+  }
+
+  const json& j_;
+  std::string origin_;
+};
+
+gpt2_config parse_gpt2(const json& j, const field_reader& r) {
+  gpt2_config c;
+  c.vocab_size = r.positive("vocab_size");
+  c.n_positions = r.positive("n_positions");
+  c.n_embd = r.positive("n_embd");
+  c.n_layer = r.positive("n_layer");
+  c.n_head = r.positive("n_head");
+  c.layer_norm_epsilon = r.positive_number("layer_norm_epsilon", 1e-5);
+  c.activation_function = r.string("activation_function", "gelu_new");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", true);
+  if (c.activation_function != "gelu_new")
+    r.bad("activation_function", "is '" + c.activation_function + "'; only gelu_new is supported");
+  if (c.n_embd % c.n_head != 0)
+    r.bad("n_embd", "(" + std::to_string(c.n_embd) + ") must be a multiple of n_head (" +
+                        std::to_string(c.n_head) + ")");
+  if (r.present("n_inner") && r.integer("n_inner") != c.n_inner())
+    r.bad("n_inner", "must be null or 4 * n_embd (" + std::to_string(c.n_inner()) + ")");
+  if (!c.tie_word_embeddings) r.bad("tie_word_embeddings", "is false; GPT-2 needs a tied head");
+  if (!r.boolean("scale_attn_weights", true))
+    r.bad("scale_attn_weights", "is false, which is not supported");
+  if (r.boolean("scale_attn_by_inverse_layer_idx", false))
+    r.bad("scale_attn_by_inverse_layer_idx", "is true, which is not supported");
+  c.source_json = j.dump();
+  return c;
+}
+
+llama_config parse_llama(const json& j, const field_reader& r) {
+  llama_config c;
+  c.vocab_size = r.positive("vocab_size");
+  c.hidden_size = r.positive("hidden_size");
+  c.intermediate_size = r.positive("intermediate_size");
+  c.num_hidden_layers = r.positive("num_hidden_layers");
+  c.num_attention_heads = r.positive("num_attention_heads");
+  c.num_key_value_heads = r.positive("num_key_value_heads", c.num_attention_heads);
+  c.max_position_embeddings = r.positive("max_position_embeddings");
+  c.rms_norm_eps = r.positive_number("rms_norm_eps");
+  c.rope_theta = r.positive_number("rope_theta", 10000.0);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.attention_bias = r.boolean("attention_bias", false);
+  c.hidden_act = r.string("hidden_act", "silu");
+  if (c.hidden_act != "silu")
+    r.bad("hidden_act", "is '" + c.hidden_act + "'; only silu is supported");
+  if (r.present("rope_scaling"))
+    r.bad("rope_scaling", "is set (" + j["rope_scaling"].dump() +
+                              "); RoPE scaling is not supported (it must be null or absent)");
+  if (r.boolean("mlp_bias", false)) r.bad("mlp_bias", "is true, which is not supported");
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    r.bad("num_key_value_heads", "(" + std::to_string(c.num_key_value_heads) +
+                                     ") must divide num_attention_heads (" +
+                                     std::to_string(c.num_attention_heads) + ")");
+  if (!r.present("head_dim") && c.hidden_size % c.num_attention_heads != 0)
+    r.bad("hidden_size", "(" + std::to_string(c.hidden_size) +
+                             ") must be a multiple of num_attention_heads when head_dim is absent");
+  c.head_dim = r.positive("head_dim", c.hidden_size / c.num_attention_heads);
+  if (c.head_dim % 2 != 0) r.bad("head_dim", "must be even for RoPE");
+  c.source_json = j.dump();
+  return c;
+}
+
+std::string_view torch_dtype_name(dtype t) {
+  switch (t) {
+    case dtype::f64:
+      return "float64";
+    case dtype::bf16:
+      return "bfloat16";
+    case dtype::f16:
+      return "float16";
+    default:
+      return "float32";
+  }
+}
+
+json source_object(const std::string& source) {
+  if (source.empty()) return json::object();
+  json j = json::parse(source, nullptr, false);
+  return j.is_object() ? j : json::object();
+}
+
+}  // namespace
+
+expected<model_config> parse_config(std::string_view text, std::string_view origin) {
+  return as_expected([&]() -> model_config {
+    const std::string where = "config '" + std::string(origin) + "'";
+    json j;
+    try {
+      j = json::parse(text);
+    } catch (const json::exception& e) {
+      fail(where, ": not valid JSON (", e.what(), ")");
+    }
+    if (!j.is_object()) fail(where, ": not a JSON object");
+    field_reader r(j, where);
+    const std::string type = r.string("model_type", "");
+    if (type.empty()) fail(where, ": field 'model_type' is missing");
+    if (type == "gpt2") return parse_gpt2(j, r);
+    if (type == "llama") return parse_llama(j, r);
+    r.bad("model_type", "is '" + type + "'; supported: gpt2, llama");
+  });
+}
+
+expected<model_config> read_config(const fs::path& path) {
+  fs::path file = fs::is_directory(path) ? path / "config.json" : path;
+  std::string text;
+  try {
+    text = read_text_file(file);
+  } catch (const troupe::error& e) {
+    return expected<model_config>::failure(e.what());
+  }
+  return parse_config(text, file.string());
+}
+
+std::string config_json(const model_config& cfg, dtype weights) {
+  json j;
+  if (const auto* g = std::get_if<gpt2_config>(&cfg)) {
+    j = source_object(g->source_json);
+    j["model_type"] = "gpt2";
+    j["architectures"] = {"GPT2LMHeadModel"};
+    j["vocab_size"] = g->vocab_size;
+    j["n_positions"] = g->n_positions;
+    j["n_ctx"] = g->n_positions;
+    j["n_embd"] = g->n_embd;
+    j["n_layer"] = g->n_layer;
+    j["n_head"] = g->n_head;
+    j["n_inner"] = nullptr;
+    j["layer_norm_epsilon"] = g->layer_norm_epsilon;
+    j["activation_function"] = g->activation_function;
+    j["tie_word_embeddings"] = g->tie_word_embeddings;
+  } else {
+    const auto& l = std::get<llama_config>(cfg);
+    j = source_object(l.source_json);
+    j["model_type"] = "llama";
+    j["architectures"] = {"LlamaForCausalLM"};
+    j["vocab_size"] = l.vocab_size;
+    j["hidden_size"] = l.hidden_size;
+    j["intermediate_size"] = l.intermediate_size;
+    j["num_hidden_layers"] = l.num_hidden_layers;
+    j["num_attention_heads"] = l.num_attention_heads;
+    j["num_key_value_heads"] = l.num_key_value_heads;
+    j["head_dim"] = l.head_dim;
+    j["max_position_embeddings"] = l.max_position_embeddings;
+    j["rms_norm_eps"] = l.rms_norm_eps;
+    j["rope_theta"] = l.rope_theta;
+    j["rope_scaling"] = nullptr;
+    j["tie_word_embeddings"] = l.tie_word_embeddings;
+    j["attention_bias"] = l.attention_bias;
+    j["mlp_bias"] = false;
+    j["hidden_act"] = l.hidden_act;
+  }
+  j["torch_dtype"] = torch_dtype_name(weights);
+  return j.dump(2) + "\n";
+}
+
+expected<fs::path> write_config(const fs::path& folder, const model_config& cfg, dtype weights) {
+  return as_expected([&] {
+    fs::path file = folder / "config.json";
+    write_text_file_atomically(file, config_json(cfg, weights));
+    return file;
+  });
+}
+
+gpt_config to_gpt_config(const gpt2_config& c) {
+  return {.vocab = c.vocab_size,
+          .max_seq = c.n_positions,
+          .dim = c.n_embd,
+          .n_layer = c.n_layer,
+          .n_head = c.n_head,
+          .ln_eps = c.layer_norm_epsilon};
+}
+
+}  // namespace troupe::models::hf

@@ -1,0 +1,73 @@
+// config: the HF `config.json` of a GPT-2 or Llama model, parsed into plain structs and written
+// back.
+//
+// Parsing is strict where the numbers shape the model and follows HF's defaults elsewhere: the
+// fields that fix a tensor shape are required; a field of the wrong JSON type, a value out of
+// range, or a feature this runtime does not implement (another activation, rope_scaling, ...) is
+// an error naming the file and the field. The original JSON object is kept, so that writing the
+// config back preserves the fields troupe does not read (token ids, torch_dtype, ...).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <variant>
+
+#include "memory/error.hpp"
+#include "models/gpt.hpp"
+#include "tensor/dtype.hpp"
+
+namespace troupe::models::hf {
+
+// GPT2LMHeadModel (model_type "gpt2").
+struct gpt2_config {
+  std::int64_t vocab_size = 50257;
+  std::int64_t n_positions = 1024;
+  std::int64_t n_embd = 768;
+  std::int64_t n_layer = 12;
+  std::int64_t n_head = 12;
+  double layer_norm_epsilon = 1e-5;
+  std::string activation_function = "gelu_new";  // the only one supported
+  bool tie_word_embeddings = true;               // only tied heads are supported
+  std::string source_json = "";                  // the parsed object ("" when built in code)
+
+  std::int64_t n_inner() const { return 4 * n_embd; }
+};
+
+// LlamaForCausalLM (model_type "llama").
+struct llama_config {
+  std::int64_t vocab_size = 32000;
+  std::int64_t hidden_size = 4096;
+  std::int64_t intermediate_size = 11008;
+  std::int64_t num_hidden_layers = 32;
+  std::int64_t num_attention_heads = 32;
+  std::int64_t num_key_value_heads = 32;
+  std::int64_t head_dim = 128;  // hidden_size / num_attention_heads unless given
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  std::string hidden_act = "silu";  // the only one supported
+  std::string source_json = "";
+};
+
+using model_config = std::variant<gpt2_config, llama_config>;
+
+// Parses config.json text; `origin` names the file in errors.
+expected<model_config> parse_config(std::string_view text, std::string_view origin);
+// Reads and parses a config.json file (or `<folder>/config.json` when given a folder).
+expected<model_config> read_config(const std::filesystem::path& path);
+
+// The JSON text of a config: the source object (if any) with troupe's fields written over it,
+// plus model_type, architectures and torch_dtype (from `weights`: the dtype saved on disk).
+std::string config_json(const model_config& cfg, dtype weights = dtype::f32);
+// Writes `<folder>/config.json` atomically.
+expected<std::filesystem::path> write_config(const std::filesystem::path& folder,
+                                             const model_config& cfg, dtype weights = dtype::f32);
+
+// The model's own config (models/gpt.hpp) of an HF GPT-2 config.
+gpt_config to_gpt_config(const gpt2_config& c);
+
+}  // namespace troupe::models::hf

@@ -1,0 +1,95 @@
+// The GPT-2 and Llama name maps (see name_map.hpp).
+#include "models/hf/name_map.hpp"
+
+namespace troupe::models::hf {
+
+const name_map_entry* name_map::find_hf(std::string_view hf_name) const {
+  for (const auto& e : entries)
+    if (e.hf_name == hf_name) return &e;
+  return nullptr;
+}
+
+const name_map_entry* name_map::match(std::string_view file_name) const {
+  if (const auto* e = find_hf(file_name)) return e;
+  if (!optional_prefix.empty() && !file_name.starts_with(optional_prefix))
+    return find_hf(optional_prefix + std::string(file_name));
+  return nullptr;
+}
+
+bool name_map::ignorable(std::string_view file_name) const {
+  for (const auto& s : ignorable_suffixes)
+    if (file_name.ends_with(s)) return true;
+  return false;
+}
+
+name_map gpt2_name_map(const gpt2_config& c) {
+  const std::int64_t d = c.n_embd, v = c.vocab_size, f = c.n_inner();
+  name_map m;
+  m.optional_prefix = "transformer.";
+  m.ignorable_suffixes = {".attn.bias", ".attn.masked_bias"};
+  auto add = [&](std::string hf, std::string ours, shape s, bool transpose = false) {
+    m.entries.push_back({"transformer." + hf, std::move(ours), s, transpose, false});
+  };
+  add("wte.weight", "wte.weight", {v, d});
+  add("wpe.weight", "wpe.weight", {c.n_positions, d});
+  for (std::int64_t i = 0; i < c.n_layer; ++i) {
+    const std::string h = "h." + std::to_string(i) + ".";
+    for (const char* ln : {"ln_1", "ln_2"}) {
+      add(h + ln + ".weight", h + ln + ".weight", {d});
+      add(h + ln + ".bias", h + ln + ".bias", {d});
+    }
+    add(h + "attn.c_attn.weight", h + "attn.qkv_proj.weight", {d, 3 * d}, true);
+    add(h + "attn.c_attn.bias", h + "attn.qkv_proj.bias", {3 * d});
+    add(h + "attn.c_proj.weight", h + "attn.o_proj.weight", {d, d}, true);
+    add(h + "attn.c_proj.bias", h + "attn.o_proj.bias", {d});
+    add(h + "mlp.c_fc.weight", h + "mlp.fc.weight", {d, f}, true);
+    add(h + "mlp.c_fc.bias", h + "mlp.fc.bias", {f});
+    add(h + "mlp.c_proj.weight", h + "mlp.proj.weight", {f, d}, true);
+    add(h + "mlp.c_proj.bias", h + "mlp.proj.bias", {d});
+  }
+  add("ln_f.weight", "ln_f.weight", {d});
+  add("ln_f.bias", "ln_f.bias", {d});
+  m.entries.push_back({"lm_head.weight", "wte.weight", {v, d}, false, true});
+  return m;
+}
+
+name_map llama_name_map(const llama_config& c) {
+  const std::int64_t h = c.hidden_size, v = c.vocab_size, ff = c.intermediate_size;
+  const std::int64_t q = c.num_attention_heads * c.head_dim;
+  const std::int64_t kv = c.num_key_value_heads * c.head_dim;
+  name_map m;
+  m.ignorable_suffixes = {".rotary_emb.inv_freq"};
+  auto add = [&](const std::string& ours, shape s) {
+    m.entries.push_back({"model." + ours, ours, s, false, false});
+  };
+  add("embed_tokens.weight", {v, h});
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    add(l + "input_layernorm.weight", {h});
+    const struct {
+      const char* name;
+      std::int64_t out, in;
+    } projections[] = {{"q_proj", q, h}, {"k_proj", kv, h}, {"v_proj", kv, h}, {"o_proj", h, q}};
+    for (const auto& p : projections) {
+      add(l + "self_attn." + p.name + ".weight", {p.out, p.in});
+      if (c.attention_bias) add(l + "self_attn." + p.name + ".bias", {p.out});
+    }
+    add(l + "post_attention_layernorm.weight", {h});
+    add(l + "mlp.gate_proj.weight", {ff, h});
+    add(l + "mlp.up_proj.weight", {ff, h});
+    add(l + "mlp.down_proj.weight", {h, ff});
+  }
+  add("norm.weight", {h});
+  if (c.tie_word_embeddings)
+    m.entries.push_back({"lm_head.weight", "embed_tokens.weight", {v, h}, false, true});
+  else
+    m.entries.push_back({"lm_head.weight", "lm_head.weight", {v, h}, false, false});
+  return m;
+}
+
+name_map name_map_for(const model_config& c) {
+  if (const auto* g = std::get_if<gpt2_config>(&c)) return gpt2_name_map(*g);
+  return llama_name_map(std::get<llama_config>(c));
+}
+
+}  // namespace troupe::models::hf

@@ -1,0 +1,138 @@
+// Saving and loading the optimizer moments and step counts (see training_state.hpp).
+#include "models/hf/training_state.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "models/hf/file_io.hpp"
+#include "models/hf/safetensors.hpp"
+
+namespace troupe::models::hf {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr const char* optimizer_file = "optimizer.safetensors";
+constexpr const char* state_file = "trainer_state.json";
+constexpr const char* format_name = "troupe-trainer-state";
+constexpr std::int64_t format_version = 1;
+
+json shape_json(const shape& s) {
+  json j = json::array();
+  for (auto d : s) j.push_back(d);
+  return j;
+}
+
+json describe_moment(const tensor& t) {
+  return {{"dtype", safetensors_dtype_name(t.type())}, {"shape", shape_json(t.sizes())}};
+}
+
+std::int64_t count_field(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<std::int64_t>() < 0)
+    fail(where, ": field '", key, "' must be a non-negative integer",
+         j.contains(key) ? ", got " + j[key].dump() : std::string(" (missing)"));
+  return j[key].get<std::int64_t>();
+}
+
+// Checks one moment of the file against the model's and against trainer_state.json, then loads it.
+void load_moment(const safetensors_file& f, const char* name, const tensor& dst, const json& state,
+                 const std::string& state_where) {
+  const safetensors_entry* e = f.find(name);
+  const std::string where = in_quotes(f.path().string()) + ", tensor " + in_quotes(name);
+  if (e == nullptr) fail("'", f.path().string(), "' has no tensor '", name, "'");
+  if (!is_floating(e->type))
+    fail(where, ": dtype ", safetensors_dtype_name(e->type), " cannot hold optimizer moments");
+  if (!(e->sizes == dst.sizes()))
+    fail(where, ": shape ", e->sizes.str(), " but the model's optimizer state is ",
+         dst.sizes().str(), " (a checkpoint of another model?)");
+  if (!state.contains(name) || !state[name].is_object() || !state[name].contains("shape"))
+    fail(state_where, ": field '", name, "' must describe the moment (dtype, shape)");
+  if (state[name]["shape"] != shape_json(e->sizes))
+    fail(state_where, ": field '", name, "' gives shape ", state[name]["shape"].dump(), " but '",
+         f.path().string(), "' holds ", e->sizes.str());
+  read_into(*e, dst);
+}
+
+}  // namespace
+
+expected<std::vector<fs::path>> save_training_state(const fs::path& folder,
+                                                    const training_state& state, const tensor& m,
+                                                    const tensor& v) {
+  return as_expected([&] {
+    json extra = json::parse(state.extra_json, nullptr, false);
+    if (extra.is_discarded() || !extra.is_object())
+      fail("save_training_state: extra_json must be a JSON object, got '", state.extra_json, "'");
+    if (state.step < 0 || state.optimizer_steps < 0)
+      fail("save_training_state: step counts must be non-negative");
+    owned_tensor host_m, host_v;
+    auto host = [](const tensor& t, owned_tensor& storage) -> tensor {
+      if (t.is_cpu() && t.is_contiguous()) return t;
+      storage = to_device(t, device::cpu());
+      return storage;
+    };
+    const tensor hm = host(m, host_m), hv = host(v, host_v);
+
+    atomic_file opt =
+        write_safetensors(folder / optimizer_file, {{"m", hm}, {"v", hv}},
+                          {{"format", format_name}, {"step", std::to_string(state.step)}});
+    json j;
+    j["format"] = format_name;
+    j["format_version"] = format_version;
+    j["step"] = state.step;
+    j["optimizer_steps"] = state.optimizer_steps;
+    j["m"] = describe_moment(hm);
+    j["v"] = describe_moment(hv);
+    j["extra"] = extra;
+    atomic_file st(folder / state_file);
+    st.write(j.dump(2) + "\n");
+    st.finish();
+    opt.commit();
+    st.commit();
+    return std::vector<fs::path>{opt.path(), st.path()};
+  });
+}
+
+expected<training_state> load_training_state(const fs::path& folder, const tensor& m,
+                                             const tensor& v) {
+  return as_expected([&] {
+    const fs::path state_path = folder / state_file;
+    const std::string where = in_quotes(state_path.string());
+    json j;
+    try {
+      j = json::parse(read_text_file(state_path));
+    } catch (const json::exception& e) {
+      fail(where, ": not valid JSON (", e.what(), ")");
+    }
+    if (!j.is_object()) fail(where, ": not a JSON object");
+    if (!j.contains("format") || j["format"] != format_name)
+      fail(where, ": field 'format' must be \"", format_name, "\"");
+    if (count_field(j, "format_version", where) != format_version)
+      fail(where, ": format_version ", j["format_version"].dump(), " is not supported (this build ",
+           "reads version ", format_version, ")");
+    training_state s;
+    s.step = count_field(j, "step", where);
+    s.optimizer_steps = count_field(j, "optimizer_steps", where);
+    if (j.contains("extra")) {
+      if (!j["extra"].is_object()) fail(where, ": field 'extra' must be a JSON object");
+      s.extra_json = j["extra"].dump();
+    }
+
+    auto opened = safetensors_file::open(folder / optimizer_file);
+    if (!opened) fail(opened.error_message());
+    const safetensors_file& f = *opened;
+    auto saved_step = f.metadata().find("step");
+    if (saved_step == f.metadata().end() || saved_step->second != std::to_string(s.step))
+      fail("'", f.path().string(), "' is from step ",
+           saved_step == f.metadata().end() ? std::string("?") : saved_step->second, " but ", where,
+           " is from step ", s.step, " (an interrupted save?)");
+    for (const auto& e : f.tensors())
+      if (e.name != "m" && e.name != "v")
+        fail("'", f.path().string(), "' holds an unexpected tensor '", e.name, "'");
+    load_moment(f, "m", m, j, where);
+    load_moment(f, "v", v, j, where);
+    return s;
+  });
+}
+
+}  // namespace troupe::models::hf

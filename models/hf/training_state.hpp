@@ -1,0 +1,44 @@
+// training_state: what a run needs beside the weights to resume exactly.
+//
+// Two files in the checkpoint folder: `optimizer.safetensors` holds the AdamW moments m and v as
+// flat tensors (in their own dtype, so a resumed run continues bit for bit), and
+// `trainer_state.json` the step counts, the moments' shapes and a JSON object of the caller's own
+// (RNG state, data position, loss scale, ...):
+//
+//   {"format": "troupe-trainer-state", "format_version": 1, "step": 1200, "optimizer_steps": 1198,
+//    "m": {"dtype": "F32", "shape": [124475904]}, "v": {...}, "extra": {"seed": 1}}
+//
+// Both files are written atomically, optimizer.safetensors first; its metadata repeats the step,
+// so loading detects a pair torn by a crash between the two renames. Loading checks the moments
+// against the model's (the tensors m and v passed in) and reports the file at fault.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "memory/error.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models::hf {
+
+struct training_state {
+  std::int64_t step = 0;             // training steps completed
+  std::int64_t optimizer_steps = 0;  // AdamW updates applied (bias correction; may lag `step`
+                                     // when f16 loss scaling skipped steps)
+  std::string extra_json = "{}";     // a JSON object of the caller's own
+};
+
+// Writes optimizer.safetensors (m, v: any device) and trainer_state.json into `folder` (which must
+// exist). Returns the files written.
+expected<std::vector<std::filesystem::path>> save_training_state(
+    const std::filesystem::path& folder, const training_state& state, const tensor& m,
+    const tensor& v);
+
+// Reads both files of `folder`, checks them against each other and against m and v (the shapes of
+// the model's moments), fills m and v, and returns the state.
+expected<training_state> load_training_state(const std::filesystem::path& folder, const tensor& m,
+                                             const tensor& v);
+
+}  // namespace troupe::models::hf
