@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "memory/gpu.hpp"
 #include "models/gpt.hpp"
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
@@ -131,8 +132,11 @@ hf_name llama_name(const std::string& ours) {
   return h;
 }
 
-// A parameter of ours as f64 in HF's layout.
-std::vector<double> in_hf_layout(const tensor& t, bool transposed) {
+// A tensor of ours (on any device) as f64 in HF's layout.
+std::vector<double> in_hf_layout(const tensor& t_any, bool transposed) {
+  owned_tensor host;
+  if (!t_any.is_cpu()) host = to_device(t_any, device::cpu());
+  const tensor& t = t_any.is_cpu() ? t_any : host.view();
   std::vector<double> v(t.numel());
   auto get = [&](std::int64_t i) {
     return t.type() == dtype::f32 ? static_cast<double>(ptr<float>(t)[i]) : ptr(t)[i];
@@ -147,8 +151,11 @@ std::vector<double> in_hf_layout(const tensor& t, bool transposed) {
   return v;
 }
 
-void load_param(const tensor& field, const st_tensor& src, bool transposed) {
-  REQUIRE(static_cast<std::int64_t>(src.data.size()) == field.numel());
+void load_param(const tensor& field_any, const st_tensor& src, bool transposed) {
+  REQUIRE(static_cast<std::int64_t>(src.data.size()) == field_any.numel());
+  owned_tensor host;
+  if (!field_any.is_cpu()) host = empty(field_any.sizes(), field_any.type());
+  const tensor& field = field_any.is_cpu() ? field_any : host.view();
   std::int64_t rows = field.dim() == 2 ? field.size(0) : 1, cols = field.numel() / rows;
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = 0; c < cols; ++c) {
@@ -158,6 +165,7 @@ void load_param(const tensor& field, const st_tensor& src, bool transposed) {
       else
         ptr(field)[r * cols + c] = x;
     }
+  if (!field_any.is_cpu()) ops::copy(to_device(host, field_any.dev()), field_any);
 }
 
 // max |a - b| / max |b|: the error relative to the tensor's scale.
@@ -241,13 +249,22 @@ void load_weights(Model& model, const fixture& f, hf_name (*map)(const std::stri
   CHECK(used == f.weights.size());  // no tensor of the file left unused
 }
 
-// Forward (f32 and f64), backward and 10 AdamW steps against the fixture.
+// Forward (f32, and f64 on the CPU), backward and 10 AdamW steps against the fixture.
 template <class Model, class Config>
-void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::string&)) {
-  tensor ids(const_cast<std::int32_t*>(f.ids.data()), f.ids.size() * 4, dtype::i32, {f.b, f.t});
-  tensor targets(const_cast<std::int32_t*>(f.targets.data()), f.targets.size() * 4, dtype::i32,
-                 {f.b, f.t});
-  {
+void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::string&),
+                 device dev = device::cpu()) {
+  tensor ids_host(const_cast<std::int32_t*>(f.ids.data()), f.ids.size() * 4, dtype::i32,
+                  {f.b, f.t});
+  tensor targets_host(const_cast<std::int32_t*>(f.targets.data()), f.targets.size() * 4, dtype::i32,
+                      {f.b, f.t});
+  owned_tensor ids_dev, targets_dev;
+  if (!dev.is_cpu()) {
+    ids_dev = to_device(ids_host, dev);
+    targets_dev = to_device(targets_host, dev);
+  }
+  const tensor& ids = dev.is_cpu() ? ids_host : ids_dev.view();
+  const tensor& targets = dev.is_cpu() ? targets_host : targets_dev.view();
+  if (dev.is_cpu()) {
     INFO("f64 forward");
     Model m64(cfg, {f.b, f.t}, dtype::f64);
     load_weights(m64, f, map);
@@ -255,7 +272,7 @@ void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::
     CHECK(loss == Approx(f.ref.at("loss_f64").data[0]).epsilon(1e-12));
     CHECK(scaled_diff(logits_of(m64.logits()), f.ref.at("logits_f64").data) <= 1e-10);
   }
-  Model model(cfg, {f.b, f.t});
+  Model model(cfg, {f.b, f.t}, dtype::f32, dev);
   load_weights(model, f, map);
   model.memory().zero_grads();
   double loss = model.forward(ids, targets);
@@ -271,7 +288,7 @@ void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::
   }
 
   // 10 AdamW steps on the same batch (no clipping): the loss before each, the weights after.
-  Model trained(cfg, {f.b, f.t});
+  Model trained(cfg, {f.b, f.t}, dtype::f32, dev);
   load_weights(trained, f, map);
   adamw_optimizer opt(trained.memory().params(),
                       {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
@@ -329,5 +346,20 @@ TEST_CASE("Llama matches Hugging Face LlamaForCausalLM in forward backward and A
     CHECK(f.config["hidden_act"] == "silu");
     CHECK(f.config["rope_scaling"].is_null());
     check_model<llama>(f, cfg, llama_name);
+  }
+}
+
+TEST_CASE("Both models on a GPU match Hugging Face in forward backward and AdamW", "[gpu]") {
+  if (!memory::gpu_available()) {
+    WARN("troupe-skip: no GPU");
+    return;
+  }
+  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias"}) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    if (f.config["model_type"] == "gpt2")
+      check_model<gpt>(f, gpt2_config(f.config), gpt2_name, device::cuda());
+    else
+      check_model<llama>(f, llama_config_of(f.config), llama_name, device::cuda());
   }
 }

@@ -5,9 +5,11 @@
 
 #include <vector>
 
+#include "memory/gpu.hpp"
 #include "models/gpt.hpp"
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
+#include "tensor/ops.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -135,4 +137,67 @@ TEST_CASE("Cached decoding rejects steps past the cache and before begin_generat
   g.begin_generation(2, 5);
   g.step_logits(ids);
   REQUIRE_THROWS_WITH(g.step_logits(ids), Catch::Contains("exceed the cache capacity 5"));
+}
+
+TEST_CASE("Cached decoding on a GPU gives the full forward's logits", "[gpu]") {
+  if (!memory::gpu_available()) {
+    WARN("troupe-skip: no GPU");
+    return;
+  }
+  const device gpu = device::cuda();
+  auto host = [](const tensor& t) {
+    auto h = to_device(t, device::cpu());
+    std::vector<double> v(h.numel());
+    for (std::int64_t i = 0; i < h.numel(); ++i) v[i] = ptr<float>(h)[i];
+    return v;
+  };
+  const std::int64_t b = 2, t = 9, vocab = 13;
+  rng g(21);
+  std::vector<std::int32_t> in(b * t), tg(b * t, -100);
+  for (auto& v : in) v = static_cast<std::int32_t>(g.integer(0, vocab - 1));
+  auto ids = to_device(tensor(in.data(), in.size() * 4, dtype::i32, {b, t}), gpu);
+  auto targets = to_device(tensor(tg.data(), tg.size() * 4, dtype::i32, {b, t}), gpu);
+  auto run = [&](auto& model) {
+    for (const auto& slot : model.slots().slots()) {  // larger than init: attention not uniform
+      if (slot.kind != slot_kind::param) continue;
+      auto v = empty(slot.sizes, dtype::f32);
+      for (std::int64_t i = 0; i < v.numel(); ++i)
+        ptr<float>(v)[i] = static_cast<float>(g.uniform(-0.5, 0.5));
+      ops::copy(to_device(v, gpu), *slot.field);
+    }
+    model.forward(ids, targets);
+    std::vector<double> full = host(model.logits());
+    double scale = 0;
+    for (double v : full) scale = std::max(scale, std::abs(v));
+    model.begin_generation(b);
+    for (std::int64_t pos = 0; pos < t;) {
+      std::int64_t n = pos == 0 ? 3 : 1;  // a 3-token prompt, then one token per step
+      std::vector<std::int32_t> step_ids(b * n);
+      for (std::int64_t r = 0; r < b; ++r)
+        for (std::int64_t i = 0; i < n; ++i) step_ids[r * n + i] = in[r * t + pos + i];
+      auto sid = to_device(tensor(step_ids.data(), step_ids.size() * 4, dtype::i32, {b, n}), gpu);
+      std::vector<double> got = host(model.step_logits(sid));
+      pos += n;
+      double worst = 0;
+      for (std::int64_t r = 0; r < b; ++r)
+        for (std::int64_t v = 0; v < vocab; ++v)
+          worst =
+              std::max(worst, std::abs(got[r * vocab + v] - full[(r * t + pos - 1) * vocab + v]));
+      INFO("position " << pos - 1);
+      CHECK(worst <= 1e-5 * scale);  // f32 with different attention tilings: rounding only
+    }
+  };
+  gpt gm({.vocab = vocab, .max_seq = 12, .dim = 16, .n_layer = 2, .n_head = 4}, {b, t}, dtype::f32,
+         gpu);
+  run(gm);
+  llama lm({.vocab = vocab,
+            .dim = 16,
+            .n_layer = 2,
+            .n_head = 4,
+            .n_kv_head = 2,
+            .hidden = 24,
+            .rope_theta = 100.0,
+            .max_seq = 12},
+           {b, t}, dtype::f32, gpu);
+  run(lm);
 }
