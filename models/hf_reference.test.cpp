@@ -24,6 +24,8 @@
 
 #include "memory/gpu.hpp"
 #include "models/gpt.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/config.hpp"
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
 #include "models/optim.hpp"
@@ -346,6 +348,36 @@ TEST_CASE("Llama matches Hugging Face LlamaForCausalLM in forward backward and A
     CHECK(f.config["hidden_act"] == "silu");
     CHECK(f.config["rope_scaling"].is_null());
     check_model<llama>(f, cfg, llama_name);
+  }
+}
+
+// The fixtures through the checkpoint reader (models/hf/): its config parsing, name maps and
+// Conv1D transposes give the same parameters as this file's plain reader and the names above.
+TEST_CASE("HF fixture folders load through the checkpoint reader to the same parameters", "[cpu]") {
+  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias"}) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    auto hf_cfg = hf::read_config(fixture_dir(name));
+    INFO((hf_cfg ? std::string() : hf_cfg.error_message()));
+    REQUIRE(hf_cfg);
+    auto compare = [&](auto& via_reader, auto& via_plain) {
+      auto files = hf::load_weights(fixture_dir(name), hf_cfg.value(), via_reader.slots());
+      INFO((files ? std::string() : files.error_message()));
+      REQUIRE(files);
+      CHECK(values(via_reader.memory().params()) == values(via_plain.memory().params()));
+    };
+    if (f.config["model_type"] == "gpt2") {
+      gpt_config cfg = gpt2_config(f.config);
+      CHECK(hf::to_gpt_config(std::get<hf::gpt2_config>(hf_cfg.value())).ln_eps == cfg.ln_eps);
+      gpt a(cfg, {f.b, f.t}, dtype::f64), b(cfg, {f.b, f.t}, dtype::f64);
+      load_weights(b, f, gpt2_name);
+      compare(a, b);
+    } else {
+      llama_config cfg = llama_config_of(f.config);
+      llama a(cfg, {f.b, f.t}, dtype::f64), b(cfg, {f.b, f.t}, dtype::f64);
+      load_weights(b, f, llama_name);
+      compare(a, b);
+    }
   }
 }
 
