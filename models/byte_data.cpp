@@ -33,7 +33,9 @@ std::vector<std::uint8_t> read_text_corpus(const std::string& path) {
   if (fs::is_directory(path, ec)) {
     std::vector<fs::path> files;
     for (const auto& e : fs::directory_iterator(path))
-      if (e.is_regular_file() && e.path().extension() != ".dat") files.push_back(e.path());
+      // fortune(6) folders hold each file twice (NAME and a NAME.u8 symlink): skip links.
+      if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat")
+        files.push_back(e.path());
     std::sort(files.begin(), files.end());
     for (const auto& f : files) append_file(f, out);
   } else {

@@ -1,0 +1,68 @@
+#include "models/causal_lm.hpp"
+
+#include <string>
+
+#include "models/gpt.hpp"
+#include "models/llama.hpp"
+
+namespace troupe::models {
+namespace {
+
+llama_config to_llama(const hf::llama_config& c) {
+  return {.vocab = c.vocab_size,
+          .dim = c.hidden_size,
+          .n_layer = c.num_hidden_layers,
+          .n_head = c.num_attention_heads,
+          .n_kv_head = c.num_key_value_heads,
+          .head_dim = c.head_dim,
+          .hidden = c.intermediate_size,
+          .rms_eps = c.rms_norm_eps,
+          .rope_theta = c.rope_theta,
+          .max_seq = c.max_position_embeddings,
+          .tie_embeddings = c.tie_word_embeddings,
+          .attention_bias = c.attention_bias};
+}
+
+}  // namespace
+
+std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,
+                                          device dev) {
+  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg))
+    return std::make_unique<causal_lm_of<gpt>>(hf::to_gpt_config(*g), dims, t, dev);
+  return std::make_unique<causal_lm_of<llama>>(to_llama(std::get<hf::llama_config>(cfg)), dims, t,
+                                               dev);
+}
+
+expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab) {
+  auto gpt2 = [&](std::int64_t v, std::int64_t pos, std::int64_t dim, std::int64_t layers,
+                  std::int64_t heads) {
+    hf::gpt2_config c;
+    c.vocab_size = vocab > 0 ? vocab : v;
+    c.n_positions = pos;
+    c.n_embd = dim;
+    c.n_layer = layers;
+    c.n_head = heads;
+    return hf::model_config(c);
+  };
+  if (name == "gpt2-demo") return gpt2(256, 256, 128, 4, 4);
+  if (name == "gpt2-small") return gpt2(50257, 1024, 768, 12, 12);
+  if (name == "bench-small") return gpt2(8192, 256, 384, 6, 6);
+  if (name == "llama-tiny") {
+    hf::llama_config c;
+    c.vocab_size = vocab > 0 ? vocab : 256;
+    c.hidden_size = 128;
+    c.intermediate_size = 352;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 32;
+    c.max_position_embeddings = 256;
+    c.rms_norm_eps = 1e-5;
+    return hf::model_config(c);
+  }
+  return expected<hf::model_config>::failure(
+      "unknown model size '" + std::string(name) +
+      "' (known: gpt2-demo, gpt2-small, bench-small, llama-tiny)");
+}
+
+}  // namespace troupe::models

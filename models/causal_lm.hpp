@@ -1,0 +1,67 @@
+// causal_lm: what the trainer, eval and generation need of a language model, so that one code
+// path drives GPT-2 and Llama. The models themselves stay plain classes (models/gpt.hpp,
+// models/llama.hpp); causal_lm_of<M> adapts one. make_causal_lm builds the model an HF config
+// describes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <utility>
+
+#include "models/hf/config.hpp"
+#include "models/layers/slots.hpp"
+
+namespace troupe::models {
+
+class causal_lm {
+ public:
+  virtual ~causal_lm() = default;
+  // ids, targets: i32 [B, T]; returns the mean loss over non-ignored targets.
+  virtual double forward(const tensor& ids, const tensor& targets) = 0;
+  virtual void backward() = 0;         // accumulates into memory().grads()
+  virtual tensor logits() const = 0;   // [B*T, V] of the last forward
+  virtual layer_memory& memory() = 0;  // flat params / grads
+  virtual const slot_list& slots() const = 0;
+  virtual void init_weights(std::uint64_t seed) = 0;
+  virtual void begin_generation(std::int64_t batch, std::int64_t capacity) = 0;
+  virtual tensor step_logits(const tensor& ids) = 0;  // [B, V] of the last new position
+  virtual std::int64_t vocab() const = 0;
+  virtual std::int64_t max_seq() const = 0;
+};
+
+template <class M>
+class causal_lm_of final : public causal_lm {
+ public:
+  template <class... A>
+  explicit causal_lm_of(A&&... a) : m_(std::forward<A>(a)...) {}
+  M& model() { return m_; }
+  double forward(const tensor& ids, const tensor& targets) override {
+    return m_.forward(ids, targets);
+  }
+  void backward() override { m_.backward(); }
+  tensor logits() const override { return m_.logits(); }
+  layer_memory& memory() override { return m_.memory(); }
+  const slot_list& slots() const override { return m_.slots(); }
+  void init_weights(std::uint64_t seed) override { m_.init_weights(seed); }
+  void begin_generation(std::int64_t batch, std::int64_t capacity) override {
+    m_.begin_generation(batch, capacity);
+  }
+  tensor step_logits(const tensor& ids) override { return m_.step_logits(ids); }
+  std::int64_t vocab() const override { return m_.config().vocab; }
+  std::int64_t max_seq() const override { return m_.config().max_seq; }
+
+ private:
+  M m_;
+};
+
+// The model of an HF config, planned for batches of `dims`.
+std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims,
+                                          dtype t = dtype::f32, device dev = device::cpu());
+
+// Named sizes built from scratch: "gpt2-demo" (4 x 128, byte vocabulary), "gpt2-small" (124M),
+// "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary).
+// vocab > 0 overrides the vocabulary (e.g. the tokenizer's). Errors list the known names.
+expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab = 0);
+
+}  // namespace troupe::models

@@ -1,0 +1,62 @@
+// trainer: the single-process training loop every parallel plan is later compared against.
+//
+// One step: grad_accum micro-batches (forward, backward into accumulated gradients, scaled by
+// 1 / grad_accum so the step's gradient is that of the mean loss), global-norm clipping, the
+// warmup + cosine learning rate, one AdamW update. Micro-batch k of step s reads draw
+// s * grad_accum + k of the data (draw 0 always with fixed_batch), so the batches are a pure
+// function of (seed, step) and a resumed run sees what it would have seen. Rows hold T tokens; the
+// targets are the next tokens with the last position ignored: HF's labels=input_ids loss over
+// B x (T-1) positions.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <vector>
+
+#include "models/causal_lm.hpp"
+#include "models/optim.hpp"
+#include "models/train_config.hpp"
+
+namespace troupe::models {
+
+struct step_result {
+  std::int64_t step = 0;  // 1-based: steps completed after this one
+  double loss = 0;        // mean over the micro-batches
+  double grad_norm = 0;   // before clipping
+  double lr = 0;
+  std::int64_t tokens = 0;  // tokens consumed (B x T x grad_accum)
+  double seconds = 0;
+};
+
+class trainer {
+ public:
+  // Fills rows (batch x seq i32 token ids) for draw `draw`.
+  using batch_source =
+      std::function<void(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows)>;
+
+  trainer(causal_lm& model, const train_config& cfg);
+
+  step_result step(const batch_source& data);
+  std::int64_t steps_done() const { return step_; }
+  const adamw_optimizer& optimizer() const { return opt_; }
+
+  // Weights (HF layout), config.json, optimizer.safetensors and trainer_state.json.
+  expected<std::filesystem::path> save(const std::filesystem::path& folder,
+                                       const hf::model_config& cfg) const;
+  // Loads all of the above back (the model must be built from the same config).
+  expected<std::int64_t> resume(const std::filesystem::path& folder, const hf::model_config& cfg);
+
+ private:
+  causal_lm& model_;
+  train_config cfg_;
+  adamw_optimizer opt_;
+  std::int64_t step_ = 0;
+  std::vector<std::int32_t> rows_, targets_;
+};
+
+// The mean loss of `batches` draws of the data (from draw `first`), without gradients.
+double evaluate(causal_lm& model, const trainer::batch_source& data, int batch, int seq,
+                std::uint64_t first, int batches);
+
+}  // namespace troupe::models

@@ -1,0 +1,121 @@
+// The training loop: gradient accumulation equals the big batch, and a run resumed from a
+// checkpoint equals the uninterrupted run.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+#include <filesystem>
+
+#include "models/byte_data.hpp"
+#include "models/trainer.hpp"
+#include "tensor/ops.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+
+namespace {
+// Rows of `seq` tokens from a fixed pseudo-random stream, a pure function of the draw.
+void synthetic_rows(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
+  rows.resize(static_cast<std::size_t>(batch) * seq);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3) % 29);
+}
+
+train_config tiny_run(std::int64_t steps) {
+  train_config c;
+  c.steps = steps;
+  c.batch = 2;
+  c.seq = 8;
+  c.lr = 1e-2;
+  c.min_lr = 1e-3;
+  c.warmup = 2;
+  return c;
+}
+
+hf::model_config tiny_model(bool llama) {
+  return named_model_config(llama ? "llama-tiny" : "gpt2-demo", 29).value();
+}
+}  // namespace
+
+TEST_CASE("Two accumulated micro-batches give the gradient of the batch that holds both", "[cpu]") {
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama" : "gpt2"));
+    auto cfg = tiny_model(llama);
+    auto a = make_causal_lm(cfg, {4, 8});
+    auto b = make_causal_lm(cfg, {4, 8});
+    a->init_weights(5);
+    ops::copy(a->memory().params(), b->memory().params());
+    train_config ca = tiny_run(3), cb = tiny_run(3);
+    ca.batch = 4;
+    cb.batch = 2;
+    cb.grad_accum = 2;
+    cb.clip = ca.clip = 0;
+    trainer ta(*a, ca), tb(*b, cb);
+    // a sees draw d as one batch of 4 rows; b sees the same rows as two draws of 2 rows.
+    auto big = [](std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
+      synthetic_rows(d, batch, seq, rows);
+    };
+    auto halves = [](std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
+      std::vector<std::int32_t> all;
+      synthetic_rows(d / 2, 2 * batch, seq, all);
+      auto begin = all.begin() + static_cast<std::ptrdiff_t>((d % 2) * batch * seq);
+      rows.assign(begin, begin + batch * seq);
+    };
+    for (int s = 0; s < 3; ++s) {
+      auto ra = ta.step(big);
+      auto rb = tb.step(halves);
+      CHECK(rb.loss == Approx(ra.loss).epsilon(1e-5));
+      CHECK(rb.grad_norm == Approx(ra.grad_norm).epsilon(1e-4));
+      // The step's gradients (unclipped) agree elementwise up to f32 summation order. (Parameters
+      // are not compared: Adam divides by sqrt(v), which magnifies rounding in tiny gradients.)
+      auto ga = to_device(a->memory().grads(), device::cpu());
+      auto gb = to_device(b->memory().grads(), device::cpu());
+      double diff = 0, scale = 0;
+      for (std::int64_t i = 0; i < ga.numel(); ++i) {
+        double x = ga.data_as<float>()[i], y = gb.data_as<float>()[i];
+        diff = std::max(diff, std::abs(x - y));
+        scale = std::max(scale, std::abs(x));
+      }
+      CHECK(diff <= 1e-5 * scale);
+    }
+  }
+}
+
+TEST_CASE("A run resumed from its checkpoint continues exactly like the uninterrupted run",
+          "[cpu]") {
+  namespace fs = std::filesystem;
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama" : "gpt2"));
+    auto cfg = tiny_model(llama);
+    fs::path dir = fs::temp_directory_path() /
+                   ("troupe_resume_" + std::to_string(::getpid()) + (llama ? "_l" : "_g"));
+    fs::remove_all(dir);
+    std::vector<double> straight, resumed;
+    {
+      auto m = make_causal_lm(cfg, {2, 8});
+      m->init_weights(11);
+      trainer t(*m, tiny_run(6));
+      for (int s = 0; s < 6; ++s) {
+        straight.push_back(t.step(synthetic_rows).loss);
+        if (s == 2) REQUIRE(t.save(dir, cfg).has_value());
+      }
+    }
+    {
+      auto m = make_causal_lm(cfg, {2, 8});
+      m->init_weights(99);  // overwritten by the checkpoint
+      trainer t(*m, tiny_run(6));
+      auto step = t.resume(dir, cfg);
+      REQUIRE(step.has_value());
+      CHECK(*step == 3);
+      for (int s = 3; s < 6; ++s) resumed.push_back(t.step(synthetic_rows).loss);
+    }
+    for (int s = 3; s < 6; ++s) CHECK(resumed[s - 3] == straight[s]);  // bit for bit
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("named model sizes are known and unknown ones are listed") {
+  CHECK(named_model_config("gpt2-small").has_value());
+  auto bad = named_model_config("gpt5");
+  REQUIRE(!bad.has_value());
+  CHECK_THAT(bad.error_message(), Catch::Contains("gpt5") && Catch::Contains("llama-tiny"));
+}
