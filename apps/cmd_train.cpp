@@ -1,124 +1,168 @@
-// troupe train: single-process training of a small GPT on byte-level text (for now the demo; the
-// full trainer with HF checkpoints and job files comes with the models issue).
+// troupe train: single-process training of a GPT-2 or Llama model (the reference every parallel
+// plan is compared with). A TOML job file and/or flags (flags win); see models/train_config.hpp.
 #include <fmt/core.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 
-#include <chrono>
-#include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <memory>
-#include <random>
+#include <vector>
 
 #include "apps/commands.hpp"
 #include "memory/tier.hpp"
-#include "models/byte_data.hpp"
-#include "models/gpt.hpp"
-#include "models/optim.hpp"
-#include "tensor/ops.hpp"
+#include "models/causal_lm.hpp"
+#include "models/data_source.hpp"
+#include "models/generation.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/text/token_file.hpp"
+#include "models/text/tokenizer.hpp"
+#include "models/trainer.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::apps {
 namespace {
 
-struct train_args {
+using models::train_config;
+namespace hf = models::hf;
+
+struct train_cli {
+  train_config flags;  // values of the flags given
+  std::vector<std::pair<CLI::Option*, void (*)(train_config&, const train_config&)>> applied;
+  std::string config_file, json_path, tokenizer = "byte", prompt = "The ";
   bool demo = false;
-  std::string corpus = "/usr/share/games/fortunes";
-  int steps = 300, batch = 8, seq = 128, layers = 4, dim = 128, heads = 4;
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
-  int warmup = 30, log_every = 25, sample_chars = 240, threads = 0;
-  std::uint64_t seed = 1337;
-  bool fixed_batch = false;
-  std::string prompt = "The ";
+  int threads = 0, sample = 200;
 };
 
-std::string sample_text(models::gpt& model, const std::string& prompt, int chars, int max_t,
-                        std::uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::vector<std::int32_t> ctx(prompt.begin(), prompt.end());
-  std::string out = prompt;
-  for (int n = 0; n < chars; ++n) {
-    std::int64_t start = std::max<std::int64_t>(0, static_cast<std::int64_t>(ctx.size()) - max_t);
-    std::int64_t t = static_cast<std::int64_t>(ctx.size()) - start;
-    tensor ids(ctx.data() + start, t * 4, dtype::i32, {1, t});
-    model.forward(ids, ids);
-    const float* row = model.logits().data_as<float>() + (t - 1) * model.config().vocab;
-    // Temperature 0.8 sampling.
-    std::vector<double> p(model.config().vocab);
-    double mx = -1e30, z = 0;
-    for (std::size_t i = 0; i < p.size(); ++i) mx = std::max(mx, double(row[i]) / 0.8);
-    for (std::size_t i = 0; i < p.size(); ++i) z += p[i] = std::exp(double(row[i]) / 0.8 - mx);
-    double u = std::uniform_real_distribution<double>(0, z)(gen);
-    std::size_t pick = 0;
-    for (; pick + 1 < p.size() && (u -= p[pick]) > 0; ++pick) {
-    }
-    ctx.push_back(static_cast<std::int32_t>(pick));
-    out.push_back(static_cast<char>(pick));
-  }
-  return out;
+// Adds --name bound to flags.*field; when given, it overrides the job file.
+template <auto Field>
+void bind(train_cli& c, CLI::App* sub, const std::string& name, const std::string& help) {
+  auto* opt = sub->add_option(name, c.flags.*Field, help);
+  opt->default_str(fmt::format("{}", train_config{}.*Field));
+  c.applied.emplace_back(
+      opt, [](train_config& to, const train_config& from) { to.*Field = from.*Field; });
 }
 
-int run_train(const train_args& a) {
-  if (a.threads > 0) parallel::set_num_threads(a.threads);
-  auto corpus = models::read_text_corpus(a.corpus);
-  models::gpt_config cfg{
-      .vocab = 256, .max_seq = a.seq, .dim = a.dim, .n_layer = a.layers, .n_head = a.heads};
-  models::gpt model(cfg, {a.batch, a.seq});
-  model.init_weights(a.seed);
-  auto& mem = model.memory();
-  models::adamw_optimizer opt(mem.params(), {.weight_decay = a.weight_decay});
-  fmt::print("troupe train: GPT {} layers x {} wide, {} heads, T={}, B={}, {:.2f} M parameters\n",
-             a.layers, a.dim, a.heads, a.seq, a.batch,
-             static_cast<double>(model.slots().param_count()) / 1e6);
-  fmt::print("corpus: {} ({:.1f} MB of text, byte-level tokens); {} threads\n", a.corpus,
-             static_cast<double>(corpus.size()) / 1e6, parallel::num_threads());
+class progress {
+ public:
+  progress(std::int64_t first, std::int64_t total, std::int64_t every, std::FILE* json)
+      : tty_(::isatty(STDOUT_FILENO) != 0),
+        first_(first),
+        total_(total),
+        every_(every),
+        json_(json) {}
+  void report(const models::step_result& r) {
+    tokens_ += r.tokens;
+    secs_ += r.seconds;
+    double tps = tokens_ / std::max(secs_, 1e-9);
+    if (json_ != nullptr)
+      fmt::print(json_,
+                 "{{\"step\": {}, \"loss\": {:.8g}, \"grad_norm\": {:.8g}, \"lr\": {:.6g}, "
+                 "\"tokens_per_s\": {:.1f}}}\n",
+                 r.step, r.loss, r.grad_norm, r.lr, r.tokens / r.seconds);
+    if (tty_) {
+      double done = static_cast<double>(r.step - first_) / static_cast<double>(total_ - first_);
+      int eta =
+          static_cast<int>((total_ - r.step) * (secs_ / static_cast<double>(r.step - first_)));
+      std::string bar(static_cast<std::size_t>(done * 30), '#');
+      bar.resize(30, '.');
+      fmt::print("\r[{}] step {}/{}  loss {:.4f}  {:.0f} tokens/s  ETA {}:{:02d} ", bar, r.step,
+                 total_, r.loss, tps, eta / 60, eta % 60);
+      if (r.step == total_) fmt::print("\n");
+    } else if (r.step % every_ == 0 || r.step == total_ || r.step == first_ + 1) {
+      fmt::print("step {:5d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
+                 r.step, total_, r.loss, r.grad_norm, r.lr, tps);
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  bool tty_;
+  std::int64_t first_, total_, every_;
+  std::FILE* json_;
+  double tokens_ = 0, secs_ = 0;
+};
+
+int run_train(train_cli& c) {
+  train_config cfg;
+  if (!c.config_file.empty()) cfg = models::load_train_config(c.config_file).value();
+  for (auto& [opt, apply] : c.applied)
+    if (opt->count() > 0) apply(cfg, c.flags);
+  cfg.validate();
+  if (c.threads > 0) parallel::set_num_threads(c.threads);
+
+  // The model: resumed, loaded from an HF folder, or a named size from scratch.
+  std::string from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
+  hf::model_config mcfg;
+  std::int64_t vocab_hint = 0;
+  if (from.empty() && !cfg.data_tokens.empty()) {
+    auto ds = models::token_dataset::open(cfg.data_tokens);
+    vocab_hint = ds.value().vocab_size();
+  }
+  mcfg = from.empty() ? models::named_model_config(cfg.model_size, vocab_hint).value()
+                      : hf::read_config(from).value();
+  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq});
+  TROUPE_CHECK(cfg.seq <= model->max_seq(), "--seq ", cfg.seq, " exceeds the model's ",
+               model->max_seq(), " positions");
+  auto data =
+      models::open_data_source(cfg.data_tokens, cfg.data_text, model->vocab(), cfg.seed).value();
+  models::trainer tr(*model, cfg);
+  if (!cfg.resume.empty()) {
+    auto step = tr.resume(cfg.resume, mcfg).value();
+    fmt::print("resumed {} at step {}\n", cfg.resume, step);
+  } else if (!cfg.model_hf.empty()) {
+    hf::load_weights(cfg.model_hf, mcfg, model->slots()).value();
+  } else {
+    model->init_weights(cfg.seed);
+  }
+  auto& mem = model->memory();
+  fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}\n",
+             from.empty() ? cfg.model_size : from,
+             std::holds_alternative<hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
+             static_cast<double>(model->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
+             cfg.grad_accum);
+  fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
   fmt::print(
       "memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
       "MB, scratch {:.1f} MB\n",
       mem.param_bytes() / 1e6, mem.param_bytes() / 1e6, mem.activation_bytes() / 1e6,
       mem.scratch_bytes() / 1e6);
-  std::vector<std::int32_t> rows;
-  std::vector<std::int32_t> in(static_cast<std::size_t>(a.batch) * a.seq),
-      tg(static_cast<std::size_t>(a.batch) * a.seq);
-  tensor ids(in.data(), in.size() * 4, dtype::i32, {a.batch, a.seq});
-  tensor targets(tg.data(), tg.size() * 4, dtype::i32, {a.batch, a.seq});
-  auto t0 = std::chrono::steady_clock::now();
-  auto last = t0;
-  double first_loss = 0, loss = 0;
-  for (int step = 0; step < a.steps; ++step) {
-    models::sample_batch(corpus, a.seed, a.fixed_batch ? 0 : step, a.batch, a.seq, rows);
-    for (int b = 0; b < a.batch; ++b)
-      for (int t = 0; t < a.seq; ++t) {
-        in[b * a.seq + t] = rows[b * (a.seq + 1) + t];
-        tg[b * a.seq + t] = rows[b * (a.seq + 1) + t + 1];
-      }
-    mem.zero_grads();
-    loss = model.forward(ids, targets);
-    if (step == 0) first_loss = loss;
-    model.backward();
-    double norm = models::clip_grad_norm(mem.grads(), a.clip);
-    double lr = models::warmup_cosine_lr(step, a.warmup, a.steps, a.lr, a.min_lr);
-    opt.step(mem.params(), mem.grads(), lr);
-    if ((step + 1) % a.log_every == 0 || step == 0 || step + 1 == a.steps) {
-      auto now = std::chrono::steady_clock::now();
-      int n =
-          step == 0 ? 1 : ((step + 1) % a.log_every == 0 ? a.log_every : (step + 1) % a.log_every);
-      double secs = std::chrono::duration<double>(now - last).count();
-      last = now;
-      fmt::print("step {:4d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
-                 step + 1, a.steps, loss, norm, lr, n * a.batch * a.seq / secs);
-      std::fflush(stdout);
-    }
+
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
+  if (!c.json_path.empty()) {
+    json.reset(c.json_path == "-" ? fdopen(dup(STDOUT_FILENO), "w")
+                                  : std::fopen(c.json_path.c_str(), "w"));
+    TROUPE_CHECK(json != nullptr, "--json: cannot write ", c.json_path);
   }
-  double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  progress bar(tr.steps_done(), cfg.steps, cfg.log_every, json.get());
+  double first_loss = -1, last_loss = 0, secs = 0;
+  std::int64_t tokens = 0;
+  while (tr.steps_done() < cfg.steps) {
+    auto r = tr.step(data.rows);
+    if (first_loss < 0) first_loss = r.loss;
+    last_loss = r.loss;
+    secs += r.seconds;
+    tokens += r.tokens;
+    bar.report(r);
+    bool at_interval = cfg.ckpt_every > 0 && r.step % cfg.ckpt_every == 0;
+    if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps))
+      tr.save(cfg.ckpt_dir, mcfg).value();
+  }
   fmt::print(
-      "trained {} steps in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "
+      "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "
       "peak {:.1f} MB\n",
-      a.steps, total, a.steps * double(a.batch) * a.seq / total, first_loss, loss,
+      tr.steps_done(), secs, tokens / std::max(secs, 1e-9), first_loss, last_loss,
       memory::stats(memory::tier::host).peak / 1e6);
-  if (a.sample_chars > 0) {
-    models::gpt sampler(cfg, {1, a.seq});
-    ops::copy(mem.params(), sampler.memory().params());
-    fmt::print("sample (temperature 0.8):\n{}\n",
-               sample_text(sampler, a.prompt, a.sample_chars, a.seq, a.seed));
+  if (!cfg.ckpt_dir.empty())
+    fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
+
+  if (c.sample > 0) {
+    auto tok = models::load_tokenizer(c.tokenizer).value();
+    auto prompt = tok->encode(c.prompt);
+    models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, cfg.seed);
+    auto out = models::generate(*model, prompt, c.sample, sampler, tok->eos_id());
+    prompt.insert(prompt.end(), out.begin(), out.end());
+    fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", tok->decode(prompt));
   }
   return 0;
 }
@@ -126,52 +170,52 @@ int run_train(const train_args& a) {
 }  // namespace
 
 command_fn add_train_command(CLI::App& app) {
-  auto a = std::make_shared<train_args>();
-  auto* sub = app.add_subcommand("train", "Train a small GPT on byte-level text (single process)");
-  sub->add_flag("--demo", a->demo, "Run the demo: a small GPT on the fortunes corpus");
-  sub->add_option("--corpus", a->corpus, "Text file or folder of text files")
+  auto c = std::make_shared<train_cli>();
+  auto* sub = app.add_subcommand("train", "Train a GPT-2 or Llama model in one process");
+  sub->add_option("--config", c->config_file, "TOML job file (flags override it)")
+      ->check(CLI::ExistingFile);
+  sub->add_flag("--demo", c->demo,
+                "The demo: a 4-layer GPT on the fortunes corpus, bytes as tokens (the defaults)");
+  bind<&train_config::model_size>(*c, sub, "--model",
+                                  "Named size built from scratch "
+                                  "(gpt2-demo, gpt2-small, bench-small, llama-tiny)");
+  bind<&train_config::model_hf>(*c, sub, "--model-hf", "HF model folder to start from");
+  bind<&train_config::data_tokens>(*c, sub, "--tokens", "Token file (troupe tokenize)");
+  bind<&train_config::data_text>(*c, sub, "--text", "Text file or folder, bytes as tokens");
+  bind<&train_config::steps>(*c, sub, "--steps", "Optimizer steps");
+  bind<&train_config::batch>(*c, sub, "--batch,-B", "Sequences per micro-batch");
+  bind<&train_config::seq>(*c, sub, "--seq,-T", "Sequence length");
+  bind<&train_config::grad_accum>(*c, sub, "--grad-accum", "Micro-batches per step");
+  bind<&train_config::seed>(*c, sub, "--seed", "Seed of the weights and the batch order");
+  bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
+  bind<&train_config::log_every>(*c, sub, "--log-every", "Steps between log lines");
+  bind<&train_config::lr>(*c, sub, "--lr", "Peak learning rate");
+  bind<&train_config::min_lr>(*c, sub, "--min-lr", "Learning rate at the end of the cosine");
+  bind<&train_config::warmup>(*c, sub, "--warmup", "Warmup steps");
+  bind<&train_config::beta1>(*c, sub, "--beta1", "AdamW beta1");
+  bind<&train_config::beta2>(*c, sub, "--beta2", "AdamW beta2");
+  bind<&train_config::eps>(*c, sub, "--eps", "AdamW eps");
+  bind<&train_config::weight_decay>(*c, sub, "--weight-decay", "AdamW weight decay");
+  bind<&train_config::decay_exempt>(*c, sub, "--decay-exempt",
+                                    "No weight decay on biases, norm weights and embeddings");
+  bind<&train_config::clip>(*c, sub, "--clip", "Gradient-norm clip (0: off)");
+  bind<&train_config::ckpt_dir>(*c, sub, "--checkpoint-dir", "Folder to save checkpoints to");
+  bind<&train_config::ckpt_every>(*c, sub, "--checkpoint-every", "Steps between checkpoints");
+  bind<&train_config::resume>(*c, sub, "--resume", "Checkpoint folder to resume from");
+  sub->add_option("--json", c->json_path,
+                  "Write per-step loss and grad norm as JSON lines "
+                  "to this file ('-': standard output)");
+  sub->add_option("--threads", c->threads, "CPU threads (0: all)");
+  sub->add_option("--sample", c->sample, "Tokens to generate at the end (0: none)")
       ->capture_default_str();
-  sub->add_option("--steps", a->steps, "Optimizer steps")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--batch,-B", a->batch, "Sequences per step")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--seq,-T", a->seq, "Sequence length")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--layers", a->layers, "Transformer blocks")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--dim", a->dim, "Model width")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--heads", a->heads, "Attention heads")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--lr", a->lr, "Peak learning rate")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--min-lr", a->min_lr, "Final learning rate of the cosine decay")
+  sub->add_option("--prompt", c->prompt, "Prompt of the generated text")->capture_default_str();
+  sub->add_option("--tokenizer", c->tokenizer,
+                  "Tokenizer to encode the prompt and decode the "
+                  "sample (byte, gpt2:DIR, spm:FILE)")
       ->capture_default_str();
-  sub->add_option("--warmup", a->warmup, "Warmup steps")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--weight-decay", a->weight_decay, "AdamW weight decay")->capture_default_str();
-  sub->add_option("--clip", a->clip, "Gradient-norm clip (0: off)")->capture_default_str();
-  sub->add_option("--seed", a->seed, "Seed of weights and batch order")->capture_default_str();
-  sub->add_option("--threads", a->threads, "CPU threads (0: all)")->capture_default_str();
-  sub->add_option("--log-every", a->log_every, "Steps between log lines")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--sample", a->sample_chars, "Characters to generate at the end")
-      ->capture_default_str();
-  sub->add_option("--prompt", a->prompt, "Prompt of the generated text")->capture_default_str();
-  sub->add_flag("--fixed-batch", a->fixed_batch,
-                "Train repeatedly on one batch (overfitting check)");
-  return [sub, a]() -> int {
+  return [sub, c]() -> int {
     if (!sub->parsed()) return -1;
-    return run_train(*a);
+    return run_train(*c);
   };
 }
 

@@ -15,6 +15,9 @@ using command_fn = std::function<int()>;
 
 command_fn add_bench_command(CLI::App& app);  // troupe bench ...   (apps/cmd_bench.cpp)
 command_fn add_train_command(CLI::App& app);  // troupe train ...   (apps/cmd_train.cpp)
-command_fn add_tokenize_command(CLI::App& app);  // troupe tokenize ...  (apps/cmd_tokenize.cpp)
+command_fn add_tokenize_command(CLI::App& app);
+command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)
+command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/cmd_generate.cpp)  //
+                                                 // troupe tokenize ...  (apps/cmd_tokenize.cpp)
 
 }  // namespace troupe::apps
