@@ -1,6 +1,10 @@
-// CUDA attention, f32, head dimension up to 128: a tiled kernel in the flash-attention style (the
-// T x S score matrix is never stored) with online softmax, causal masking with offset S - T,
-// grouped-query heads and strided q/k/v views.
+// CUDA attention for f32, bf16 and f16, head dimension up to 128: a tiled kernel in the
+// flash-attention style (the T x S score matrix is never stored) with online softmax, causal
+// masking with offset S - T, grouped-query heads and strided q/k/v views.
+//
+// 16-bit tensors are loaded to f32 (tiles in shared memory are f32), every product and sum is f32,
+// and each output or gradient element is rounded once when it is stored. lse is stored in the
+// data's dtype or in f32.
 //
 // Layout of the work: a warp owns one query row (forward, dq) or one key row (dk, dv); its lanes
 // hold the row's output or gradient in registers, 4 dimensions each (d = lane + 32 * i). A block
@@ -17,6 +21,8 @@
 namespace troupe::cuda {
 namespace {
 
+using detail::from_f32;
+using detail::to_f32;
 using detail::warp_max;
 using detail::warp_sum;
 
@@ -38,17 +44,19 @@ bthd strides_of(const tensor& x) {
   return {x.stride(0), x.stride(1), x.stride(2)};
 }
 
+// T: q, k, v, out and the gradients; L: lse (T or float).
+template <class T, class L>
 struct attention_args {
-  const float* q = nullptr;
-  const float* k = nullptr;
-  const float* v = nullptr;
-  const float* out = nullptr;  // backward: the forward output
-  float* out_w = nullptr;      // forward: the output written
-  float* lse = nullptr;        // [B, Hq, T]
-  const float* dout = nullptr;
-  float* dq = nullptr;
-  float* dk = nullptr;
-  float* dv = nullptr;
+  const T* q = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const T* out = nullptr;  // backward: the forward output
+  T* out_w = nullptr;      // forward: the output written
+  L* lse = nullptr;        // [B, Hq, T]
+  const T* dout = nullptr;
+  T* dq = nullptr;
+  T* dk = nullptr;
+  T* dv = nullptr;
   bthd qs, ks, vs, os, dos, dqs, dks, dvs;
   std::int64_t batch = 0, steps = 0, keys = 0, heads = 0, kv_heads = 0;
   int dim = 0;
@@ -67,17 +75,19 @@ struct attention_args {
 
 // Loads rows [r0, r0 + tile) of a [B, *, H, D] view (head h, batch b) into dst[tile][pad], zero
 // past `rows`. Called by the whole block.
-__device__ void load_tile(float (*dst)[pad], const float* src, bthd st, std::int64_t b,
-                          std::int64_t h, std::int64_t r0, std::int64_t rows, int dim) {
+template <class T>
+__device__ void load_tile(float (*dst)[pad], const T* src, bthd st, std::int64_t b, std::int64_t h,
+                          std::int64_t r0, std::int64_t rows, int dim) {
   for (int i = threadIdx.x; i < tile * dim; i += blockDim.x) {
     int j = i / dim, d = i % dim;
     std::int64_t r = r0 + j;
-    dst[j][d] = r < rows ? src[st.at(b, r, h) + d] : 0.0f;
+    dst[j][d] = r < rows ? to_f32(src[st.at(b, r, h) + d]) : 0.0f;
   }
 }
 
 // One block per (query tile of `warps` rows, head, batch).
-__global__ void __launch_bounds__(warps * 32) attention_forward_kernel(attention_args p) {
+template <class T, class L>
+__global__ void __launch_bounds__(warps * 32) attention_forward_kernel(attention_args<T, L> p) {
   __shared__ float k_tile[tile][pad];
   __shared__ float v_tile[tile][pad];
   __shared__ float q_rows[warps][max_d];
@@ -87,7 +97,7 @@ __global__ void __launch_bounds__(warps * 32) attention_forward_kernel(attention
   const std::int64_t t = t_first + warp;
   const bool active = t < p.steps;  // the same for the whole warp
   if (active)
-    for (int d = lane; d < p.dim; d += 32) q_rows[warp][d] = p.q[p.qs.at(b, t, h) + d];
+    for (int d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_f32(p.q[p.qs.at(b, t, h) + d]);
 
   float m = -INFINITY, l = 0, acc[dims_per_lane] = {};
   const std::int64_t s_end = p.key_end(min(t_first + warps, p.steps) - 1);
@@ -127,23 +137,26 @@ __global__ void __launch_bounds__(warps * 32) attention_forward_kernel(attention
 #pragma unroll
   for (int i = 0; i < dims_per_lane; ++i) {
     const int d = lane + 32 * i;
-    if (d < p.dim) p.out_w[p.os.at(b, t, h) + d] = acc[i] * inv;
+    if (d < p.dim) p.out_w[p.os.at(b, t, h) + d] = from_f32<T>(acc[i] * inv);
   }
-  if (lane == 0) p.lse[(b * p.heads + h) * p.steps + t] = l > 0 ? m + logf(l) : -INFINITY;
+  if (lane == 0)
+    p.lse[(b * p.heads + h) * p.steps + t] = from_f32<L>(l > 0 ? m + logf(l) : -INFINITY);
 }
 
 // dot(dout[t], out[t]) for one query row, reduced over the warp.
-__device__ float dout_dot_out(const attention_args& p, std::int64_t b, std::int64_t t,
+template <class T, class L>
+__device__ float dout_dot_out(const attention_args<T, L>& p, std::int64_t b, std::int64_t t,
                               std::int64_t h, int lane) {
   float s = 0;
   for (int d = lane; d < p.dim; d += 32)
-    s += p.dout[p.dos.at(b, t, h) + d] * p.out[p.os.at(b, t, h) + d];
+    s += to_f32(p.dout[p.dos.at(b, t, h) + d]) * to_f32(p.out[p.os.at(b, t, h) + d]);
   return warp_sum(s);
 }
 
 // dq[t] = scale * sum_s ds(t, s) k[s], ds = P (dP - D_t), P = exp(scale q.k - lse), dP = dout.v,
 // D_t = dout[t].out[t]. One block per (query tile, head, batch), like the forward.
-__global__ void __launch_bounds__(warps * 32) attention_dq_kernel(attention_args p) {
+template <class T, class L>
+__global__ void __launch_bounds__(warps * 32) attention_dq_kernel(attention_args<T, L> p) {
   __shared__ float k_tile[tile][pad];
   __shared__ float v_tile[tile][pad];
   __shared__ float q_rows[warps][max_d];
@@ -156,10 +169,10 @@ __global__ void __launch_bounds__(warps * 32) attention_dq_kernel(attention_args
   float lse = 0, delta = 0;
   if (active) {
     for (int d = lane; d < p.dim; d += 32) {
-      q_rows[warp][d] = p.q[p.qs.at(b, t, h) + d];
-      do_rows[warp][d] = p.dout[p.dos.at(b, t, h) + d];
+      q_rows[warp][d] = to_f32(p.q[p.qs.at(b, t, h) + d]);
+      do_rows[warp][d] = to_f32(p.dout[p.dos.at(b, t, h) + d]);
     }
-    lse = p.lse[(b * p.heads + h) * p.steps + t];
+    lse = to_f32(p.lse[(b * p.heads + h) * p.steps + t]);
     delta = dout_dot_out(p, b, t, h, lane);
   }
 
@@ -194,13 +207,14 @@ __global__ void __launch_bounds__(warps * 32) attention_dq_kernel(attention_args
 #pragma unroll
   for (int i = 0; i < dims_per_lane; ++i) {
     const int d = lane + 32 * i;
-    if (d < p.dim) p.dq[p.dqs.at(b, t, h) + d] = acc[i] * p.scale;
+    if (d < p.dim) p.dq[p.dqs.at(b, t, h) + d] = from_f32<T>(acc[i] * p.scale);
   }
 }
 
 // dv[s] = sum over the group's heads and queries of P(t, s) dout[t];
 // dk[s] = scale * sum of ds(t, s) q[t]. One block per (key tile of `warps` rows, kv head, batch).
-__global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_args p) {
+template <class T, class L>
+__global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_args<T, L> p) {
   __shared__ float q_tile[tile][pad];
   __shared__ float do_tile[tile][pad];
   __shared__ float k_rows[warps][max_d];
@@ -214,8 +228,8 @@ __global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_ar
   const bool active = s < p.keys;
   if (active)
     for (int d = lane; d < p.dim; d += 32) {
-      k_rows[warp][d] = p.k[p.ks.at(b, s, hk) + d];
-      v_rows[warp][d] = p.v[p.vs.at(b, s, hk) + d];
+      k_rows[warp][d] = to_f32(p.k[p.ks.at(b, s, hk) + d]);
+      v_rows[warp][d] = to_f32(p.v[p.vs.at(b, s, hk) + d]);
     }
 
   float dk[dims_per_lane] = {}, dv[dims_per_lane] = {};
@@ -233,7 +247,7 @@ __global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_ar
         const float delta = in ? dout_dot_out(p, b, t, h, lane) : 0.0f;
         if (lane == 0) {
           delta_tile[j] = delta;
-          lse_tile[j] = in ? p.lse[(b * p.heads + h) * p.steps + t] : 0.0f;
+          lse_tile[j] = in ? to_f32(p.lse[(b * p.heads + h) * p.steps + t]) : 0.0f;
         }
       }
       __syncthreads();
@@ -268,16 +282,17 @@ __global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_ar
   for (int i = 0; i < dims_per_lane; ++i) {
     const int d = lane + 32 * i;
     if (d < p.dim) {
-      p.dk[p.dks.at(b, s, hk) + d] = dk[i] * p.scale;
-      p.dv[p.dvs.at(b, s, hk) + d] = dv[i];
+      p.dk[p.dks.at(b, s, hk) + d] = from_f32<T>(dk[i] * p.scale);
+      p.dv[p.dvs.at(b, s, hk) + d] = from_f32<T>(dv[i]);
     }
   }
 }
 
-attention_args make_args(const char* op, const tensor& q, const tensor& k, const tensor& v,
-                         const tensor& out, const tensor& lse, const ops::attention_options& opt) {
-  detail::need_f32(op, q);
-  attention_args p;
+template <class T, class L>
+attention_args<T, L> make_args(const char* op, const tensor& q, const tensor& k, const tensor& v,
+                               const tensor& out, const tensor& lse,
+                               const ops::attention_options& opt) {
+  attention_args<T, L> p;
   p.batch = q.size(0);
   p.steps = q.size(1);
   p.heads = q.size(2);
@@ -289,11 +304,11 @@ attention_args make_args(const char* op, const tensor& q, const tensor& k, const
   p.dim = static_cast<int>(q.size(3));
   p.scale = static_cast<float>(opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(double(p.dim)));
   p.causal = opt.causal;
-  p.q = detail::ptr<float>(q);
-  p.k = detail::ptr<float>(k);
-  p.v = detail::ptr<float>(v);
-  p.out = detail::ptr<float>(out);
-  p.lse = detail::ptr<float>(lse);
+  p.q = detail::ptr<T>(q);
+  p.k = detail::ptr<T>(k);
+  p.v = detail::ptr<T>(v);
+  p.out = detail::ptr<T>(out);
+  p.lse = detail::ptr<L>(lse);
   p.qs = strides_of(q);
   p.ks = strides_of(k);
   p.vs = strides_of(v);
@@ -305,41 +320,58 @@ unsigned tiles(std::int64_t rows) {
   return static_cast<unsigned>((rows + warps - 1) / warps);
 }
 
+// Calls f(type_tag<T>, type_tag<L>) with the dtype T of q and the dtype L of lse.
+template <class F>
+void dispatch_attention(const char* op, const tensor& q, const tensor& lse, F&& f) {
+  detail::dispatch_16_32(op, q, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    detail::dispatch_stat<T>(op, "lse", lse, [&](auto lse_tag) { f(tag, lse_tag); });
+  });
+}
+
 }  // namespace
 
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const ops::attention_options& opt) {
-  attention_args p = make_args("attention", q, k, v, out, lse, opt);
-  if (p.batch == 0 || p.steps == 0 || p.heads == 0) return;
-  p.out_w = detail::ptr<float>(out);
-  dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
-  attention_forward_kernel<<<grid, warps * 32>>>(p);
-  TROUPE_CUDA_CHECK_LAUNCH();
+  dispatch_attention("attention", q, lse, [&](auto tag, auto lse_tag) {
+    using T = typename decltype(tag)::type;
+    using L = typename decltype(lse_tag)::type;
+    auto p = make_args<T, L>("attention", q, k, v, out, lse, opt);
+    if (p.batch == 0 || p.steps == 0 || p.heads == 0) return;
+    p.out_w = detail::ptr<T>(out);
+    dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+    attention_forward_kernel<T, L><<<grid, warps * 32>>>(p);
+    TROUPE_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void attention_backward(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                         const tensor& dout, const tensor& lse, const tensor& dq, const tensor& dk,
                         const tensor& dv, const ops::attention_options& opt) {
-  attention_args p = make_args("attention_backward", q, k, v, out, lse, opt);
-  if (p.batch == 0 || p.heads == 0) return;
-  p.dout = detail::ptr<float>(dout);
-  p.dq = detail::ptr<float>(dq);
-  p.dk = detail::ptr<float>(dk);
-  p.dv = detail::ptr<float>(dv);
-  p.dos = strides_of(dout);
-  p.dqs = strides_of(dq);
-  p.dks = strides_of(dk);
-  p.dvs = strides_of(dv);
-  if (p.steps > 0) {
-    dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
-    attention_dq_kernel<<<grid, warps * 32>>>(p);
-    TROUPE_CUDA_CHECK_LAUNCH();
-  }
-  if (p.keys > 0) {  // keys no query sees (T = 0) get zero gradients
-    dim3 grid(tiles(p.keys), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-    attention_dkdv_kernel<<<grid, warps * 32>>>(p);
-    TROUPE_CUDA_CHECK_LAUNCH();
-  }
+  dispatch_attention("attention_backward", q, lse, [&](auto tag, auto lse_tag) {
+    using T = typename decltype(tag)::type;
+    using L = typename decltype(lse_tag)::type;
+    auto p = make_args<T, L>("attention_backward", q, k, v, out, lse, opt);
+    if (p.batch == 0 || p.heads == 0) return;
+    p.dout = detail::ptr<T>(dout);
+    p.dq = detail::ptr<T>(dq);
+    p.dk = detail::ptr<T>(dk);
+    p.dv = detail::ptr<T>(dv);
+    p.dos = strides_of(dout);
+    p.dqs = strides_of(dq);
+    p.dks = strides_of(dk);
+    p.dvs = strides_of(dv);
+    if (p.steps > 0) {
+      dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
+      attention_dq_kernel<T, L><<<grid, warps * 32>>>(p);
+      TROUPE_CUDA_CHECK_LAUNCH();
+    }
+    if (p.keys > 0) {  // keys no query sees (T = 0) get zero gradients
+      dim3 grid(tiles(p.keys), static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+      attention_dkdv_kernel<T, L><<<grid, warps * 32>>>(p);
+      TROUPE_CUDA_CHECK_LAUNCH();
+    }
+  });
 }
 
 }  // namespace troupe::cuda

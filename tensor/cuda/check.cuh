@@ -1,6 +1,9 @@
 // Private helpers of the CUDA backend: return-code checks with file:line, dtype dispatch, launch
 // sizes, 16-bit conversions, warp/block reductions, and the per-device cuBLAS handle and scratch.
 //
+// 16-bit numerics: bf16 and f16 are storage types. Kernels load them to f32, compute and
+// accumulate in f32, and round each result once to the storage type (to nearest even).
+//
 // Every kernel runs on the current CUDA device (the one memory::buffer::device allocates on) and on
 // the legacy default stream, so work stays ordered with cudaMemcpy and with other ops. Ops return
 // with their work still queued; only ops that hand a value to the host (sum, sum_squares,
@@ -78,6 +81,29 @@ void dispatch_16_32(const char* op, const tensor& x, F&& f) {
   TROUPE_FAIL("cuda ", op, ": dtype ", dtype_name(x.type()), " not supported");
 }
 
+// The dtype of the device type T (float, __nv_bfloat16 or __half).
+template <class T>
+inline constexpr dtype dtype_of_device = dtype::f32;
+template <>
+inline constexpr dtype dtype_of_device<__nv_bfloat16> = dtype::bf16;
+template <>
+inline constexpr dtype dtype_of_device<__half> = dtype::f16;
+
+// Saved statistics of an op on T data (norm mean/rstd, attention lse, per-row losses) are stored
+// as T or as f32: calls f(type_tag<S>{}) with S = T or float after the dtype of `stat`.
+template <class T, class F>
+void dispatch_stat(const char* op, const char* name, const tensor& stat, F&& f) {
+  if (stat.type() == dtype::f32) {
+    f(type_tag<float>{});
+  } else if (stat.type() == dtype_of_device<T>) {
+    f(type_tag<T>{});
+  } else {
+    TROUPE_FAIL("cuda ", op, ": ", name, " has dtype ", dtype_name(stat.type()),
+                " but the data is ", dtype_name(dtype_of_device<T>), " (", name, " must be ",
+                dtype_name(dtype_of_device<T>), " or f32)");
+  }
+}
+
 inline void need_f32(const char* op, const tensor& x) {
   TROUPE_CHECK(x.type() == dtype::f32, "cuda ", op, ": dtype ", dtype_name(x.type()),
                " not supported (f32 only)");
@@ -111,6 +137,12 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) {
   return __float2half_rn(v);
+}
+
+// Rounds a value computed in f32 onto an element that already holds a value: x = round(x + v).
+template <class T>
+__device__ __forceinline__ void add_rounded(T& x, float v) {
+  x = from_f32<T>(to_f32(x) + v);
 }
 
 // ---- reductions -------------------------------------------------------------------------------

@@ -380,8 +380,8 @@ TEST_CASE("cuda ops reject dtypes they do not support", "[gpu]") {
   REQUIRE_THROWS_WITH(ops::gelu(x, y), Catch::Contains("cuda gelu: dtype f64 not supported"));
   REQUIRE_THROWS_WITH(ops::matmul(x, y.transpose(0, 1), zeros({4, 4}, dtype::f64, device::cuda())),
                       Catch::Contains("cuda matmul: dtype f64 not supported"));
+  // AdamW updates f32 master weights only
   owned_tensor h = zeros({4, 8}, dtype::bf16, device::cuda());
-  owned_tensor h2 = zeros({4, 8}, dtype::bf16, device::cuda());
-  REQUIRE_THROWS_WITH(ops::softmax(h, h2),
-                      Catch::Contains("cuda softmax: dtype bf16 not supported"));
+  REQUIRE_THROWS_WITH(ops::adamw(h, h, h, h, ops::adamw_options{}),
+                      Catch::Contains("cuda adamw: dtype bf16 not supported"));
 }

@@ -1,22 +1,34 @@
-// CUDA rotary position embedding (HF rotate-half convention), f32: the cos/sin tables (angles in
-// f64, like the definition in ops.hpp) and the rotation of strided [B, T, H, D] views.
+// CUDA rotary position embedding (HF rotate-half convention) for f32, bf16 and f16: the cos/sin
+// tables and the rotation of strided [B, T, H, D] views.
+//
+// The tables follow HF's float32 arithmetic step by step, like the CPU backend, so they match a
+// PyTorch reference: inv_freq = 1 / (theta ** (arange(0, D, 2) / D)) in float, angle =
+// float(position) * inv_freq in float, cos and sin of that angle computed in double and rounded
+// to float; 16-bit tables round those f32 values once more (HF builds them in f32 and casts them
+// to the model's dtype). The rotation loads x and the tables to f32 and rounds y once; the tables
+// may be in x's dtype or in f32.
 #include "tensor/backend.hpp"
 #include "tensor/cuda/check.cuh"
 
 namespace troupe::cuda {
 namespace {
 
+using detail::from_f32;
 using detail::ptr;
+using detail::to_f32;
 
-__global__ void rope_tables_kernel(float* cos_t, float* sin_t, std::int64_t rows, std::int64_t half,
-                                   std::int64_t start, double theta) {
+// One table element per thread: k = t * half + i.
+template <class T>
+__global__ void rope_tables_kernel(T* cos_t, T* sin_t, std::int64_t rows, std::int64_t half,
+                                   std::int64_t start, float theta) {
   TROUPE_GRID_STRIDE(k, rows * half) {
     std::int64_t t = k / half, i = k % half;
-    // theta^(-2i/D) with D = 2 * half
-    double angle = static_cast<double>(start + t) *
-                   pow(theta, -static_cast<double>(i) / static_cast<double>(half));
-    cos_t[k] = static_cast<float>(cos(angle));
-    sin_t[k] = static_cast<float>(sin(angle));
+    const float expo = static_cast<float>(2 * i) / static_cast<float>(2 * half);
+    const float base_pow = static_cast<float>(pow(static_cast<double>(theta), double(expo)));
+    const float inv_freq = 1.0f / base_pow;
+    const double angle = static_cast<double>(static_cast<float>(start + t) * inv_freq);
+    cos_t[k] = from_f32<T>(static_cast<float>(cos(angle)));
+    sin_t[k] = from_f32<T>(static_cast<float>(sin(angle)));
   }
 }
 
@@ -28,44 +40,55 @@ bthd strides_of(const tensor& x) {
   return {x.stride(0), x.stride(1), x.stride(2)};
 }
 
-__global__ void rope_kernel(const float* x, bthd xs, const float* cos_t, const float* sin_t,
-                            float* y, bthd ys, std::int64_t batch, std::int64_t steps,
-                            std::int64_t heads, std::int64_t half, bool inverse) {
+// T: x and y; C: the tables (T or float).
+template <class T, class C>
+__global__ void rope_kernel(const T* x, bthd xs, const C* cos_t, const C* sin_t, T* y, bthd ys,
+                            std::int64_t batch, std::int64_t steps, std::int64_t heads,
+                            std::int64_t half, bool inverse) {
   TROUPE_GRID_STRIDE(k, batch * steps * heads * half) {
     std::int64_t i = k % half, rest = k / half;
     std::int64_t h = rest % heads;
     rest /= heads;
     std::int64_t t = rest % steps, b = rest / steps;
-    const float* xp = x + b * xs.b + t * xs.t + h * xs.h;
-    float* yp = y + b * ys.b + t * ys.t + h * ys.h;
-    float c = cos_t[t * half + i], s = sin_t[t * half + i];
-    float x1 = xp[i], x2 = xp[i + half];  // both read before either write: y may alias x
+    const T* xp = x + b * xs.b + t * xs.t + h * xs.h;
+    T* yp = y + b * ys.b + t * ys.t + h * ys.h;
+    float c = to_f32(cos_t[t * half + i]), s = to_f32(sin_t[t * half + i]);
+    float x1 = to_f32(xp[i]), x2 = to_f32(xp[i + half]);  // both read before either write
     if (inverse) s = -s;
-    yp[i] = x1 * c - x2 * s;
-    yp[i + half] = x2 * c + x1 * s;
+    yp[i] = from_f32<T>(x1 * c - x2 * s);
+    yp[i + half] = from_f32<T>(x2 * c + x1 * s);
   }
 }
 
 }  // namespace
 
 void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
-  detail::need_f32("rope_tables", cos);
   std::int64_t rows = cos.size(0), half = cos.size(1);
-  if (rows * half == 0) return;
-  rope_tables_kernel<<<detail::grid_for(rows * half), detail::block_threads>>>(
-      ptr<float>(cos), ptr<float>(sin), rows, half, start, theta);
-  TROUPE_CUDA_CHECK_LAUNCH();
+  detail::dispatch_16_32("rope_tables", cos, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rows * half == 0) return;
+    rope_tables_kernel<T><<<detail::grid_for(rows * half), detail::block_threads>>>(
+        ptr<T>(cos), ptr<T>(sin), rows, half, start, static_cast<float>(theta));
+    TROUPE_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void rope(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y, bool inverse) {
-  detail::need_f32("rope", x);
   std::int64_t batch = x.size(0), steps = x.size(1), heads = x.size(2), half = x.size(3) / 2;
   std::int64_t n = batch * steps * heads * half;
-  if (n == 0) return;
-  rope_kernel<<<detail::grid_for(n), detail::block_threads>>>(
-      ptr<float>(x), strides_of(x), ptr<float>(cos), ptr<float>(sin), ptr<float>(y), strides_of(y),
-      batch, steps, heads, half, inverse);
-  TROUPE_CUDA_CHECK_LAUNCH();
+  TROUPE_CHECK(cos.type() == sin.type(), "cuda rope: cos is ", dtype_name(cos.type()),
+               " but sin is ", dtype_name(sin.type()));
+  detail::dispatch_16_32("rope", x, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    detail::dispatch_stat<T>("rope", "cos", cos, [&](auto table_tag) {
+      using C = typename decltype(table_tag)::type;
+      if (n == 0) return;
+      rope_kernel<T, C><<<detail::grid_for(n), detail::block_threads>>>(
+          ptr<T>(x), strides_of(x), ptr<C>(cos), ptr<C>(sin), ptr<T>(y), strides_of(y), batch,
+          steps, heads, half, inverse);
+      TROUPE_CUDA_CHECK_LAUNCH();
+    });
+  });
 }
 
 }  // namespace troupe::cuda
