@@ -267,7 +267,8 @@ int run_kernels(const bench_options& o) {
 }  // namespace
 
 command_fn add_bench_command(CLI::App& app) {
-  CLI::App* bench = app.add_subcommand("bench", "Measure kernel throughput on this machine");
+  CLI::App* bench =
+      app.add_subcommand("bench", "Measure kernel and training throughput on this machine");
   bench->require_subcommand(1);
   CLI::App* kernels = bench->add_subcommand(
       "kernels", "GFLOP/s of the GPT-2 small GEMMs and of attention, against the SGEMM peak");
@@ -277,8 +278,9 @@ command_fn add_bench_command(CLI::App& app) {
   kernels->add_option("--repeat", o->repeat, "timed runs per kernel; best and median are shown")
       ->check(CLI::PositiveNumber);
   kernels->add_flag("--json", o->json, "print one JSON object instead of tables");
-  return [kernels, o]() -> int {
-    if (!kernels->parsed()) return -1;
+  command_fn train = add_bench_train_command(*bench);  // apps/cmd_bench_train.cpp
+  return [kernels, o, train]() -> int {
+    if (!kernels->parsed()) return train();
     return run_kernels(*o);
   };
 }

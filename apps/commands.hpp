@@ -14,6 +14,8 @@ namespace troupe::apps {
 using command_fn = std::function<int()>;
 
 command_fn add_bench_command(CLI::App& app);  // troupe bench ...   (apps/cmd_bench.cpp)
+// troupe bench train (apps/cmd_bench_train.cpp), added to the `bench` subcommand by the above.
+command_fn add_bench_train_command(CLI::App& bench);
 command_fn add_train_command(CLI::App& app);  // troupe train ...   (apps/cmd_train.cpp)
 command_fn add_tokenize_command(CLI::App& app);
 command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)

@@ -1,0 +1,207 @@
+// `troupe bench train`: training throughput and peak memory of one process, f32 on the CPU
+// (docs/performance.md, "Training, single process (CPU)"; scripts/bench/train_pytorch.py is the
+// same model and loop in PyTorch, scripts/bench/train_vs_pytorch.sh runs the two side by side).
+//
+// Builds a named model size (make_causal_lm), then runs `warmup` untimed and `steps` timed steps
+// of the trainer (models/trainer.hpp): forward, backward, clip_grad_norm 1.0, AdamW (torch
+// semantics, weight decay on every parameter) on uniform random token ids drawn per step from
+// (seed, step). tokens/s = B * T * steps / the wall time of the timed steps. Peak memory: the
+// host tier ledger's high-water mark (every buffer troupe allocates: parameters, gradients,
+// activations, scratch, optimizer moments) and the process's peak resident set (VmHWM: what the
+// kernel saw, including the binary, libraries and OpenBLAS's buffers).
+#include <sys/resource.h>
+
+#include <fmt/core.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "apps/commands.hpp"
+#include "memory/tier.hpp"
+#include "models/causal_lm.hpp"
+#include "models/trainer.hpp"
+#include "tensor/cpu/blas_info.hpp"
+#include "tensor/parallel.hpp"
+
+namespace troupe::apps {
+namespace {
+
+struct train_bench_options {
+  std::string model = "bench-small";
+  std::int64_t batch = 8, seq = 256;
+  int steps = 10, warmup = 2, threads = 0;
+  std::uint64_t seed = 1337;
+  bool json = false;
+};
+
+// A /proc/self/status field in bytes ("VmHWM", "VmRSS"); -1 when absent.
+std::int64_t proc_status_bytes(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
+  return -1;
+}
+
+std::int64_t peak_rss_bytes() {
+  std::int64_t hwm = proc_status_bytes("VmHWM");
+  if (hwm >= 0) return hwm;
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<std::int64_t>(u.ru_maxrss) * 1024;  // Linux: KiB
+}
+
+std::uint64_t splitmix64(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double mib(std::int64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0);
+}
+
+int run_train_bench(const train_bench_options& o) {
+  if (o.threads > 0) parallel::set_num_threads(o.threads);
+  const cpu::blas_core_choice& core = cpu::ensure_blas_core();
+  const std::int64_t rss_start = proc_status_bytes("VmRSS");
+
+  const auto mcfg = models::named_model_config(o.model).value();
+  auto model = models::make_causal_lm(mcfg, {o.batch, o.seq});
+  TROUPE_CHECK(o.seq <= model->max_seq(), "--seq ", o.seq, " exceeds the model's ",
+               model->max_seq(), " positions");
+  model->init_weights(o.seed);
+  models::train_config cfg;
+  cfg.model_size = o.model;
+  cfg.batch = o.batch;
+  cfg.seq = o.seq;
+  cfg.steps = o.warmup + o.steps;
+  cfg.seed = o.seed;
+  cfg.lr = 3e-4;  // as the PyTorch script: constant, no warmup
+  cfg.min_lr = 3e-4;
+  cfg.warmup = 0;
+  cfg.beta1 = 0.9;
+  cfg.beta2 = 0.95;
+  cfg.eps = 1e-8;
+  cfg.weight_decay = 0.1;
+  cfg.clip = 1.0;
+  models::trainer tr(*model, cfg);
+
+  const auto vocab = static_cast<std::uint64_t>(model->vocab());
+  const models::trainer::batch_source data = [&](std::uint64_t draw, int b, int t,
+                                                 std::vector<std::int32_t>& rows) {
+    rows.resize(static_cast<std::size_t>(b) * static_cast<std::size_t>(t));
+    std::uint64_t x = o.seed * 0x100000001b3ull + draw;
+    for (auto& id : rows) id = static_cast<std::int32_t>(splitmix64(x) % vocab);
+  };
+
+  std::vector<double> losses, times;
+  for (int i = 0; i < o.warmup; ++i) losses.push_back(tr.step(data).loss);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < o.steps; ++i) {
+    const auto s0 = std::chrono::steady_clock::now();
+    losses.push_back(tr.step(data).loss);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens = static_cast<double>(o.batch * o.seq) * o.steps;
+  std::sort(times.begin(), times.end());
+
+  const memory::tier_stats host = memory::stats(memory::tier::host);
+  auto& mem = model->memory();
+  const std::int64_t params = model->slots().param_count();
+  const std::int64_t rss_peak = peak_rss_bytes();
+  const int threads = parallel::num_threads();
+
+  if (o.json) {
+    nlohmann::json j{{"impl", "troupe"},
+                     {"model", o.model},
+                     {"params", params},
+                     {"batch", o.batch},
+                     {"seq", o.seq},
+                     {"steps", o.steps},
+                     {"warmup", o.warmup},
+                     {"threads", threads},
+                     {"blas_core", core.after},
+                     {"tokens_per_s", tokens / total},
+                     {"step_s",
+                      {{"mean", total / o.steps},
+                       {"min", times.front()},
+                       {"median", times[times.size() / 2]},
+                       {"max", times.back()}}},
+                     {"peak_rss_bytes", rss_peak},
+                     {"rss_at_start_bytes", rss_start},
+                     {"host_ledger_peak_bytes", host.peak},
+                     {"host_ledger_in_use_bytes", host.in_use},
+                     {"model_bytes",
+                      {{"params", mem.param_bytes()},
+                       {"grads", mem.param_bytes()},
+                       {"activations", mem.activation_bytes()},
+                       {"scratch", mem.scratch_bytes()},
+                       {"adamw_moments", 2 * mem.params().nbytes()}}},
+                     {"loss_first", losses.front()},
+                     {"loss_last", losses.back()}};
+    fmt::print("{}\n", j.dump());
+    return 0;
+  }
+  fmt::print("troupe bench train: {} ({:.2f} M parameters), B={} T={}, {} threads, OpenBLAS {}\n",
+             o.model, static_cast<double>(params) / 1e6, o.batch, o.seq, threads, core.after);
+  fmt::print("  {} timed steps after {} warm-up: {:.0f} tokens/s\n", o.steps, o.warmup,
+             tokens / total);
+  fmt::print("  step time: mean {:.3f} s, min {:.3f}, median {:.3f}, max {:.3f}\n", total / o.steps,
+             times.front(), times[times.size() / 2], times.back());
+  fmt::print("  peak memory: host ledger {:.1f} MiB, process RSS (VmHWM) {:.1f} MiB\n",
+             mib(host.peak), mib(rss_peak));
+  fmt::print(
+      "  planned: params {:.1f} MiB, grads {:.1f}, activations {:.1f}, scratch {:.1f}, "
+      "AdamW moments {:.1f}\n",
+      mib(static_cast<std::int64_t>(mem.param_bytes())),
+      mib(static_cast<std::int64_t>(mem.param_bytes())),
+      mib(static_cast<std::int64_t>(mem.activation_bytes())),
+      mib(static_cast<std::int64_t>(mem.scratch_bytes())),
+      mib(2 * static_cast<std::int64_t>(mem.params().nbytes())));
+  fmt::print("  loss: first {:.4f}, last {:.4f}\n", losses.front(), losses.back());
+  return 0;
+}
+
+}  // namespace
+
+command_fn add_bench_train_command(CLI::App& bench) {
+  CLI::App* sub = bench.add_subcommand(
+      "train", "Training tokens/s and peak memory of a GPT-2 model (f32, AdamW, clip 1.0)");
+  auto o = std::make_shared<train_bench_options>();
+  sub->add_option("--model", o->model, "model size")
+      ->check(CLI::IsMember({"bench-small", "gpt2-small", "gpt2-demo"}))
+      ->capture_default_str();
+  sub->add_option("--batch", o->batch, "sequences per step (B)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seq", o->seq, "tokens per sequence (T)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--steps", o->steps, "timed steps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--warmup", o->warmup, "untimed steps first")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub->add_option("--threads", o->threads, "CPU threads (default: TROUPE_NUM_THREADS or all)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--seed", o->seed, "seed of the weights and the token ids")
+      ->capture_default_str();
+  sub->add_flag("--json", o->json, "print one JSON object");
+  return [sub, o]() -> int {
+    if (!sub->parsed()) return -1;
+    return run_train_bench(*o);
+  };
+}
+
+}  // namespace troupe::apps
