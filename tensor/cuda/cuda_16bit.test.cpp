@@ -47,9 +47,14 @@ double subnormal16(dtype t) {
   return t == dtype::f16 ? 0x1p-24 : 0.0;
 }
 
-// The dtypes tensor/ops.cpp accepts for the saved statistics (mean, rstd, lse, losses) and the
-// rope tables of an op on t data: the data's own dtype.
+// The dtypes tensor/ops.cpp accepts for the saved statistics (mean, rstd, lse, losses) of an op
+// on t data: t itself, or f32.
 std::vector<dtype> stat_types(dtype t) {
+  return {t, dtype::f32};
+}
+// The dtypes ops.cpp accepts for the rope tables of t data: t (HF casts its f32 tables to the
+// model's dtype). The kernels also take f32 tables.
+std::vector<dtype> table_types(dtype t) {
   return {t};
 }
 // Relative tolerance of a statistic of dtype s: one ulp16 when it is stored in 16 bits.
@@ -168,7 +173,7 @@ TEST_CASE("cuda rope in bf16 and f16 matches f32 on strided views and in place",
   TROUPE_NEED_GPU();
   const std::int64_t B = 2, T = 5, H = 3, D = 16, start = 3;
   for (dtype t : half_types) {
-    for (dtype ct : stat_types(t)) {
+    for (dtype ct : table_types(t)) {
       INFO(dtype_name(t) << " tables " << dtype_name(ct));
       owned_tensor gcs = gpu_empty({T + 2, D / 2}, ct), gsn = gpu_empty({T + 2, D / 2}, ct);
       ops::rope_tables(start, 10000.0, gcs, gsn);
