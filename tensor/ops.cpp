@@ -64,6 +64,21 @@ void need_vector(const char* op, const arg& v, std::int64_t n, const arg& like) 
                "], got ", v.t.describe());
   need_same_type(op, like, v);
 }
+// Saved statistics (norm mean/rstd, attention lse, per-row losses) are contiguous and take the
+// dtype of `like`, or f32 when `like` is bf16 or f16.
+void need_stat_type(const char* op, const arg& v, const arg& like) {
+  need_contiguous(op, v);
+  const dtype x = like.t.type(), t = v.t.type();
+  TROUPE_CHECK(t == x || (t == dtype::f32 && (x == dtype::bf16 || x == dtype::f16)), op, ": ",
+               v.name, " has dtype ", dtype_name(t), " but ", like.name, " has ", dtype_name(x),
+               " (statistics take the dtype of ", like.name, ", or f32 for bf16 and f16)");
+}
+void need_stat_vector(const char* op, const arg& v, std::int64_t n, const arg& like) {
+  need_contiguous(op, v);
+  TROUPE_CHECK(v.t.dim() == 1 && v.t.size(0) == n, op, ": ", v.name, " must have shape [", n,
+               "], got ", v.t.describe());
+  need_stat_type(op, v, like);
+}
 std::int64_t rows(const tensor& x) {
   return x.dim() == 0 ? 1 : x.numel() / std::max<std::int64_t>(x.size(-1), 1);
 }
@@ -210,8 +225,9 @@ void layernorm(const tensor& x, const tensor& w, const tensor& b, const tensor& 
   std::int64_t c = cols(op, {"x", x});
   need_vector(op, {"w", w}, c, {"x", x});
   if (b.defined()) need_vector(op, {"b", b}, c, {"x", x});
-  need_vector(op, {"mean", mean}, rows(x), {"x", x});
-  need_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_stat_vector(op, {"mean", mean}, rows(x), {"x", x});
+  need_stat_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_same_type(op, {"mean", mean}, {"rstd", rstd});
   TROUPE_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
   TROUPE_DISPATCH(d, layernorm(x, w, b, y, mean, rstd, eps));
 }
@@ -231,8 +247,9 @@ void layernorm_backward(const tensor& dy, const tensor& x, const tensor& w, cons
   need_vector(op, {"w", w}, c, {"x", x});
   need_vector(op, {"dw", dw}, c, {"x", x});
   if (db.defined()) need_vector(op, {"db", db}, c, {"x", x});
-  need_vector(op, {"mean", mean}, rows(x), {"x", x});
-  need_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_stat_vector(op, {"mean", mean}, rows(x), {"x", x});
+  need_stat_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_same_type(op, {"mean", mean}, {"rstd", rstd});
   TROUPE_DISPATCH(d, layernorm_backward(dy, x, w, mean, rstd, dx, dw, db));
 }
 void rmsnorm(const tensor& x, const tensor& w, const tensor& y, const tensor& rstd, double eps) {
@@ -240,7 +257,7 @@ void rmsnorm(const tensor& x, const tensor& w, const tensor& y, const tensor& rs
   elementwise(op, {{"x", x}, {"y", y}});
   auto d = common_device(op, {{"x", x}, {"w", w}, {"y", y}, {"rstd", rstd}});
   need_vector(op, {"w", w}, cols(op, {"x", x}), {"x", x});
-  need_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_stat_vector(op, {"rstd", rstd}, rows(x), {"x", x});
   TROUPE_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
   TROUPE_DISPATCH(d, rmsnorm(x, w, y, rstd, eps));
 }
@@ -253,7 +270,7 @@ void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const 
   std::int64_t c = cols(op, {"x", x});
   need_vector(op, {"w", w}, c, {"x", x});
   need_vector(op, {"dw", dw}, c, {"x", x});
-  need_vector(op, {"rstd", rstd}, rows(x), {"x", x});
+  need_stat_vector(op, {"rstd", rstd}, rows(x), {"x", x});
   TROUPE_DISPATCH(d, rmsnorm_backward(dy, x, w, rstd, dx, dw));
 }
 
@@ -332,7 +349,7 @@ std::int64_t cross_entropy(const tensor& logits, const tensor& targets, const te
                ": targets must be i32 or i64, got ", targets.describe());
   TROUPE_CHECK(targets.numel() == n, op, ": targets has ", targets.numel(), " elements but logits ",
                logits.describe(), " has ", n, " rows");
-  need_vector(op, {"losses", losses}, n, {"logits", logits});
+  need_stat_vector(op, {"losses", losses}, n, {"logits", logits});
   if (dlogits.defined()) {
     need_contiguous(op, {"dlogits", dlogits});
     need_same_type(op, {"logits", logits}, {"dlogits", dlogits});
@@ -383,8 +400,7 @@ void check_attention(const char* op, const tensor& q, const tensor& k, const ten
                ") must be a multiple of key/value heads (", k.size(2), ")");
   TROUPE_CHECK(k.size(1) >= q.size(1), op, ": fewer keys (", k.size(1), ") than queries (",
                q.size(1), ")");
-  need_contiguous(op, {"lse", lse});
-  need_same_type(op, {"q", q}, {"lse", lse});
+  need_stat_type(op, {"lse", lse}, {"q", q});
   TROUPE_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) &&
                    lse.size(2) == q.size(1),
                op, ": lse must be [", q.size(0), ", ", q.size(2), ", ", q.size(1), "], got ",

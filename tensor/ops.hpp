@@ -2,14 +2,21 @@
 //
 // Every op validates its arguments (device, dtype, shape, contiguity) here, before any backend
 // runs, and throws troupe::error naming the op and the offending argument. Outputs are preallocated
-// by the caller: no op allocates tensor memory. Backends: tensor/cpu (f32 and f64; vectorized and
-// multi-threaded) and tensor/cuda (f32, plus bf16/f16 where noted; compiled when CUDA is found).
+// by the caller: no op allocates tensor memory. Backends: tensor/cpu (f32 and f64, and bf16/f16 for
+// every op but adamw; vectorized and multi-threaded) and tensor/cuda (f32, plus bf16/f16 where
+// noted; compiled when CUDA is found).
 //
 // Conventions:
 // - Gradients of parameters accumulate (+=) so microbatches can add up; gradients of activations
 //   are overwritten.
 // - "rows" means all leading dimensions flattened: x[..., C] is viewed as [N, C].
 // - Unless said otherwise, tensors must be contiguous and of one floating dtype.
+// - bf16 and f16 tensors are storage types: an op loads them to f32, computes in f32 (sums in f32
+//   or f64 as for f32 tensors) and rounds each result once to nearest even, as torch autocast
+//   does. Parameter gradients accumulate the same way (load, add in f32, round).
+// - Saved statistics (layernorm mean/rstd, rmsnorm rstd, attention lse, cross_entropy losses)
+//   take the dtype of the input, or f32 when the input is bf16 or f16 (the more precise choice:
+//   a bf16 lse near 8 is off by up to 2^-5, which backward turns into probabilities ~3% off).
 #pragma once
 
 #include <cstdint>
@@ -49,7 +56,8 @@ void swiglu_backward(const tensor& gate, const tensor& up, const tensor& dout, c
 // ---- softmax and normalization (over the last dimension) ------------------------------------
 void softmax(const tensor& x, const tensor& y);
 void softmax_backward(const tensor& y, const tensor& dy, const tensor& dx);
-// y = (x - mean) * rstd * w + b; mean[N] and rstd[N] are saved for backward (same dtype as x).
+// y = (x - mean) * rstd * w + b; mean[N] and rstd[N] are saved for backward (dtype of x, or f32
+// for 16-bit x; see Conventions).
 // b may be undefined (no bias).
 void layernorm(const tensor& x, const tensor& w, const tensor& b, const tensor& y,
                const tensor& mean, const tensor& rstd, double eps);
@@ -84,8 +92,9 @@ std::int64_t cross_entropy(const tensor& logits, const tensor& targets, const te
 
 // ---- GEMM -------------------------------------------------------------------------------------
 // c = alpha * a @ b + beta * c for 2-D views. a and b may be transposed views (either of their
-// strides may be 1); c must have a unit last stride. CPU: f32, f64 (OpenBLAS). CUDA: f32, and
-// bf16/f16 inputs and output with f32 accumulation (cuBLAS).
+// strides may be 1); c must have a unit last stride. CPU: f32, f64 (OpenBLAS), and bf16/f16
+// (panels widened to f32 for OpenBLAS SGEMM, c rounded once). CUDA: f32, and bf16/f16 inputs and
+// output with f32 accumulation (cuBLAS).
 void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.0,
             double beta = 0.0);
 
@@ -94,8 +103,8 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.
 // T x S score matrix is never materialized; memory is linear in T).
 // q[B, T, Hq, D], k and v [B, S, Hkv, D] with Hq % Hkv == 0 (grouped-query attention), out like q.
 // Views with a contiguous last dimension (e.g. slices of a fused qkv buffer) are accepted.
-// lse[B, Hq, T] (contiguous, same dtype) receives the log-sum-exp of each query's scores, for
-// backward. Causal: query t attends to keys s <= t + (S - T).
+// lse[B, Hq, T] (contiguous; dtype of q, or f32 for 16-bit q) receives the log-sum-exp of each
+// query's scores, for backward. Causal: query t attends to keys s <= t + (S - T).
 struct attention_options {
   double scale = 0.0;  // 0 means 1/sqrt(D)
   bool causal = true;

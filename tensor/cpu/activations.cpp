@@ -7,6 +7,7 @@
 
 #include "tensor/backend.hpp"
 #include "tensor/cpu/fast_math.hpp"
+#include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
@@ -35,87 +36,73 @@ inline T gelu_grad(T x) {
   return s + T(2) * x * s * (T(1) - s) * du;
 }
 
-// Runs body(i) for every i in [0, n) on the thread pool.
-template <class F>
-void for_each(std::int64_t n, F&& body) {
-  parallel::parallel_for(0, n, exp_grain, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t i = lo; i < hi; ++i) body(i);
-  });
-}
-
-template <class T>
-const T* in(const tensor& t) {
-  return static_cast<const T*>(t.data());
-}
-template <class T>
-T* out(const tensor& t) {
-  return static_cast<T*>(t.data());
-}
-
 }  // namespace
 
+// Every body below is written once for the compute type C (f32 for bf16 and f16 storage, whose
+// results are rounded once: map_elements in half.hpp).
+
 void gelu(const tensor& x, const tensor& y) {
-  dispatch_float("gelu", x.type(), [&]<class T>(T) {
-    const T* xp = in<T>(x);
-    T* yp = out<T>(y);
-    for_each(x.numel(), [&](std::int64_t i) { yp[i] = gelu_value(xp[i]); });
+  dispatch_floating("gelu", x.type(), [&]<class S>(S) {
+    map_elements(
+        x.numel(), exp_grain, static_cast<S*>(y.data()), [](auto v) { return gelu_value(v); },
+        static_cast<const S*>(x.data()));
   });
 }
 
 void gelu_backward(const tensor& x, const tensor& dy, const tensor& dx) {
-  dispatch_float("gelu_backward", x.type(), [&]<class T>(T) {
-    const T* xp = in<T>(x);
-    const T* g = in<T>(dy);
-    T* d = out<T>(dx);
-    for_each(x.numel(), [&](std::int64_t i) { d[i] = g[i] * gelu_grad(xp[i]); });
+  dispatch_floating("gelu_backward", x.type(), [&]<class S>(S) {
+    map_elements(
+        x.numel(), exp_grain, static_cast<S*>(dx.data()),
+        [](auto xi, auto gi) { return gi * gelu_grad(xi); }, static_cast<const S*>(x.data()),
+        static_cast<const S*>(dy.data()));
   });
 }
 
 void silu(const tensor& x, const tensor& y) {
-  dispatch_float("silu", x.type(), [&]<class T>(T) {
-    const T* xp = in<T>(x);
-    T* yp = out<T>(y);
-    for_each(x.numel(), [&](std::int64_t i) { yp[i] = xp[i] * sigmoid(xp[i]); });
+  dispatch_floating("silu", x.type(), [&]<class S>(S) {
+    map_elements(
+        x.numel(), exp_grain, static_cast<S*>(y.data()), [](auto v) { return v * sigmoid(v); },
+        static_cast<const S*>(x.data()));
   });
 }
 
 // silu'(x) = s (1 + x (1 - s)) with s = sigmoid(x).
 void silu_backward(const tensor& x, const tensor& dy, const tensor& dx) {
-  dispatch_float("silu_backward", x.type(), [&]<class T>(T) {
-    const T* xp = in<T>(x);
-    const T* g = in<T>(dy);
-    T* d = out<T>(dx);
-    for_each(x.numel(), [&](std::int64_t i) {
-      T s = sigmoid(xp[i]);
-      d[i] = g[i] * s * (T(1) + xp[i] * (T(1) - s));
-    });
+  dispatch_floating("silu_backward", x.type(), [&]<class S>(S) {
+    using C = compute_t<S>;
+    map_elements(
+        x.numel(), exp_grain, static_cast<S*>(dx.data()),
+        [](C xi, C gi) {
+          C s = sigmoid(xi);
+          return gi * s * (C(1) + xi * (C(1) - s));
+        },
+        static_cast<const S*>(x.data()), static_cast<const S*>(dy.data()));
   });
 }
 
 void swiglu(const tensor& gate, const tensor& up, const tensor& o) {
-  dispatch_float("swiglu", gate.type(), [&]<class T>(T) {
-    const T* g = in<T>(gate);
-    const T* u = in<T>(up);
-    T* op = out<T>(o);
-    for_each(gate.numel(), [&](std::int64_t i) { op[i] = g[i] * sigmoid(g[i]) * u[i]; });
+  dispatch_floating("swiglu", gate.type(), [&]<class S>(S) {
+    map_elements(
+        gate.numel(), exp_grain, static_cast<S*>(o.data()),
+        [](auto g, auto u) { return g * sigmoid(g) * u; }, static_cast<const S*>(gate.data()),
+        static_cast<const S*>(up.data()));
   });
 }
 
 // dgate = dout * up * silu'(gate), dup = dout * silu(gate).
 void swiglu_backward(const tensor& gate, const tensor& up, const tensor& dout, const tensor& dgate,
                      const tensor& dup) {
-  dispatch_float("swiglu_backward", gate.type(), [&]<class T>(T) {
-    const T* g = in<T>(gate);
-    const T* u = in<T>(up);
-    const T* d = in<T>(dout);
-    T* dg = out<T>(dgate);
-    T* du = out<T>(dup);
-    for_each(gate.numel(), [&](std::int64_t i) {
-      T gi = g[i], ui = u[i], di = d[i];
-      T s = sigmoid(gi);
-      dg[i] = di * ui * s * (T(1) + gi * (T(1) - s));
-      du[i] = di * gi * s;
-    });
+  dispatch_floating("swiglu_backward", gate.type(), [&]<class S>(S) {
+    using C = compute_t<S>;
+    map_elements2(
+        gate.numel(), exp_grain, static_cast<S*>(dgate.data()), static_cast<S*>(dup.data()),
+        [](auto& dg, auto& du, C gi, C ui, C di) {
+          C s = sigmoid(gi);
+          dg = di * ui * s * (C(1) + gi * (C(1) - s));
+          du = di * gi * s;
+        },
+        static_cast<const S*>(gate.data()), static_cast<const S*>(up.data()),
+        static_cast<const S*>(dout.data()));
   });
 }
 

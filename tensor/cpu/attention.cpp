@@ -10,6 +10,9 @@
 // scratch is a few tiles.
 //
 // The tile kernels (attention_tiles.inc) are compiled for AVX2 and for AVX-512; the CPU decides.
+// bf16 and f16 tensors are widened to f32 as their rows are copied into the tiles (which are f32),
+// results are rounded once as they are stored, and lse may be f32 (ops.cpp). Their backward keeps
+// dk and dv of the head in hand in f32 rows (2 S D floats more scratch) and rounds them at the end.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -21,6 +24,8 @@
 #include "tensor/backend.hpp"
 #include "tensor/cpu/attention.hpp"
 #include "tensor/cpu/blas_info.hpp"
+#include "tensor/cpu/half.hpp"
+#include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::cpu {
@@ -47,10 +52,11 @@ bthd<T> view_of(const tensor& x) {
   return {static_cast<T*>(x.data()), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-template <class T>
+// S: the storage type of q, k, v, out and the gradients; L: that of lse.
+template <class S, class L>
 struct attn_args {
-  bthd<T> q, k, v, out, dout, dq, dk, dv;
-  T* lse = nullptr;
+  bthd<S> q, k, v, out, dout, dq, dk, dv;
+  L* lse = nullptr;
   std::int64_t b = 0, t = 0, s = 0, hq = 0, hkv = 0, group = 0, d = 0, d_padded = 0;
   std::int64_t off = 0;  // S - T: query t sees keys s <= t + off when causal
   double scale = 0;
@@ -97,9 +103,17 @@ class scratch_slot {
 
 thread_local scratch_slot t_scratch;
 
-template <class T>
-T* thread_scratch(const attn_args<T>& g) {
-  return static_cast<T*>(t_scratch.get(scratch_elems(g.d, sizeof(T)) * sizeof(T)));
+// Elements (of the compute type, elem bytes each) one thread needs; backward of 16-bit tensors
+// adds f32 rows for dk and dv of a head of s keys.
+std::int64_t scratch_elems(std::int64_t d, std::size_t elem, bool half_backward, std::int64_t s) {
+  return scratch_elems(d, elem) + (half_backward ? 2 * s * padded_dim(d, elem) : 0);
+}
+
+template <class S, class L>
+compute_t<S>* thread_scratch(const attn_args<S, L>& g, bool backward) {
+  using T = compute_t<S>;
+  const std::int64_t n = scratch_elems(g.d, sizeof(T), backward && is_half<S>, g.s);
+  return static_cast<T*>(t_scratch.get(static_cast<std::size_t>(n) * sizeof(T)));
 }
 
 namespace avx2 {
@@ -122,15 +136,15 @@ bool use_avx512() {
   return yes;
 }
 
-template <class T>
-attn_args<T> make_args(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
-                       const tensor& lse, const ops::attention_options& opt) {
-  attn_args<T> g;
-  g.q = view_of<T>(q);
-  g.k = view_of<T>(k);
-  g.v = view_of<T>(v);
-  g.out = view_of<T>(out);
-  g.lse = static_cast<T*>(lse.data());
+template <class S, class L>
+attn_args<S, L> make_args(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
+                          const tensor& lse, const ops::attention_options& opt) {
+  attn_args<S, L> g;
+  g.q = view_of<S>(q);
+  g.k = view_of<S>(k);
+  g.v = view_of<S>(v);
+  g.out = view_of<S>(out);
+  g.lse = static_cast<L*>(lse.data());
   g.b = q.size(0);
   g.t = q.size(1);
   g.hq = q.size(2);
@@ -138,16 +152,22 @@ attn_args<T> make_args(const tensor& q, const tensor& k, const tensor& v, const 
   g.s = k.size(1);
   g.hkv = k.size(2);
   g.group = g.hq / g.hkv;
-  g.d_padded = padded_dim(g.d, sizeof(T));
+  g.d_padded = padded_dim(g.d, sizeof(compute_t<S>));
   g.off = g.s - g.t;
   g.scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(g.d));
   g.causal = opt.causal;
   return g;
 }
 
-void check_dtype(const char* op, dtype t) {
-  TROUPE_CHECK(t == dtype::f32 || t == dtype::f64, "cpu ", op, ": dtype ", dtype_name(t),
-               " not supported (f32 and f64 are)");
+// Calls f(S{}, L{}) for the storage types of q and of lse (L is S, or f32 for 16-bit S).
+template <class F>
+void dispatch_attention(const char* op, const tensor& q, const tensor& lse, F&& f) {
+  dispatch_floating(op, q.type(), [&]<class S>(S) {
+    if constexpr (is_half<S>) {
+      if (lse.type() == dtype::f32) return f(S{}, float{});
+    }
+    f(S{}, S{});
+  });
 }
 
 }  // namespace
@@ -156,37 +176,33 @@ std::size_t attention_scratch_bytes() {
   return static_cast<std::size_t>(held_bytes.load());
 }
 
-std::size_t attention_scratch_bytes_per_thread(std::int64_t d, dtype t) {
-  return static_cast<std::size_t>(scratch_elems(d, dtype_size(t))) * dtype_size(t);
+std::size_t attention_scratch_bytes_per_thread(std::int64_t d, dtype t, std::int64_t s) {
+  const bool half = t == dtype::bf16 || t == dtype::f16;
+  const std::size_t elem = half ? sizeof(float) : dtype_size(t);
+  return static_cast<std::size_t>(scratch_elems(d, elem, half, s)) * elem;
 }
 
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const ops::attention_options& opt) {
-  check_dtype("attention", q.type());
   if (lse.numel() == 0) return;
-  auto run = [&](auto zero) {
-    using T = decltype(zero);
-    const attn_args<T> g = make_args<T>(q, k, v, out, lse, opt);
+  dispatch_attention("attention", q, lse, [&]<class S, class L>(S, L) {
+    const attn_args<S, L> g = make_args<S, L>(q, k, v, out, lse, opt);
     use_avx512() ? avx512::forward(g) : avx2::forward(g);
-  };
-  q.type() == dtype::f32 ? run(float{}) : run(double{});
+  });
 }
 
 void attention_backward(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                         const tensor& dout, const tensor& lse, const tensor& dq, const tensor& dk,
                         const tensor& dv, const ops::attention_options& opt) {
-  check_dtype("attention_backward", q.type());
   if (k.numel() == 0) return;
-  auto run = [&](auto zero) {
-    using T = decltype(zero);
-    attn_args<T> g = make_args<T>(q, k, v, out, lse, opt);
-    g.dout = view_of<T>(dout);
-    g.dq = view_of<T>(dq);
-    g.dk = view_of<T>(dk);
-    g.dv = view_of<T>(dv);
+  dispatch_attention("attention_backward", q, lse, [&]<class S, class L>(S, L) {
+    attn_args<S, L> g = make_args<S, L>(q, k, v, out, lse, opt);
+    g.dout = view_of<S>(dout);
+    g.dq = view_of<S>(dq);
+    g.dk = view_of<S>(dk);
+    g.dv = view_of<S>(dv);
     use_avx512() ? avx512::backward(g) : avx2::backward(g);
-  };
-  q.type() == dtype::f32 ? run(float{}) : run(double{});
+  });
 }
 
 }  // namespace troupe::cpu

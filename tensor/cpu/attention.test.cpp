@@ -273,7 +273,9 @@ TEST_CASE("attention rejects bad arguments with clear errors", "[cpu]") {
   auto k3 = zeros({1, 4, 3, 8});
   REQUIRE_THROWS_WITH(ops::attention(q, k3, k3, out, lse_bad), Catch::Contains("lse must be"));
   auto q16 = zeros({1, 4, 3, 8}, dtype::bf16), k16 = zeros({1, 4, 3, 8}, dtype::bf16),
-       o16 = zeros({1, 4, 3, 8}, dtype::bf16), l16 = zeros({1, 3, 4}, dtype::bf16);
-  REQUIRE_THROWS_WITH(ops::attention(q16, k16, k16, o16, l16),
-                      Catch::Contains("bf16 not supported"));
+       o16 = zeros({1, 4, 3, 8}, dtype::bf16), l64 = zeros({1, 3, 4}, dtype::f64);
+  REQUIRE_THROWS_WITH(ops::attention(q16, k16, k16, o16, l64),
+                      Catch::Contains("lse has dtype f64 but q has bf16"));
+  REQUIRE_THROWS_WITH(ops::attention(q16, k16, k16, out, lse),
+                      Catch::Contains("out has dtype f32 but q has bf16"));
 }

@@ -7,6 +7,7 @@
 
 #include "memory/error.hpp"
 #include "tensor/backend.hpp"
+#include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
@@ -126,8 +127,9 @@ inline D convert(S v) {
   }
 }
 
-// n elements from s (step ss) to d (step ds). f32 <-> f16 runs use the F16C instructions, which
-// round to nearest even exactly like f32_to_f16_bits (NaN payloads aside).
+// n elements from s (step ss) to d (step ds). Contiguous f32 <-> bf16/f16 runs use the vector
+// converters of half.hpp (F16C for f16), which round to nearest even exactly like the scalar ones
+// (NaN payloads aside).
 template <class S, class D>
 inline void copy_run(const S* s, D* d, std::int64_t n, std::int64_t ss, std::int64_t ds) {
   if constexpr (std::is_same_v<S, D>) {
@@ -140,18 +142,13 @@ inline void copy_run(const S* s, D* d, std::int64_t n, std::int64_t ss, std::int
     for (std::int64_t i = 0; i < n; ++i) d[i * ds] = convert<S, D>(s[i * ss]);
     return;
   }
-  std::int64_t i = 0;
-  if constexpr (std::is_same_v<S, float> && std::is_same_v<D, f16_t>) {
-    for (; i + 8 <= n; i += 8) {
-      __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
-    }
-  } else if constexpr (std::is_same_v<S, f16_t> && std::is_same_v<D, float>) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(d + i,
-                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  if constexpr (std::is_same_v<S, float> && is_half<D>) {
+    narrow_n(s, d, n);
+  } else if constexpr (is_half<S> && std::is_same_v<D, float>) {
+    widen_n(s, d, n);
+  } else {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = convert<S, D>(s[i]);
   }
-  for (; i < n; ++i) d[i] = convert<S, D>(s[i]);
 }
 
 // The last two plan dimensions form a transpose (the destination is contiguous along the last,
@@ -315,101 +312,133 @@ void copy(const tensor& src, const tensor& dst) {
 }
 
 // ---- elementwise arithmetic ---------------------------------------------------------------------
+// bf16 and f16 tensors compute in f32 and round each result once (map_elements, half.hpp).
 
 void add(const tensor& a, const tensor& b, const tensor& out) {
-  dispatch_float("add", a.type(), [&]<class T>(T) {
-    const T* x = static_cast<const T*>(a.data());
-    const T* y = static_cast<const T*>(b.data());
-    T* o = static_cast<T*>(out.data());
-    parallel::parallel_for(0, a.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) o[i] = x[i] + y[i];
-    });
+  dispatch_floating("add", a.type(), [&]<class S>(S) {
+    map_elements(
+        a.numel(), elem_grain, static_cast<S*>(out.data()), [](auto x, auto y) { return x + y; },
+        static_cast<const S*>(a.data()), static_cast<const S*>(b.data()));
   });
 }
 
 void mul(const tensor& a, const tensor& b, const tensor& out) {
-  dispatch_float("mul", a.type(), [&]<class T>(T) {
-    const T* x = static_cast<const T*>(a.data());
-    const T* y = static_cast<const T*>(b.data());
-    T* o = static_cast<T*>(out.data());
-    parallel::parallel_for(0, a.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) o[i] = x[i] * y[i];
-    });
+  dispatch_floating("mul", a.type(), [&]<class S>(S) {
+    map_elements(
+        a.numel(), elem_grain, static_cast<S*>(out.data()), [](auto x, auto y) { return x * y; },
+        static_cast<const S*>(a.data()), static_cast<const S*>(b.data()));
   });
 }
 
 void axpy(double alpha, const tensor& x, const tensor& y) {
-  dispatch_float("axpy", x.type(), [&]<class T>(T) {
-    const T* xp = static_cast<const T*>(x.data());
-    T* yp = static_cast<T*>(y.data());
-    const T al = static_cast<T>(alpha);
-    parallel::parallel_for(0, x.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) yp[i] += al * xp[i];
-    });
+  dispatch_floating("axpy", x.type(), [&]<class S>(S) {
+    using C = compute_t<S>;
+    const C al = static_cast<C>(alpha);
+    S* yp = static_cast<S*>(y.data());
+    map_elements(
+        x.numel(), elem_grain, yp, [al](C xi, C yi) { return yi + al * xi; },
+        static_cast<const S*>(x.data()), static_cast<const S*>(yp));
   });
 }
 
 void scale(const tensor& x, double alpha) {
-  dispatch_float("scale", x.type(), [&]<class T>(T) {
-    T* p = static_cast<T*>(x.data());
-    const T al = static_cast<T>(alpha);
-    parallel::parallel_for(0, x.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) p[i] *= al;
-    });
+  dispatch_floating("scale", x.type(), [&]<class S>(S) {
+    using C = compute_t<S>;
+    const C al = static_cast<C>(alpha);
+    S* p = static_cast<S*>(x.data());
+    map_elements(
+        x.numel(), elem_grain, p, [al](C v) { return v * al; }, static_cast<const S*>(p));
   });
 }
 
 void add_bias(const tensor& x, const tensor& bias) {
-  dispatch_float("add_bias", x.type(), [&]<class T>(T) {
-    T* p = static_cast<T*>(x.data());
-    const T* b = static_cast<const T*>(bias.data());
+  dispatch_floating("add_bias", x.type(), [&]<class S>(S) {
+    S* p = static_cast<S*>(x.data());
+    const S* b = static_cast<const S*>(bias.data());
     const std::int64_t c = x.size(-1);
     const std::int64_t n = c == 0 ? 0 : x.numel() / c;
     parallel::parallel_for(0, n, row_grain(c), [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t r = lo; r < hi; ++r) {
-        T* row = p + r * c;
-        for (std::int64_t j = 0; j < c; ++j) row[j] += b[j];
+      if constexpr (is_half<S>) {
+        float* bf = thread_floats(static_cast<std::size_t>(c));  // the bias in f32, once per chunk
+        widen_n(b, bf, c);
+        float t[half_block];
+        for (std::int64_t r = lo; r < hi; ++r) {
+          S* row = p + r * c;
+          for (std::int64_t j0 = 0; j0 < c; j0 += half_block) {
+            const std::int64_t len = std::min(half_block, c - j0);
+            widen_n(row + j0, t, len);
+            for (std::int64_t j = 0; j < len; ++j) t[j] += bf[j0 + j];
+            narrow_n(t, row + j0, len);
+          }
+        }
+      } else {
+        for (std::int64_t r = lo; r < hi; ++r) {
+          S* row = p + r * c;
+          for (std::int64_t j = 0; j < c; ++j) row[j] += b[j];
+        }
       }
     });
   });
 }
 
 void sum_rows(const tensor& x, const tensor& out) {
-  dispatch_float("sum_rows", x.type(), [&]<class T>(T) {
-    const T* p = static_cast<const T*>(x.data());
-    T* o = static_cast<T*>(out.data());
+  dispatch_floating("sum_rows", x.type(), [&]<class S>(S) {
+    using C = compute_t<S>;
+    const S* p = static_cast<const S*>(x.data());
+    S* o = static_cast<S*>(out.data());
     const std::int64_t c = x.size(-1);
     const std::int64_t n = c == 0 ? 0 : x.numel() / c;
     for_column_tiles(n, c, [&](std::int64_t c0, std::int64_t c1) {
       double acc[max_col_tile] = {};
       const std::int64_t w = c1 - c0;
       for (std::int64_t r = 0; r < n; ++r) {
-        const T* row = p + r * c + c0;
-        for (std::int64_t j = 0; j < w; ++j) acc[j] += static_cast<double>(row[j]);
+        if constexpr (is_half<S>) {
+          float row[max_col_tile];
+          widen_n(p + r * c + c0, row, w);
+          for (std::int64_t j = 0; j < w; ++j) acc[j] += static_cast<double>(row[j]);
+        } else {
+          const S* row = p + r * c + c0;
+          for (std::int64_t j = 0; j < w; ++j) acc[j] += static_cast<double>(row[j]);
+        }
       }
-      for (std::int64_t j = 0; j < w; ++j) o[c0 + j] += static_cast<T>(acc[j]);
+      for (std::int64_t j = 0; j < w; ++j)
+        o[c0 + j] = from_compute<S>(to_compute(o[c0 + j]) + static_cast<C>(acc[j]));
     });
   });
 }
 
-double sum(const tensor& x) {
-  return dispatch_float("sum", x.type(), [&]<class T>(T) {
-    const T* p = static_cast<const T*>(x.data());
-    return reduce_chunks(x.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      return lane_sum<double>(lo, hi, [&](std::int64_t i) { return static_cast<double>(p[i]); });
-    });
+namespace {
+// Sum of f(x[i]) over the whole tensor in double lanes (f maps a double to a double). 16-bit
+// elements are widened a block at a time.
+template <class S, class F>
+double reduce_values(const tensor& x, F&& f) {
+  const S* p = static_cast<const S*>(x.data());
+  return reduce_chunks(x.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
+    if constexpr (is_half<S>) {
+      double total = 0;
+      float t[half_block];
+      for (std::int64_t b = lo; b < hi; b += half_block) {
+        const std::int64_t len = std::min(half_block, hi - b);
+        widen_n(p + b, t, len);
+        total +=
+            lane_sum<double>(0, len, [&](std::int64_t i) { return f(static_cast<double>(t[i])); });
+      }
+      return total;
+    } else {
+      return lane_sum<double>(lo, hi, [&](std::int64_t i) { return f(static_cast<double>(p[i])); });
+    }
   });
+}
+}  // namespace
+
+double sum(const tensor& x) {
+  return dispatch_floating(
+      "sum", x.type(), [&]<class S>(S) { return reduce_values<S>(x, [](double v) { return v; }); });
 }
 
 double sum_squares(const tensor& x) {
-  return dispatch_float("sum_squares", x.type(), [&]<class T>(T) {
-    const T* p = static_cast<const T*>(x.data());
-    return reduce_chunks(x.numel(), elem_grain, [&](std::int64_t lo, std::int64_t hi) {
-      return lane_sum<double>(lo, hi, [&](std::int64_t i) {
-        double v = static_cast<double>(p[i]);
-        return v * v;
-      });
-    });
+  return dispatch_floating("sum_squares", x.type(), [&]<class S>(S) {
+    return reduce_values<S>(x, [](double v) { return v * v; });
   });
 }
 

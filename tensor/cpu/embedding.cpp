@@ -8,6 +8,7 @@
 
 #include "memory/error.hpp"
 #include "tensor/backend.hpp"
+#include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
@@ -56,19 +57,26 @@ void embedding(const tensor& ids, const tensor& table, const tensor& out) {
   });
 }
 
+// 16-bit tables: each += is formed in f32 and rounded once, per id in order (like the f32 path).
 void embedding_backward(const tensor& ids, const tensor& dout, const tensor& dtable) {
-  dispatch_float("embedding_backward", dtable.type(), [&]<class T>(T) {
+  dispatch_floating("embedding_backward", dtable.type(), [&]<class S>(S) {
     dispatch_ids("embedding_backward", ids, [&]<class I>(I) {
       const I* ip = static_cast<const I*>(ids.data());
       const std::int64_t n = ids.numel(), rows = dtable.size(0), c = dtable.size(1);
       check_ids("embedding_backward", ip, n, rows);
-      const T* g = static_cast<const T*>(dout.data());
-      T* d = static_cast<T*>(dtable.data());
+      const S* g = static_cast<const S*>(dout.data());
+      S* d = static_cast<S*>(dtable.data());
       for_column_tiles(n, c, [&](std::int64_t c0, std::int64_t c1) {
         for (std::int64_t i = 0; i < n; ++i) {
-          const T* src = g + i * c;
-          T* dst = d + static_cast<std::int64_t>(ip[i]) * c;
-          for (std::int64_t j = c0; j < c1; ++j) dst[j] += src[j];
+          const S* src = g + i * c;
+          S* dst = d + static_cast<std::int64_t>(ip[i]) * c;
+          if constexpr (is_half<S>) {
+            float t[max_col_tile];
+            widen_n(src + c0, t, c1 - c0);
+            accumulate_n(dst + c0, t, c1 - c0);
+          } else {
+            for (std::int64_t j = c0; j < c1; ++j) dst[j] += src[j];
+          }
         }
       });
     });

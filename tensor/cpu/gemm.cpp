@@ -3,7 +3,7 @@
 // A 2-D view maps onto BLAS when one of its strides is 1 and the other does not make rows (or
 // columns) overlap: a unit last stride is a row-major matrix (NoTrans, ld = stride(0)), a unit
 // first stride is the transpose of one (Trans, ld = stride(1)). c needs a unit last stride
-// (ops.cpp).
+// (ops.cpp). bf16 and f16 products run on f32 copies of panels (matmul_half below).
 #include <cblas.h>
 
 #include <algorithm>
@@ -17,6 +17,8 @@
 #include "memory/error.hpp"
 #include "tensor/backend.hpp"
 #include "tensor/cpu/blas_info.hpp"
+#include "tensor/cpu/half.hpp"
+#include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
 // Exported by DYNAMIC_ARCH builds of OpenBLAS only; weak so that other builds still link (the
@@ -98,8 +100,79 @@ void scale_rows(const tensor& c, double beta) {
   for (std::int64_t i = 0; i < c.size(0); ++i)
     for (std::int64_t j = 0; j < c.size(1); ++j) {
       T& x = p[i * c.stride(0) + j * c.stride(1)];
-      x = beta == 0.0 ? T(0) : static_cast<T>(beta * x);
+      x = from_compute<T>(beta == 0.0 ? compute_t<T>(0)
+                                      : static_cast<compute_t<T>>(beta * to_compute(x)));
     }
+}
+
+// ---- bf16 and f16 ------------------------------------------------------------------------------
+// OpenBLAS has no 16-bit GEMM here, so the product runs on f32 copies of blocks: c in tiles of
+// tile_m x tile_n, each accumulated by SGEMM in f32 over blocks of tile_k along the inner
+// dimension (beta applies to the widened old tile on the first block) and rounded once into c.
+// Blocks keep their operand's orientation, so widening reads and writes contiguous runs. The copies
+// cost about mkn / tile_n + kn m / tile_m conversions against 2mnk flops (under 0.1%), and the
+// scratch is at most 8 MiB (the calling thread's, reused).
+
+inline constexpr std::int64_t tile_m = 1024, tile_n = 1024, tile_k = 512;
+
+// Rows [r0, r1) and columns [c0, c1) of x (laid out as l) widened into dst; returns the layout of
+// the copy.
+template <class S>
+blas_operand widen_block(const tensor& x, blas_operand l, std::int64_t r0, std::int64_t r1,
+                         std::int64_t c0, std::int64_t c1, float* dst) {
+  const S* p = static_cast<const S*>(x.data());
+  const bool by_rows = l.trans == CblasNoTrans;
+  const std::int64_t runs = by_rows ? r1 - r0 : c1 - c0, len = by_rows ? c1 - c0 : r1 - r0;
+  const S* first = by_rows ? p + r0 * l.ld + c0 : p + c0 * l.ld + r0;
+  parallel::parallel_for(0, runs, row_grain(len), [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t u = lo; u < hi; ++u) widen_n(first + u * l.ld, dst + u * len, len);
+  });
+  return {l.trans, len};
+}
+
+template <class S>
+void matmul_half(const tensor& a, const tensor& b, const tensor& c, blas_operand pa,
+                 blas_operand pb, std::int64_t ldc, double alpha, double beta) {
+  const std::int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const std::int64_t mb = std::min(m, tile_m), nb = std::min(n, tile_n), kb = std::min(k, tile_k);
+  float* ap = thread_floats(static_cast<std::size_t>(mb * kb + kb * nb + mb * nb));
+  float* bp = ap + mb * kb;
+  float* cp = bp + kb * nb;
+  S* cs = static_cast<S*>(c.data());
+  // The blocks now in ap and bp (a whole operand that fits is widened once).
+  std::int64_t a_at[2] = {-1, -1}, b_at[2] = {-1, -1};
+  blas_operand wa{}, wb{};
+  for (std::int64_t n0 = 0; n0 < n; n0 += nb) {
+    const std::int64_t nn = std::min(nb, n - n0);
+    for (std::int64_t m0 = 0; m0 < m; m0 += mb) {
+      const std::int64_t mm = std::min(mb, m - m0);
+      auto for_rows = [&](auto&& f) {
+        parallel::parallel_for(0, mm, row_grain(nn), [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t i = lo; i < hi; ++i) f(i);
+        });
+      };
+      if (beta != 0.0)
+        for_rows([&](std::int64_t i) { widen_n(cs + (m0 + i) * ldc + n0, cp + i * nn, nn); });
+      for (std::int64_t k0 = 0; k0 < k; k0 += kb) {
+        const std::int64_t kk = std::min(kb, k - k0);
+        if (a_at[0] != m0 || a_at[1] != k0) {
+          wa = widen_block<S>(a, pa, m0, m0 + mm, k0, k0 + kk, ap);
+          a_at[0] = m0;
+          a_at[1] = k0;
+        }
+        if (b_at[0] != k0 || b_at[1] != n0) {
+          wb = widen_block<S>(b, pb, k0, k0 + kk, n0, n0 + nn, bp);
+          b_at[0] = k0;
+          b_at[1] = n0;
+        }
+        const float beta_k = k0 == 0 ? static_cast<float>(beta) : 1.0f;
+        cblas_sgemm(CblasRowMajor, wa.trans, wb.trans, static_cast<int>(mm), static_cast<int>(nn),
+                    static_cast<int>(kk), static_cast<float>(alpha), ap, static_cast<int>(wa.ld),
+                    bp, static_cast<int>(wb.ld), beta_k, cp, static_cast<int>(nn));
+      }
+      for_rows([&](std::int64_t i) { narrow_n(cp + i * nn, cs + (m0 + i) * ldc + n0, nn); });
+    }
+  }
 }
 
 }  // namespace
@@ -171,8 +244,8 @@ const blas_core_choice& ensure_blas_core() {
 
 void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha, double beta) {
   const dtype t = c.type();
-  TROUPE_CHECK(t == dtype::f32 || t == dtype::f64, "cpu matmul: dtype ", dtype_name(t),
-               " not supported (f32 and f64 are)");
+  TROUPE_CHECK(is_floating(t), "cpu matmul: dtype ", dtype_name(t),
+               " not supported (f32, f64, bf16 and f16 are)");
   const std::int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   if (m == 0 || n == 0) return;
   TROUPE_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX, "cpu matmul: dimensions beyond ",
@@ -180,7 +253,7 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha, dou
   const std::int64_t ldc = m <= 1 ? std::max<std::int64_t>(n, 1) : c.stride(0);
   TROUPE_CHECK(ldc >= n, "cpu matmul: c has overlapping rows, got ", c.describe());
   if (k == 0) {  // an empty sum: c = beta * c
-    t == dtype::f32 ? scale_rows<float>(c, beta) : scale_rows<double>(c, beta);
+    dispatch_floating("matmul", t, [&]<class S>(S) { scale_rows<S>(c, beta); });
     return;
   }
   const blas_operand pa = layout("a", a), pb = layout("b", b);
@@ -188,6 +261,8 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha, dou
                "cpu matmul: a leading dimension beyond ", INT_MAX, " (BLAS int)");
   ensure_blas_core();
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  if (t == dtype::bf16) return matmul_half<bf16_t>(a, b, c, pa, pb, ldc, alpha, beta);
+  if (t == dtype::f16) return matmul_half<f16_t>(a, b, c, pa, pb, ldc, alpha, beta);
   if (t == dtype::f32) {
     cblas_sgemm(CblasRowMajor, pa.trans, pb.trans, im, in, ik, static_cast<float>(alpha),
                 static_cast<const float*>(a.data()), static_cast<int>(pa.ld),

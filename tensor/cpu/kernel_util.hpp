@@ -43,6 +43,25 @@ decltype(auto) dispatch_float(const char* op, dtype t, F&& f) {
   TROUPE_FAIL("cpu ", op, ": dtype ", dtype_name(t), " not supported (f32 and f64 are)");
 }
 
+// Calls f(S{}) with S the storage type of any floating dtype: float, double, bf16_t or f16_t. The
+// 16-bit types compute in f32 (tensor/cpu/half.hpp).
+template <class F>
+decltype(auto) dispatch_floating(const char* op, dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32:
+      return f(float{});
+    case dtype::f64:
+      return f(double{});
+    case dtype::bf16:
+      return f(bf16_t{});
+    case dtype::f16:
+      return f(f16_t{});
+    default:
+      break;
+  }
+  TROUPE_FAIL("cpu ", op, ": dtype ", dtype_name(t), " not supported (f32, f64, bf16 and f16 are)");
+}
+
 // Lanes per reduction: 64 bytes of accumulators, two AVX2 registers.
 template <class Acc>
 inline constexpr int lanes = static_cast<int>(64 / sizeof(Acc));

@@ -3,10 +3,12 @@
 // The f32 tables follow HF's float32 arithmetic step by step, so they match a PyTorch reference:
 // inv_freq = 1 / (theta ** (arange(0, D, 2) / D)) in float, angle = float(position) * inv_freq in
 // float, then cos and sin of that float angle (computed in double and rounded once). The f64
-// tables do the same in double.
+// tables do the same in double; bf16 and f16 tables are the f32 ones rounded. bf16 and f16 vectors
+// rotate in f32 and round once.
 #include <cmath>
 
 #include "tensor/backend.hpp"
+#include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
 
@@ -47,6 +49,24 @@ inline void rotate_in_place(T* p, const T* c, const T* s, std::int64_t half) {
   }
 }
 
+// A 16-bit head vector: blocks of both halves and of the tables are widened to f32, rotated in
+// place and rounded once. x and y may be the same vector.
+template <class S, bool inverse>
+inline void rotate_half_storage(const S* x, S* y, const S* c, const S* s, std::int64_t half) {
+  constexpr std::int64_t blk = half_block;
+  float v[2 * blk], cf[blk], sf[blk];
+  for (std::int64_t i0 = 0; i0 < half; i0 += blk) {
+    const std::int64_t len = std::min(blk, half - i0);
+    widen_n(x + i0, v, len);
+    widen_n(x + half + i0, v + len, len);
+    widen_n(c + i0, cf, len);
+    widen_n(s + i0, sf, len);
+    rotate_in_place<float, inverse>(v, cf, sf, len);
+    narrow_n(v, y + i0, len);
+    narrow_n(v + len, y + half + i0, len);
+  }
+}
+
 template <class T, bool inverse>
 void rope_typed(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y) {
   const std::int64_t nb = x.size(0), nt = x.size(1), nh = x.size(2), half = x.size(3) / 2;
@@ -62,7 +82,11 @@ void rope_typed(const tensor& x, const tensor& cos, const tensor& sin, const ten
           const T* c = cp + t * half;
           const T* s = sp + t * half;
           T* yr = yp + b * y.stride(0) + t * y.stride(1) + h * y.stride(2);
-          if (in_place) {
+          if constexpr (is_half<T>) {
+            rotate_half_storage<T, inverse>(
+                in_place ? yr : xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2), yr, c, s,
+                half);
+          } else if (in_place) {
             rotate_in_place<T, inverse>(yr, c, s, half);
           } else {
             rotate<T, inverse>(xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2), yr, c, s,
@@ -74,11 +98,14 @@ void rope_typed(const tensor& x, const tensor& cos, const tensor& sin, const ten
 
 }  // namespace
 
+// 16-bit tables hold the f32 tables rounded once (HF casts its f32 cos and sin to the activations'
+// dtype the same way).
 void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
-  dispatch_float("rope_tables", cos.type(), [&]<class T>(T) {
+  dispatch_floating("rope_tables", cos.type(), [&]<class S>(S) {
+    using T = compute_t<S>;
     const std::int64_t nt = cos.size(0), half = cos.size(1), d = 2 * half;
-    T* cp = static_cast<T*>(cos.data());
-    T* sp = static_cast<T*>(sin.data());
+    S* cp = static_cast<S*>(cos.data());
+    S* sp = static_cast<S*>(sin.data());
     // One column (frequency) per task: inv_freq once, then every position.
     parallel::parallel_for(
         0, half, std::max<std::int64_t>(1, exp_grain / std::max<std::int64_t>(nt, 1)),
@@ -91,8 +118,8 @@ void rope_tables(std::int64_t start, double theta, const tensor& cos, const tens
               const float inv_freq = 1.0f / base_pow;
               for (std::int64_t t = 0; t < nt; ++t) {
                 const double angle = static_cast<double>(static_cast<float>(start + t) * inv_freq);
-                cp[t * half + i] = static_cast<float>(std::cos(angle));
-                sp[t * half + i] = static_cast<float>(std::sin(angle));
+                cp[t * half + i] = from_compute<S>(static_cast<float>(std::cos(angle)));
+                sp[t * half + i] = from_compute<S>(static_cast<float>(std::sin(angle)));
               }
             } else {
               const double inv_freq =
@@ -109,7 +136,7 @@ void rope_tables(std::int64_t start, double theta, const tensor& cos, const tens
 }
 
 void rope(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y, bool inverse) {
-  dispatch_float("rope", x.type(), [&]<class T>(T) {
+  dispatch_floating("rope", x.type(), [&]<class T>(T) {
     if (inverse) {
       rope_typed<T, true>(x, cos, sin, y);
     } else {
