@@ -26,11 +26,15 @@ llama_config to_llama(const hf::llama_config& c) {
 }  // namespace
 
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,
-                                          device dev) {
-  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg))
-    return std::make_unique<causal_lm_of<gpt>>(hf::to_gpt_config(*g), dims, t, dev);
-  return std::make_unique<causal_lm_of<llama>>(to_llama(std::get<hf::llama_config>(cfg)), dims, t,
-                                               dev);
+                                          device dev, const model_options& opts) {
+  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg)) {
+    gpt_config c = hf::to_gpt_config(*g);
+    c.recompute = opts.recompute;
+    return std::make_unique<causal_lm_of<gpt>>(c, dims, t, dev);
+  }
+  llama_config c = to_llama(std::get<hf::llama_config>(cfg));
+  c.recompute = opts.recompute;
+  return std::make_unique<causal_lm_of<llama>>(c, dims, t, dev);
 }
 
 expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab) {

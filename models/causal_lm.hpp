@@ -19,7 +19,9 @@ class causal_lm {
   virtual ~causal_lm() = default;
   // ids, targets: i32 [B, T]; returns the mean loss over non-ignored targets.
   virtual double forward(const tensor& ids, const tensor& targets) = 0;
-  virtual void backward() = 0;         // accumulates into memory().grads()
+  // Accumulates d(loss_scale * loss)/d(params) into memory().grads() (loss_scale: f16 loss
+  // scaling; 1 for the plain gradient).
+  virtual void backward(double loss_scale = 1.0) = 0;
   virtual tensor logits() const = 0;   // [B*T, V] of the last forward
   virtual layer_memory& memory() = 0;  // flat params / grads
   virtual const slot_list& slots() const = 0;
@@ -39,7 +41,7 @@ class causal_lm_of final : public causal_lm {
   double forward(const tensor& ids, const tensor& targets) override {
     return m_.forward(ids, targets);
   }
-  void backward() override { m_.backward(); }
+  void backward(double loss_scale) override { m_.backward(loss_scale); }
   tensor logits() const override { return m_.logits(); }
   layer_memory& memory() override { return m_.memory(); }
   const slot_list& slots() const override { return m_.slots(); }
@@ -55,9 +57,15 @@ class causal_lm_of final : public causal_lm {
   M m_;
 };
 
+// How a model is built beyond what its HF config says.
+struct model_options {
+  bool recompute = false;  // activation checkpointing per block (gpt_config / llama_config)
+};
+
 // The model of an HF config, planned for batches of `dims`.
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims,
-                                          dtype t = dtype::f32, device dev = device::cpu());
+                                          dtype t = dtype::f32, device dev = device::cpu(),
+                                          const model_options& opts = {});
 
 // Named sizes built from scratch: "gpt2-demo" (4 x 128, byte vocabulary), "gpt2-small" (124M),
 // "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary).

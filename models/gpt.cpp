@@ -16,8 +16,8 @@ gpt_block::gpt_block(const config& c)
       attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
       ff({.dim = c.dim, .hidden = c.hidden > 0 ? c.hidden : 4 * c.dim}) {}
 
-void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto scope = s.enter(name);
+void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);
   ln_1.declare(s, "ln_1", b);
   attn.declare(s, "attn", b);
   ln_2.declare(s, "ln_2", b);
@@ -34,6 +34,10 @@ void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
 
 void gpt_block::forward(const tensor& x, const tensor& y) {
   run(x, y, nullptr, 0);
+}
+
+void gpt_block::recompute(const tensor& x) {
+  run(x, tensor{}, nullptr, 0);
 }
 
 void gpt_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
@@ -56,7 +60,7 @@ void gpt_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std
   ops::add(x, ao, r);
   ln_2.forward(r, l2);
   ff.forward(l2, fo);
-  ops::add(r, fo, y);
+  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
 }
 
 void gpt_block::backward(const tensor& dy, const tensor& dx) {
@@ -99,7 +103,7 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   wpe_.declare(slots_, "wpe", {1, dims.seq});
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    h_[i].declare(slots_, "h." + std::to_string(i), dims);
+    h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
   ln_f_.declare(slots_, "ln_f", dims);
@@ -178,18 +182,21 @@ double gpt::forward(const tensor& ids, const tensor& targets) {
   return loss_.forward(logits_cur_, targets.reshape({b_ * t_}));
 }
 
-void gpt::backward() {
+void gpt::backward(double loss_scale) {
   TROUPE_CHECK(b_ > 0, "gpt: backward called before forward");
   shape bt{b_, t_, cfg_.dim};
   tensor dlogits = logits_cur_;  // overwritten in place
-  loss_.backward(dlogits);
+  loss_.backward(dlogits, loss_scale);
   tensor da = planned_view(dx_a_, bt, "gpt", "dx_a"), db = planned_view(dx_b_, bt, "gpt", "dx_b");
   tensor hf = ln_f_cur_.reshape({b_ * t_, cfg_.dim});
   // Tied head: dwte += dlogits^T ln_f_out; dln_f_out = dlogits wte.
   ops::matmul(dlogits.transpose(0, 1), hf, wte_.dweight, 1.0, 1.0);
   ops::matmul(dlogits, wte_.weight, da.reshape({b_ * t_, cfg_.dim}));
   ln_f_.backward(da, db);
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    // The last block's activations are still those of the forward.
+    if (cfg_.recompute && i + 1 < cfg_.n_layer) h_[i].recompute(x(i));
     h_[i].backward(db, da);
     std::swap(da, db);
   }

@@ -45,6 +45,10 @@ struct gpt_config {
   double ln_eps = 1e-5;     // layer_norm_epsilon
   std::int64_t hidden = 0;  // n_inner: the MLP width (0: 4 * dim)
   double init_std = 0.02;   // initializer_range
+  // Activation checkpointing per block: keep only each block's input (the residual stream) and
+  // run the block's forward again right before its backward; all blocks share one set of
+  // activation bytes.
+  bool recompute = false;
 };
 
 // r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)), the pre-LN block of GPT-2 (with, as options,
@@ -63,8 +67,12 @@ struct gpt_block {
   tensor dnorm, dresid;                                // backward scratch [B, T, C]
 
   explicit gpt_block(const config& c);
-  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // recompute: the block's activations live in a recomputed scope (see slots.hpp), shared with
+  // the other recomputed blocks; call recompute(x) before backward.
+  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
   void forward(const tensor& x, const tensor& y);
+  // forward again from the same x without writing y: restores what backward reads.
+  void recompute(const tensor& x);
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
   // forward for new positions start.. with the attention over a kv cache (models/kv_cache.hpp).
   void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
@@ -93,8 +101,10 @@ class gpt {
   double forward(const tensor& ids, const tensor& targets);
   // Logits of the last forward, [B*T, V] (overwritten by backward).
   tensor logits() const { return logits_cur_; }
-  // Accumulates d(loss)/d(params) into the gradients (zero them first with memory().zero_grads()).
-  void backward();
+  // Accumulates d(loss_scale * loss)/d(params) into the gradients (zero them first with
+  // memory().zero_grads()); once per forward. With config().recompute, each block but the last
+  // runs its forward again first.
+  void backward(double loss_scale = 1.0);
 
   // Incremental decoding with a kv cache. begin_generation plans a cache for `batch` sequences of
   // up to `capacity` positions (0: max_seq) and empties it; step_logits runs new tokens ids

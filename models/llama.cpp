@@ -50,8 +50,8 @@ llama_block::llama_block(const llama_config& c)
                  .rope_theta = c.rope_theta}),
       mlp({.dim = c.dim, .hidden = c.hidden, .bias = false}) {}
 
-void llama_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto scope = s.enter(name);
+void llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);
   input_layernorm.declare(s, "input_layernorm", b);
   self_attn.declare(s, "self_attn", b);
   post_attention_layernorm.declare(s, "post_attention_layernorm", b);
@@ -68,6 +68,10 @@ void llama_block::declare(slot_list& s, std::string_view name, batch_dims b) {
 
 void llama_block::forward(const tensor& x, const tensor& y) {
   run(x, y, nullptr, 0);
+}
+
+void llama_block::recompute(const tensor& x) {
+  run(x, tensor{}, nullptr, 0);
 }
 
 void llama_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
@@ -90,7 +94,7 @@ void llama_block::run(const tensor& x, const tensor& y, const kv_layer* cache, s
   ops::add(x, ao, r);
   post_attention_layernorm.forward(r, l2);
   mlp.forward(l2, fo);
-  ops::add(r, fo, y);
+  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
 }
 
 void llama_block::backward(const tensor& dy, const tensor& dx) {
@@ -125,7 +129,7 @@ llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
   embed_tokens_.declare(slots_, "embed_tokens", dims);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    layers_[i].declare(slots_, "layers." + std::to_string(i), dims);
+    layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
   norm_.declare(slots_, "norm", dims);
@@ -193,11 +197,11 @@ double llama::forward(const tensor& ids, const tensor& targets) {
   return loss_.forward(logits_cur_, targets.reshape({b_ * t_}));
 }
 
-void llama::backward() {
+void llama::backward(double loss_scale) {
   TROUPE_CHECK(b_ > 0, "llama: backward called before forward");
   shape bt{b_, t_, cfg_.dim};
   tensor dlogits = logits_cur_;  // overwritten in place
-  loss_.backward(dlogits);
+  loss_.backward(dlogits, loss_scale);
   tensor da = planned_view(dx_a_, bt, "llama", "dx_a");
   tensor db = planned_view(dx_b_, bt, "llama", "dx_b");
   tensor hn = norm_cur_.reshape({b_ * t_, cfg_.dim});
@@ -205,7 +209,10 @@ void llama::backward() {
   ops::matmul(dlogits.transpose(0, 1), hn, head_grad(), 1.0, 1.0);
   ops::matmul(dlogits, head_weight(), da.reshape({b_ * t_, cfg_.dim}));
   norm_.backward(da, db);
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    // The last block's activations are still those of the forward.
+    if (cfg_.recompute && i + 1 < cfg_.n_layer) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
     std::swap(da, db);
   }

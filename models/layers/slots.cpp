@@ -9,13 +9,18 @@
 namespace troupe::models {
 
 slot_list::scope slot_list::enter(std::string_view name) {
-  scopes_.push_back({std::string(name), ++clock_, {}});
+  scopes_.push_back({std::string(name), ++clock_, false, {}});
+  return scope(this);
+}
+
+slot_list::scope slot_list::enter_recomputed(std::string_view name) {
+  scopes_.push_back({std::string(name), ++clock_, true, {}});
   return scope(this);
 }
 
 void slot_list::leave() {
   std::int64_t closed = ++clock_;
-  for (std::size_t i : scopes_.back().scratch) slots_[i].last = closed;
+  for (std::size_t i : scopes_.back().closing) slots_[i].last = closed;
   scopes_.pop_back();
 }
 
@@ -48,21 +53,36 @@ void slot_list::param(std::string_view name, const shape& sizes, tensor& value, 
        std::numeric_limits<std::int64_t>::max()});
 }
 
+// The slot is live from when `closes_with` opened until it closes (leave() fills in `last`).
+void slot_list::add_closing(tensor_slot s, open_scope& closes_with) {
+  s.first = closes_with.opened;
+  add(std::move(s));
+  closes_with.closing.push_back(slots_.size() - 1);
+}
+
 void slot_list::activation(std::string_view name, const shape& sizes, tensor& t) {
-  add({slot_kind::activation, full_name(name), sizes, &t, nullptr, 0,
-       std::numeric_limits<std::int64_t>::max()});
+  tensor_slot s{slot_kind::activation,
+                full_name(name),
+                sizes,
+                &t,
+                nullptr,
+                0,
+                std::numeric_limits<std::int64_t>::max()};
+  for (auto& o : scopes_)  // the outermost recomputed scope, if any
+    if (o.recomputed) return add_closing(std::move(s), o);
+  add(std::move(s));  // live for the whole step
 }
 
 void slot_list::scratch(std::string_view name, const shape& sizes, tensor& t) {
-  if (scopes_.empty()) {  // outside every scope: live for the whole step
-    add({slot_kind::scratch, full_name(name), sizes, &t, nullptr, 0,
-         std::numeric_limits<std::int64_t>::max()});
-    return;
-  }
-  // The interval closes when the scope does (leave() fills in `last`).
-  add({slot_kind::scratch, full_name(name), sizes, &t, nullptr, scopes_.back().opened,
-       std::numeric_limits<std::int64_t>::max()});
-  scopes_.back().scratch.push_back(slots_.size() - 1);
+  tensor_slot s{slot_kind::scratch,
+                full_name(name),
+                sizes,
+                &t,
+                nullptr,
+                0,
+                std::numeric_limits<std::int64_t>::max()};
+  if (scopes_.empty()) return add(std::move(s));  // outside every scope: the whole step
+  add_closing(std::move(s), scopes_.back());
 }
 
 std::int64_t slot_list::param_count() const {

@@ -16,6 +16,13 @@
 // Activations are live for the whole step. Scratch declared inside a scope is live only while
 // that scope's layer runs, so sibling layers share the same scratch bytes.
 //
+// Recompute (activation checkpointing): activations declared inside a scope opened with
+// enter_recomputed (nested scopes included) are live only while that scope is open, like its
+// scratch, so sibling recomputed scopes (the blocks of a model) share ONE set of activation bytes.
+// The caller then keeps the scope's input outside it and, before the scope's backward, runs its
+// forward again from that input: the bytes hold the last forward's values of whichever recomputed
+// scope ran last.
+//
 // The slot_list keeps pointers to the fields: a layer must not move between declare and the
 // construction of its layer_memory.
 #pragma once
@@ -47,7 +54,9 @@ struct tensor_slot {
   shape sizes;
   tensor* field = nullptr;  // receives the bound tensor
   tensor* grad = nullptr;   // params: receives the gradient (same shape)
-  std::int64_t first = 0;   // scratch: the interval of its scope (see memory::size_spec)
+  // The live interval (see memory::size_spec): the whole step, but for scratch the interval of
+  // its scope and for activations in a recomputed scope the interval of the outermost one.
+  std::int64_t first = 0;
   std::int64_t last = 0;
 };
 
@@ -72,6 +81,9 @@ class slot_list {
   };
 
   [[nodiscard]] scope enter(std::string_view name);
+  // A scope whose layers are recomputed before their backward: the activations declared in it
+  // (nested scopes included) are live only while it is open (see the top of this file).
+  [[nodiscard]] scope enter_recomputed(std::string_view name);
   std::string prefix() const;  // the dotted name of the open scopes ("" at top level)
 
   void param(std::string_view name, const shape& sizes, tensor& value, tensor& grad);
@@ -85,10 +97,14 @@ class slot_list {
   struct open_scope {
     std::string name;
     std::int64_t opened;
-    std::vector<std::size_t> scratch;  // indices of the scratch slots declared directly in it
+    bool recomputed;
+    // Indices of the slots whose interval ends when it closes: the scratch declared directly in
+    // it and, for the outermost recomputed scope, the activations declared anywhere inside.
+    std::vector<std::size_t> closing;
   };
   std::string full_name(std::string_view name) const;
   void add(tensor_slot s);
+  void add_closing(tensor_slot s, open_scope& closes_with);
   void leave();
 
   std::vector<tensor_slot> slots_;
