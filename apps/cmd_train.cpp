@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "apps/commands.hpp"
@@ -34,10 +35,15 @@ struct train_cli {
   int threads = 0, sample = 200;
 };
 
-// Adds --name bound to flags.*field; when given, it overrides the job file.
+// Adds --name bound to flags.*field; when given, it overrides the job file. A bool field is a
+// flag (--name, or --name=false).
 template <auto Field>
 void bind(train_cli& c, CLI::App* sub, const std::string& name, const std::string& help) {
-  auto* opt = sub->add_option(name, c.flags.*Field, help);
+  CLI::Option* opt = nullptr;
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(c.flags.*Field)>, bool>)
+    opt = sub->add_flag(name, c.flags.*Field, help);
+  else
+    opt = sub->add_option(name, c.flags.*Field, help);
   opt->default_str(fmt::format("{}", train_config{}.*Field));
   c.applied.emplace_back(
       opt, [](train_config& to, const train_config& from) { to.*Field = from.*Field; });
@@ -101,7 +107,8 @@ int run_train(train_cli& c) {
   }
   mcfg = from.empty() ? models::named_model_config(cfg.model_size, vocab_hint).value()
                       : hf::read_config(from).value();
-  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq});
+  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, dtype::f32, device::cpu(),
+                                      {.recompute = cfg.recompute});
   TROUPE_CHECK(cfg.seq <= model->max_seq(), "--seq ", cfg.seq, " exceeds the model's ",
                model->max_seq(), " positions");
   auto data =
@@ -124,9 +131,9 @@ int run_train(train_cli& c) {
   fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
   fmt::print(
       "memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
-      "MB, scratch {:.1f} MB\n",
+      "MB{}, scratch {:.1f} MB\n",
       mem.param_bytes() / 1e6, mem.param_bytes() / 1e6, mem.activation_bytes() / 1e6,
-      mem.scratch_bytes() / 1e6);
+      cfg.recompute ? " (recompute)" : "", mem.scratch_bytes() / 1e6);
 
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
   if (!c.json_path.empty()) {
@@ -188,6 +195,9 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::grad_accum>(*c, sub, "--grad-accum", "Micro-batches per step");
   bind<&train_config::seed>(*c, sub, "--seed", "Seed of the weights and the batch order");
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
+  bind<&train_config::recompute>(*c, sub, "--recompute",
+                                 "Activation checkpointing: keep only each block's input and run "
+                                 "its forward again in backward");
   bind<&train_config::log_every>(*c, sub, "--log-every", "Steps between log lines");
   bind<&train_config::lr>(*c, sub, "--lr", "Peak learning rate");
   bind<&train_config::min_lr>(*c, sub, "--min-lr", "Learning rate at the end of the cosine");

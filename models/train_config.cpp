@@ -49,6 +49,7 @@ const std::map<std::string, setter>& setters() {
       {"train.log_every", set(&train_config::log_every)},
       {"train.seed", set(&train_config::seed)},
       {"train.fixed_batch", set(&train_config::fixed_batch)},
+      {"train.recompute", set(&train_config::recompute)},
       {"optim.lr", set(&train_config::lr)},
       {"optim.min_lr", set(&train_config::min_lr)},
       {"optim.beta1", set(&train_config::beta1)},

@@ -4,7 +4,7 @@
 //
 //   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
 //   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
-//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, log_every
+//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
 #pragma once
@@ -27,6 +27,7 @@ struct train_config {
   std::int64_t steps = 300, batch = 8, seq = 128, grad_accum = 1, log_every = 25;
   std::uint64_t seed = 1337;
   bool fixed_batch = false;
+  bool recompute = false;  // activation checkpointing: run each block's forward again in backward
   // [optim]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   double clip = 1.0;

@@ -28,6 +28,7 @@ size = "llama-tiny"
 steps = 12
 batch = 4
 fixed_batch = true
+recompute = true
 [optim]
 lr = 0.001
 decay_exempt = true
@@ -41,6 +42,7 @@ every = 5
   CHECK(c->steps == 12);
   CHECK(c->batch == 4);
   CHECK(c->fixed_batch);
+  CHECK(c->recompute);
   CHECK(c->lr == Approx(0.001));
   CHECK(c->decay_exempt);
   CHECK(c->ckpt_every == 5);
@@ -58,6 +60,7 @@ TEST_CASE("job file mistakes are errors naming the file and the key") {
         bad_case{"[train]\nsteps = \"many\"\n", "train.steps must be an integer"},
         bad_case{"[train]\nsteps = 0\n", "train.steps must be > 0"},
         bad_case{"[optim]\nbeta2 = 1.5\n", "optim.beta2 must be in [0, 1)"},
+        bad_case{"[train]\nrecompute = \"yes\"\n", "train.recompute must be true or false"},
         bad_case{"[checkpoint]\nevery = 5\n", "checkpoint.every needs checkpoint.dir"},
         bad_case{"steps = 3\n", "'steps' must be a [section]"}, bad_case{"[train\n", ".toml:"}}) {
     auto path = write_job(text);
