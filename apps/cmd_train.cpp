@@ -107,20 +107,24 @@ int run_train(train_cli& c) {
   }
   mcfg = from.empty() ? models::named_model_config(cfg.model_size, vocab_hint).value()
                       : hf::read_config(from).value();
-  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, dtype::f32, device::cpu(),
+  const dtype compute = cfg.precision == "bf16"  ? dtype::bf16
+                        : cfg.precision == "f16" ? dtype::f16
+                                                 : dtype::f32;
+  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, compute, device::cpu(),
                                       {.recompute = cfg.recompute});
   TROUPE_CHECK(cfg.seq <= model->max_seq(), "--seq ", cfg.seq, " exceeds the model's ",
                model->max_seq(), " positions");
   auto data =
       models::open_data_source(cfg.data_tokens, cfg.data_text, model->vocab(), cfg.seed).value();
+  // The weights first: the trainer takes its f32 master copy (mixed precision) from the model.
+  if (cfg.resume.empty() && !cfg.model_hf.empty())
+    hf::load_weights(cfg.model_hf, mcfg, model->slots()).value();
+  else if (cfg.resume.empty())
+    model->init_weights(cfg.seed);
   models::trainer tr(*model, cfg);
   if (!cfg.resume.empty()) {
     auto step = tr.resume(cfg.resume, mcfg).value();
     fmt::print("resumed {} at step {}\n", cfg.resume, step);
-  } else if (!cfg.model_hf.empty()) {
-    hf::load_weights(cfg.model_hf, mcfg, model->slots()).value();
-  } else {
-    model->init_weights(cfg.seed);
   }
   auto& mem = model->memory();
   fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}\n",
@@ -195,6 +199,8 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::grad_accum>(*c, sub, "--grad-accum", "Micro-batches per step");
   bind<&train_config::seed>(*c, sub, "--seed", "Seed of the weights and the batch order");
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
+  bind<&train_config::precision>(*c, sub, "--precision",
+                                 "f32, bf16 (f32 master weights) or f16 (+ dynamic loss scaling)");
   bind<&train_config::recompute>(*c, sub, "--recompute",
                                  "Activation checkpointing: keep only each block's input and run "
                                  "its forward again in backward");

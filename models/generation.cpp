@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "memory/error.hpp"
+#include "tensor/ops.hpp"
 
 namespace troupe::models {
 
@@ -22,8 +23,16 @@ std::vector<std::int32_t> generate(causal_lm& model, std::span<const std::int32_
   std::vector<std::int32_t> out;
   tensor logits = model.step_logits(tensor(ids.data(), ids.size() * 4, dtype::i32, {1, n}));
   while (static_cast<std::int64_t>(ids.size()) < total) {
-    auto host = logits.is_cpu() ? owned_tensor() : to_device(logits, device::cpu());
-    const tensor& row = logits.is_cpu() ? logits : host;
+    // The sampler reads f32 on the host (16-bit or device logits are converted).
+    owned_tensor host;
+    if (!logits.is_cpu()) host = to_device(logits, device::cpu());
+    const tensor& src = logits.is_cpu() ? logits : host;
+    owned_tensor f32;
+    if (src.type() != dtype::f32) {
+      f32 = empty(src.sizes(), dtype::f32);
+      ops::copy(src, f32);
+    }
+    const tensor& row = src.type() == dtype::f32 ? src : f32;
     std::int32_t next =
         sampler.next({row.data_as<float>(), static_cast<std::size_t>(model.vocab())});
     ids.push_back(next);

@@ -50,6 +50,7 @@ const std::map<std::string, setter>& setters() {
       {"train.seed", set(&train_config::seed)},
       {"train.fixed_batch", set(&train_config::fixed_batch)},
       {"train.recompute", set(&train_config::recompute)},
+      {"train.precision", set(&train_config::precision)},
       {"optim.lr", set(&train_config::lr)},
       {"optim.min_lr", set(&train_config::min_lr)},
       {"optim.beta1", set(&train_config::beta1)},
@@ -77,6 +78,8 @@ void train_config::validate() const {
   need(seq > 1, "train.seq", "must be > 1");
   need(grad_accum > 0, "train.grad_accum", "must be > 0");
   need(log_every > 0, "train.log_every", "must be > 0");
+  need(precision == "f32" || precision == "bf16" || precision == "f16", "train.precision",
+       "must be f32, bf16 or f16, got '" + precision + "'");
   need(lr > 0, "optim.lr", "must be > 0");
   need(min_lr >= 0 && min_lr <= lr, "optim.min_lr", "must be in [0, optim.lr]");
   need(beta1 >= 0 && beta1 < 1, "optim.beta1", "must be in [0, 1)");

@@ -4,7 +4,7 @@
 //
 //   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
 //   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
-//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every
+//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every, precision
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
 #pragma once
@@ -28,6 +28,9 @@ struct train_config {
   std::uint64_t seed = 1337;
   bool fixed_batch = false;
   bool recompute = false;  // activation checkpointing: run each block's forward again in backward
+  // "f32"; "bf16": bf16 compute with f32 master weights; "f16": f16 compute with f32 master
+  // weights and dynamic loss scaling (a step whose gradients overflow is skipped).
+  std::string precision = "f32";
   // [optim]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   double clip = 1.0;

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/training_state.hpp"
 #include "models/targets.hpp"
@@ -11,30 +13,73 @@
 namespace troupe::models {
 namespace {
 
-// Runs forward on the rows (and backward when asked); returns the loss.
+constexpr double f16_initial_scale = 65536.0;
+constexpr std::int64_t f16_growth_interval = 2000;
+
+owned_tensor f32_copy(const tensor& x) {
+  auto out = empty(x.sizes(), dtype::f32, x.dev());
+  ops::copy(x, out);
+  return out;
+}
+
+// Runs forward on the rows (and backward of loss_scale * loss when asked); returns the loss.
 double run_rows(causal_lm& model, std::vector<std::int32_t>& rows,
-                std::vector<std::int32_t>& targets, int batch, int seq, bool backward) {
+                std::vector<std::int32_t>& targets, int batch, int seq, bool backward,
+                double loss_scale = 1.0) {
   targets.resize(rows.size());
   tensor ids(rows.data(), rows.size() * 4, dtype::i32, {batch, seq});
   tensor tg(targets.data(), targets.size() * 4, dtype::i32, {batch, seq});
   next_token_targets(ids, tg);
   double loss = model.forward(ids, tg);
-  if (backward) model.backward();
+  if (backward) model.backward(loss_scale);
   return loss;
 }
 
 }  // namespace
 
+namespace {
+owned_tensor master_of(causal_lm& model) {
+  const tensor& p = model.memory().params();
+  return p.type() == dtype::f32 ? owned_tensor() : f32_copy(p);
+}
+}  // namespace
+
 trainer::trainer(causal_lm& model, const train_config& cfg)
     : model_(model),
       cfg_(cfg),
-      opt_(model.memory().params(), {.beta1 = cfg.beta1,
-                                     .beta2 = cfg.beta2,
-                                     .eps = cfg.eps,
-                                     .weight_decay = cfg.weight_decay}) {
+      master_(master_of(model)),
+      opt_(master_.defined() ? master_.view() : model.memory().params(),
+           {.beta1 = cfg.beta1,
+            .beta2 = cfg.beta2,
+            .eps = cfg.eps,
+            .weight_decay = cfg.weight_decay}) {
   cfg_.validate();
+  const tensor& p = model.memory().params();
+  const bool want16 = cfg.precision != "f32";
+  TROUPE_CHECK(want16 == (p.type() != dtype::f32), "trainer: precision ", cfg.precision,
+               " needs a model built in ", want16 ? cfg.precision : "f32", ", got ",
+               dtype_name(p.type()));
+  TROUPE_CHECK(!want16 || dtype_name(p.type()) == cfg.precision, "trainer: precision ",
+               cfg.precision, " but the model is ", dtype_name(p.type()));
+  if (mixed()) {
+    grads32_ = empty(p.sizes(), dtype::f32, p.dev());
+    // The parameters' names over the master weights, for checkpoints and the decay exemption.
+    const auto& slots = model.slots().slots();
+    master_views_.reserve(slots.size() * 2);
+    for (const auto& s : slots) {
+      if (s.kind != slot_kind::param) continue;
+      auto off = (static_cast<const char*>(s.field->data()) - static_cast<const char*>(p.data())) /
+                 static_cast<std::ptrdiff_t>(p.element_size());
+      master_views_.push_back(master_.narrow(0, off, s.field->numel()).reshape(s.sizes));
+      master_views_.push_back(grads32_.narrow(0, off, s.field->numel()).reshape(s.sizes));
+      master_slots_.param(s.name, s.sizes, master_views_[master_views_.size() - 2],
+                          master_views_.back());
+    }
+  }
+  if (cfg.precision == "f16") loss_scale_ = f16_initial_scale;
   if (cfg.decay_exempt)
-    opt_.exempt_from_decay(model.slots(), model.memory().params(), biases_norms_embeddings);
+    opt_.exempt_from_decay(mixed() ? master_slots_ : model.slots(), weights(),
+                           biases_norms_embeddings);
 }
 
 step_result trainer::step(const batch_source& data) {
@@ -43,18 +88,34 @@ step_result trainer::step(const batch_source& data) {
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
   mem.zero_grads();
   double loss = 0;
+  step_result r;
+  r.loss_scale = loss_scale_;
   for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
     std::uint64_t draw =
         cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_ * cfg_.grad_accum + k);
     data(draw, b, t, rows_);
-    loss += run_rows(model_, rows_, targets_, b, t, true);
+    loss += run_rows(model_, rows_, targets_, b, t, true, loss_scale_);
   }
   loss /= static_cast<double>(cfg_.grad_accum);
-  if (cfg_.grad_accum > 1) ops::scale(mem.grads(), 1.0 / static_cast<double>(cfg_.grad_accum));
-  step_result r;
-  r.grad_norm = clip_grad_norm(mem.grads(), cfg_.clip);
+  if (mixed()) ops::copy(mem.grads(), grads32_);
+  const double unscale = 1.0 / (static_cast<double>(cfg_.grad_accum) * loss_scale_);
+  if (unscale != 1.0) ops::scale(grads(), unscale);
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
-  opt_.step(mem.params(), mem.grads(), r.lr);
+  if (cfg_.precision == "f16") {
+    if (!ops::all_finite(grads())) {  // overflow: skip the update, back off the scale
+      r.skipped = true;
+      loss_scale_ *= 0.5;
+      good_steps_ = 0;
+    } else if (++good_steps_ == f16_growth_interval) {
+      loss_scale_ *= 2.0;
+      good_steps_ = 0;
+    }
+  }
+  if (!r.skipped) {
+    r.grad_norm = clip_grad_norm(grads(), cfg_.clip);
+    opt_.step(weights(), grads(), r.lr);
+    if (mixed()) ops::copy(master_, mem.params());  // round the master weights into the model
+  }
   ++step_;
   r.step = step_;
   r.loss = loss;
@@ -65,11 +126,14 @@ step_result trainer::step(const batch_source& data) {
 
 expected<std::filesystem::path> trainer::save(const std::filesystem::path& folder,
                                               const hf::model_config& cfg) const {
-  auto files = hf::save_checkpoint(folder, cfg, model_.slots());
+  auto files = hf::save_checkpoint(folder, cfg, mixed() ? master_slots_ : model_.slots());
   if (!files) return expected<std::filesystem::path>::failure(files.error_message());
-  hf::training_state st{.step = step_,
-                        .optimizer_steps = opt_.steps_taken(),
-                        .extra_json = "{\"seed\": " + std::to_string(cfg_.seed) + "}"};
+  nlohmann::json extra = {{"seed", cfg_.seed},
+                          {"precision", cfg_.precision},
+                          {"loss_scale", loss_scale_},
+                          {"good_steps", good_steps_}};
+  hf::training_state st{
+      .step = step_, .optimizer_steps = opt_.steps_taken(), .extra_json = extra.dump()};
   auto ts = hf::save_training_state(folder, st, opt_.m(), opt_.v());
   if (!ts) return expected<std::filesystem::path>::failure(ts.error_message());
   return folder;
@@ -77,12 +141,18 @@ expected<std::filesystem::path> trainer::save(const std::filesystem::path& folde
 
 expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
                                        const hf::model_config& cfg) {
-  auto w = hf::load_weights(folder, cfg, model_.slots());
+  auto w = hf::load_weights(folder, cfg, mixed() ? master_slots_ : model_.slots());
   if (!w) return expected<std::int64_t>::failure(w.error_message());
+  if (mixed()) ops::copy(master_, model_.memory().params());
   auto st = hf::load_training_state(folder, opt_.m(), opt_.v());
   if (!st) return expected<std::int64_t>::failure(st.error_message());
   step_ = st->step;
   opt_.set_steps_taken(st->optimizer_steps);
+  auto extra = nlohmann::json::parse(st->extra_json, nullptr, false);
+  if (extra.is_object() && extra.contains("loss_scale") && cfg_.precision == "f16") {
+    loss_scale_ = extra.value("loss_scale", loss_scale_);
+    good_steps_ = extra.value("good_steps", std::int64_t{0});
+  }
   return step_;
 }
 

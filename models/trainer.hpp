@@ -7,6 +7,13 @@
 // function of (seed, step) and a resumed run sees what it would have seen. Rows hold T tokens; the
 // targets are the next tokens with the last position ignored: HF's labels=input_ids loss over
 // B x (T-1) positions.
+//
+// Mixed precision (precision "bf16" or "f16"; the model is built in that dtype): the trainer keeps
+// f32 master weights and f32 gradients. After backward the 16-bit gradients are converted to f32
+// and unscaled, clipped and applied to the master weights by AdamW; the master weights are then
+// rounded into the model. With f16 the loss is scaled (torch GradScaler's defaults: 2^16 at the
+// start, halved when gradients overflow, when the step is skipped, doubled after 2000 good
+// steps). Checkpoints hold the f32 master weights.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +34,8 @@ struct step_result {
   double lr = 0;
   std::int64_t tokens = 0;  // tokens consumed (B x T x grad_accum)
   double seconds = 0;
+  bool skipped = false;     // f16: gradients overflowed, no update was made
+  double loss_scale = 1.0;  // the scale used for this step
 };
 
 class trainer {
@@ -35,6 +44,8 @@ class trainer {
   using batch_source =
       std::function<void(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows)>;
 
+  // Build the trainer after the model's weights are set (initialized or loaded): with mixed
+  // precision it takes its f32 master weights from the model here. resume() loads both.
   trainer(causal_lm& model, const train_config& cfg);
 
   step_result step(const batch_source& data);
@@ -48,10 +59,19 @@ class trainer {
   expected<std::int64_t> resume(const std::filesystem::path& folder, const hf::model_config& cfg);
 
  private:
+  bool mixed() const { return master_.defined(); }
+  const tensor& weights() const { return mixed() ? master_.view() : model_.memory().params(); }
+  const tensor& grads() const { return mixed() ? grads32_.view() : model_.memory().grads(); }
+
   causal_lm& model_;
   train_config cfg_;
+  owned_tensor master_, grads32_;  // mixed precision: f32 copies of the flat buffers
+  std::vector<tensor> master_views_;
+  slot_list master_slots_;  // the model's parameter names over the master weights
   adamw_optimizer opt_;
   std::int64_t step_ = 0;
+  double loss_scale_ = 1.0;
+  std::int64_t good_steps_ = 0;  // f16: steps since the scale last changed
   std::vector<std::int32_t> rows_, targets_;
 };
 

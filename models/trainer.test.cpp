@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
+#include <cstring>
 #include <filesystem>
 
 #include "models/byte_data.hpp"
@@ -118,4 +119,57 @@ TEST_CASE("named model sizes are known and unknown ones are listed") {
   auto bad = named_model_config("gpt5");
   REQUIRE(!bad.has_value());
   CHECK_THAT(bad.error_message(), Catch::Contains("gpt5") && Catch::Contains("llama-tiny"));
+}
+
+TEST_CASE("bf16 mixed precision trains like f32 and keeps f32 master weights", "[cpu]") {
+  auto cfg = tiny_model(false);
+  auto m32 = make_causal_lm(cfg, {2, 8});
+  auto m16 = make_causal_lm(cfg, {2, 8}, dtype::bf16);
+  m32->init_weights(21);
+  ops::copy(m32->memory().params(), m16->memory().params());
+  train_config c32 = tiny_run(8), c16 = tiny_run(8);
+  c32.lr = c16.lr = 2e-3;  // small steps: the runs stay close instead of diverging chaotically
+  c16.precision = "bf16";
+  trainer t32(*m32, c32), t16(*m16, c16);
+  for (int s = 0; s < 8; ++s) {
+    auto a = t32.step(synthetic_rows);
+    auto b = t16.step(synthetic_rows);
+    INFO("step " << s);
+    CHECK(b.loss == Approx(a.loss).epsilon(2e-2));  // bf16 keeps 8 bits of mantissa
+    CHECK(!b.skipped);
+  }
+  // The model holds the master weights rounded to bf16.
+  auto master = to_device(m32->memory().params(), device::cpu());
+  auto p16 = empty(m16->memory().params().sizes(), dtype::f32);
+  ops::copy(m16->memory().params(), p16);
+  double diff = 0;
+  for (std::int64_t i = 0; i < p16.numel(); ++i)
+    diff = std::max(diff, double(std::abs(p16.data_as<float>()[i] - master.data_as<float>()[i])));
+  CHECK(diff < 8 * 2e-3);  // Adam moves a weight by at most ~lr per step
+  CHECK(diff > 0);         // different arithmetic, not a copy of the f32 run
+}
+
+TEST_CASE("f16 skips steps whose gradients overflow and halves the loss scale", "[cpu]") {
+  auto cfg = tiny_model(true);
+  auto m = make_causal_lm(cfg, {2, 8}, dtype::f16);
+  m->init_weights(3);
+  ops::scale(m->memory().params(), 3000.0);  // activations overflow f16
+  train_config c = tiny_run(4);
+  c.precision = "f16";
+  trainer t(*m, c);
+  auto before = to_device(m->memory().params(), device::cpu());
+  auto r = t.step(synthetic_rows);
+  CHECK(r.skipped);
+  CHECK(r.loss_scale == 65536.0);
+  auto r2 = t.step(synthetic_rows);
+  CHECK(r2.loss_scale == 32768.0);
+  auto after = to_device(m->memory().params(), device::cpu());
+  CHECK(std::memcmp(before.data(), after.data(), before.nbytes()) == 0);  // nothing applied
+}
+
+TEST_CASE("trainer refuses a precision its model was not built for") {
+  auto m = make_causal_lm(tiny_model(false), {2, 8});
+  train_config c = tiny_run(2);
+  c.precision = "bf16";
+  CHECK_THROWS_WITH(trainer(*m, c), Catch::Contains("precision bf16"));
 }
