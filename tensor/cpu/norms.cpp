@@ -128,10 +128,15 @@ void softmax_backward_row(const C* yr, const C* gr, C* dr, std::int64_t cols) {
   for (std::int64_t i = 0; i < cols; ++i) dr[i] = yr[i] * (gr[i] - dot);
 }
 
+template <class C>
+struct row_stats {
+  C mean, rstd;
+};
+
 // Two-pass statistics in double: mean, then the biased variance of (x - mean). bp may be null.
 template <class C>
-void layernorm_row(const C* xr, const C* wp, const C* bp, C* yr, std::int64_t cols, double eps,
-                   C& m, C& rs) {
+[[gnu::always_inline]] inline row_stats<C> layernorm_row(const C* xr, const C* wp, const C* bp,
+                                                         C* yr, std::int64_t cols, double eps) {
   const double mu = row_sum(cols, [&](std::int64_t i) { return xr[i]; }) / cols;
   const double var = row_sum(cols,
                              [&](std::int64_t i) {
@@ -139,13 +144,14 @@ void layernorm_row(const C* xr, const C* wp, const C* bp, C* yr, std::int64_t co
                                return d * d;
                              }) /
                      cols;
-  m = static_cast<C>(mu);
-  rs = static_cast<C>(1.0 / std::sqrt(var + eps));
+  const C m = static_cast<C>(mu);
+  const C rs = static_cast<C>(1.0 / std::sqrt(var + eps));
   if (bp != nullptr) {
     for (std::int64_t i = 0; i < cols; ++i) yr[i] = (xr[i] - m) * rs * wp[i] + bp[i];
   } else {
     for (std::int64_t i = 0; i < cols; ++i) yr[i] = (xr[i] - m) * rs * wp[i];
   }
+  return {m, rs};
 }
 
 template <class C>
@@ -180,9 +186,25 @@ void rmsnorm_dx_row(const C* gr, const C* xr, const C* wp, C* dr, std::int64_t c
   for (std::int64_t i = 0; i < cols; ++i) dr[i] = rs * (gr[i] * wp[i] - xr[i] * rs * c);
 }
 
-// dw += sum_rows(dy * xhat) and db += sum_rows(dy) (db may be undefined), per column tile in
-// double; mp null means RMSNorm (xhat = x * rstd). Each += forms the sum in C and rounds once.
-template <class S, class St>
+// One row's contribution to the column sums of dw (and db, with_mean only): gr and xr are the
+// row's tile of n columns in the compute type.
+template <bool with_mean, class C>
+inline void add_param_row(const C* gr, const C* xr, std::int64_t n, C m, C rs, double* aw,
+                          double* ab) {
+  if constexpr (with_mean) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      aw[i] += static_cast<double>(gr[i] * ((xr[i] - m) * rs));
+      ab[i] += static_cast<double>(gr[i]);
+    }
+  } else {
+    for (std::int64_t i = 0; i < n; ++i) aw[i] += static_cast<double>(gr[i] * (xr[i] * rs));
+  }
+}
+
+// dw += sum_rows(dy * xhat) and, with_mean (LayerNorm), db += sum_rows(dy) (db may be undefined),
+// per column tile in double; without (RMSNorm) xhat = x * rstd. Each += forms the sum in C and
+// rounds once.
+template <class S, bool with_mean, class St>
 void norm_param_grads(const tensor& dy, const tensor& x, const St* mp, const St* rp,
                       const tensor& dw, const tensor& db) {
   using C = compute_t<S>;
@@ -195,32 +217,22 @@ void norm_param_grads(const tensor& dy, const tensor& x, const St* mp, const St*
     double aw[max_col_tile] = {}, ab[max_col_tile] = {};
     const std::int64_t n = c1 - c0;
     for (std::int64_t r = 0; r < s.rows; ++r) {
-      const C m = mp != nullptr ? static_cast<C>(to_compute(mp[r])) : C(0);
+      const C m = with_mean ? static_cast<C>(to_compute(mp[r])) : C(0);
       const C rs = static_cast<C>(to_compute(rp[r]));
-      const C* gr;
-      const C* xr;
-      C gt[is_half<S> ? max_col_tile : 1], xt[is_half<S> ? max_col_tile : 1];
+      const S* gr = gp + r * s.cols + c0;
+      const S* xr = xp + r * s.cols + c0;
       if constexpr (is_half<S>) {
-        widen_n(gp + r * s.cols + c0, gt, n);
-        widen_n(xp + r * s.cols + c0, xt, n);
-        gr = gt;
-        xr = xt;
+        float gt[max_col_tile], xt[max_col_tile];
+        widen_n(gr, gt, n);
+        widen_n(xr, xt, n);
+        add_param_row<with_mean>(gt, xt, n, m, rs, aw, ab);
       } else {
-        gr = gp + r * s.cols + c0;
-        xr = xp + r * s.cols + c0;
-      }
-      if (mp != nullptr) {
-        for (std::int64_t i = 0; i < n; ++i) {
-          aw[i] += static_cast<double>(gr[i] * ((xr[i] - m) * rs));
-          ab[i] += static_cast<double>(gr[i]);
-        }
-      } else {
-        for (std::int64_t i = 0; i < n; ++i) aw[i] += static_cast<double>(gr[i] * (xr[i] * rs));
+        add_param_row<with_mean>(gr, xr, n, m, rs, aw, ab);
       }
     }
     for (std::int64_t i = 0; i < n; ++i)
       dwp[c0 + i] = from_compute<S>(to_compute(dwp[c0 + i]) + static_cast<C>(aw[i]));
-    if (dbp != nullptr)
+    if (with_mean && dbp != nullptr)
       for (std::int64_t i = 0; i < n; ++i)
         dbp[c0 + i] = from_compute<S>(to_compute(dbp[c0 + i]) + static_cast<C>(ab[i]));
   });
@@ -272,11 +284,10 @@ void layernorm(const tensor& x, const tensor& w, const tensor& b, const tensor& 
         const C* wp = io.vector(0, in<S>(w));
         const C* bp = b.defined() ? io.vector(1, in<S>(b)) : nullptr;
         for (std::int64_t r = lo; r < hi; ++r) {
-          C m, rs;
-          layernorm_row(io.row(0, r), wp, bp, io.result(r), s.cols, eps, m, rs);
+          const row_stats<C> st = layernorm_row(io.row(0, r), wp, bp, io.result(r), s.cols, eps);
           io.finish(r);
-          mp[r] = from_compute<St>(m);
-          rp[r] = from_compute<St>(rs);
+          mp[r] = from_compute<St>(st.mean);
+          rp[r] = from_compute<St>(st.rstd);
         }
       });
     });
@@ -294,7 +305,7 @@ void layernorm_backward(const tensor& dy, const tensor& x, const tensor& w, cons
       using C = compute_t<S>;
       const St* mp = in<St>(mean);
       const St* rp = in<St>(rstd);
-      norm_param_grads<S>(dy, x, mp, rp, dw, db);
+      norm_param_grads<S, true>(dy, x, mp, rp, dw, db);
       const row_shape s = rows_of(x);
       for_row_chunks(s, elem_grain, [&](std::int64_t lo, std::int64_t hi) {
         row_io<S, 2> io{{in<S>(dy), in<S>(x)}, out<S>(dx), s.cols};
@@ -340,7 +351,7 @@ void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const 
     dispatch_stats<S>(rstd, [&]<class St>(St) {
       using C = compute_t<S>;
       const St* rp = in<St>(rstd);
-      norm_param_grads<S>(dy, x, static_cast<const St*>(nullptr), rp, dw, tensor());
+      norm_param_grads<S, false>(dy, x, static_cast<const St*>(nullptr), rp, dw, tensor());
       const row_shape s = rows_of(x);
       for_row_chunks(s, elem_grain, [&](std::int64_t lo, std::int64_t hi) {
         row_io<S, 2> io{{in<S>(dy), in<S>(x)}, out<S>(dx), s.cols};
