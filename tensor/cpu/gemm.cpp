@@ -3,7 +3,8 @@
 // A 2-D view maps onto BLAS when one of its strides is 1 and the other does not make rows (or
 // columns) overlap: a unit last stride is a row-major matrix (NoTrans, ld = stride(0)), a unit
 // first stride is the transpose of one (Trans, ld = stride(1)). c needs a unit last stride
-// (ops.cpp). bf16 and f16 products run on f32 copies of panels (matmul_half below).
+// (ops.cpp). bf16 products run on AMX where the CPU has it (gemm_amx.hpp); other bf16 and f16
+// products run on f32 copies of panels (matmul_half below).
 #include <cblas.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "memory/error.hpp"
 #include "tensor/backend.hpp"
 #include "tensor/cpu/blas_info.hpp"
+#include "tensor/cpu/gemm_amx.hpp"
 #include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
@@ -261,6 +263,13 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha, dou
                "cpu matmul: a leading dimension beyond ", INT_MAX, " (BLAS int)");
   ensure_blas_core();
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  if (t == dtype::bf16 && amx_bf16_usable()) {
+    auto operand = [](const tensor& x, blas_operand l) {
+      return bf16_operand{static_cast<const bf16_t*>(x.data()), l.trans == CblasTrans, l.ld};
+    };
+    return matmul_bf16_amx(operand(a, pa), operand(b, pb), static_cast<bf16_t*>(c.data()), ldc, m,
+                           n, k, alpha, beta);
+  }
   if (t == dtype::bf16) return matmul_half<bf16_t>(a, b, c, pa, pb, ldc, alpha, beta);
   if (t == dtype::f16) return matmul_half<f16_t>(a, b, c, pa, pb, ldc, alpha, beta);
   if (t == dtype::f32) {

@@ -5,6 +5,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "tensor/cpu/attention.hpp"
@@ -29,8 +31,9 @@ tensor operand(const tensor& buf, bool transposed) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("16-bit matmul matches f32 SGEMM on the same values", "[cpu]", bf16_t, f16_t) {
-  using S = TestType;
+// The 16-bit product against SGEMM on the same values, on views like the layers pass.
+template <class S>
+void check_matmul_cases() {
   rng g(21);
   // Sizes within one block, and beyond the 1024 x 1024 tiles of c and the 512-deep inner blocks.
   const gemm_case cases[] = {{37, 29, 41, false, false},     {37, 29, 41, true, true},
@@ -76,12 +79,32 @@ TEMPLATE_TEST_CASE("16-bit matmul matches f32 SGEMM on the same values", "[cpu]"
           REQUIRE(value_of(c_buf.h[i * (n + 3) + j]) == c_buf.f[i * (n + 3) + j]);
     }
   }
+}
+
+TEMPLATE_TEST_CASE("16-bit matmul matches f32 SGEMM on the same values", "[cpu]", bf16_t, f16_t) {
+  using S = TestType;
+  rng g(23);
+  check_matmul_cases<S>();
   // An empty inner dimension scales c by beta, rounding once.
   twin<S> c({3, 4});
   c.uniform(g, -2, 2);
   buffer<S> a0({3, 0}), b0({0, 4});
   ops::matmul(a0, b0, c.h, 1.0, 0.3);
   for (std::int64_t i = 0; i < 12; ++i) REQUIRE(c.h[i].bits == round_to<S>(0.3 * c.f[i]).bits);
+}
+
+// bf16 products take AMX where the CPU has it (the case above); this runs the other path, f32
+// SGEMM on widened panels, which every other CPU takes.
+TEST_CASE("bf16 matmul without AMX matches f32 SGEMM on the same values", "[cpu]") {
+  const char* old = std::getenv("TROUPE_CPU_AMX");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("TROUPE_CPU_AMX", "0", 1);
+  check_matmul_cases<bf16_t>();
+  if (old != nullptr) {
+    setenv("TROUPE_CPU_AMX", saved.c_str(), 1);
+  } else {
+    unsetenv("TROUPE_CPU_AMX");
+  }
 }
 
 namespace {
