@@ -5,11 +5,13 @@
 // Builds a named model size (make_causal_lm), then runs `warmup` untimed and `steps` timed steps
 // of the trainer (models/trainer.hpp): forward, backward, clip_grad_norm 1.0, AdamW (torch
 // semantics, weight decay on every parameter) on uniform random token ids drawn per step from
-// (seed, step). tokens/s = B * T * steps / the wall time of the timed steps. Peak memory: the
+// (seed, step). tokens/s = B * T * steps / the wall time of the timed steps; the CPU seconds per
+// step (all threads) are reported too. Peak memory: the
 // host tier ledger's high-water mark (every buffer troupe allocates: parameters, gradients,
 // activations, scratch, optimizer moments) and the process's peak resident set (VmHWM: what the
 // kernel saw, including the binary, libraries and OpenBLAS's buffers).
 #include <sys/resource.h>
+#include <time.h>
 
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
@@ -65,6 +67,13 @@ std::uint64_t splitmix64(std::uint64_t& x) {
   return z ^ (z >> 31);
 }
 
+// CPU seconds of all the process's threads (spinning waits included).
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 double mib(std::int64_t bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
@@ -106,12 +115,14 @@ int run_train_bench(const train_bench_options& o) {
   std::vector<double> losses, times;
   for (int i = 0; i < o.warmup; ++i) losses.push_back(tr.step(data).loss);
   const auto t0 = std::chrono::steady_clock::now();
+  const double cpu0 = process_cpu_seconds();
   for (int i = 0; i < o.steps; ++i) {
     const auto s0 = std::chrono::steady_clock::now();
     losses.push_back(tr.step(data).loss);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double cpu = process_cpu_seconds() - cpu0;
   const double tokens = static_cast<double>(o.batch * o.seq) * o.steps;
   std::sort(times.begin(), times.end());
 
@@ -137,6 +148,7 @@ int run_train_bench(const train_bench_options& o) {
                        {"min", times.front()},
                        {"median", times[times.size() / 2]},
                        {"max", times.back()}}},
+                     {"cpu_s_per_step", cpu / o.steps},
                      {"peak_rss_bytes", rss_peak},
                      {"rss_at_start_bytes", rss_start},
                      {"host_ledger_peak_bytes", host.peak},

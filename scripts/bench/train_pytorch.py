@@ -193,12 +193,12 @@ def main():
     losses, times = [], []
     for _ in range(a.warmup):
         losses.append(step()[0])
-    t_all = time.perf_counter()
+    t_all, cpu_all = time.perf_counter(), time.process_time()
     for _ in range(a.steps):
         t0 = time.perf_counter()
         losses.append(step()[0])
         times.append(time.perf_counter() - t0)
-    total = time.perf_counter() - t_all
+    total, cpu = time.perf_counter() - t_all, time.process_time() - cpu_all
     core, blas_threads = openblas_core()
     tokens = a.batch * a.seq * a.steps
     times.sort()
@@ -210,6 +210,7 @@ def main():
         "tokens_per_s": tokens / total,
         "step_s": {"mean": total / a.steps, "min": times[0], "median": times[len(times) // 2],
                    "max": times[-1]},
+        "cpu_s_per_step": cpu / a.steps,
         "peak_rss_bytes": peak_rss_bytes(),
         "rss_after_import_bytes": rss_import,
         "loss_first": losses[0], "loss_last": losses[-1],

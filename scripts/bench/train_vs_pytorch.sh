@@ -4,9 +4,10 @@
 #
 # Runs `troupe bench train --json` and scripts/bench/train_pytorch.py alternately, ROUNDS times
 # each (troupe, torch, troupe, torch, ...), with the same model, B, T, steps and thread count, and
-# prints every run, then a table: tokens/s, seconds per step and peak memory (median, min-max) and
-# the ratios troupe / torch taken pair by pair (round i of troupe against round i of torch), so a
-# ratio stays meaningful when other tenants change the machine's speed during the call.
+# prints every run, then a table: tokens/s, seconds per step (wall and CPU, all threads) and peak
+# memory (median, min-max) and the ratios troupe / torch taken pair by pair (round i of troupe
+# against round i of torch), so a ratio stays meaningful when other tenants change the machine's
+# speed during the call.
 #
 #   scripts/bench/train_vs_pytorch.sh [--model bench-small|gpt2-small] [--batch B] [--seq T]
 #       [--steps N] [--warmup N] [--threads N] [--rounds R] [--troupe PATH] [--python PATH]
@@ -14,7 +15,7 @@
 #
 # Defaults: bench-small, B=8, T=256, 10 timed steps after 2 warm-up steps, 2 threads, 3 rounds,
 # build/apps/troupe, /usr/bin/python3 (Debian's python3-torch). --torch-args are passed to
-# train_pytorch.py (e.g. "--aten-capability avx512"); --jsonl keeps every run's JSON line.
+# train_pytorch.py (e.g. "--aten-capability default"); --jsonl keeps every run's JSON line.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,7 +41,10 @@ while [[ $# -gt 0 ]]; do
     *) echo "train_vs_pytorch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-[[ -x "$troupe" ]] || { echo "train_vs_pytorch.sh: no troupe binary at $troupe (--troupe)" >&2; exit 2; }
+if [[ ! -x "$troupe" ]]; then
+  echo "train_vs_pytorch.sh: no troupe binary at $troupe (--troupe)" >&2
+  exit 2
+fi
 
 have_torch=1
 if ! "$python" -c 'import torch' 2>/dev/null; then
@@ -81,19 +85,25 @@ def span(values, fmt):
     return f"{fmt.format(statistics.median(v))} ({fmt.format(v[0])}-{fmt.format(v[-1])})"
 
 print()
-print(f"{'':8} {'tokens/s':>22} {'s/step':>22} {'peak RSS MiB':>22} {'host ledger MiB':>16}")
+print(f"{'':8} {'tokens/s':>20} {'s/step':>20} {'CPU s/step':>20} {'peak RSS MiB':>18} "
+      f"{'host ledger MiB':>16}")
 for impl, rs in by.items():
     if not rs:
         continue
     ledger = span([r["host_ledger_peak_bytes"] / mib for r in rs], "{:.0f}") \
         if "host_ledger_peak_bytes" in rs[0] else "-"
-    print(f"{impl:8} {span([r['tokens_per_s'] for r in rs], '{:.0f}'):>22} "
-          f"{span([r['step_s']['mean'] for r in rs], '{:.3f}'):>22} "
-          f"{span([r['peak_rss_bytes'] / mib for r in rs], '{:.0f}'):>22} {ledger:>16}")
+    print(f"{impl:8} {span([r['tokens_per_s'] for r in rs], '{:.0f}'):>20} "
+          f"{span([r['step_s']['mean'] for r in rs], '{:.3f}'):>20} "
+          f"{span([r['cpu_s_per_step'] for r in rs], '{:.3f}'):>20} "
+          f"{span([r['peak_rss_bytes'] / mib for r in rs], '{:.0f}'):>18} {ledger:>16}")
 pairs = list(zip(by["troupe"], by["pytorch"]))
 if pairs:
     tps = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs]
+    cpu = [b["cpu_s_per_step"] / a["cpu_s_per_step"] for a, b in pairs]
     rss = [a["peak_rss_bytes"] / b["peak_rss_bytes"] for a, b in pairs]
-    print(f"{'ratio':8} {span(tps, '{:.2f}'):>22} {'':>22} {span(rss, '{:.2f}'):>22}")
-    print("ratio: troupe / torch, round by round; median (min-max)")
+    print(f"{'ratio':8} {span(tps, '{:.2f}'):>20} {'':>20} {span(cpu, '{:.2f}'):>20} "
+          f"{span(rss, '{:.2f}'):>18}")
+    print("ratio: troupe / torch round by round, median (min-max); tokens/s and peak RSS as "
+          "measured,")
+    print("       CPU as tokens per CPU second (torch's CPU s/step over troupe's)")
 PY
