@@ -23,7 +23,7 @@ root=$(cd "$here/../.." && pwd)
 model=bench-small batch=8 seq=256 steps=10 warmup=2 threads=2 rounds=3
 troupe="$root/build/apps/troupe" python=/usr/bin/python3 torch_args="" jsonl=""
 
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^[^#]/{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
