@@ -168,8 +168,8 @@ int run_train_bench(const train_bench_options& o) {
              o.model, static_cast<double>(params) / 1e6, o.batch, o.seq, threads, core.after);
   fmt::print("  {} timed steps after {} warm-up: {:.0f} tokens/s\n", o.steps, o.warmup,
              tokens / total);
-  fmt::print("  step time: mean {:.3f} s, min {:.3f}, median {:.3f}, max {:.3f}\n", total / o.steps,
-             times.front(), times[times.size() / 2], times.back());
+  fmt::print("  step time: mean {:.3f} s, min {:.3f}, median {:.3f}, max {:.3f}; CPU {:.3f} s\n",
+             total / o.steps, times.front(), times[times.size() / 2], times.back(), cpu / o.steps);
   fmt::print("  peak memory: host ledger {:.1f} MiB, process RSS (VmHWM) {:.1f} MiB\n",
              mib(host.peak), mib(rss_peak));
   fmt::print(
