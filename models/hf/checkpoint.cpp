@@ -4,9 +4,9 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <regex>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +22,22 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+// model.safetensors, model-00001-of-00005.safetensors, and either with .index.json after it.
+bool is_weight_file_name(std::string_view n) {
+  constexpr std::string_view ext = ".safetensors", index = ".index.json";
+  if (n.size() > index.size() && n.substr(n.size() - index.size()) == index)
+    n.remove_suffix(index.size());
+  if (n.size() < ext.size() || n.substr(n.size() - ext.size()) != ext) return false;
+  n.remove_suffix(ext.size());
+  if (n == "model") return true;
+  auto digits = [](std::string_view d) {
+    return d.size() == 5 && d.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  // "model-" 5 digits "-of-" 5 digits
+  return n.size() == 20 && n.substr(0, 6) == "model-" && digits(n.substr(6, 5)) &&
+         n.substr(11, 4) == "-of-" && digits(n.substr(15, 5));
+}
 
 constexpr const char* single_file = "model.safetensors";
 constexpr const char* index_file = "model.safetensors.index.json";
@@ -286,11 +302,10 @@ expected<std::vector<fs::path>> save_weights(const fs::path& folder, const name_
     }
 
     // Remove the weight files of an earlier save that this one does not use.
-    static const std::regex weight_file(R"(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?)");
     std::set<fs::path> keep(files.begin(), files.end());
     for (const auto& d : fs::directory_iterator(folder)) {
       const std::string n = d.path().filename().string();
-      if (std::regex_match(n, weight_file) && keep.count(folder / n) == 0) {
+      if (is_weight_file_name(n) && keep.count(folder / n) == 0) {
         std::error_code ec;
         fs::remove(d.path(), ec);
       }
