@@ -12,6 +12,7 @@
 // fails with an error naming it, so nothing waits forever on a dead peer.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -24,8 +25,18 @@ namespace troupe::collective {
 inline constexpr std::uint64_t max_tag = (std::uint64_t{1} << 48) - 1;
 
 namespace detail {
-struct p2p_state;  // defined by each transport
-}
+// The state every transport's requests share; transports derive their own request types from it.
+struct p2p_state {
+  virtual ~p2p_state() = default;
+  enum : int { pending = 0, done = 1, failed = 2 };
+  std::atomic<int> status{pending};
+  std::string error;  // written before status becomes `failed`
+  int peer = -1;
+  std::uint64_t tag = 0;
+  std::size_t bytes = 0;
+  bool is_send = false;
+};
+}  // namespace detail
 
 // One posted send or receive. Cheap to move; completion is observed through the transport.
 class p2p_request {
