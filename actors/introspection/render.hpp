@@ -1,0 +1,45 @@
+// Renderings of a job_snapshot: JSON (and back), Prometheus text exposition format 0.0.4, the
+// `troupe ps` / `troupe top` table and the HTML page of the HTTP endpoint. Pure functions.
+#pragma once
+
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "actors/introspection/snapshot.hpp"
+#include "memory/error.hpp"
+
+namespace troupe::actors {
+
+std::string to_json(const job_snapshot& snapshot);
+// Parses what to_json wrote; a failure names `source` (a file, an URL) and the offending field.
+// Missing fields keep their defaults, unknown fields are ignored, wrong types are errors.
+expected<job_snapshot> snapshot_from_json(std::string_view text, const std::string& source);
+
+std::string to_prometheus(const job_snapshot& snapshot);
+
+// Traffic rates of one actor between two snapshots.
+struct actor_rates {
+  double bytes_in_per_s = 0, bytes_out_per_s = 0;
+  double msgs_in_per_s = 0, msgs_out_per_s = 0;
+};
+// Rates per actor name from two successive snapshots taken `seconds` apart (actors missing from
+// `before`, or counters that went backwards, get no entry).
+std::map<std::string, actor_rates> compute_rates(const job_snapshot& before,
+                                                 const job_snapshot& after, double seconds);
+
+// The `troupe ps` table: a job line, the members, then the actors; every line cut to `width`
+// columns (width <= 0: no limit). Control characters in names are shown as '?'.
+std::string render_table(const job_snapshot& snapshot, int width);
+// The same with two rate columns (bytes/s in and out), as `troupe top` shows it.
+std::string render_table(const job_snapshot& snapshot, int width,
+                         const std::map<std::string, actor_rates>& rates);
+
+// A small self-refreshing HTML page with the table (refresh every `refresh_s` seconds).
+std::string render_html(const job_snapshot& snapshot, int refresh_s = 2);
+
+// "1.5 KiB", "12.0 MiB"; "45s", "12m03s", "3h04m", "2d03h".
+std::string human_bytes(double bytes);
+std::string human_duration(double seconds);
+
+}  // namespace troupe::actors
