@@ -44,10 +44,10 @@ struct nccl_options {
 
 // Creates this rank's communicator on CUDA device `device` (all ranks call it, each with its own
 // rank and the same id and size; it returns when every rank has joined or the timeout passed).
-// Reductions take f32, f64, bf16 and f16 (NCCL reduces 16-bit types pairwise in f32 and rounds
-// after each step, so results with more than two ranks can differ from a single f32 accumulation
-// in the last bit); the data-movement ops take every dtype. Throws troupe::error for a bad rank,
-// size or device, when there is no GPU, or when NCCL fails.
+// Reductions take f32, f64, bf16 and f16 (NCCL rounds 16-bit sums after each pairwise step, so
+// with more than two ranks a result can differ in the last bit from one f32 accumulation); the
+// data-movement ops take every dtype. Throws troupe::error for a bad rank, size or device, when
+// there is no GPU, or when NCCL fails.
 std::unique_ptr<communicator> make_nccl_communicator(int rank, int size, const nccl_unique_id& id,
                                                      int device, nccl_options opts = {});
 

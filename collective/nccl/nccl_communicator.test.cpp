@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -274,6 +275,7 @@ TEST_CASE("NCCL work handles test and order a user stream", "[gpu][collective]")
   std::vector<float> in(n);
   for (std::size_t i = 0; i < n; ++i) in[i] = val(3, i);
   device_array d(dtype::f32, in);
+  memory::device_synchronize();  // `mine` does not order after the legacy stream's copies
 
   cudaStream_t mine = nullptr, later = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess);
