@@ -1,0 +1,164 @@
+// validate(): every rule a parallel plan must meet, each failure a sentence naming the field.
+#include "scheduler/plan.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+namespace troupe::scheduler {
+
+std::string_view name(schedule_kind k) {
+  switch (k) {
+    case schedule_kind::gpipe:
+      return "gpipe";
+    case schedule_kind::one_f_one_b:
+      return "1f1b";
+    case schedule_kind::interleaved:
+      return "interleaved";
+  }
+  return "?";
+}
+
+std::optional<schedule_kind> parse_schedule_kind(std::string_view s) {
+  for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved})
+    if (name(k) == s) return k;
+  return std::nullopt;
+}
+
+std::string_view name(recompute_policy p) {
+  switch (p) {
+    case recompute_policy::none:
+      return "none";
+    case recompute_policy::selective:
+      return "selective";
+    case recompute_policy::full:
+      return "full";
+  }
+  return "?";
+}
+
+std::optional<recompute_policy> parse_recompute_policy(std::string_view s) {
+  for (auto p : {recompute_policy::none, recompute_policy::selective, recompute_policy::full})
+    if (name(p) == s) return p;
+  return std::nullopt;
+}
+
+namespace {
+
+// Collects problems as sentences built from streamable pieces.
+struct problems {
+  std::vector<std::string> list;
+  template <class... Args>
+  void add(Args&&... args) {
+    std::ostringstream os;
+    (os << ... << args);
+    list.push_back(os.str());
+  }
+};
+
+std::string quoted_list(const std::vector<std::string>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += '"';
+    s += v[i];
+    s += '"';
+  }
+  return s + "]";
+}
+
+}  // namespace
+
+std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, int world_size) {
+  problems out;
+  // Degrees and ranges first: later checks divide by them.
+  const bool degrees_ok = p.dp >= 1 && p.tp >= 1 && p.pp >= 1;
+  if (p.dp < 1) out.add("parallel.dp = ", p.dp, " must be >= 1");
+  if (p.tp < 1) out.add("parallel.tp = ", p.tp, " must be >= 1");
+  if (p.pp < 1) out.add("parallel.pp = ", p.pp, " must be >= 1");
+  if (degrees_ok && world_size > 0 && p.world_size() != world_size)
+    out.add("parallel.dp x parallel.tp x parallel.pp = ", p.dp, " x ", p.tp, " x ", p.pp, " = ",
+            p.world_size(), " does not equal the world size ", world_size);
+  if (p.sp && p.tp == 1)
+    out.add("parallel.sp = true needs parallel.tp > 1 (it splits activations over the tp group)");
+  if (p.zero < 0 || p.zero > 3) out.add("parallel.zero = ", p.zero, " must be 0, 1, 2 or 3");
+  if (p.microbatches < 1) out.add("parallel.microbatches = ", p.microbatches, " must be >= 1");
+  if (p.virtual_stages < 1)
+    out.add("parallel.virtual_stages = ", p.virtual_stages, " must be >= 1");
+
+  // The schedule and its virtual stages.
+  if (p.schedule == schedule_kind::interleaved) {
+    if (p.pp < 2) out.add("parallel.schedule = \"interleaved\" needs parallel.pp >= 2");
+    if (p.virtual_stages < 2)
+      out.add("parallel.virtual_stages = ", p.virtual_stages,
+              " must be >= 2 for parallel.schedule = \"interleaved\"");
+    if (p.pp >= 1 && p.microbatches >= 1 && p.microbatches % p.pp != 0)
+      out.add("parallel.microbatches = ", p.microbatches,
+              " must be a multiple of parallel.pp = ", p.pp,
+              " for parallel.schedule = \"interleaved\"");
+  } else if (p.virtual_stages != 1) {
+    out.add("parallel.virtual_stages = ", p.virtual_stages,
+            " needs parallel.schedule = ", "\"interleaved\" (parallel.schedule = \"",
+            name(p.schedule), "\")");
+  }
+
+  // The grid order: each axis once.
+  {
+    std::vector<std::string> sorted = p.order;
+    std::sort(sorted.begin(), sorted.end());
+    if (sorted != std::vector<std::string>{"dp", "pp", "tp"})
+      out.add("parallel.order = ", quoted_list(p.order),
+              " must name each of \"dp\", \"pp\" and \"tp\" exactly once");
+  }
+
+  // Against the model.
+  if (p.tp >= 1) {
+    auto divides = [&](long long value, const char* what) {
+      if (value > 0 && value % p.tp != 0)
+        out.add("parallel.tp = ", p.tp, " does not divide ", what, " = ", value);
+    };
+    divides(m.heads, "heads");
+    divides(m.kv_heads, "kv_heads");
+    divides(m.hidden, "hidden");
+    divides(m.vocab, "vocab");
+    if (p.sp && m.seq > 0 && m.seq % p.tp != 0)
+      out.add("parallel.tp = ", p.tp, " does not divide seq = ", m.seq,
+              " (needed by parallel.sp = true)");
+  }
+  if (p.pp >= 1 && p.virtual_stages >= 1 && m.layers > 0 &&
+      m.layers < static_cast<long long>(p.pp) * p.virtual_stages)
+    out.add("parallel.pp x parallel.virtual_stages = ", p.pp, " x ", p.virtual_stages, " = ",
+            static_cast<long long>(p.pp) * p.virtual_stages, " exceeds layers = ", m.layers,
+            " (every model chunk needs a layer)");
+  if (p.dp >= 1 && m.batch > 0) {
+    if (m.batch % p.dp != 0) {
+      out.add("parallel.dp = ", p.dp, " does not divide the global batch = ", m.batch);
+    } else if (p.microbatches >= 1 && (m.batch / p.dp) % p.microbatches != 0) {
+      out.add("parallel.microbatches = ", p.microbatches,
+              " does not divide the batch per data-parallel rank = ", m.batch / p.dp,
+              " (global batch ", m.batch, " / parallel.dp ", p.dp, ")");
+    }
+  }
+  return out.list;
+}
+
+std::string join(const std::vector<std::string>& problems) {
+  std::string s;
+  for (const auto& p : problems) s += (s.empty() ? "" : "; ") + p;
+  return s;
+}
+
+std::string describe(const parallel_plan& p) {
+  std::ostringstream os;
+  for (std::size_t i = 0; i < p.order.size(); ++i) {
+    const auto& a = p.order[i];
+    int d = a == "dp" ? p.dp : a == "pp" ? p.pp : a == "tp" ? p.tp : 0;
+    os << (i ? " x " : "") << a << d;
+  }
+  if (p.sp) os << " (sp)";
+  os << ", zero " << p.zero << ", " << name(p.schedule);
+  if (p.schedule == schedule_kind::interleaved) os << " (" << p.virtual_stages << " chunks)";
+  os << " x " << p.microbatches << " microbatches, recompute " << name(p.recompute);
+  return os.str();
+}
+
+}  // namespace troupe::scheduler

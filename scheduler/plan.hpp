@@ -1,0 +1,66 @@
+// parallel_plan: how one training job is spread over its ranks, as plain data.
+//
+// The degrees dp x pp x tp make the rank grid (collective/grid.hpp) in the order `order` (first
+// axis slowest, so the default {"dp", "pp", "tp"} keeps tensor-parallel peers on neighbouring
+// ranks). Sequence parallelism (sp) reuses the tensor-parallel group, so it is a switch, not a
+// degree. validate() checks a plan against a model's shape and the world size and returns every
+// problem at once, each naming the field as "parallel.<key>", so a job file can be fixed in one go.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace troupe::scheduler {
+
+enum class schedule_kind {
+  gpipe,        // all forwards, then all backwards (Huang et al. 2019)
+  one_f_one_b,  // warmup, steady one-forward-one-backward, cooldown (PipeDream-Flush / Megatron)
+  interleaved,  // 1F1B over virtual stages (Narayanan et al. 2021, Megatron's interleaved schedule)
+};
+std::string_view name(schedule_kind k);  // "gpipe", "1f1b", "interleaved"
+std::optional<schedule_kind> parse_schedule_kind(std::string_view s);
+
+enum class recompute_policy {
+  none,       // keep every activation backward reads
+  selective,  // recompute only the attention core (Korthikanti et al. 2022)
+  full,       // keep each block's input only; run the block's forward again in backward
+};
+std::string_view name(recompute_policy p);  // "none", "selective", "full"
+std::optional<recompute_policy> parse_recompute_policy(std::string_view s);
+
+struct parallel_plan {
+  int dp = 1, tp = 1, pp = 1;
+  bool sp = false;       // sequence parallel norms/dropout over the tp group (needs tp > 1)
+  int zero = 0;          // ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters
+  int microbatches = 1;  // per data-parallel rank and step (gradient accumulation)
+  schedule_kind schedule = schedule_kind::one_f_one_b;
+  int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only)
+  recompute_policy recompute = recompute_policy::none;
+  std::vector<std::string> order = {"dp", "pp", "tp"};  // grid axes, slowest first
+
+  int world_size() const { return dp * tp * pp; }
+  friend bool operator==(const parallel_plan&, const parallel_plan&) = default;
+};
+
+// What a plan is checked against. A field left 0 is unknown and its checks are skipped (a job
+// file is checked before the model is loaded, and before the world size is known).
+struct model_shape {
+  long long layers = 0, heads = 0, kv_heads = 0, hidden = 0, vocab = 0;
+  long long seq = 0;    // tokens per sample
+  long long batch = 0;  // global batch in samples per optimizer step
+};
+
+// Every problem of `plan` for model `m` on `world_size` ranks (0: unknown), in field order, each a
+// sentence that starts with "parallel.<key>"; empty when the plan is valid.
+std::vector<std::string> validate(const parallel_plan& plan, const model_shape& m,
+                                  int world_size = 0);
+
+// The problems joined by "; " (empty when there are none), for an error message.
+std::string join(const std::vector<std::string>& problems);
+
+// One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none".
+std::string describe(const parallel_plan& plan);
+
+}  // namespace troupe::scheduler
