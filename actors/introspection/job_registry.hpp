@@ -27,8 +27,9 @@ void register_job(const job_entry& entry);
 void unregister_job(const std::string& job);
 
 // The registered jobs whose process is still alive, sorted by name. Entries of dead processes are
-// dropped (and their files removed); unreadable or corrupt files are skipped and reported, naming
-// the file: into `problems`, or as warnings on stderr by the overload without it.
+// left out (their files stay: a job registering the same name replaces its file); unreadable or
+// corrupt files are skipped and reported, naming the file: into `problems`, or as warnings on
+// stderr by the overload without it. Reads only.
 std::vector<job_entry> list_jobs();
 std::vector<job_entry> list_jobs(std::vector<std::string>& problems);
 

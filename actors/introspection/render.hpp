@@ -2,6 +2,7 @@
 // `troupe ps` / `troupe top` table and the HTML page of the HTTP endpoint. Pure functions.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <string_view>
@@ -38,8 +39,9 @@ std::string render_table(const job_snapshot& snapshot, int width,
 // A small self-refreshing HTML page with the table (refresh every `refresh_s` seconds).
 std::string render_html(const job_snapshot& snapshot, int refresh_s = 2);
 
-// "1.5 KiB", "12.0 MiB"; "45s", "12m03s", "3h04m", "2d03h".
+// "1.5 KiB", "12.0 MiB"; "99999", "1.10T"; "45s", "12m03s", "3h04m", "2d03h".
 std::string human_bytes(double bytes);
+std::string human_count(std::uint64_t n);
 std::string human_duration(double seconds);
 
 }  // namespace troupe::actors

@@ -1,0 +1,196 @@
+// job_snapshot <-> JSON (nlohmann-json), the format of the endpoint's /json and `troupe ps --json`.
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "actors/introspection/render.hpp"
+
+namespace troupe::actors {
+namespace {
+using json = nlohmann::json;
+
+// NaN and infinities are not JSON: they are written as null and read back as NaN.
+json number(double v) {
+  return std::isfinite(v) ? json(v) : json(nullptr);
+}
+
+json to_j(const actor_state& a) {
+  json metrics = json::object();
+  for (const auto& [k, v] : a.metrics) metrics[k] = number(v);
+  return {{"name", a.name},
+          {"role", a.role},
+          {"rank", a.rank},
+          {"mesh", a.mesh},
+          {"activity", a.activity},
+          {"mailbox_depth", a.mailbox_depth},
+          {"messages_sent", a.messages_sent},
+          {"messages_received", a.messages_received},
+          {"bytes_sent", a.bytes_sent},
+          {"bytes_received", a.bytes_received},
+          {"uptime_s", number(a.uptime_s)},
+          {"metrics", metrics}};
+}
+
+json to_j(const member_state& m) {
+  return {{"rank", m.rank},
+          {"host", m.host},
+          {"pid", m.pid},
+          {"status", m.status},
+          {"last_heartbeat_age_s", number(m.last_heartbeat_age_s)}};
+}
+
+bool fits_int(const json& v) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= std::numeric_limits<int>::max();
+  if (!v.is_number_integer()) return false;
+  auto x = v.get<std::int64_t>();
+  return x >= std::numeric_limits<int>::min() && x <= std::numeric_limits<int>::max();
+}
+
+// Reads fields of one JSON object, remembering the first problem with its path.
+class reader {
+ public:
+  reader(const json& j, std::string path, std::string* problem)
+      : j_(j), path_(std::move(path)), problem_(problem) {
+    if (!j_.is_object()) fail(path_, "expected an object");
+  }
+  bool ok() const { return problem_->empty(); }
+
+  void get(const char* key, std::string& out) {
+    if (const json* v = find(key)) {
+      if (v->is_string())
+        out = v->get<std::string>();
+      else
+        fail(at(key), "expected a string");
+    }
+  }
+  void get(const char* key, int& out) {
+    if (const json* v = find(key)) {
+      if (fits_int(*v))
+        out = v->get<int>();
+      else
+        fail(at(key), "expected an integer");
+    }
+  }
+  void get(const char* key, std::uint64_t& out) {
+    if (const json* v = find(key)) {
+      if (v->is_number_unsigned())
+        out = v->get<std::uint64_t>();
+      else
+        fail(at(key), "expected an unsigned integer");
+    }
+  }
+  void get(const char* key, double& out) {
+    if (const json* v = find(key)) read_number(*v, at(key), out);
+  }
+  void get(const char* key, std::map<std::string, int>& out) {
+    if (const json* v = find(key)) {
+      if (!v->is_object()) return fail(at(key), "expected an object");
+      for (const auto& [k, x] : v->items()) {
+        if (!fits_int(x)) return fail(at(key) + "." + k, "expected an integer");
+        out[k] = x.get<int>();
+      }
+    }
+  }
+  void get(const char* key, std::map<std::string, double>& out) {
+    if (const json* v = find(key)) {
+      if (!v->is_object()) return fail(at(key), "expected an object");
+      for (const auto& [k, x] : v->items()) read_number(x, at(key) + "." + k, out[k]);
+    }
+  }
+  const json* array(const char* key) {
+    const json* v = find(key);
+    if (v && !v->is_array()) {
+      fail(at(key), "expected an array");
+      return nullptr;
+    }
+    return v;
+  }
+  std::string at(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+
+ private:
+  const json* find(const char* key) {
+    if (!ok() || !j_.is_object()) return nullptr;
+    auto it = j_.find(key);
+    return it == j_.end() ? nullptr : &*it;
+  }
+  void read_number(const json& v, const std::string& where, double& out) {
+    if (v.is_number())
+      out = v.get<double>();
+    else if (v.is_null())
+      out = std::numeric_limits<double>::quiet_NaN();
+    else
+      fail(where, "expected a number");
+  }
+  void fail(const std::string& where, const std::string& what) {
+    if (problem_->empty()) *problem_ = (where.empty() ? "top level" : where) + ": " + what;
+  }
+  const json& j_;
+  std::string path_;
+  std::string* problem_;
+};
+
+}  // namespace
+
+std::string to_json(const job_snapshot& s) {
+  json members = json::array(), actors = json::array();
+  for (const auto& m : s.members) members.push_back(to_j(m));
+  for (const auto& a : s.actors) actors.push_back(to_j(a));
+  json j = {{"job", s.job},
+            {"world_size", s.world_size},
+            {"uptime_s", number(s.uptime_s)},
+            {"members", members},
+            {"actors", actors}};
+  // Names and activities come from user code: replace invalid UTF-8 instead of throwing.
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+expected<job_snapshot> snapshot_from_json(std::string_view text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    return expected<job_snapshot>::failure(source + ": not valid JSON: " + e.what());
+  }
+  std::string problem;
+  job_snapshot s;
+  reader top(j, "", &problem);
+  top.get("job", s.job);
+  top.get("world_size", s.world_size);
+  top.get("uptime_s", s.uptime_s);
+  if (const json* ms = top.array("members")) {
+    for (std::size_t i = 0; i < ms->size() && problem.empty(); ++i) {
+      member_state m;
+      reader r((*ms)[i], "members[" + std::to_string(i) + "]", &problem);
+      r.get("rank", m.rank);
+      r.get("host", m.host);
+      r.get("pid", m.pid);
+      r.get("status", m.status);
+      r.get("last_heartbeat_age_s", m.last_heartbeat_age_s);
+      s.members.push_back(std::move(m));
+    }
+  }
+  if (const json* as = top.array("actors")) {
+    for (std::size_t i = 0; i < as->size() && problem.empty(); ++i) {
+      actor_state a;
+      reader r((*as)[i], "actors[" + std::to_string(i) + "]", &problem);
+      r.get("name", a.name);
+      r.get("role", a.role);
+      r.get("rank", a.rank);
+      r.get("mesh", a.mesh);
+      r.get("activity", a.activity);
+      r.get("mailbox_depth", a.mailbox_depth);
+      r.get("messages_sent", a.messages_sent);
+      r.get("messages_received", a.messages_received);
+      r.get("bytes_sent", a.bytes_sent);
+      r.get("bytes_received", a.bytes_received);
+      r.get("uptime_s", a.uptime_s);
+      r.get("metrics", a.metrics);
+      s.actors.push_back(std::move(a));
+    }
+  }
+  if (!problem.empty()) return expected<job_snapshot>::failure(source + ": " + problem);
+  return s;
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,98 @@
+// A job snapshot with awkward content (quotes, backslashes, newlines, UTF-8, 64-bit counters) and
+// a field-by-field comparison, shared by the introspection tests.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "actors/introspection/snapshot.hpp"
+
+namespace troupe::actors::testing {
+
+inline job_snapshot sample_snapshot() {
+  job_snapshot s;
+  s.job = "gpt2-\"small\"";
+  s.world_size = 3;
+  s.uptime_s = 3725.25;
+  s.members = {{0, "node-a", 4101, "alive", 0.125},
+               {1, "node-b", 4102, "alive", 1.5},
+               {2, "node-c", 4103, "lost: heartbeat timeout", 31.0}};
+  actor_state coord;
+  coord.name = "coordinator";
+  coord.role = "coordinator";
+  coord.rank = 0;
+  coord.activity = "step 120";
+  coord.messages_sent = 9000;
+  coord.messages_received = 8990;
+  coord.bytes_sent = 1234567;
+  coord.bytes_received = 7654321;
+  coord.uptime_s = 3725.0;
+  coord.metrics = {{"loss", 2.3125}, {"step", 120}, {"tokens_per_s", 15123.5}};
+  actor_state stage;
+  stage.name = "stage/1";
+  stage.role = "stage";
+  stage.rank = 1;
+  stage.mesh = {{"dp", 0}, {"pp", 1}};
+  stage.activity = "forward mb 3";
+  stage.mailbox_depth = 2;
+  stage.messages_sent = 1ull << 40;
+  stage.messages_received = 77;
+  stage.bytes_sent = (1ull << 63) + 1;  // not representable as a double
+  stage.bytes_received = 3ull << 30;
+  stage.uptime_s = 0.1;
+  stage.metrics = {{"tiny", 1e-300}, {"third", 1.0 / 3.0}};
+  actor_state odd;
+  odd.name = "odd \"quoted\" \\ back\nslash";
+  odd.role = "user role";
+  odd.rank = 2;
+  odd.mesh = {{"ep", 3}};
+  odd.activity = "naïve ✓ — waiting";
+  odd.mailbox_depth = 12345;
+  odd.metrics = {{"weird \"metric\"\nname", -4.5}};
+  s.actors = {coord, stage, odd};
+  return s;
+}
+
+inline bool same_number(double a, double b) {
+  return a == b || (std::isnan(a) && std::isnan(b));
+}
+
+inline void check_equal(const job_snapshot& a, const job_snapshot& b) {
+  CHECK(a.job == b.job);
+  CHECK(a.world_size == b.world_size);
+  CHECK(same_number(a.uptime_s, b.uptime_s));
+  REQUIRE(a.members.size() == b.members.size());
+  for (std::size_t i = 0; i < a.members.size(); ++i) {
+    INFO("member " << i);
+    CHECK(a.members[i].rank == b.members[i].rank);
+    CHECK(a.members[i].host == b.members[i].host);
+    CHECK(a.members[i].pid == b.members[i].pid);
+    CHECK(a.members[i].status == b.members[i].status);
+    CHECK(same_number(a.members[i].last_heartbeat_age_s, b.members[i].last_heartbeat_age_s));
+  }
+  REQUIRE(a.actors.size() == b.actors.size());
+  for (std::size_t i = 0; i < a.actors.size(); ++i) {
+    const auto &x = a.actors[i], &y = b.actors[i];
+    INFO("actor " << i << " " << x.name);
+    CHECK(x.name == y.name);
+    CHECK(x.role == y.role);
+    CHECK(x.rank == y.rank);
+    CHECK(x.mesh == y.mesh);
+    CHECK(x.activity == y.activity);
+    CHECK(x.mailbox_depth == y.mailbox_depth);
+    CHECK(x.messages_sent == y.messages_sent);
+    CHECK(x.messages_received == y.messages_received);
+    CHECK(x.bytes_sent == y.bytes_sent);
+    CHECK(x.bytes_received == y.bytes_received);
+    CHECK(same_number(x.uptime_s, y.uptime_s));
+    REQUIRE(x.metrics.size() == y.metrics.size());
+    for (const auto& [k, v] : x.metrics) {
+      INFO("metric " << k);
+      REQUIRE(y.metrics.count(k) == 1);
+      CHECK(same_number(v, y.metrics.at(k)));
+    }
+  }
+}
+
+}  // namespace troupe::actors::testing
