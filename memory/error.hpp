@@ -33,7 +33,7 @@ template <class... Args>
 template <class T>
 class expected {
  public:
-  expected(T value) : v_(std::move(value)) {}
+  expected(T value) : v_(std::in_place_index<0>, std::move(value)) {}
   static expected failure(std::string message) { return expected(err_tag{}, std::move(message)); }
   bool has_value() const { return v_.index() == 0; }
   explicit operator bool() const { return has_value(); }
