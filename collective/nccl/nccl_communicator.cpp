@@ -317,8 +317,9 @@ bool nccl_work::poll() {
   }
   if (q != cudaErrorNotReady) {
     std::string m = TROUPE_NCCL_CUDA_MSG(cudaEventQuery(event), q);
-    core->abort_locked(m);
+    // This op fails with its own cause first; the abort then fails the others naming it.
     core->settle_locked(*this, false, m);
+    core->abort_locked("while waiting for " + describe() + ": " + m);
     return true;
   }
   if (core->aborted) {
@@ -327,18 +328,19 @@ bool nccl_work::poll() {
   }
   ncclResult_t state = ncclSuccess;
   ncclResult_t r = ncclCommGetAsyncError(core->comm, &state);
-  std::string m;
+  std::string m, reason;
   if (r != ncclSuccess) {
     m = nccl_msg("ncclCommGetAsyncError(comm, &state)", r, core->comm, __FILE__, __LINE__);
   } else if (state != ncclSuccess && state != ncclInProgress) {
     m = nccl_msg("asynchronous NCCL operation", state, core->comm, __FILE__, __LINE__);
   } else if (steady::now() > deadline) {
-    m = "timeout: " + describe() + " not finished after " + std::to_string(timeout.count()) +
-        " ms; communicator aborted" + at(__FILE__, __LINE__);
+    std::string after = " after " + std::to_string(timeout.count()) + " ms";
+    m = "timeout: not finished" + after + "; communicator aborted" + at(__FILE__, __LINE__);
+    reason = "timeout: " + describe() + " not finished" + after;
   }
   if (m.empty()) return false;
-  core->abort_locked(m);
   core->settle_locked(*this, false, m);
+  core->abort_locked(reason.empty() ? "while waiting for " + describe() + ": " + m : reason);
   return true;
 }
 
@@ -594,8 +596,8 @@ class nccl_communicator final : public communicator {
     std::string failure = enqueue_on_stream(*w, o, prepare, calls, deadline, timeout);
     std::lock_guard lock(c.mu);
     if (!failure.empty()) {
-      c.abort_locked(failure);
       c.settle_locked(*w, false, failure);
+      c.abort_locked(w->describe() + ": " + failure);
     } else if (c.aborted) {
       c.settle_locked(*w, false, "aborted: " + c.abort_reason);
     } else {
