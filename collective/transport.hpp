@@ -21,7 +21,8 @@
 
 namespace troupe::collective {
 
-// The largest user tag a transport accepts (48 bits; the rest identifies the sender).
+// The largest user tag a transport accepts (48 bits; the rest identifies the sender). Bit 47 is
+// reserved for actors/ tensor transfers: collectives use tags with bit 47 clear.
 inline constexpr std::uint64_t max_tag = (std::uint64_t{1} << 48) - 1;
 
 namespace detail {

@@ -1,0 +1,738 @@
+// The UCX transport (see ucx_transport.hpp): ucp tag messages on one multi-threaded worker.
+//
+// Locking, in one place because it is the subtle part:
+// - UCX takes the worker lock inside every ucp call and runs our completion callbacks under it.
+// - mu_ guards the registry of pending requests and the peers' failure reasons. Callbacks take
+//   mu_ (so: worker lock -> mu_); therefore no thread may call into UCX while holding mu_.
+// - A UCX request handle is freed exactly once, by whoever sees it last: the completion callback,
+//   unless a canceller holds it (cancel_holds), in which case the last canceller frees it. So
+//   ucp_request_cancel never touches a freed (possibly reused) request.
+// - An endpoint is closed only outside UCX callbacks, after the posters using it have left
+//   (peer_state::users, a Dekker-style handshake with peer_state::closing). An endpoint error
+//   reported inside a callback marks the peer failed at once and defers the close to reap().
+#include "collective/ucx/ucx_transport.hpp"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "memory/error.hpp"
+
+namespace troupe::collective {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+// Shared memory between processes of one host (sysv preferred, posix as fallback), tcp for other
+// hosts. Measured (collective/ucx/README.md): cma and tcp rendezvous lanes cost 30-50% of the
+// bandwidth at 4-64 MiB between two local processes, so tcp must not carry local rendezvous.
+constexpr const char* default_tls = "self,sysv,posix,tcp";
+constexpr int tag_shift = 48;
+constexpr ucp_tag_t full_mask = ~ucp_tag_t{0};
+
+ucp_tag_t make_tag(int sender, std::uint64_t tag) {
+  return (static_cast<ucp_tag_t>(sender) << tag_shift) | tag;
+}
+
+const char* status_text(ucs_status_t s) {
+  return ucs_status_string(s);
+}
+
+std::string describe(const detail::p2p_state& r, int self) {
+  std::string s = r.is_send ? "send to rank " : "recv from rank ";
+  s += std::to_string(r.peer) + " tag " + std::to_string(r.tag) + " (" + std::to_string(r.bytes) +
+       " bytes) on rank " + std::to_string(self);
+  return s;
+}
+
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+  timespec ts{ns / 1000000000L, ns % 1000000000L};
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, &ts,
+          nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+}  // namespace
+
+struct ucx_request : detail::p2p_state {
+  ucx_transport::impl* owner = nullptr;
+  // Guarded by impl::mu_:
+  void* handle = nullptr;         // the UCX request while UCX may still use it
+  bool ucx_done = false;          // the completion callback ran (or the post completed at once)
+  int cancel_holds = 0;           // cancellers using `handle` outside mu_
+  void* deferred_free = nullptr;  // completed while held: the last canceller frees it
+};
+
+struct peer_state {
+  ucx_transport::impl* owner = nullptr;
+  ucp_ep_h ep = nullptr;
+  std::atomic<int> users{0};        // threads posting on `ep` right now
+  std::atomic<bool> closing{true};  // no posts on `ep` (not connected, lost or closing)
+  bool close_pending = false;       // an endpoint error asked for a deferred close (mu_)
+  std::string failure;              // guarded by mu_
+  std::unordered_map<ucx_request*, std::shared_ptr<ucx_request>> pending;  // guarded by mu_
+};
+
+struct ucx_transport::impl {
+  ucx_transport_options opt;
+  std::string tls;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  std::vector<std::uint8_t> address;
+  std::unique_ptr<peer_state[]> peers;
+
+  mutable std::mutex mu_;
+  std::mutex connect_mu_;  // serializes connect and endpoint close
+  std::atomic<bool> any_close_pending{false};
+
+  std::atomic<std::uint64_t> sent{0}, received{0};
+  std::atomic<std::uint32_t> completions{0};  // futex word bumped by every completion
+  std::atomic<int> sleepers{0};               // threads in futex_wait on `completions`
+
+  // Progress thread.
+  std::thread progress;
+  std::atomic<bool> stop{false};
+  std::atomic<int> active_waiters{0};  // threads spinning on the worker: the thread parks
+  static constexpr long park_ns = 200000;
+  int efd = -1, stop_fd = -1, epoll_fd = -1;
+
+  explicit impl(ucx_transport_options o) : opt(std::move(o)) {}
+
+  // ---- completion ----------------------------------------------------------------------------
+  void finish(ucx_request* r, ucs_status_t st, std::size_t length) {
+    if (r->status.load(std::memory_order_acquire) != detail::p2p_state::pending) return;
+    std::string err;
+    if (st == UCS_OK && !r->is_send && length != r->bytes) {
+      err = "message size mismatch: " + describe(*r, opt.rank) + " got a message of " +
+            std::to_string(length) + " bytes, expected " + std::to_string(r->bytes);
+    } else if (st == UCS_ERR_MESSAGE_TRUNCATED) {
+      err = "message size mismatch: " + describe(*r, opt.rank) + " got a message of " +
+            (length > r->bytes ? std::to_string(length) : "more than " + std::to_string(r->bytes)) +
+            " bytes, expected " + std::to_string(r->bytes);
+    } else if (st != UCS_OK) {
+      std::string lost;
+      {
+        std::lock_guard lk(mu_);
+        lost = peers[r->peer].failure;
+      }
+      if (!lost.empty()) {
+        err = "rank " + std::to_string(r->peer) + " lost: " + lost + " (" + describe(*r, opt.rank) +
+              ")";
+      } else {
+        err = std::string("UCX error: ") + status_text(st) + " (" + describe(*r, opt.rank) + ")";
+      }
+    }
+    if (err.empty()) {
+      (r->is_send ? sent : received).fetch_add(r->bytes, std::memory_order_relaxed);
+      r->status.store(detail::p2p_state::done, std::memory_order_release);
+    } else {
+      r->error = std::move(err);
+      r->status.store(detail::p2p_state::failed, std::memory_order_release);
+    }
+    completions.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&completions);
+  }
+
+  // Marks a request failed by the transport itself (lost peer, shutdown); UCX may still hold it.
+  void fail_request(ucx_request* r, const std::string& why) {
+    int expected = detail::p2p_state::pending;
+    r->error = why + " (" + describe(*r, opt.rank) + ")";
+    if (r->status.compare_exchange_strong(expected, detail::p2p_state::failed)) {
+      completions.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&completions);
+    }
+  }
+
+  // Called by UCX (under the worker lock) when `handle` completed.
+  void on_complete(ucx_request* r, void* handle, ucs_status_t st, std::size_t length) {
+    std::shared_ptr<ucx_request> keep;  // keeps *r alive until we return
+    bool free_now = false;
+    {
+      std::lock_guard lk(mu_);
+      auto& pend = peers[r->peer].pending;
+      if (auto it = pend.find(r); it != pend.end()) {
+        keep = std::move(it->second);
+        pend.erase(it);
+      }
+      r->ucx_done = true;
+      r->handle = nullptr;
+      if (r->cancel_holds == 0) {
+        free_now = true;
+      } else {
+        r->deferred_free = handle;
+      }
+    }
+    finish(r, st, length);
+    if (free_now) ucp_request_free(handle);
+  }
+
+  static void send_cb(void* handle, ucs_status_t st, void* user) {
+    auto* r = static_cast<ucx_request*>(user);
+    r->owner->on_complete(r, handle, st, r->bytes);
+  }
+
+  static void recv_cb(void* handle, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user) {
+    auto* r = static_cast<ucx_request*>(user);
+    r->owner->on_complete(r, handle, st, info != nullptr ? info->length : 0);
+  }
+
+  static void ep_error_cb(void* arg, ucp_ep_h, ucs_status_t st) {
+    auto* ps = static_cast<peer_state*>(arg);
+    impl* self = ps->owner;
+    int peer = static_cast<int>(ps - self->peers.get());
+    self->mark_failed(peer, std::string("UCX endpoint error: ") + status_text(st), true);
+  }
+
+  // ---- posting -------------------------------------------------------------------------------
+  std::shared_ptr<ucx_request> make_request(int peer, std::uint64_t tag, std::size_t bytes,
+                                            bool is_send) {
+    TROUPE_CHECK(peer >= 0 && peer < opt.size && peer != opt.rank, "ucx_transport rank ", opt.rank,
+                 ": ", is_send ? "isend to" : "irecv from", " invalid peer ", peer, " (world size ",
+                 opt.size, ")");
+    TROUPE_CHECK(tag <= max_tag, "ucx_transport rank ", opt.rank, ": tag ", tag,
+                 " exceeds max_tag with peer ", peer);
+    auto r = std::make_shared<ucx_request>();
+    r->owner = this;
+    r->peer = peer;
+    r->tag = tag;
+    r->bytes = bytes;
+    r->is_send = is_send;
+    return r;
+  }
+
+  // Registers `r` as pending unless its peer is lost (then fails it and returns false).
+  bool enlist(const std::shared_ptr<ucx_request>& r) {
+    std::lock_guard lk(mu_);
+    auto& ps = peers[r->peer];
+    if (!ps.failure.empty()) {
+      r->error = "rank " + std::to_string(r->peer) + " lost: " + ps.failure + " (" +
+                 describe(*r, opt.rank) + ")";
+      r->status.store(detail::p2p_state::failed, std::memory_order_release);
+      return false;
+    }
+    ps.pending.emplace(r.get(), r);
+    return true;
+  }
+
+  // Handles what ucp_tag_*_nbx returned.
+  void posted(const std::shared_ptr<ucx_request>& r, ucs_status_ptr_t sp, std::size_t length) {
+    if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {  // completed (or failed) at once: no callback
+      {
+        std::lock_guard lk(mu_);
+        peers[r->peer].pending.erase(r.get());
+        r->ucx_done = true;
+      }
+      finish(r.get(), sp == nullptr ? UCS_OK : UCS_PTR_STATUS(sp), length);
+      return;
+    }
+    bool cancel = false;
+    {
+      std::lock_guard lk(mu_);
+      if (r->ucx_done) return;  // the callback already ran and freed the handle
+      r->handle = sp;
+      // A receive posted while fail_peer ran: fail_peer may have missed it, so cancel it here.
+      if (!r->is_send && !peers[r->peer].failure.empty()) {
+        ++r->cancel_holds;
+        cancel = true;
+      }
+    }
+    if (cancel) cancel_held({{r, sp}});
+  }
+
+  // Cancels requests whose cancel_holds the caller raised; frees handles completed meanwhile.
+  void cancel_held(const std::vector<std::pair<std::shared_ptr<ucx_request>, void*>>& held) {
+    for (auto& [r, h] : held) ucp_request_cancel(worker, h);
+    std::vector<void*> to_free;
+    {
+      std::lock_guard lk(mu_);
+      for (auto& [r, h] : held) {
+        if (--r->cancel_holds == 0 && r->deferred_free != nullptr) {
+          to_free.push_back(r->deferred_free);
+          r->deferred_free = nullptr;
+        }
+      }
+    }
+    for (void* h : to_free) ucp_request_free(h);
+  }
+
+  // ---- failure -------------------------------------------------------------------------------
+  // Records that `peer` is lost and cancels its posted receives. Safe inside UCX callbacks; the
+  // endpoint is closed by the caller (fail_peer) or later by reap() (from_callback).
+  bool mark_failed(int peer, const std::string& reason, bool from_callback) {
+    std::vector<std::pair<std::shared_ptr<ucx_request>, void*>> held;
+    {
+      std::lock_guard lk(mu_);
+      auto& ps = peers[peer];
+      if (!ps.failure.empty()) return false;
+      ps.failure = reason.empty() ? std::string("(no reason given)") : reason;
+      for (auto& [raw, r] : ps.pending) {
+        if (!r->is_send && r->handle != nullptr && !r->ucx_done) {
+          ++r->cancel_holds;
+          held.emplace_back(r, r->handle);
+        }
+      }
+      if (from_callback) {
+        ps.close_pending = true;
+        any_close_pending.store(true, std::memory_order_release);
+      }
+    }
+    peers[peer].closing.store(true, std::memory_order_seq_cst);
+    cancel_held(held);
+    return true;
+  }
+
+  // Force-closes the endpoint to `peer` (never from a UCX callback), then fails what UCX did not.
+  void close_endpoint(int peer, const std::string& why_left) {
+    std::lock_guard ck(connect_mu_);
+    auto& ps = peers[peer];
+    ps.closing.store(true, std::memory_order_seq_cst);
+    while (ps.users.load(std::memory_order_seq_cst) != 0) sched_yield();
+    ucp_ep_h ep = ps.ep;
+    ps.ep = nullptr;
+    {
+      std::lock_guard lk(mu_);
+      ps.close_pending = false;
+    }
+    if (ep != nullptr) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &p);
+      if (sp != nullptr && !UCS_PTR_IS_ERR(sp)) {
+        // A forced close needs no answer from the peer; bound the wait anyway.
+        auto give_up = clock::now() + std::chrono::seconds(5);
+        while (ucp_request_check_status(sp) == UCS_INPROGRESS && clock::now() < give_up) {
+          ucp_worker_progress(worker);
+        }
+        if (ucp_request_check_status(sp) != UCS_INPROGRESS) ucp_request_free(sp);
+      }
+    }
+    // Whatever UCX did not complete (a matched rendezvous from a dead sender) fails now.
+    std::vector<std::shared_ptr<ucx_request>> left;
+    {
+      std::lock_guard lk(mu_);
+      for (auto& [raw, r] : ps.pending) left.push_back(r);
+    }
+    for (auto& r : left) fail_request(r.get(), why_left);
+  }
+
+  // Closes endpoints whose error was reported inside a callback.
+  void reap() {
+    if (!any_close_pending.load(std::memory_order_acquire)) return;
+    any_close_pending.store(false, std::memory_order_release);
+    for (int p = 0; p < opt.size; ++p) {
+      std::string why;
+      {
+        std::lock_guard lk(mu_);
+        if (!peers[p].close_pending) continue;
+        why = "rank " + std::to_string(p) + " lost: " + peers[p].failure;
+      }
+      close_endpoint(p, why);
+    }
+  }
+
+  // ---- progress ------------------------------------------------------------------------------
+  void progress_loop() {
+    epoll_event events[2];
+    while (!stop.load(std::memory_order_acquire)) {
+      if (active_waiters.load(std::memory_order_acquire) > 0) {
+        // A waiter is spinning on the worker: stay out of its way (no lock contention, no arming,
+        // so senders need not signal us) and look again shortly. Waking this thread whenever a
+        // wait ends would cost a syscall and a context switch per wait (8-byte latency x10).
+        timespec ts{0, park_ns};
+        nanosleep(&ts, nullptr);
+        continue;
+      }
+      while (ucp_worker_progress(worker) != 0) {
+      }
+      reap();
+      ucs_status_t st = ucp_worker_arm(worker);
+      if (st == UCS_ERR_BUSY) continue;
+      int timeout_ms = -1;
+      if (st != UCS_OK) {
+        std::fprintf(stderr, "troupe: ucx_transport rank %d: ucp_worker_arm failed: %s; polling\n",
+                     opt.rank, status_text(st));
+        timeout_ms = 1;
+      }
+      int n = epoll_wait(epoll_fd, events, 2, timeout_ms);
+      if (n < 0 && errno != EINTR) {
+        std::fprintf(stderr, "troupe: ucx_transport rank %d: epoll_wait failed: %s\n", opt.rank,
+                     std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  }
+
+  void leave_active() { active_waiters.fetch_sub(1, std::memory_order_acq_rel); }
+};
+
+namespace {
+ucx_request* as_ucx(p2p_request& r, int rank) {
+  TROUPE_CHECK(r.valid(), "ucx_transport rank ", rank, ": waiting on an empty p2p_request");
+  auto* u = dynamic_cast<ucx_request*>(r.state());
+  TROUPE_CHECK(u != nullptr, "ucx_transport rank ", rank,
+               ": the request was not made by a ucx_transport");
+  return u;
+}
+
+void throw_if_failed(const detail::p2p_state& s) {
+  if (s.status.load(std::memory_order_acquire) == detail::p2p_state::failed) throw error(s.error);
+}
+
+#define TROUPE_UCX_CHECK(call, ...)                                                      \
+  do {                                                                                   \
+    ucs_status_t st_ = (call);                                                           \
+    TROUPE_CHECK(st_ == UCS_OK, "UCX: " #call " failed: ", ucs_status_string(st_), " (", \
+                 __VA_ARGS__, ")");                                                      \
+  } while (0)
+}  // namespace
+
+ucx_transport::ucx_transport(ucx_transport_options options)
+    : impl_(std::make_unique<impl>(std::move(options))) {
+  impl& m = *impl_;
+  TROUPE_CHECK(m.opt.size >= 1 && m.opt.rank >= 0 && m.opt.rank < m.opt.size,
+               "ucx_transport: rank ", m.opt.rank, " outside a world of size ", m.opt.size);
+  TROUPE_CHECK(m.opt.size < (1 << 15), "ucx_transport: world size ", m.opt.size,
+               " does not fit the 16 sender bits of a UCX tag");
+  m.peers = std::make_unique<peer_state[]>(m.opt.size);
+  for (int p = 0; p < m.opt.size; ++p) m.peers[p].owner = &m;
+
+  ucp_config_t* config = nullptr;
+  TROUPE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), "rank ", m.opt.rank);
+  const char* env_tls = std::getenv("UCX_TLS");
+  m.tls = env_tls != nullptr ? env_tls : default_tls;
+  try {
+    if (env_tls == nullptr) {
+      TROUPE_UCX_CHECK(ucp_config_modify(config, "TLS", default_tls), "rank ", m.opt.rank);
+    }
+    if (std::getenv("UCX_NET_DEVICES") == nullptr && !m.opt.net_device.empty()) {
+      TROUPE_UCX_CHECK(ucp_config_modify(config, "NET_DEVICES", m.opt.net_device.c_str()), "rank ",
+                       m.opt.rank, ", device ", m.opt.net_device);
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    TROUPE_UCX_CHECK(ucp_init(&params, config, &m.context), "rank ", m.opt.rank,
+                     ", UCX_TLS=", m.tls);
+  } catch (...) {
+    ucp_config_release(config);
+    throw;
+  }
+  ucp_config_release(config);
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;
+  ucs_status_t st = ucp_worker_create(m.context, &wp, &m.worker);
+  if (st != UCS_OK) {
+    ucp_cleanup(m.context);
+    TROUPE_FAIL("UCX: ucp_worker_create failed on rank ", m.opt.rank, ": ", status_text(st));
+  }
+  auto undo = [&] {
+    if (m.epoll_fd >= 0) close(m.epoll_fd);
+    if (m.stop_fd >= 0) close(m.stop_fd);
+    ucp_worker_destroy(m.worker);
+    ucp_cleanup(m.context);
+  };
+  try {
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+    TROUPE_UCX_CHECK(ucp_worker_query(m.worker, &attr), "rank ", m.opt.rank);
+    TROUPE_CHECK(attr.thread_mode == UCS_THREAD_MODE_MULTI, "ucx_transport rank ", m.opt.rank,
+                 ": this UCX was built without multi-thread support (--enable-mt)");
+    ucp_address_t* addr = nullptr;
+    std::size_t len = 0;
+    TROUPE_UCX_CHECK(ucp_worker_get_address(m.worker, &addr, &len), "rank ", m.opt.rank);
+    auto* bytes = reinterpret_cast<const std::uint8_t*>(addr);
+    m.address.assign(bytes, bytes + len);
+    ucp_worker_release_address(m.worker, addr);
+
+    if (m.opt.progress_thread) {
+      TROUPE_UCX_CHECK(ucp_worker_get_efd(m.worker, &m.efd), "rank ", m.opt.rank);
+      m.stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+      TROUPE_CHECK(m.stop_fd >= 0, "ucx_transport rank ", m.opt.rank,
+                   ": eventfd failed: ", std::strerror(errno));
+      m.epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+      TROUPE_CHECK(m.epoll_fd >= 0, "ucx_transport rank ", m.opt.rank,
+                   ": epoll_create1 failed: ", std::strerror(errno));
+      for (int fd : {m.efd, m.stop_fd}) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = fd;
+        TROUPE_CHECK(epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, fd, &ev) == 0, "ucx_transport rank ",
+                     m.opt.rank, ": epoll_ctl failed: ", std::strerror(errno));
+      }
+      m.progress = std::thread([&m] { m.progress_loop(); });
+    }
+  } catch (...) {
+    undo();
+    throw;
+  }
+}
+
+ucx_transport::~ucx_transport() {
+  impl& m = *impl_;
+  if (m.progress.joinable()) {
+    m.stop.store(true, std::memory_order_release);
+    std::uint64_t one = 1;
+    if (write(m.stop_fd, &one, sizeof one) != sizeof one) {
+      std::fprintf(stderr, "troupe: ucx_transport rank %d: waking the progress thread failed\n",
+                   m.opt.rank);
+    }
+    m.progress.join();
+  }
+  // Peers may be gone: never flush, force-close every endpoint and fail what is left.
+  for (int p = 0; p < m.opt.size; ++p) {
+    m.mark_failed(p, "transport destroyed", false);
+    m.close_endpoint(p, "ucx_transport on rank " + std::to_string(m.opt.rank) + " destroyed");
+  }
+  while (ucp_worker_progress(m.worker) != 0) {
+  }
+  {
+    std::lock_guard lk(m.mu_);
+    for (int p = 0; p < m.opt.size; ++p) m.peers[p].pending.clear();
+  }
+  if (m.epoll_fd >= 0) close(m.epoll_fd);
+  if (m.stop_fd >= 0) close(m.stop_fd);
+  ucp_worker_destroy(m.worker);
+  ucp_cleanup(m.context);
+}
+
+std::vector<std::uint8_t> ucx_transport::address() const {
+  return impl_->address;
+}
+
+void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
+  impl& m = *impl_;
+  TROUPE_CHECK(peer >= 0 && peer < m.opt.size && peer != m.opt.rank, "ucx_transport rank ",
+               m.opt.rank, ": connect to invalid peer ", peer, " (world size ", m.opt.size, ")");
+  TROUPE_CHECK(!address.empty(), "ucx_transport rank ", m.opt.rank, ": empty address for peer ",
+               peer);
+  std::string lost;
+  {
+    std::lock_guard lk(m.mu_);
+    lost = m.peers[peer].failure;
+  }
+  if (!lost.empty()) {
+    // Re-joining a lost rank: its old endpoint goes first (it may still await a deferred close).
+    m.close_endpoint(peer, "rank " + std::to_string(peer) + " lost: " + lost);
+  } else {
+    std::lock_guard ck(m.connect_mu_);
+    TROUPE_CHECK(m.peers[peer].ep == nullptr, "ucx_transport rank ", m.opt.rank, ": rank ", peer,
+                 " is already connected");
+  }
+  std::lock_guard ck(m.connect_mu_);
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &impl::ep_error_cb;
+  ep.err_handler.arg = &m.peers[peer];
+  ucp_ep_h h = nullptr;
+  TROUPE_UCX_CHECK(ucp_ep_create(m.worker, &ep, &h), "rank ", m.opt.rank, " connecting to rank ",
+                   peer);
+  {
+    std::lock_guard lk(m.mu_);
+    m.peers[peer].failure.clear();
+    m.peers[peer].close_pending = false;
+  }
+  m.peers[peer].ep = h;
+  m.peers[peer].closing.store(false, std::memory_order_seq_cst);
+}
+
+bool ucx_transport::connected(int peer) const {
+  impl& m = *impl_;
+  if (peer < 0 || peer >= m.opt.size || peer == m.opt.rank) return false;
+  std::lock_guard ck(m.connect_mu_);
+  return m.peers[peer].ep != nullptr && !m.peers[peer].closing.load();
+}
+
+int ucx_transport::rank() const {
+  return impl_->opt.rank;
+}
+int ucx_transport::size() const {
+  return impl_->opt.size;
+}
+
+p2p_request ucx_transport::isend(int peer, std::uint64_t tag, const void* data, std::size_t bytes) {
+  impl& m = *impl_;
+  auto r = m.make_request(peer, tag, bytes, true);
+  auto& ps = m.peers[peer];
+  ps.users.fetch_add(1, std::memory_order_seq_cst);
+  struct leave {
+    std::atomic<int>& u;
+    ~leave() { u.fetch_sub(1, std::memory_order_seq_cst); }
+  } guard{ps.users};
+  if (!m.enlist(r)) return p2p_request(r);  // the peer is lost
+  if (ps.closing.load(std::memory_order_seq_cst)) {
+    // Lost since enlist, or never connected: no endpoint to post on.
+    std::string failure;
+    {
+      std::lock_guard lk(m.mu_);
+      failure = ps.failure;
+      ps.pending.erase(r.get());
+      r->ucx_done = true;
+    }
+    TROUPE_CHECK(!failure.empty(), "ucx_transport rank ", m.opt.rank, ": isend to rank ", peer,
+                 " before connect()");
+    m.fail_request(r.get(), "rank " + std::to_string(peer) + " lost: " + failure);
+    return p2p_request(r);
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &impl::send_cb;
+  p.user_data = r.get();
+  ucs_status_ptr_t sp = ucp_tag_send_nbx(ps.ep, data, bytes, make_tag(m.opt.rank, tag), &p);
+  m.posted(r, sp, bytes);
+  return p2p_request(r);
+}
+
+p2p_request ucx_transport::irecv(int peer, std::uint64_t tag, void* data, std::size_t bytes) {
+  impl& m = *impl_;
+  auto r = m.make_request(peer, tag, bytes, false);
+  if (!m.enlist(r)) return p2p_request(r);
+  // UCX 1.13 reports no length when a message from the unexpected queue completes the receive at
+  // once (not even through UCP_OP_ATTR_FIELD_RECV_INFO): deny immediate completion, so that the
+  // callback always runs and reports the length.
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  p.cb.recv = &impl::recv_cb;
+  p.user_data = r.get();
+  ucs_status_ptr_t sp = ucp_tag_recv_nbx(m.worker, data, bytes, make_tag(peer, tag), full_mask, &p);
+  m.posted(r, sp, 0);
+  return p2p_request(r);
+}
+
+bool ucx_transport::test(p2p_request& r) {
+  impl& m = *impl_;
+  ucx_request* u = as_ucx(r, m.opt.rank);
+  if (u->status.load(std::memory_order_acquire) == detail::p2p_state::pending) {
+    ucp_worker_progress(m.worker);
+    m.reap();
+  }
+  throw_if_failed(*u);
+  return u->status.load(std::memory_order_acquire) == detail::p2p_state::done;
+}
+
+void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
+  impl& m = *impl_;
+  ucx_request* u = as_ucx(r, m.opt.rank);
+  auto done = [u] {
+    return u->status.load(std::memory_order_acquire) != detail::p2p_state::pending;
+  };
+  if (done()) return throw_if_failed(*u);
+  const auto start = clock::now();
+  const bool has_deadline = timeout.count() > 0;
+  const auto deadline = start + timeout;
+  auto check_deadline = [&](clock::time_point now) {
+    if (has_deadline && now >= deadline && !done()) {
+      TROUPE_FAIL("ucx_transport: timeout after ", timeout.count(),
+                  " ms: ", describe(*u, m.opt.rank), " did not complete");
+    }
+  };
+  // Spin while the worker makes progress; back off after 50 us without any.
+  constexpr auto spin_idle = std::chrono::microseconds(50);
+  constexpr auto yield_idle = std::chrono::microseconds(1000);
+  m.active_waiters.fetch_add(1, std::memory_order_acq_rel);
+  bool active = true;
+  try {
+    auto last_progress = start;
+    while (!done()) {
+      unsigned n = ucp_worker_progress(m.worker);
+      if (done()) break;
+      auto now = clock::now();
+      check_deadline(now);
+      if (n != 0) {
+        last_progress = now;
+        continue;
+      }
+      auto idle = now - last_progress;
+      if (idle < spin_idle) continue;
+      m.reap();
+      if (idle < yield_idle) {
+        sched_yield();
+        continue;
+      }
+      break;  // idle for a while: sleep below
+    }
+    // Sleep: with a progress thread, until a completion (futex) or 1 ms; without one, poll with
+    // growing naps (20 us .. 500 us).
+    long nap_ns = 20000;
+    while (!done()) {
+      if (active) {
+        active = false;
+        m.leave_active();
+      }
+      if (m.progress.joinable()) {
+        std::uint32_t seq = m.completions.load(std::memory_order_seq_cst);
+        m.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        if (!done()) futex_wait(&m.completions, seq, 1000000L);
+        m.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        if (!done() && ucp_worker_progress(m.worker) == 0) m.reap();
+      } else {
+        timespec ts{0, nap_ns};
+        nanosleep(&ts, nullptr);
+        nap_ns = std::min(nap_ns * 2, 500000L);
+        while (ucp_worker_progress(m.worker) != 0) {
+        }
+        m.reap();
+      }
+      check_deadline(clock::now());
+    }
+  } catch (...) {
+    if (active) m.leave_active();
+    throw;
+  }
+  if (active) m.leave_active();
+  throw_if_failed(*u);
+}
+
+void ucx_transport::fail_peer(int peer, const std::string& reason) {
+  impl& m = *impl_;
+  TROUPE_CHECK(peer >= 0 && peer < m.opt.size, "ucx_transport rank ", m.opt.rank,
+               ": fail_peer of invalid rank ", peer);
+  if (peer == m.opt.rank) return;
+  if (!m.mark_failed(peer, reason, false)) return;
+  m.close_endpoint(peer, "rank " + std::to_string(peer) + " lost: " + reason);
+}
+
+std::string ucx_transport::peer_failure(int peer) const {
+  impl& m = *impl_;
+  if (peer < 0 || peer >= m.opt.size) return {};
+  std::lock_guard lk(m.mu_);
+  return m.peers[peer].failure;
+}
+
+std::uint64_t ucx_transport::bytes_sent() const {
+  return impl_->sent.load();
+}
+std::uint64_t ucx_transport::bytes_received() const {
+  return impl_->received.load();
+}
+std::string ucx_transport::transports() const {
+  return impl_->tls;
+}
+
+}  // namespace troupe::collective

@@ -1,0 +1,79 @@
+// The UCX transport: point-to-point byte transfers between the processes of one job.
+//
+// One ucp context and ONE worker per process (UCS_THREAD_MODE_MULTI: any thread may post, test,
+// wait and progress). Messages are ucp tag messages; the UCX tag is (sender world rank << 48) |
+// user tag and receives match sender and tag exactly. Large messages go by rendezvous straight into
+// the posted receive buffer (no staging copy on the receiving side beyond the shared-memory
+// fragments).
+//
+// Progress: whoever waits progresses the worker (spin, then yield, then sleep); a background thread
+// blocked on the worker's event fd progresses rendezvous transfers when nobody waits.
+//
+// Setup: make the transport, send address() to every peer by any side channel (CAF message, socket,
+// local_ranks), then connect(peer, address) for every peer. Both sides must connect before data
+// flows in both directions. The UCX headers stay in the .cpp (actors/ includes this header).
+//
+// Failure: fail_peer(k) completes every pending request with k as failed ("rank k lost: ...") and
+// fails later ones immediately; an endpoint error reported by UCX does the same. Destruction never
+// waits for peers: endpoints are force-closed (a peer may be dead), so destroy a transport only
+// after the application knows its last messages were received (e.g. after a barrier).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "collective/transport.hpp"
+
+namespace troupe::collective {
+
+struct ucx_transport_options {
+  int rank = 0;
+  int size = 1;
+  // UCX_NET_DEVICES for the tcp transport (cross-host traffic) unless the environment sets it.
+  std::string net_device = "lo";
+  // A background thread that progresses the worker when no thread waits (event fd, no spinning).
+  bool progress_thread = true;
+};
+
+class ucx_transport : public transport {
+ public:
+  // Creates the ucp context and worker. Honours every UCX_* environment variable; where the user
+  // sets none, UCX_TLS defaults to shared memory for local peers and tcp for remote ones (see
+  // collective/ucx/README.md for the measurements behind the choice).
+  explicit ucx_transport(ucx_transport_options options);
+  ~ucx_transport() override;
+  ucx_transport(const ucx_transport&) = delete;
+  ucx_transport& operator=(const ucx_transport&) = delete;
+
+  // The worker address, to be handed to every peer's connect().
+  std::vector<std::uint8_t> address() const;
+  // Creates the endpoint to `peer` from its worker address. Connecting a peer declared lost
+  // replaces its endpoint and clears its failure (a re-joined rank).
+  void connect(int peer, std::span<const std::uint8_t> address);
+  bool connected(int peer) const;
+
+  int rank() const override;
+  int size() const override;
+  p2p_request isend(int peer, std::uint64_t tag, const void* data, std::size_t bytes) override;
+  p2p_request irecv(int peer, std::uint64_t tag, void* data, std::size_t bytes) override;
+  bool test(p2p_request& r) override;
+  void wait(p2p_request& r,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) override;
+  void fail_peer(int peer, const std::string& reason) override;
+  std::string peer_failure(int peer) const override;
+  std::uint64_t bytes_sent() const override;
+  std::uint64_t bytes_received() const override;
+
+  // The transports UCX selected (UCX_TLS as configured), for logs and benchmarks.
+  std::string transports() const;
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace troupe::collective
