@@ -38,7 +38,10 @@ struct parallel_plan {
   schedule_kind schedule = schedule_kind::one_f_one_b;
   int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only)
   recompute_policy recompute = recompute_policy::none;
-  std::vector<std::string> order = {"dp", "pp", "tp"};  // grid axes, slowest first
+  // Grid axes, slowest first. (Initialized by a call: a braced list here makes GCC 12 crash,
+  // "internal compiler error in check_noexcept_r", on `train_config{}.*field` in apps/.)
+  std::vector<std::string> order = default_order();
+  static std::vector<std::string> default_order() { return {"dp", "pp", "tp"}; }
 
   int world_size() const { return dp * tp * pp; }
   friend bool operator==(const parallel_plan&, const parallel_plan&) = default;
