@@ -36,6 +36,27 @@ setter set(T train_config::*field) {
   };
 }
 
+// parallel.<key>: a field of the plan.
+setter set_plan(int scheduler::parallel_plan::*field) {
+  return [field](train_config& c, const toml::node& n, const std::string& where) {
+    auto v = n.value<std::int64_t>();
+    if (!v || *v < -(1LL << 30) || *v > (1LL << 30)) throw error(where + " must be an integer");
+    c.plan.*field = static_cast<int>(*v);
+  };
+}
+
+void set_plan_order(train_config& c, const toml::node& n, const std::string& where) {
+  const auto* arr = n.as_array();
+  if (arr == nullptr)
+    throw error(where + " must be an array of axis names, e.g. [\"dp\", \"pp\", \"tp\"]");
+  c.plan.order.clear();
+  for (const auto& e : *arr) {
+    auto v = e.value<std::string>();
+    if (!v) throw error(where + " must hold strings");
+    c.plan.order.push_back(*v);
+  }
+}
+
 const std::map<std::string, setter>& setters() {
   static const std::map<std::string, setter> s = {
       {"model.hf", set(&train_config::model_hf)},
@@ -63,6 +84,33 @@ const std::map<std::string, setter>& setters() {
       {"checkpoint.dir", set(&train_config::ckpt_dir)},
       {"checkpoint.every", set(&train_config::ckpt_every)},
       {"checkpoint.resume", set(&train_config::resume)},
+      {"parallel.dp", set_plan(&scheduler::parallel_plan::dp)},
+      {"parallel.tp", set_plan(&scheduler::parallel_plan::tp)},
+      {"parallel.pp", set_plan(&scheduler::parallel_plan::pp)},
+      {"parallel.sp",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value_exact<bool>();  // value<bool>() would take 1 as true
+         if (!v) throw error(where + " must be true or false");
+         c.plan.sp = *v;
+       }},
+      {"parallel.zero", set_plan(&scheduler::parallel_plan::zero)},
+      {"parallel.microbatches", set_plan(&scheduler::parallel_plan::microbatches)},
+      {"parallel.virtual_stages", set_plan(&scheduler::parallel_plan::virtual_stages)},
+      {"parallel.schedule",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto k = v ? scheduler::parse_schedule_kind(*v) : std::nullopt;
+         if (!k) throw error(where + " must be \"gpipe\", \"1f1b\" or \"interleaved\"");
+         c.plan.schedule = *k;
+       }},
+      {"parallel.recompute",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto r = v ? scheduler::parse_recompute_policy(*v) : std::nullopt;
+         if (!r) throw error(where + " must be \"none\", \"selective\" or \"full\"");
+         c.plan.recompute = *r;
+       }},
+      {"parallel.order", set_plan_order},
   };
   return s;
 }
@@ -90,6 +138,12 @@ void train_config::validate() const {
   need(warmup >= 0, "optim.warmup", "must be >= 0");
   need(ckpt_every >= 0, "checkpoint.every", "must be >= 0");
   need(ckpt_every == 0 || !ckpt_dir.empty(), "checkpoint.every", "needs checkpoint.dir");
+  // The plan, as far as it can be checked before the model and the world size are known.
+  scheduler::model_shape shape;
+  shape.seq = seq;
+  shape.batch = batch * grad_accum;
+  auto problems = scheduler::validate(plan, shape);
+  if (!problems.empty()) throw error(scheduler::join(problems));
 }
 
 expected<train_config> load_train_config(const std::string& path) {

@@ -7,12 +7,16 @@
 //   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every, precision
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
+//   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute, order
+//                 (scheduler/plan.hpp). A step still reads train.batch x train.grad_accum samples:
+//                 that global batch is split over parallel.dp ranks and parallel.microbatches.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "memory/error.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::models {
 
@@ -40,6 +44,9 @@ struct train_config {
   std::string ckpt_dir;
   std::int64_t ckpt_every = 0;  // 0: only at the end (when ckpt_dir is set)
   std::string resume;           // a checkpoint folder written by troupe train
+  // [parallel]: schedule = "gpipe" | "1f1b" | "interleaved", recompute = "none" | "selective" |
+  // "full", order = ["dp", "pp", "tp"] (slowest first); the rest are integers, sp a bool.
+  scheduler::parallel_plan plan;
 
   // Checks ranges and combinations; the message names the key as "section.key".
   void validate() const;

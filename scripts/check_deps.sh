@@ -9,7 +9,7 @@ table=(
   "tensor|tensor memory|caf/ ucp/ uct/ ucs/ nccl.h liburing.h"
   "collective|collective tensor memory|caf/"
   "scheduler|scheduler|caf/ ucp/ nccl.h liburing.h cuda"
-  "models|models collective tensor memory|caf/ ucp/ uct/ ucs/ nccl.h"
+  "models|models scheduler collective tensor memory|caf/ ucp/ uct/ ucs/ nccl.h"
   "actors|actors scheduler models collective tensor/tensor.hpp tensor/dtype.hpp tensor/ops.hpp memory|ucp/ uct/ ucs/ nccl.h"
 )
 modules="memory tensor collective scheduler models actors apps"

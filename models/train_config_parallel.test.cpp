@@ -1,0 +1,116 @@
+// The [parallel] table of a job file: values land in the plan, mistakes name the file and key.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "models/train_config.hpp"
+
+using namespace troupe::models;
+namespace sched = troupe::scheduler;
+
+namespace {
+std::string write_job(const std::string& text) {
+  static int n = 0;
+  std::string path =
+      "/tmp/troupe_pjob_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".toml";
+  std::ofstream(path) << text;
+  return path;
+}
+}  // namespace
+
+TEST_CASE("a parallel table sets every field of the plan") {
+  auto path = write_job(R"(
+[train]
+batch = 8
+grad_accum = 4
+seq = 64
+[parallel]
+dp = 2
+tp = 2
+pp = 4
+sp = true
+zero = 1
+microbatches = 8
+schedule = "interleaved"
+virtual_stages = 2
+recompute = "selective"
+order = ["pp", "dp", "tp"]
+)");
+  auto c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(c.has_value());
+  sched::parallel_plan want;
+  want.dp = 2, want.tp = 2, want.pp = 4, want.sp = true, want.zero = 1, want.microbatches = 8;
+  want.schedule = sched::schedule_kind::interleaved;
+  want.virtual_stages = 2;
+  want.recompute = sched::recompute_policy::selective;
+  want.order = {"pp", "dp", "tp"};
+  CHECK(c->plan == want);
+  CHECK(c->batch == 8);
+}
+
+TEST_CASE("a job file without a parallel table runs the single-process plan") {
+  auto path = write_job("[train]\nsteps = 3\n");
+  auto c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(c.has_value());
+  CHECK(c->plan == sched::parallel_plan{});
+  CHECK(c->plan.world_size() == 1);
+  CHECK(c->plan.schedule == sched::schedule_kind::one_f_one_b);
+}
+
+TEST_CASE("parallel table mistakes are errors naming the file and the key") {
+  struct bad_case {
+    const char* text;
+    const char* says;
+  };
+  for (auto [text, says] : {
+           bad_case{"[parallel]\ndq = 2\n", "unknown key 'parallel.dq'"},
+           bad_case{"[parallel]\ntp = \"two\"\n", "parallel.tp must be an integer"},
+           bad_case{"[parallel]\ntp = 1.5\n", "parallel.tp must be an integer"},
+           bad_case{"[parallel]\nsp = 1\n", "parallel.sp must be true or false"},
+           bad_case{"[parallel]\nschedule = \"zb\"\n",
+                    "parallel.schedule must be \"gpipe\", \"1f1b\" or \"interleaved\""},
+           bad_case{"[parallel]\nrecompute = true\n",
+                    "parallel.recompute must be \"none\", \"selective\" or \"full\""},
+           bad_case{"[parallel]\norder = \"dp,pp,tp\"\n", "parallel.order must be an array"},
+           bad_case{"[parallel]\norder = [\"dp\", 2, \"tp\"]\n",
+                    "parallel.order must hold strings"},
+           bad_case{"[parallel]\norder = [\"dp\", \"tp\"]\n", "parallel.order = [\"dp\", \"tp\"]"},
+           bad_case{"[parallel]\nzero = 4\n", "parallel.zero = 4 must be 0, 1, 2 or 3"},
+           bad_case{"[parallel]\npp = 0\n", "parallel.pp = 0 must be >= 1"},
+           bad_case{"[parallel]\nsp = true\n", "parallel.sp = true needs parallel.tp > 1"},
+           bad_case{"[parallel]\nvirtual_stages = 2\n", "parallel.virtual_stages = 2 needs"},
+           bad_case{"[parallel]\npp = 4\nmicrobatches = 6\nschedule = \"interleaved\"\n"
+                    "virtual_stages = 2\n",
+                    "parallel.microbatches = 6 must be a multiple of parallel.pp = 4"},
+           // The global batch is train.batch x train.grad_accum = 8 x 1.
+           bad_case{"[parallel]\ndp = 3\n", "parallel.dp = 3 does not divide the global batch = 8"},
+           bad_case{
+               "[train]\nbatch = 6\n[parallel]\nmicrobatches = 4\n",
+               "parallel.microbatches = 4 does not divide the batch per data-parallel rank = 6"},
+           bad_case{"[train]\nseq = 63\n[parallel]\ntp = 2\nsp = true\n",
+                    "parallel.tp = 2 does not divide seq = 63"},
+       }) {
+    auto path = write_job(text);
+    auto c = load_train_config(path);
+    std::remove(path.c_str());
+    INFO(text);
+    REQUIRE(!c.has_value());
+    CHECK_THAT(c.error_message(), Catch::Contains(says) && Catch::Contains(path));
+  }
+}
+
+TEST_CASE("every problem of the parallel table is reported at once") {
+  auto path = write_job("[parallel]\nzero = 7\npp = 0\nsp = true\n");
+  auto c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(!c.has_value());
+  CHECK(c.error_message() == path +
+                                 ": parallel.pp = 0 must be >= 1; parallel.sp = true needs "
+                                 "parallel.tp > 1 (it splits activations over the tp group); "
+                                 "parallel.zero = 7 must be 0, 1, 2 or 3");
+}
