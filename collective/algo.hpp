@@ -1,0 +1,78 @@
+// The collective algorithms over point-to-point messages (internal to p2p_communicator).
+//
+// Each algorithm is a plain function of an op_context: the transport, the group, the op's tag and
+// the helpers that wait on requests while watching for abort, a lost group member or the op's
+// deadline. Choices (recursive doubling vs ring, tree vs chain) follow algo_tuning.
+//
+// 16-bit reductions keep partial results in f32: recursive doubling exchanges the widened f32
+// vector, the ring sends f32 partial sums during reduce-scatter (so an allreduce of bf16 moves 1.5x
+// the bytes of a bf16 ring, not 2x) and rounds once when a block is final. Every rank ends with
+// bitwise the same result: each block is reduced by one rank, and recursive doubling combines
+// (lower rank, higher rank) in that order on both partners.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "collective/communicator.hpp"
+#include "collective/p2p_communicator.hpp"
+#include "collective/transport.hpp"
+
+namespace troupe::collective::detail {
+
+// Grow-only scratch buffers reused across ops (one op of a communicator runs at a time).
+class scratch_pool {
+ public:
+  void* get(int slot, std::size_t bytes);
+
+ private:
+  struct buf {
+    std::unique_ptr<std::byte[]> p;
+    std::size_t size = 0;
+  };
+  buf bufs_[4];
+};
+
+struct op_context {
+  transport& t;
+  const std::vector<int>& ranks;  // group rank -> world rank
+  int me = 0;                     // group rank
+  int n = 1;
+  std::uint64_t tag = 0;
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  std::chrono::milliseconds timeout{0};
+  const std::atomic<bool>* cancelled = nullptr;  // abort() of the communicator
+  const algo_tuning& tune;
+  scratch_pool* scratch = nullptr;
+
+  p2p_request isend(int to, const void* data, std::size_t bytes) {
+    return t.isend(ranks[to], tag, data, bytes);
+  }
+  p2p_request irecv(int from, void* data, std::size_t bytes) {
+    return t.irecv(ranks[from], tag, data, bytes);
+  }
+  // Waits for r; throws the transport's error, or on abort, a lost group member or the deadline.
+  void wait(p2p_request& r);
+  void wait_all(std::vector<p2p_request>& rs);
+  // Throws if the op should stop (abort, lost member, deadline).
+  void check() const;
+};
+
+// Picks recursive doubling below tune.allreduce_ring_min bytes, else the ring.
+void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
+void allreduce_recursive_doubling(op_context& c, void* data, std::size_t count, dtype t,
+                                  reduce_op op);
+void allreduce_ring(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
+void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count, dtype t,
+                    reduce_op op);
+void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t);
+void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root);
+void all_to_allv(op_context& c, const void* in, const std::vector<std::size_t>& send_counts,
+                 void* out, const std::vector<std::size_t>& recv_counts, dtype t);
+void barrier(op_context& c);
+
+}  // namespace troupe::collective::detail

@@ -1,0 +1,248 @@
+// The op context's waiting, and the latency-bound algorithms: recursive-doubling allreduce,
+// binomial-tree and chained broadcast, pairwise all-to-all(v), dissemination barrier.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "collective/algo.hpp"
+#include "collective/reduce.hpp"
+#include "memory/error.hpp"
+
+namespace troupe::collective::detail {
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+inline int mod(int a, int n) {
+  return ((a % n) + n) % n;
+}
+
+// How long one blocking transport wait may last before the op looks at abort, lost members and
+// its deadline again. Bounds how late abort() is noticed by an op blocked on a live peer.
+constexpr std::chrono::milliseconds wait_slice{20};
+
+}  // namespace
+
+void* scratch_pool::get(int slot, std::size_t bytes) {
+  buf& b = bufs_[slot];
+  if (b.size < bytes) {
+    b.p.reset();  // free first: the old buffer may be large
+    b.p.reset(new std::byte[bytes]);
+    b.size = bytes;
+  }
+  return b.p.get();
+}
+
+void op_context::check() const {
+  if (cancelled != nullptr && cancelled->load(std::memory_order_relaxed))
+    throw troupe::error("aborted");
+  for (int g = 0; g < n; ++g) {
+    if (g == me) continue;
+    std::string why = t.peer_failure(ranks[g]);
+    if (!why.empty()) throw troupe::error("rank " + std::to_string(ranks[g]) + " lost: " + why);
+  }
+  if (std::chrono::steady_clock::now() > deadline)
+    throw troupe::error("timed out after " + std::to_string(timeout.count()) + " ms");
+}
+
+void op_context::wait(p2p_request& r) {
+  if (!r.valid()) return;
+  for (int i = 0; i < 64; ++i) {
+    if (t.test(r)) return;
+    cpu_relax();
+  }
+  for (;;) {
+    auto slice = wait_slice;
+    if (deadline != std::chrono::steady_clock::time_point::max()) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      slice = std::clamp(left, std::chrono::milliseconds{1}, wait_slice);
+    }
+    try {
+      t.wait(r, slice);
+      return;
+    } catch (const troupe::error&) {
+      // Either the request failed (test rethrows its error) or the slice ran out.
+      if (t.test(r)) return;
+    }
+    check();
+  }
+}
+
+void op_context::wait_all(std::vector<p2p_request>& rs) {
+  for (auto& r : rs) wait(r);
+}
+
+void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {
+  if (count * dtype_size(t) < c.tune.allreduce_ring_min || count < static_cast<std::size_t>(c.n))
+    allreduce_recursive_doubling(c, data, count, t, op);
+  else
+    allreduce_ring(c, data, count, t, op);
+}
+
+// Recursive doubling on the largest power of two p2 <= n. The first 2*(n-p2) ranks pair up first:
+// each even one hands its vector to the odd one above it and sits out, getting the result back
+// at the end. Partners combine (lower rank's vector, higher rank's vector) in that order, so both
+// hold bitwise the same result after every step.
+void allreduce_recursive_doubling(op_context& c, void* data, std::size_t count, dtype t,
+                                  reduce_op op) {
+  const bool same = t == dtype::f32 || t == dtype::f64;
+  const dtype at = same ? t : dtype::f32;
+  const std::size_t bytes = count * dtype_size(at);
+  const int n = c.n, me = c.me;
+  void* w = data;
+  if (!same) {
+    w = c.scratch->get(0, bytes);
+    widen(static_cast<float*>(w), static_cast<const std::uint16_t*>(data), count, t);
+  }
+  if (n > 1 && count > 0) {
+    void* tmp = c.scratch->get(1, bytes);
+    int p2 = 1;
+    while (p2 * 2 <= n) p2 *= 2;
+    const int rem = n - p2;
+    int vr;
+    if (me < 2 * rem) {
+      if (me % 2 == 0) {
+        auto s = c.isend(me + 1, w, bytes);
+        c.wait(s);
+        vr = -1;
+      } else {
+        auto r = c.irecv(me - 1, tmp, bytes);
+        c.wait(r);
+        reduce_same(w, tmp, w, count, at, op);
+        vr = me / 2;
+      }
+    } else {
+      vr = me - rem;
+    }
+    if (vr >= 0) {
+      for (int mask = 1; mask < p2; mask <<= 1) {
+        const int pv = vr ^ mask;
+        const int peer = pv < rem ? pv * 2 + 1 : pv + rem;
+        auto r = c.irecv(peer, tmp, bytes);
+        auto s = c.isend(peer, w, bytes);
+        c.wait(r);
+        c.wait(s);
+        if (peer < me)
+          reduce_same(w, tmp, w, count, at, op);
+        else
+          reduce_same(w, w, tmp, count, at, op);
+      }
+    }
+    if (me < 2 * rem) {
+      if (me % 2 == 0) {
+        auto r = c.irecv(me + 1, w, bytes);
+        c.wait(r);
+      } else {
+        auto s = c.isend(me - 1, w, bytes);
+        c.wait(s);
+      }
+    }
+  }
+  const double divisor = op == reduce_op::avg ? n : 1.0;
+  if (same) {
+    if (divisor != 1.0) divide(data, count, t, divisor);
+  } else {
+    narrow(static_cast<std::uint16_t*>(data), static_cast<const float*>(w), count, t,
+           static_cast<float>(divisor));
+  }
+}
+
+// Small: binomial tree rooted at `root`. Large: a chain root -> root+1 -> ... in chunks, each
+// rank forwarding chunk k as soon as it has it (the receives of later chunks already posted).
+void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root) {
+  const int n = c.n;
+  const std::size_t esize = dtype_size(t), bytes = count * esize;
+  if (n == 1 || bytes == 0) return;
+  const int vr = mod(c.me - root, n);
+  auto real = [&](int v) { return mod(v + root, n); };
+  std::vector<p2p_request> sends;
+  if (bytes < c.tune.broadcast_chain_min) {
+    int mask = 1;
+    while (mask < n) {
+      if (vr & mask) {
+        auto r = c.irecv(real(vr - mask), data, bytes);
+        c.wait(r);
+        break;
+      }
+      mask <<= 1;
+    }
+    for (mask >>= 1; mask > 0; mask >>= 1)
+      if (vr + mask < n) sends.push_back(c.isend(real(vr + mask), data, bytes));
+    c.wait_all(sends);
+    return;
+  }
+  const std::size_t K =
+      std::max<std::size_t>((bytes + c.tune.chunk_bytes - 1) / c.tune.chunk_bytes, 1);
+  auto lo = [&](std::size_t k) { return count * k / K * esize; };
+  char* p = static_cast<char*>(data);
+  const bool forward = vr + 1 < n;
+  sends.reserve(K);
+  if (vr == 0) {
+    for (std::size_t k = 0; k < K; ++k)
+      sends.push_back(c.isend(real(1), p + lo(k), lo(k + 1) - lo(k)));
+  } else {
+    const std::size_t W = static_cast<std::size_t>(std::max(c.tune.window, 1)) * 2;
+    std::vector<p2p_request> recvs(W);
+    for (std::size_t k = 0; k < std::min(W, K); ++k)
+      recvs[k] = c.irecv(real(vr - 1), p + lo(k), lo(k + 1) - lo(k));
+    for (std::size_t k = 0; k < K; ++k) {
+      c.wait(recvs[k % W]);
+      if (k + W < K) recvs[k % W] = c.irecv(real(vr - 1), p + lo(k + W), lo(k + W + 1) - lo(k + W));
+      if (forward) sends.push_back(c.isend(real(vr + 1), p + lo(k), lo(k + 1) - lo(k)));
+    }
+  }
+  c.wait_all(sends);
+}
+
+// Pairwise exchange: step s receives from me-s and sends to me+s, so at every step each rank
+// talks to a different peer; all steps are posted at once and the transport overlaps them.
+void all_to_allv(op_context& c, const void* in, const std::vector<std::size_t>& send_counts,
+                 void* out, const std::vector<std::size_t>& recv_counts, dtype t) {
+  const int n = c.n, me = c.me;
+  const std::size_t esize = dtype_size(t);
+  std::vector<std::size_t> soff(n + 1, 0), roff(n + 1, 0);
+  for (int j = 0; j < n; ++j) {
+    soff[j + 1] = soff[j] + send_counts[j];
+    roff[j + 1] = roff[j] + recv_counts[j];
+  }
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<p2p_request> recvs, sends;
+  recvs.reserve(n);
+  sends.reserve(n);
+  for (int s = 1; s < n; ++s) {
+    const int from = mod(me - s, n);
+    if (recv_counts[from] > 0)
+      recvs.push_back(c.irecv(from, dst + roff[from] * esize, recv_counts[from] * esize));
+  }
+  for (int s = 1; s < n; ++s) {
+    const int to = mod(me + s, n);
+    if (send_counts[to] > 0)
+      sends.push_back(c.isend(to, src + soff[to] * esize, send_counts[to] * esize));
+  }
+  if (send_counts[me] > 0)
+    std::memcpy(dst + roff[me] * esize, src + soff[me] * esize, send_counts[me] * esize);
+  c.wait_all(recvs);
+  c.wait_all(sends);
+}
+
+// Dissemination: in round k every rank signals me+2^k and waits for me-2^k; after ceil(log2 n)
+// rounds every rank has heard, transitively, from all.
+void barrier(op_context& c) {
+  const int n = c.n, me = c.me;
+  char out = 1, in = 0;
+  for (int k = 1; k < n; k <<= 1) {
+    auto r = c.irecv(mod(me - k, n), &in, 1);
+    auto s = c.isend(mod(me + k, n), &out, 1);
+    c.wait(r);
+    c.wait(s);
+  }
+}
+
+}  // namespace troupe::collective::detail

@@ -1,0 +1,579 @@
+// The host communicator (see p2p_communicator.hpp): issue, the executor thread, inline runs by
+// waiters, send/recv posting, failure handling and the flight recorder.
+#include "collective/p2p_communicator.hpp"
+
+#include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "collective/algo.hpp"
+#include "collective/reduce.hpp"
+#include "collective/work.hpp"
+#include "memory/error.hpp"
+
+namespace troupe::collective {
+
+namespace detail {
+
+namespace {
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+using clock = std::chrono::steady_clock;
+constexpr std::size_t recorder_size = 64;
+}  // namespace
+
+struct comm_core;
+
+// A collective waiting for (or running on) the executor. A waiter may run it inline.
+struct coll_work final : work_state {
+  using work_state::work_state;
+  std::weak_ptr<comm_core> core;
+  std::function<void(op_context&)> body;
+  std::chrono::milliseconds timeout{0};
+  void wait() override;
+};
+
+// A send or receive: posted in issue order (inline or by the executor), then finished by whoever
+// waits on or tests it.
+struct p2p_work final : work_state {
+  using work_state::work_state;
+  std::weak_ptr<comm_core> core;
+  std::atomic<int> posted{0};  // 0 queued, 1 posted (req is valid), 2 never posted (failed)
+  p2p_request req;
+  bool is_send = false;
+  int peer = 0;  // group rank
+  const void* send_buf = nullptr;
+  void* recv_buf = nullptr;
+  std::size_t bytes = 0;
+  std::chrono::milliseconds timeout{0};
+  clock::time_point deadline = clock::time_point::max();
+  bool test() override;
+  void wait() override;
+};
+
+struct comm_core {
+  comm_core(transport& tr, const rank_group& g, std::string backend, std::shared_ptr<void> own)
+      : t(tr), group(g), owner(std::move(own)), t0(clock::now()) {
+    me = group.index_of(t.rank());
+    TROUPE_CHECK(!group.ranks.empty(), "communicator ", backend, "#", group.id, ": empty group");
+    std::string rs;
+    for (std::size_t i = 0; i < group.ranks.size(); ++i) {
+      TROUPE_CHECK(group.ranks[i] >= 0 && group.ranks[i] < t.size(), "communicator ", backend, "#",
+                   group.id, ": rank ", group.ranks[i], " outside the transport's world of ",
+                   t.size());
+      if (i > 0) rs += ',';
+      rs += std::to_string(group.ranks[i]);
+    }
+    name = backend + "#" + std::to_string(group.id) + "[" + rs + "]";
+    TROUPE_CHECK(me >= 0, "communicator ", name, ": this transport's rank ", t.rank(),
+                 " is not a member");
+    n = static_cast<int>(group.ranks.size());
+  }
+
+  transport& t;
+  rank_group group;
+  std::shared_ptr<void> owner;
+  clock::time_point t0;
+  std::string name;
+  int me = 0, n = 1;
+
+  mutable std::mutex tune_mu;
+  algo_tuning tune;
+
+  // The queue of issued ops. `running` is set while the executor or an inline waiter runs one.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<work_state>> queue;
+  std::atomic<int> queued{0};
+  bool running = false, sleeping = false;
+  std::atomic<bool> stopping{false};
+  std::uint64_t next_seq = 1;
+  std::thread executor;
+
+  // Failure: `cancelled` stops running ops (abort); `broken` fails later ops at once.
+  std::atomic<bool> cancelled{false};
+  std::atomic<bool> broken{false};
+  mutable std::mutex fail_mu;
+  std::string broken_reason, abort_reason;
+
+  mutable std::mutex rec_mu;
+  std::array<flight_record, recorder_size> ring{};
+
+  scratch_pool scratch;
+
+  double now_us() const {
+    return std::chrono::duration<double, std::micro>(clock::now() - t0).count();
+  }
+  std::uint64_t coll_tag(std::uint64_t seq) const {
+    return (static_cast<std::uint64_t>(group.id) << 15) | (seq & 0x3fff);
+  }
+  std::uint64_t p2p_tag() const {
+    return (static_cast<std::uint64_t>(group.id) << 15) | (std::uint64_t{1} << 14);
+  }
+
+  void record_issue(const work_state& w, dtype type, std::size_t count, int peer) {
+    std::lock_guard lock(rec_mu);
+    flight_record& r = ring[w.seq % recorder_size];
+    r = flight_record{};
+    r.seq = w.seq;
+    r.kind = w.kind;
+    r.type = type;
+    r.count = count;
+    r.peer = peer;
+    r.state = "issued";
+    r.start_us = now_us();
+  }
+  void record_state(std::uint64_t seq, std::string state, bool end) {
+    std::lock_guard lock(rec_mu);
+    flight_record& r = ring[seq % recorder_size];
+    if (r.seq != seq) return;
+    r.state = std::move(state);
+    if (end) r.end_us = now_us();
+  }
+
+  // The cause of a failure with the abort reason filled in.
+  std::string cause(const std::string& what) const {
+    if (cancelled.load()) {
+      std::lock_guard lock(fail_mu);
+      return "aborted: " + abort_reason;
+    }
+    return what;
+  }
+  // Fails w with "<op> #<seq> on <name> failed: <cause>" and marks the communicator broken.
+  void fail_work(work_state& w, const std::string& why) {
+    std::string msg = w.describe() + " failed: " + why;
+    {
+      std::lock_guard lock(fail_mu);
+      if (!broken.load()) {
+        broken_reason =
+            std::string(op_kind_name(w.kind)) + " #" + std::to_string(w.seq) + ": " + why;
+        broken.store(true);
+      }
+    }
+    if (w.fail(msg)) record_state(w.seq, "failed: " + why, true);
+  }
+  std::string broken_cause() const {
+    std::lock_guard lock(fail_mu);
+    if (cancelled.load()) return "aborted: " + abort_reason;
+    return "communicator unusable after an earlier failure (" + broken_reason + ")";
+  }
+
+  op_context context(std::uint64_t tag, std::chrono::milliseconds timeout,
+                     clock::time_point deadline, const algo_tuning& tu) {
+    op_context c{t, group.ranks, me, n, tag, deadline, timeout, &cancelled, tu, &scratch};
+    return c;
+  }
+
+  void run_collective(coll_work& w) {
+    if (w.finished()) return;  // failed by abort while queued
+    if (broken.load()) {
+      fail_work(w, broken_cause());
+      return;
+    }
+    record_state(w.seq, "running", false);
+    algo_tuning tu;
+    {
+      std::lock_guard lock(tune_mu);
+      tu = tune;
+    }
+    auto deadline = w.timeout.count() > 0 ? clock::now() + w.timeout : clock::time_point::max();
+    op_context c = context(coll_tag(w.seq), w.timeout, deadline, tu);
+    std::string why;
+    try {
+      c.check();
+      w.body(c);
+    } catch (const std::exception& e) {
+      why = cause(e.what());
+    }
+    w.body = nullptr;
+    if (why.empty()) {
+      if (w.complete()) record_state(w.seq, "done", true);
+    } else {
+      fail_work(w, why);
+    }
+  }
+
+  void post_p2p(p2p_work& w) {
+    if (!w.finished()) {
+      if (broken.load()) {
+        fail_work(w, broken_cause());
+      } else {
+        try {
+          const int wr = group.ranks[w.peer];
+          w.req = w.is_send ? t.isend(wr, p2p_tag(), w.send_buf, w.bytes)
+                            : t.irecv(wr, p2p_tag(), w.recv_buf, w.bytes);
+          if (w.timeout.count() > 0) w.deadline = clock::now() + w.timeout;
+          record_state(w.seq, "running", false);
+          w.posted.store(1);
+          w.posted.notify_all();
+          return;
+        } catch (const std::exception& e) {
+          fail_work(w, cause(e.what()));
+        }
+      }
+    }
+    w.posted.store(2);
+    w.posted.notify_all();
+  }
+
+  // Finishes a posted p2p op: blocking (wait) or not (test).
+  void finish_p2p(p2p_work& w, bool block) {
+    if (w.finished()) return;
+    algo_tuning tu;
+    op_context c = context(p2p_tag(), w.timeout, w.deadline, tu);
+    try {
+      if (block) {
+        c.wait(w.req);
+      } else if (!t.test(w.req)) {
+        return;
+      }
+    } catch (const std::exception& e) {
+      fail_work(w, cause(e.what()));
+      return;
+    }
+    if (w.complete()) record_state(w.seq, "done", true);
+  }
+
+  void execute(const std::shared_ptr<work_state>& w) {
+    if (w->kind == op_kind::send || w->kind == op_kind::recv)
+      post_p2p(static_cast<p2p_work&>(*w));
+    else
+      run_collective(static_cast<coll_work&>(*w));
+  }
+
+  void executor_loop() {
+    for (;;) {
+      int spin_us;
+      {
+        std::lock_guard lock(tune_mu);
+        spin_us = tune.executor_spin_us;
+      }
+      // Poll a little for the next op (a training step issues them back to back), then sleep.
+      const auto until = clock::now() + std::chrono::microseconds(spin_us);
+      for (int i = 0; queued.load(std::memory_order_acquire) == 0 && !stopping.load(); ++i) {
+        cpu_relax();
+        if ((i & 63) == 63 && clock::now() > until) break;
+      }
+      std::shared_ptr<work_state> w;
+      {
+        std::unique_lock lock(mu);
+        while (!stopping.load() && (queue.empty() || running)) {
+          sleeping = true;
+          cv.wait(lock);
+          sleeping = false;
+        }
+        if (stopping.load()) return;
+        w = std::move(queue.front());
+        queue.pop_front();
+        queued.fetch_sub(1);
+        running = true;
+      }
+      execute(w);
+      std::lock_guard lock(mu);
+      running = false;
+    }
+  }
+
+  // Runs `w` on the calling thread if it is next and nothing runs; true if it did.
+  bool try_run_inline(work_state* w) {
+    std::shared_ptr<work_state> mine;
+    {
+      std::lock_guard lock(mu);
+      if (running || queue.empty() || queue.front().get() != w || stopping.load()) return false;
+      mine = std::move(queue.front());
+      queue.pop_front();
+      queued.fetch_sub(1);
+      running = true;
+    }
+    execute(mine);
+    std::lock_guard lock(mu);
+    running = false;
+    if (!queue.empty() && sleeping) cv.notify_one();
+    return true;
+  }
+
+  void enqueue(std::shared_ptr<work_state> w, dtype type, std::size_t count, int peer) {
+    bool run_now = false;
+    {
+      std::lock_guard lock(mu);
+      TROUPE_CHECK(!stopping.load(), op_kind_name(w->kind), " on ", name,
+                   ": the communicator is being destroyed");
+      w->seq = next_seq++;
+      record_issue(*w, type, count, peer);
+      if (broken.load()) {
+        // Fail fast, below, outside the lock.
+      } else if ((w->kind == op_kind::send || w->kind == op_kind::recv) && !running &&
+                 queue.empty()) {
+        run_now = true;  // nothing ahead of it: post on the caller's thread
+        running = true;
+      } else {
+        queue.push_back(w);
+        queued.fetch_add(1, std::memory_order_release);
+        if (sleeping) cv.notify_one();
+        return;
+      }
+    }
+    if (!run_now) {  // broken
+      fail_work(*w, broken_cause());
+      if (auto* p = dynamic_cast<p2p_work*>(w.get())) {
+        p->posted.store(2);
+        p->posted.notify_all();
+      }
+      return;
+    }
+    post_p2p(static_cast<p2p_work&>(*w));
+    std::lock_guard lock(mu);
+    running = false;
+    if (!queue.empty() && sleeping) cv.notify_one();
+  }
+
+  void abort(const std::string& reason) {
+    {
+      std::lock_guard lock(fail_mu);
+      if (!cancelled.load()) abort_reason = reason;
+      cancelled.store(true);
+      if (!broken.load()) {
+        broken_reason = "aborted: " + reason;
+        broken.store(true);
+      }
+    }
+    std::deque<std::shared_ptr<work_state>> doomed;
+    {
+      std::lock_guard lock(mu);
+      doomed.swap(queue);
+      queued.store(0);
+    }
+    for (auto& w : doomed) {
+      fail_work(*w, "aborted: " + reason);
+      if (auto* p = dynamic_cast<p2p_work*>(w.get())) {
+        p->posted.store(2);
+        p->posted.notify_all();
+      }
+    }
+  }
+};
+
+void coll_work::wait() {
+  if (!finished())
+    if (auto c = core.lock()) c->try_run_inline(this);
+  work_state::wait();
+}
+
+bool p2p_work::test() {
+  if (!finished() && posted.load() == 1)
+    if (auto c = core.lock()) c->finish_p2p(*this, false);
+  return work_state::test();
+}
+
+void p2p_work::wait() {
+  if (!finished()) {
+    if (posted.load() == 0)
+      if (auto c = core.lock()) c->try_run_inline(this);
+    while (posted.load() == 0) posted.wait(0);
+    if (posted.load() == 1) {
+      if (auto c = core.lock())
+        c->finish_p2p(*this, true);
+      else
+        fail(describe() + " failed: the communicator was destroyed");
+    }
+  }
+  work_state::wait();
+}
+
+}  // namespace detail
+
+using detail::coll_work;
+using detail::comm_core;
+using detail::p2p_work;
+
+p2p_communicator::p2p_communicator(transport& t, const rank_group& g, std::string backend_name,
+                                   std::shared_ptr<void> owner)
+    : core_(std::make_shared<comm_core>(t, g, std::move(backend_name), std::move(owner))) {
+  core_->executor = std::thread([c = core_.get()] { c->executor_loop(); });
+}
+
+p2p_communicator::~p2p_communicator() {
+  core_->abort("communicator " + core_->name + " destroyed");
+  {
+    std::lock_guard lock(core_->mu);
+    core_->stopping.store(true);
+    core_->cv.notify_all();
+  }
+  core_->executor.join();
+}
+
+int p2p_communicator::rank() const {
+  return core_->me;
+}
+int p2p_communicator::size() const {
+  return core_->n;
+}
+std::string p2p_communicator::name() const {
+  return core_->name;
+}
+
+void p2p_communicator::set_tuning(const algo_tuning& t) {
+  TROUPE_CHECK(t.chunk_bytes > 0 && t.window > 0, "set_tuning on ", core_->name,
+               ": chunk_bytes and window must be positive");
+  std::lock_guard lock(core_->tune_mu);
+  core_->tune = t;
+}
+
+algo_tuning p2p_communicator::tuning() const {
+  std::lock_guard lock(core_->tune_mu);
+  return core_->tune;
+}
+
+namespace {
+
+work issue_collective(const std::shared_ptr<comm_core>& core, op_kind k, dtype t, std::size_t count,
+                      int peer, const options& o, std::function<void(detail::op_context&)> body) {
+  auto w = std::make_shared<coll_work>(k, 0, core->name);
+  w->core = core;
+  w->timeout = o.timeout;
+  w->body = std::move(body);
+  core->enqueue(w, t, count, peer);
+  return work(std::move(w));
+}
+
+}  // namespace
+
+work p2p_communicator::allreduce(void* data, std::size_t count, dtype t, const options& o) {
+  check_reducible(t, ("allreduce on " + core_->name).c_str());
+  TROUPE_CHECK(data != nullptr || count == 0, "allreduce on ", core_->name, ": null buffer");
+  const reduce_op op = o.op;
+  return issue_collective(core_, op_kind::allreduce, t, count, -1, o,
+                          [=](detail::op_context& c) { detail::allreduce(c, data, count, t, op); });
+}
+
+work p2p_communicator::reduce_scatter(const void* in, void* out, std::size_t count, dtype t,
+                                      const options& o) {
+  check_reducible(t, ("reduce_scatter on " + core_->name).c_str());
+  TROUPE_CHECK((in != nullptr && out != nullptr) || count == 0, "reduce_scatter on ", core_->name,
+               ": null buffer");
+  const reduce_op op = o.op;
+  return issue_collective(
+      core_, op_kind::reduce_scatter, t, count, -1, o,
+      [=](detail::op_context& c) { detail::reduce_scatter(c, in, out, count, t, op); });
+}
+
+work p2p_communicator::all_gather(const void* in, void* out, std::size_t count, dtype t,
+                                  const options& o) {
+  TROUPE_CHECK((in != nullptr && out != nullptr) || count == 0, "all_gather on ", core_->name,
+               ": null buffer");
+  return issue_collective(core_, op_kind::all_gather, t, count, -1, o,
+                          [=](detail::op_context& c) { detail::all_gather(c, in, out, count, t); });
+}
+
+work p2p_communicator::broadcast(void* data, std::size_t count, dtype t, const options& o) {
+  TROUPE_CHECK(o.root >= 0 && o.root < core_->n, "broadcast on ", core_->name, ": root ", o.root,
+               " outside the group of ", core_->n);
+  TROUPE_CHECK(data != nullptr || count == 0, "broadcast on ", core_->name, ": null buffer");
+  const int root = o.root;
+  return issue_collective(core_, op_kind::broadcast, t, count, root, o, [=](detail::op_context& c) {
+    detail::broadcast(c, data, count, t, root);
+  });
+}
+
+work p2p_communicator::all_to_all(const void* in, void* out, std::size_t count, dtype t,
+                                  const options& o) {
+  TROUPE_CHECK((in != nullptr && out != nullptr) || count == 0, "all_to_all on ", core_->name,
+               ": null buffer");
+  const int n = core_->n;
+  return issue_collective(core_, op_kind::all_to_all, t, count, -1, o, [=](detail::op_context& c) {
+    std::vector<std::size_t> counts(n, count);
+    detail::all_to_allv(c, in, counts, out, counts, t);
+  });
+}
+
+work p2p_communicator::all_to_allv(const void* in, std::span<const std::size_t> send_counts,
+                                   void* out, std::span<const std::size_t> recv_counts, dtype t,
+                                   const options& o) {
+  const int n = core_->n;
+  TROUPE_CHECK(send_counts.size() == static_cast<std::size_t>(n) &&
+                   recv_counts.size() == static_cast<std::size_t>(n),
+               "all_to_allv on ", core_->name, ": ", send_counts.size(), " send counts and ",
+               recv_counts.size(), " receive counts for a group of ", n);
+  TROUPE_CHECK(send_counts[core_->me] == recv_counts[core_->me], "all_to_allv on ", core_->name,
+               ": rank ", core_->me, " sends itself ", send_counts[core_->me],
+               " elements but expects ", recv_counts[core_->me]);
+  std::vector<std::size_t> sc(send_counts.begin(), send_counts.end());
+  std::vector<std::size_t> rc(recv_counts.begin(), recv_counts.end());
+  std::size_t total = 0;
+  for (auto x : sc) total += x;
+  return issue_collective(core_, op_kind::all_to_allv, t, total, -1, o,
+                          [=, sc = std::move(sc), rc = std::move(rc)](detail::op_context& c) {
+                            detail::all_to_allv(c, in, sc, out, rc, t);
+                          });
+}
+
+namespace {
+
+work issue_p2p(const std::shared_ptr<comm_core>& core, bool is_send, const void* sbuf, void* rbuf,
+               std::size_t count, dtype t, int peer, const options& o) {
+  const char* what = is_send ? "send" : "recv";
+  TROUPE_CHECK(peer >= 0 && peer < core->n && peer != core->me, what, " on ", core->name, ": peer ",
+               peer, " is not another rank of the group of ", core->n);
+  auto w = std::make_shared<p2p_work>(is_send ? op_kind::send : op_kind::recv, 0, core->name);
+  w->core = core;
+  w->is_send = is_send;
+  w->peer = peer;
+  w->send_buf = sbuf;
+  w->recv_buf = rbuf;
+  w->bytes = count * dtype_size(t);
+  w->timeout = o.timeout;
+  core->enqueue(w, t, count, peer);
+  return work(std::move(w));
+}
+
+}  // namespace
+
+work p2p_communicator::send(const void* data, std::size_t count, dtype t, int peer,
+                            const options& o) {
+  return issue_p2p(core_, true, data, nullptr, count, t, peer, o);
+}
+
+work p2p_communicator::recv(void* data, std::size_t count, dtype t, int peer, const options& o) {
+  return issue_p2p(core_, false, nullptr, data, count, t, peer, o);
+}
+
+work p2p_communicator::barrier(const options& o) {
+  return issue_collective(core_, op_kind::barrier, dtype::u8, 0, -1, o,
+                          [](detail::op_context& c) { detail::barrier(c); });
+}
+
+void p2p_communicator::abort(const std::string& reason) {
+  core_->abort(reason);
+}
+
+std::vector<flight_record> p2p_communicator::recent() const {
+  std::vector<flight_record> out;
+  {
+    std::lock_guard lock(core_->rec_mu);
+    for (const auto& r : core_->ring)
+      if (r.seq != 0) out.push_back(r);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const flight_record& a, const flight_record& b) { return a.seq < b.seq; });
+  return out;
+}
+
+std::unique_ptr<communicator> make_communicator(transport& t, const rank_group& g,
+                                                std::string backend_name) {
+  return std::make_unique<p2p_communicator>(t, g, std::move(backend_name));
+}
+
+std::unique_ptr<communicator> make_communicator(transport& t, const rank_group& g,
+                                                std::string backend_name,
+                                                std::shared_ptr<void> owner) {
+  return std::make_unique<p2p_communicator>(t, g, std::move(backend_name), std::move(owner));
+}
+
+}  // namespace troupe::collective

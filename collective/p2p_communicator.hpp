@@ -1,0 +1,90 @@
+// The host communicator: every collective of communicator.hpp built from point-to-point messages
+// over any `transport` (collective/ucx between processes, collective/local between threads).
+//
+// One executor thread per communicator runs the issued collectives in issue order; the caller gets
+// its work handle at once. A caller that waits on an op the executor has not started yet runs it
+// inline instead (no thread hand-off for the small blocking case). send/recv are posted in issue
+// order but never block the executor, so a rank may issue send then recv while its peer does the
+// same. Messages carry the tag (group id << 15) | seq (collectives) or (group id << 15) | 1 << 14
+// (send/recv), so communicators over one transport never cross and bit 47 stays 0 (actors/ owns
+// it).
+//
+// An op that fails (a lost peer, its timeout, abort()) fails its work with "<op> #<seq> on <name>
+// failed: <cause>"; the communicator is then unusable and every later op fails at once, naming the
+// first failure. Make a new communicator (new group id) over the survivors to go on.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "collective/communicator.hpp"
+#include "collective/grid.hpp"
+#include "collective/transport.hpp"
+
+namespace troupe::collective {
+
+// Algorithm switch points and pipelining, in bytes of the user's dtype. The defaults were measured
+// on this project's 2-core machine (docs/performance.md); tests lower them to cover every path.
+struct algo_tuning {
+  std::size_t allreduce_ring_min = 64 * 1024;   // below: recursive doubling, from here: ring
+  std::size_t broadcast_chain_min = 64 * 1024;  // below: binomial tree, from here: pipelined chain
+  std::size_t chunk_bytes = 256 * 1024;         // pipeline chunk of ring and chain steps
+  int window = 4;                               // receives posted ahead in pipelined loops
+  int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
+};
+
+namespace detail {
+struct comm_core;
+}
+
+class p2p_communicator final : public communicator {
+ public:
+  // `owner` is kept alive as long as the communicator (what owns the transport, if anyone).
+  p2p_communicator(transport& t, const rank_group& g, std::string backend_name,
+                   std::shared_ptr<void> owner = nullptr);
+  ~p2p_communicator() override;
+  p2p_communicator(const p2p_communicator&) = delete;
+  p2p_communicator& operator=(const p2p_communicator&) = delete;
+
+  int rank() const override;
+  int size() const override;
+  std::string name() const override;
+
+  work allreduce(void* data, std::size_t count, dtype t, const options& o = {}) override;
+  work reduce_scatter(const void* in, void* out, std::size_t count, dtype t,
+                      const options& o = {}) override;
+  work all_gather(const void* in, void* out, std::size_t count, dtype t,
+                  const options& o = {}) override;
+  work broadcast(void* data, std::size_t count, dtype t, const options& o = {}) override;
+  work all_to_all(const void* in, void* out, std::size_t count, dtype t,
+                  const options& o = {}) override;
+  work all_to_allv(const void* in, std::span<const std::size_t> send_counts, void* out,
+                   std::span<const std::size_t> recv_counts, dtype t,
+                   const options& o = {}) override;
+  work send(const void* data, std::size_t count, dtype t, int peer, const options& o = {}) override;
+  work recv(void* data, std::size_t count, dtype t, int peer, const options& o = {}) override;
+  work barrier(const options& o = {}) override;
+
+  void abort(const std::string& reason) override;
+  std::vector<flight_record> recent() const override;
+
+  // Takes effect for ops issued afterwards; the same on every rank of the group.
+  void set_tuning(const algo_tuning& t);
+  algo_tuning tuning() const;
+
+ private:
+  std::shared_ptr<detail::comm_core> core_;
+};
+
+// The communicator of group `g` (which must contain t.rank()) over transport `t`. `backend_name`
+// starts the name: "ucx" gives "ucx#<id>[r0,r1,...]"; "ucx:tp" gives "ucx:tp#<id>[...]".
+std::unique_ptr<communicator> make_communicator(transport& t, const rank_group& g,
+                                                std::string backend_name = "ucx");
+// The same, keeping `owner` (e.g. the object that owns `t`) alive as long as the communicator.
+std::unique_ptr<communicator> make_communicator(transport& t, const rank_group& g,
+                                                std::string backend_name,
+                                                std::shared_ptr<void> owner);
+
+}  // namespace troupe::collective
