@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
-#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -46,9 +45,30 @@ inline bool parse_prometheus_value(const std::string& t, double& v) {
   return *end == '\0' && t.find_first_of("xXnN") == std::string::npos;  // no hex, nan, inf words
 }
 
+// [a-zA-Z_:][a-zA-Z0-9_:]* for metric names, [a-zA-Z_][a-zA-Z0-9_]* for label names.
+inline bool valid_name(const std::string& n, bool colon) {
+  auto letter = [&](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (colon && c == ':');
+  };
+  if (n.empty() || !letter(n[0])) return false;
+  for (char c : n)
+    if (!letter(c) && !(c >= '0' && c <= '9')) return false;
+  return true;
+}
+
+// "# HELP name doc" / "# TYPE name kind" -> name and the rest; false for other lines.
+inline bool split_comment(const std::string& line, const char* what, std::string& name,
+                          std::string& rest) {
+  std::string prefix = std::string("# ") + what + " ";
+  if (line.rfind(prefix, 0) != 0) return false;
+  std::size_t sp = line.find(' ', prefix.size());
+  if (sp == std::string::npos) return false;
+  name = line.substr(prefix.size(), sp - prefix.size());
+  rest = line.substr(sp + 1);
+  return true;
+}
+
 inline exposition parse_exposition(const std::string& text) {
-  static const std::regex metric_name("[a-zA-Z_:][a-zA-Z0-9_:]*");
-  static const std::regex label_name("[a-zA-Z_][a-zA-Z0-9_]*");
   static const std::set<std::string> kinds = {"counter", "gauge", "histogram", "summary",
                                               "untyped"};
   exposition e;
@@ -68,11 +88,9 @@ inline exposition parse_exposition(const std::string& text) {
     ++line_no;
     if (line.empty()) continue;
     if (line[0] == '#') {
-      std::smatch m;
-      static const std::regex help_re("# HELP ([^ ]+) (.*)"), type_re("# TYPE ([^ ]+) ([a-z]+)");
-      if (std::regex_match(line, m, help_re)) {
-        std::string name = m[1], doc = m[2];
-        if (!std::regex_match(name, metric_name)) fail("bad metric name in HELP", line);
+      std::string name, doc, kind;
+      if (split_comment(line, "HELP", name, doc)) {
+        if (!valid_name(name, true)) fail("bad metric name in HELP", line);
         if (e.help.count(name)) fail("second HELP", line);
         for (std::size_t i = 0; i < doc.size(); ++i)
           if (doc[i] == '\\' && (i + 1 == doc.size() || (doc[i + 1] != '\\' && doc[i + 1] != 'n')))
@@ -82,9 +100,8 @@ inline exposition parse_exposition(const std::string& text) {
         for (const auto& s : e.samples)
           if (s.name == name) fail("HELP after samples", line);
         e.help[name] = doc;
-      } else if (std::regex_match(line, m, type_re)) {
-        std::string name = m[1], kind = m[2];
-        if (!std::regex_match(name, metric_name)) fail("bad metric name in TYPE", line);
+      } else if (split_comment(line, "TYPE", name, kind)) {
+        if (!valid_name(name, true)) fail("bad metric name in TYPE", line);
         if (!kinds.count(kind)) fail("unknown type", line);
         if (e.types.count(name)) fail("second TYPE", line);
         for (const auto& s : e.samples)
@@ -97,7 +114,7 @@ inline exposition parse_exposition(const std::string& text) {
     std::size_t i = 0;
     while (i < line.size() && line[i] != '{' && line[i] != ' ' && line[i] != '\t') ++i;
     s.name = line.substr(0, i);
-    if (!std::regex_match(s.name, metric_name)) {
+    if (!valid_name(s.name, true)) {
       fail("bad metric name", line);
       break;
     }
@@ -111,7 +128,7 @@ inline exposition parse_exposition(const std::string& text) {
           break;
         }
         std::string lname = line.substr(i, eq - i);
-        if (!std::regex_match(lname, label_name)) fail("bad label name '" + lname + "'", line);
+        if (!valid_name(lname, false)) fail("bad label name '" + lname + "'", line);
         i = eq + 1;
         if (i >= line.size() || line[i] != '"') {
           fail("label value not quoted", line);

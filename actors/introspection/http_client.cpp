@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "actors/introspection/http_client.hpp"
+#include "actors/introspection/render.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -220,6 +221,13 @@ expected<http_response> http_get(const std::string& host, std::uint16_t port,
                                             (body.empty() ? "" : ": " + body));
   }
   return r;
+}
+
+expected<job_snapshot> fetch_snapshot(const std::string& host, std::uint16_t port,
+                                      std::chrono::milliseconds timeout) {
+  auto r = http_get(host, port, "/json", timeout);
+  if (!r) return expected<job_snapshot>::failure(r.error_message());
+  return snapshot_from_json(r->body, "http://" + host_port(host, port) + "/json");
 }
 
 expected<std::pair<std::string, std::uint16_t>> parse_endpoint(const std::string& ep) {

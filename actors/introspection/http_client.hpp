@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "actors/introspection/snapshot.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::actors {
@@ -30,6 +31,10 @@ expected<http_response> http_exchange(const std::string& host, std::uint16_t por
 // std::string value, its variant<T, std::string> being ambiguous then.)
 expected<http_response> http_get(const std::string& host, std::uint16_t port,
                                  const std::string& path, std::chrono::milliseconds timeout);
+
+// GET /json from a job's endpoint and parse it; failures name the URL.
+expected<job_snapshot> fetch_snapshot(const std::string& host, std::uint16_t port,
+                                      std::chrono::milliseconds timeout);
 
 // "host:port", "[v6addr]:port" -> host and port; a failure that quotes the text.
 expected<std::pair<std::string, std::uint16_t>> parse_endpoint(const std::string& endpoint);

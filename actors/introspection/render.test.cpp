@@ -209,6 +209,9 @@ TEST_CASE("Byte counts and durations read like a person writes them", "[introspe
   CHECK(human_bytes(1024) == "1.0 KiB");
   CHECK(human_bytes(1536) == "1.5 KiB");
   CHECK(human_bytes(5.0 * (1 << 30)) == "5.0 GiB");
+  CHECK(human_bytes(1048575) == "1.0 MiB");
+  CHECK(human_bytes(1023.7) == "1.0 KiB");
+  CHECK(human_bytes(1e30) == "867361737988.4 EiB");
   CHECK(human_bytes(-1) == "-");
   CHECK(human_count(99999) == "99999");
   CHECK(human_count(123456) == "123k");

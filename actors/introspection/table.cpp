@@ -136,8 +136,10 @@ std::string cut_lines(const std::string& text, int width) {
   while (start < text.size()) {
     std::size_t end = text.find('\n', start);
     if (end == std::string::npos) end = text.size();
-    out += first_columns(std::string_view(text).substr(start, end - start), std::size_t(width));
-    out += '\n';
+    std::string line =
+        first_columns(std::string_view(text).substr(start, end - start), std::size_t(width));
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + '\n';
     start = end + 1;
   }
   return out;
@@ -233,10 +235,11 @@ std::string html_escape(const std::string& s) {
 
 std::string human_bytes(double b) {
   if (!(b >= 0) || std::isinf(b)) return "-";
-  if (b < 1024) return format("%.0f B", b);
+  if (b < 1023.5) return format("%.0f B", b);
   const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = -1;
-  while (b >= 1024 && u < 5) b /= 1024, ++u;
+  int u = 0;
+  b /= 1024;
+  while (b >= 1023.95 && u < 5) b /= 1024, ++u;  // what would print as 1024.0 goes up a unit
   return format("%.1f ", b) + units[u];
 }
 
