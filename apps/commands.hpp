@@ -21,5 +21,7 @@ command_fn add_tokenize_command(CLI::App& app);
 command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)
 command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/cmd_generate.cpp)  //
                                                  // troupe tokenize ...  (apps/cmd_tokenize.cpp)
+command_fn add_ps_command(CLI::App& app);   // troupe ps ...   (apps/cmd_ps.cpp)
+command_fn add_top_command(CLI::App& app);  // troupe top ...  (apps/cmd_top.cpp)
 
 }  // namespace troupe::apps

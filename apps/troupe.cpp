@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   commands.push_back(troupe::apps::add_generate_command(app));
   commands.push_back(troupe::apps::add_bench_command(app));
   commands.push_back(troupe::apps::add_tokenize_command(app));
+  commands.push_back(troupe::apps::add_ps_command(app));
+  commands.push_back(troupe::apps::add_top_command(app));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
