@@ -69,7 +69,8 @@ std::vector<action> make_schedule(schedule_kind kind, int stage, int stages, int
 std::vector<std::vector<action>> make_schedules(schedule_kind kind, int stages, int microbatches,
                                                 int virtual_stages = 1);
 
-// The number of warmup forwards `stage` runs before its first backward (Megatron's formula).
+// Megatron's num_warmup_microbatches: the forwards `stage` runs before its steady state (one more
+// forward precedes the first backward when there is a steady state); all of them for GPipe.
 int warmup_forwards(schedule_kind kind, int stage, int stages, int microbatches,
                     int virtual_stages = 1);
 
