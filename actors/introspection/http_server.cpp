@@ -114,10 +114,7 @@ class connection : public std::enable_shared_from_this<connection> {
   ~connection() { --server_.open_connections; }
 
   void start() {
-    timer_.expires_after(server_.limits.timeout);
-    timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
-      if (!ec) self->close();
-    });
+    arm_timer();
     asio::async_read_until(socket_, buf_, head_end{},
                            [self = shared_from_this()](boost::system::error_code ec,
                                                        std::size_t n) { self->on_head(ec, n); });
@@ -138,7 +135,17 @@ class connection : public std::enable_shared_from_this<connection> {
     send(serialize(r, head_only));
   }
 
+  // (Re)starts the deadline: reading the head, then writing the answer, each get `timeout`, so a
+  // slow provider does not eat the time of the write.
+  void arm_timer() {
+    timer_.expires_after(server_.limits.timeout);
+    timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec) self->close();
+    });
+  }
+
   void send(std::string bytes) {
+    arm_timer();  // cancels the pending wait (its handler sees operation_aborted)
     out_ = std::move(bytes);
     asio::async_write(socket_, asio::buffer(out_),
                       [self = shared_from_this()](boost::system::error_code ec, std::size_t) {

@@ -288,3 +288,17 @@ TEST_CASE("A client of a closed port fails naming the address", "[introspection]
   REQUIRE_FALSE(r.has_value());
   CHECK_THAT(r.error_message(), Catch::Contains("127.0.0.1:" + std::to_string(port)));
 }
+
+TEST_CASE("An answer slower than the timeout is still written", "[introspection]") {
+  http_server_limits limits;
+  limits.timeout = 300ms;
+  http_server server(
+      [] {
+        std::this_thread::sleep_for(450ms);
+        return sample_snapshot();
+      },
+      "127.0.0.1", 0, limits);
+  auto r = http_get(loopback, server.port(), "/json", 5s);
+  REQUIRE(r.has_value());
+  CHECK(snapshot_from_json(r->body, "slow").has_value());
+}
