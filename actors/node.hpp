@@ -1,0 +1,167 @@
+// A rank of a troupe job: the process-wide runtime a program gets by joining its job.
+//
+// Constructing a node joins the coordinator (found through the environment `troupe launch`, Slurm
+// or torchrun set: actors/bootstrap.hpp), exchanges UCX worker addresses with every peer and
+// returns once every rank has joined and connected. From then on:
+//   - transport() moves bytes between ranks (make communicators from it with collective/),
+//   - send_tensor() / next_tensor() / receive() move tensors by handle: a small CAF message
+//     announces (buffer id, dtype, shape, sequence number, source) and the bytes go over the
+//     transport straight into the receiver's buffer,
+//   - membership callbacks report lost ranks (a dead process, or one silent for the heartbeat
+//     timeout); the transport fails every pending and later request with a lost rank,
+//   - role actors (actors/roles.hpp) answer requests from actor scripts.
+// No CAF type appears here; the actor system lives behind the pimpl.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "actors/bootstrap.hpp"
+#include "collective/transport.hpp"
+#include "memory/buffer.hpp"
+#include "tensor/dtype.hpp"
+
+namespace troupe::actors {
+
+class role_registry;
+struct role_handle;
+
+struct node_options {
+  // Where to join; read from the environment when empty (actors/bootstrap.hpp).
+  std::optional<join_info> join;
+  // The roles this rank can host (actors/roles.hpp); must outlive the node. May be null.
+  const role_registry* roles = nullptr;
+  // How long to wait for the coordinator and for the whole world to join.
+  std::chrono::milliseconds join_timeout{60000};
+  // CAF scheduler threads (policy `sharing`); 0: TROUPE_CAF_THREADS or 2.
+  int caf_threads = 0;
+  // Heartbeat timeout of a coordinator this process hosts (Slurm / torchrun rank 0).
+  std::chrono::milliseconds heartbeat_timeout{3000};
+};
+
+// An announced tensor, not yet received.
+struct tensor_info {
+  int source = -1;            // the sending rank
+  std::uint64_t id = 0;       // the sender's buffer id (unique per sender)
+  std::uint32_t seq = 0;      // sequence number on (source, this rank, channel)
+  std::uint16_t channel = 0;  // 0: the node's inbox; else a role actor's
+  std::uint64_t tag = 0;      // the transport tag the bytes travel under (bit 47 set)
+  dtype type = dtype::u8;
+  std::vector<std::int64_t> shape;
+  std::size_t bytes = 0;
+  std::string name;  // the sender's label ("activations/3"), may be empty
+};
+
+// A received tensor that owns its bytes.
+struct received_tensor {
+  tensor_info info;
+  memory::buffer data;
+};
+
+// A posted tensor send: the source buffer must stay untouched until wait() returns.
+class tensor_send {
+ public:
+  tensor_send() = default;
+  tensor_send(collective::transport* t, collective::p2p_request r, tensor_info info)
+      : t_(t), r_(std::move(r)), info_(std::move(info)) {}
+  // Throws troupe::error when the transfer failed (receiver lost) or timed out.
+  void wait(std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  bool test();
+  const tensor_info& info() const { return info_; }
+
+ private:
+  collective::transport* t_ = nullptr;
+  collective::p2p_request r_;
+  tensor_info info_;
+};
+
+// A change of the member list.
+struct member_event {
+  enum kind_t { lost, left } kind = lost;
+  int rank = -1;       // -1: the coordinator itself was lost
+  std::string reason;  // "process exited", "no heartbeat for 3.0 s", ...
+  std::uint64_t epoch = 0;
+};
+
+class node {
+ public:
+  // Joins the job; throws troupe::error (coordinator unreachable, wrong token, world incomplete
+  // before join_timeout) naming the coordinator and the cause.
+  explicit node(node_options options = {});
+  // shutdown(), if not called yet.
+  ~node();
+  node(const node&) = delete;
+  node& operator=(const node&) = delete;
+
+  int rank() const;
+  int world_size() const;
+  int local_rank() const;
+  const std::string& job() const;           // the job's name
+  const std::string& coordinator() const;   // "host:port"
+  std::uint64_t epoch() const;              // membership epoch: 1 at start, +1 per change
+  std::vector<int> alive() const;           // ranks not lost and not left, ascending
+  std::string lost_reason(int rank) const;  // empty while `rank` is a member in good standing
+
+  // The data plane (a UCX transport connected to every peer). Tags with bit 47 set belong to
+  // the actor runtime; collectives use the other half.
+  collective::transport& transport();
+
+  // Posts the bytes [data, data + bytes of shape) to `dest` and announces them. `id` 0 picks a
+  // fresh buffer id.
+  tensor_send send_tensor(int dest, const void* data, dtype type,
+                          std::span<const std::int64_t> shape, const std::string& name = {},
+                          std::uint64_t id = 0);
+  // The same to a role actor (its on_tensor handler gets the announcement).
+  tensor_send send_tensor(const role_handle& dest, const void* data, dtype type,
+                          std::span<const std::int64_t> shape, const std::string& name = {},
+                          std::uint64_t id = 0);
+
+  // Waits for the next announcement in this node's inbox (from `from`, or any rank when -1), in
+  // sequence order per source. Throws when `from` is lost, or when the timeout (0: none) passes.
+  tensor_info next_tensor(std::chrono::milliseconds timeout = std::chrono::milliseconds{0},
+                          int from = -1);
+  // Receives an announced tensor into `dst` (`bytes` must equal info.bytes); blocks until done.
+  void receive(const tensor_info& info, void* dst, std::size_t bytes,
+               std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  // Receives an announced tensor into a fresh host buffer.
+  received_tensor receive(const tensor_info& info,
+                          std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  // Pre-posts the receive of the next tensor from `from` into `dst` before its announcement
+  // arrives (shapes known in advance, as in a pipeline); returns the announcement once both the
+  // bytes and the announcement are in. A size mismatch is an error naming both sizes.
+  tensor_info receive_next(int from, void* dst, std::size_t bytes,
+                           std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+
+  // Calls `fn` (on a runtime thread; keep it short) for every membership change; returns an id.
+  int on_membership(std::function<void(const member_event&)> fn);
+  void remove_membership_callback(int id);
+
+  // Blocks until every member in good standing calls barrier() with the same name; throws when a
+  // member is lost meanwhile or the timeout (0: none) passes.
+  void barrier(const std::string& name = "barrier",
+               std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+
+  // Leaves the job cleanly: tells the coordinator, stops local role actors, closes the transport
+  // and the actor system. A rank that hosts the coordinator waits for the others to leave first.
+  void shutdown();
+
+  struct impl;
+  impl& internals() { return *impl_; }
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+// The transport tag of a tensor on `channel` with sequence number `seq` (bit 47 set).
+constexpr std::uint64_t tensor_tag(std::uint16_t channel, std::uint32_t seq) {
+  return (std::uint64_t{1} << 47) | (std::uint64_t{channel & 0x7fffu} << 32) | seq;
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,135 @@
+// Internal to actors/node.cpp and actors/roles.cpp: the state behind node's pimpl.
+#pragma once
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+#include <caf/node_id.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "actors/caf_system.hpp"
+#include "actors/coordinator.hpp"
+#include "actors/node.hpp"
+#include "actors/roles.hpp"
+#include "collective/ucx/ucx_transport.hpp"
+
+namespace troupe::actors {
+
+using steady = std::chrono::steady_clock;
+
+// Statistics and introspection of one role actor, shared by the actor and its role_context.
+class role_actor_state {
+ public:
+  std::mutex mu;
+  std::string activity = "idle";
+  std::map<std::string, double> metrics;
+  std::map<std::string, int> mesh;
+  std::atomic<std::uint64_t> msgs_in{0}, msgs_out{0}, bytes_in{0}, bytes_out{0};
+  steady::time_point born = steady::now();
+};
+
+struct local_role {
+  role_handle handle;
+  caf::actor actor;
+  std::shared_ptr<role_actor_state> state;
+};
+
+struct node::impl {
+  node& owner;
+  node_options opts;
+  join_info info;
+  std::string job_name, coordinator_endpoint;
+  int rank = -1, world = 0, local_rank = 0;
+  steady::time_point born = steady::now();
+
+  std::unique_ptr<actors::coordinator> hosted;  // Slurm / torchrun rank 0
+  std::unique_ptr<caf::actor_system_config> cfg;
+  std::unique_ptr<caf::actor_system> sys;
+  std::unique_ptr<collective::ucx_transport> ucx;
+  caf::actor node_actor, coordinator_actor;
+  std::int64_t heartbeat_interval_ms = 750, heartbeat_timeout_ms = 3000;
+
+  // Membership (mu).
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<msg::member_info> members;
+  std::vector<std::string> lost;  // reason by rank; empty: in good standing
+  std::vector<bool> left;
+  std::string expelled;  // non-empty: this rank can no longer talk to the job (and why)
+  std::uint64_t epoch = 0;
+  std::set<caf::node_id> member_nodes;  // processes allowed to talk to this node's actors
+  bool started = false;
+
+  // Direct handles on the peers' node actors (connect_mu), connected on first use.
+  std::mutex connect_mu;
+  std::vector<caf::actor> direct;
+
+  // Tensors (mu): sequence numbers per (dest, channel), the inbox of channel 0 and its claims.
+  std::map<std::pair<int, int>, std::uint32_t> send_seq;
+  std::atomic<std::uint64_t> next_buffer_id{1};
+  std::deque<tensor_info> inbox;
+  std::vector<std::uint32_t> next_claim;  // per source: the next seq a consumer takes
+  std::map<std::pair<int, std::uint32_t>, tensor_info> claimed;  // pre-posted, announced
+
+  // Roles hosted here (touched by the node actor only, except live_roles).
+  std::map<std::uint16_t, local_role> roles;
+  std::uint16_t next_channel = 1;
+  std::mutex roles_mu;
+  std::condition_variable roles_cv;
+  int live_roles = 0;
+  std::atomic<int> live_jobs{0};
+
+  // Introspection of the node itself.
+  std::atomic<std::uint64_t> msgs_in{0}, msgs_out{0};
+  std::string activity = "running";  // mu
+
+  // Membership callbacks, run on their own thread.
+  std::map<int, std::function<void(const member_event&)>> callbacks;  // cb_mu
+  int next_callback = 1;
+  std::mutex cb_mu;
+  std::condition_variable cb_cv;
+  std::deque<member_event> events;
+  bool cb_stop = false;
+  std::thread dispatcher;
+
+  std::vector<caf::actor> extra_actors;  // mu: helpers that stop with the node (bench echo)
+  bool shut_down = false;
+
+  explicit impl(node& n) : owner(n) {}
+
+  // Called by the node actor.
+  void on_lost(int r, const std::string& reason, std::uint64_t ep);
+  void on_left(int r, std::uint64_t ep);
+  void on_coordinator_lost(const std::string& reason);
+  void deliver(const msg::tensor_announce& a);
+  bool is_member_node(const caf::node_id& n) const;
+
+  // The failure that makes waiting on `from` pointless (its loss, or this rank's), or empty.
+  std::string failure_of(int from) const;  // mu held
+  caf::actor peer(int r);
+  std::string describe_rank(int r) const;  // "rank 2 (host, pid 123)"
+  void post_event(member_event e);
+  void set_activity(std::string a) {
+    std::lock_guard<std::mutex> lock(mu);
+    activity = std::move(a);
+  }
+};
+
+// Spawns the detached CAF actor of a role (actors/roles.cpp).
+caf::actor spawn_role_actor(node::impl& n, const role_handle& handle, role_builder builder,
+                            std::shared_ptr<role_actor_state> state,
+                            std::shared_ptr<role_context> ctx);
+// The describe answer of a role actor from its shared state (when it is too busy to answer).
+actor_state role_state_snapshot(const role_handle& h, role_actor_state& s, std::uint64_t mailbox);
+
+}  // namespace troupe::actors
