@@ -24,4 +24,8 @@ command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/c
 command_fn add_ps_command(CLI::App& app);   // troupe ps ...   (apps/cmd_ps.cpp)
 command_fn add_top_command(CLI::App& app);  // troupe top ...  (apps/cmd_top.cpp)
 
+command_fn add_launch_command(CLI::App& app);  // troupe launch ...   (apps/cmd_launch.cpp)
+// troupe bench p2p (apps/cmd_bench_p2p.cpp), added to the `bench` subcommand by apps/troupe.cpp.
+command_fn add_bench_p2p_command(CLI::App& bench);
+
 }  // namespace troupe::apps

@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   commands.push_back(troupe::apps::add_eval_command(app));
   commands.push_back(troupe::apps::add_generate_command(app));
   commands.push_back(troupe::apps::add_bench_command(app));
+  commands.push_back(troupe::apps::add_bench_p2p_command(*app.get_subcommand("bench")));
+  commands.push_back(troupe::apps::add_launch_command(app));
   commands.push_back(troupe::apps::add_tokenize_command(app));
   commands.push_back(troupe::apps::add_ps_command(app));
   commands.push_back(troupe::apps::add_top_command(app));

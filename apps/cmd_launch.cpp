@@ -1,0 +1,53 @@
+// `troupe launch`: run a program as the ranks of a job (actors/launcher.hpp does the work).
+#include <CLI/CLI.hpp>
+
+#include <memory>
+
+#include "actors/launcher.hpp"
+#include "apps/commands.hpp"
+
+namespace troupe::apps {
+
+command_fn add_launch_command(CLI::App& app) {
+  auto o = std::make_shared<actors::launch_options>();
+  auto* sub = app.add_subcommand(
+      "launch",
+      "Start a coordinator and N ranks of PROGRAM on this host (troupe launch -n 4 -- PROGRAM "
+      "ARGS); every line they print is prefixed with [rank k]");
+  sub->add_option("-n,--nprocs", o->nprocs, "Ranks to start on this host")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--token", o->token, "Job token (default: 128 random bits)");
+  sub->add_option("--token-file", o->token_file, "File whose first line is the job token");
+  sub->add_option("--bind", o->bind,
+                  "Address the coordinator and the ranks listen on (default 127.0.0.1)");
+  sub->add_option("--port", o->port,
+                  "Coordinator port (default: any free port; 29400 with --hostfile)");
+  sub->add_option("--heartbeat-timeout", o->heartbeat_timeout_s,
+                  "Seconds of silence after which a rank is declared lost")
+      ->default_val(3.0);
+  sub->add_option("--coordinator", o->coordinator,
+                  "HOST:PORT of another launcher's coordinator: start ranks of that job here");
+  sub->add_option("--rank-offset", o->rank_offset, "First rank started here (with --coordinator)");
+  sub->add_option("--world-size", o->world_size,
+                  "Ranks of the whole job when other hosts join (default: -n)");
+  sub->add_option("--hostfile", o->hostfile,
+                  "Lines \"host slots=N\"; the first host runs the coordinator")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--host-index", o->host_index,
+                  "This host's line in the hostfile (default: by name)");
+  sub->add_option("--job", o->job, "Job name shown by troupe ps (default: program-XXXXXX)");
+  sub->add_option("--net-device", o->net_device,
+                  "UCX network device for cross-host data (default: the device of --bind)");
+  sub->add_flag("--pin", o->pin, "Pin local rank i to the i-th CPU (benchmarks)");
+  sub->add_option("--grace", o->grace_s,
+                  "Seconds the other ranks get after one fails, before SIGTERM")
+      ->default_val(30.0);
+  sub->add_flag("--quiet", o->quiet, "Only errors from the launcher itself");
+  sub->add_option("command", o->command, "PROGRAM ARGS (after --)")->required();
+  return [sub, o]() -> int {
+    if (!sub->parsed()) return -1;
+    return actors::launch(*o);
+  };
+}
+
+}  // namespace troupe::apps
