@@ -35,8 +35,9 @@ struct local_ranks_options {
   std::chrono::milliseconds timeout = std::chrono::seconds(120);
   // Pin child i to the i-th CPU (mod count) this process may run on. Use it for benchmarks.
   bool pin_cpus = false;
-  bool progress_thread = true;    // ucx_transport_options::progress_thread
-  std::string net_device = "lo";  // ucx_transport_options::net_device
+  bool progress_thread = true;                            // ucx_transport_options::progress_thread
+  std::string net_device = "lo";                          // ucx_transport_options::net_device
+  ucx_error_mode error_mode = ucx_error_mode::automatic;  // ucx_transport_options::error_mode
   // Where to write every rank's outcome (optional).
   std::vector<rank_outcome>* outcomes = nullptr;
 };

@@ -12,6 +12,7 @@
 //   reported inside a callback marks the peer failed at once and defers the close to reap().
 #include "collective/ucx/ucx_transport.hpp"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/epoll.h>
@@ -41,8 +42,30 @@ using clock = std::chrono::steady_clock;
 
 // Shared memory between processes of one host (sysv preferred, posix as fallback), tcp for other
 // hosts. Measured (collective/ucx/README.md): cma and tcp rendezvous lanes cost 30-50% of the
-// bandwidth at 4-64 MiB between two local processes, so tcp must not carry local rendezvous.
+// bandwidth at 4-64 MiB between two local processes, so no rendezvous rails: large messages move
+// as pipelined shared-memory fragments (tcp fragments across hosts) into the posted buffer.
 constexpr const char* default_tls = "self,sysv,posix,tcp";
+constexpr const char* default_rndv_rails = "0";
+// address() = magic, host identity length (2 bytes), host identity, UCX worker address.
+constexpr char address_magic[4] = {'t', 'r', 'x', '1'};
+
+// Ranks with the same identity share a kernel and an IPC namespace: UCX's shared memory works.
+std::string host_identity() {
+  std::string id;
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) == 0) id = host;
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    char boot[64] = {};
+    ssize_t n = read(fd, boot, sizeof boot - 1);
+    close(fd);
+    if (n > 0) id += "|" + std::string(boot, static_cast<std::size_t>(n));
+  }
+  char ns[64] = {};
+  ssize_t n = readlink("/proc/self/ns/ipc", ns, sizeof ns - 1);
+  if (n > 0) id += "|" + std::string(ns, static_cast<std::size_t>(n));
+  return id;
+}
 constexpr int tag_shift = 48;
 constexpr ucp_tag_t full_mask = ~ucp_tag_t{0};
 
@@ -81,11 +104,15 @@ struct ucx_request : detail::p2p_state {
   bool ucx_done = false;          // the completion callback ran (or the post completed at once)
   int cancel_holds = 0;           // cancellers using `handle` outside mu_
   void* deferred_free = nullptr;  // completed while held: the last canceller frees it
+  // Whoever sets this first writes `error` and `status` (UCX's callback, or the transport failing
+  // a request UCX never completed).
+  std::atomic<bool> claimed{false};
 };
 
 struct peer_state {
   ucx_transport::impl* owner = nullptr;
   ucp_ep_h ep = nullptr;
+  bool error_handling = false;      // the endpoint was made in UCP_ERR_HANDLING_MODE_PEER
   std::atomic<int> users{0};        // threads posting on `ep` right now
   std::atomic<bool> closing{true};  // no posts on `ep` (not connected, lost or closing)
   bool close_pending = false;       // an endpoint error asked for a deferred close (mu_)
@@ -98,7 +125,8 @@ struct ucx_transport::impl {
   std::string tls;
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
-  std::vector<std::uint8_t> address;
+  std::vector<std::uint8_t> address;  // magic + host identity + worker address
+  std::string host;                   // host_identity()
   std::unique_ptr<peer_state[]> peers;
 
   mutable std::mutex mu_;
@@ -120,7 +148,7 @@ struct ucx_transport::impl {
 
   // ---- completion ----------------------------------------------------------------------------
   void finish(ucx_request* r, ucs_status_t st, std::size_t length) {
-    if (r->status.load(std::memory_order_acquire) != detail::p2p_state::pending) return;
+    if (r->claimed.load(std::memory_order_acquire)) return;
     std::string err;
     if (st == UCS_OK && !r->is_send && length != r->bytes) {
       err = "message size mismatch: " + describe(*r, opt.rank) + " got a message of " +
@@ -142,6 +170,17 @@ struct ucx_transport::impl {
         err = std::string("UCX error: ") + status_text(st) + " (" + describe(*r, opt.rank) + ")";
       }
     }
+    settle(r, std::move(err));
+  }
+
+  // Marks a request failed by the transport itself (lost peer, shutdown); UCX may still hold it.
+  void fail_request(ucx_request* r, const std::string& why) {
+    settle(r, why + " (" + describe(*r, opt.rank) + ")");
+  }
+
+  // The single place a request's outcome is published (once; `err` empty means success).
+  void settle(ucx_request* r, std::string err) {
+    if (r->claimed.exchange(true, std::memory_order_acq_rel)) return;
     if (err.empty()) {
       (r->is_send ? sent : received).fetch_add(r->bytes, std::memory_order_relaxed);
       r->status.store(detail::p2p_state::done, std::memory_order_release);
@@ -151,16 +190,6 @@ struct ucx_transport::impl {
     }
     completions.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&completions);
-  }
-
-  // Marks a request failed by the transport itself (lost peer, shutdown); UCX may still hold it.
-  void fail_request(ucx_request* r, const std::string& why) {
-    int expected = detail::p2p_state::pending;
-    r->error = why + " (" + describe(*r, opt.rank) + ")";
-    if (r->status.compare_exchange_strong(expected, detail::p2p_state::failed)) {
-      completions.fetch_add(1, std::memory_order_seq_cst);
-      if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&completions);
-    }
   }
 
   // Called by UCX (under the worker lock) when `handle` completed.
@@ -225,6 +254,7 @@ struct ucx_transport::impl {
     std::lock_guard lk(mu_);
     auto& ps = peers[r->peer];
     if (!ps.failure.empty()) {
+      r->claimed.store(true, std::memory_order_relaxed);  // not shared with anyone yet
       r->error = "rank " + std::to_string(r->peer) + " lost: " + ps.failure + " (" +
                  describe(*r, opt.rank) + ")";
       r->status.store(detail::p2p_state::failed, std::memory_order_release);
@@ -420,10 +450,16 @@ ucx_transport::ucx_transport(ucx_transport_options options)
   ucp_config_t* config = nullptr;
   TROUPE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), "rank ", m.opt.rank);
   const char* env_tls = std::getenv("UCX_TLS");
-  m.tls = env_tls != nullptr ? env_tls : default_tls;
+  const char* env_rails = std::getenv("UCX_MAX_RNDV_RAILS");
+  m.tls = std::string("UCX_TLS=") + (env_tls != nullptr ? env_tls : default_tls) +
+          " UCX_MAX_RNDV_RAILS=" + (env_rails != nullptr ? env_rails : default_rndv_rails);
   try {
     if (env_tls == nullptr) {
       TROUPE_UCX_CHECK(ucp_config_modify(config, "TLS", default_tls), "rank ", m.opt.rank);
+    }
+    if (env_rails == nullptr) {
+      TROUPE_UCX_CHECK(ucp_config_modify(config, "MAX_RNDV_RAILS", default_rndv_rails), "rank ",
+                       m.opt.rank);
     }
     if (std::getenv("UCX_NET_DEVICES") == nullptr && !m.opt.net_device.empty()) {
       TROUPE_UCX_CHECK(ucp_config_modify(config, "NET_DEVICES", m.opt.net_device.c_str()), "rank ",
@@ -463,8 +499,14 @@ ucx_transport::ucx_transport(ucx_transport_options options)
     ucp_address_t* addr = nullptr;
     std::size_t len = 0;
     TROUPE_UCX_CHECK(ucp_worker_get_address(m.worker, &addr, &len), "rank ", m.opt.rank);
+    m.host = host_identity();
+    m.address.assign(address_magic, address_magic + 4);
+    auto host_len = static_cast<std::uint16_t>(m.host.size());
+    m.address.push_back(static_cast<std::uint8_t>(host_len & 0xff));
+    m.address.push_back(static_cast<std::uint8_t>(host_len >> 8));
+    m.address.insert(m.address.end(), m.host.begin(), m.host.end());
     auto* bytes = reinterpret_cast<const std::uint8_t*>(addr);
-    m.address.assign(bytes, bytes + len);
+    m.address.insert(m.address.end(), bytes, bytes + len);
     ucp_worker_release_address(m.worker, addr);
 
     if (m.opt.progress_thread) {
@@ -526,8 +568,16 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
   impl& m = *impl_;
   TROUPE_CHECK(peer >= 0 && peer < m.opt.size && peer != m.opt.rank, "ucx_transport rank ",
                m.opt.rank, ": connect to invalid peer ", peer, " (world size ", m.opt.size, ")");
-  TROUPE_CHECK(!address.empty(), "ucx_transport rank ", m.opt.rank, ": empty address for peer ",
-               peer);
+  TROUPE_CHECK(address.size() > 6 && std::memcmp(address.data(), address_magic, 4) == 0,
+               "ucx_transport rank ", m.opt.rank, ": the address given for rank ", peer,
+               " is not a ucx_transport address (", address.size(), " bytes)");
+  std::size_t host_len = address[4] | (std::size_t{address[5]} << 8);
+  TROUPE_CHECK(address.size() > 6 + host_len, "ucx_transport rank ", m.opt.rank,
+               ": the address given for rank ", peer, " is truncated (", address.size(), " bytes)");
+  std::string peer_host(reinterpret_cast<const char*>(address.data()) + 6, host_len);
+  const std::uint8_t* worker_address = address.data() + 6 + host_len;
+  bool error_handling = m.opt.error_mode == ucx_error_mode::peer ||
+                        (m.opt.error_mode == ucx_error_mode::automatic && peer_host != m.host);
   std::string lost;
   {
     std::lock_guard lk(m.mu_);
@@ -545,8 +595,8 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(worker_address);
+  ep.err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &impl::ep_error_cb;
   ep.err_handler.arg = &m.peers[peer];
   ucp_ep_h h = nullptr;
@@ -558,6 +608,7 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
     m.peers[peer].close_pending = false;
   }
   m.peers[peer].ep = h;
+  m.peers[peer].error_handling = error_handling;
   m.peers[peer].closing.store(false, std::memory_order_seq_cst);
 }
 
@@ -733,6 +784,13 @@ std::uint64_t ucx_transport::bytes_received() const {
 }
 std::string ucx_transport::transports() const {
   return impl_->tls;
+}
+
+bool ucx_transport::peer_error_handling(int peer) const {
+  impl& m = *impl_;
+  if (peer < 0 || peer >= m.opt.size || peer == m.opt.rank) return false;
+  std::lock_guard ck(m.connect_mu_);
+  return m.peers[peer].ep != nullptr && m.peers[peer].error_handling;
 }
 
 }  // namespace troupe::collective

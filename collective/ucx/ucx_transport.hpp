@@ -29,6 +29,15 @@
 
 namespace troupe::collective {
 
+// Which endpoints ask UCX for peer-failure reports (UCP_ERR_HANDLING_MODE_PEER).
+//
+// UCX 1.13's shared-memory transports (sysv, posix, cma) cannot report a failed peer, so an
+// endpoint in PEER mode to a rank on the same host runs over tcp loopback instead, at a fraction
+// of the bandwidth (see README.md). `automatic` uses PEER mode for ranks on other hosts and no
+// error handling for ranks on this host: the membership layer's fail_peer is their failure
+// detector (a dead local process is noticed by its supervisor, not by UCX).
+enum class ucx_error_mode { automatic, peer, none };
+
 struct ucx_transport_options {
   int rank = 0;
   int size = 1;
@@ -36,19 +45,22 @@ struct ucx_transport_options {
   std::string net_device = "lo";
   // A background thread that progresses the worker when no thread waits (event fd, no spinning).
   bool progress_thread = true;
+  ucx_error_mode error_mode = ucx_error_mode::automatic;
 };
 
 class ucx_transport : public transport {
  public:
   // Creates the ucp context and worker. Honours every UCX_* environment variable; where the user
-  // sets none, UCX_TLS defaults to shared memory for local peers and tcp for remote ones (see
-  // collective/ucx/README.md for the measurements behind the choice).
+  // sets none, UCX_TLS defaults to shared memory for local peers and tcp for remote ones, and
+  // UCX_MAX_RNDV_RAILS to 0 (rendezvous through the shared-memory fragments, never tcp or cma;
+  // see collective/ucx/README.md for the measurements behind the choice).
   explicit ucx_transport(ucx_transport_options options);
   ~ucx_transport() override;
   ucx_transport(const ucx_transport&) = delete;
   ucx_transport& operator=(const ucx_transport&) = delete;
 
-  // The worker address, to be handed to every peer's connect().
+  // This rank's address (the UCX worker address plus an identity of this host), to be handed to
+  // every peer's connect(). Opaque: pass it on byte for byte.
   std::vector<std::uint8_t> address() const;
   // Creates the endpoint to `peer` from its worker address. Connecting a peer declared lost
   // replaces its endpoint and clears its failure (a re-joined rank).
@@ -67,8 +79,10 @@ class ucx_transport : public transport {
   std::uint64_t bytes_sent() const override;
   std::uint64_t bytes_received() const override;
 
-  // The transports UCX selected (UCX_TLS as configured), for logs and benchmarks.
+  // The UCX settings in effect (UCX_TLS, UCX_MAX_RNDV_RAILS), for logs and benchmarks.
   std::string transports() const;
+  // Whether the endpoint to `peer` asks UCX for failure reports (false before connect()).
+  bool peer_error_handling(int peer) const;
 
   struct impl;
 
