@@ -45,10 +45,10 @@ int run_ps(const ps_args& a) {
     return 1;
   }
   if (a.json) {
-    std::fputs(r->body.c_str(), stdout);
+    std::fputs(r->c_str(), stdout);
     return 0;
   }
-  auto snap = snapshot_from_json(r->body, "http://" + endpoint + "/json");
+  auto snap = snapshot_from_json(*r, "http://" + endpoint + "/json");
   if (!snap) {
     std::fprintf(stderr, "troupe ps: %s\n", snap.error_message().c_str());
     return 1;

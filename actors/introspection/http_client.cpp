@@ -208,26 +208,27 @@ expected<http_response> http_exchange(const std::string& host, std::uint16_t por
   return r;
 }
 
-expected<http_response> http_get(const std::string& host, std::uint16_t port,
-                                 const std::string& path, std::chrono::milliseconds timeout) {
+expected<std::string> http_get(const std::string& host, std::uint16_t port, const std::string& path,
+                               std::chrono::milliseconds timeout) {
   std::string req = "GET " + path + " HTTP/1.1\r\nHost: " + host_port(host, port) +
                     "\r\nUser-Agent: troupe\r\nAccept: */*\r\nConnection: close\r\n\r\n";
   auto r = http_exchange(host, port, req, timeout);
-  if (r && r->status != 200) {
+  if (!r) return expected<std::string>::failure(r.error_message());
+  if (r->status != 200) {
     std::string body = r->body.substr(0, 300);
     while (!body.empty() && std::isspace((unsigned char)body.back())) body.pop_back();
-    return expected<http_response>::failure("GET http://" + host_port(host, port) + path + ": " +
-                                            std::to_string(r->status) + " " + r->reason +
-                                            (body.empty() ? "" : ": " + body));
+    return expected<std::string>::failure("GET http://" + host_port(host, port) + path + ": " +
+                                          std::to_string(r->status) + " " + r->reason +
+                                          (body.empty() ? "" : ": " + body));
   }
-  return r;
+  return std::move(r->body);
 }
 
 expected<job_snapshot> fetch_snapshot(const std::string& host, std::uint16_t port,
                                       std::chrono::milliseconds timeout) {
   auto r = http_get(host, port, "/json", timeout);
   if (!r) return expected<job_snapshot>::failure(r.error_message());
-  return snapshot_from_json(r->body, "http://" + host_port(host, port) + "/json");
+  return snapshot_from_json(*r, "http://" + host_port(host, port) + "/json");
 }
 
 expected<std::pair<std::string, std::uint16_t>> parse_endpoint(const std::string& ep) {

@@ -26,11 +26,9 @@ expected<http_response> http_exchange(const std::string& host, std::uint16_t por
                                       const std::string& request,
                                       std::chrono::milliseconds timeout);
 
-// GET `path`: the response when its status is 200 (the body in ->body), else a failure naming the
-// status and the URL. (Not expected<std::string>: memory/error.hpp's expected<T> cannot hold a
-// std::string value, its variant<T, std::string> being ambiguous then.)
-expected<http_response> http_get(const std::string& host, std::uint16_t port,
-                                 const std::string& path, std::chrono::milliseconds timeout);
+// GET `path`: the body when the status is 200, else a failure naming the status and the URL.
+expected<std::string> http_get(const std::string& host, std::uint16_t port, const std::string& path,
+                               std::chrono::milliseconds timeout);
 
 // GET /json from a job's endpoint and parse it; failures name the URL.
 expected<job_snapshot> fetch_snapshot(const std::string& host, std::uint16_t port,
