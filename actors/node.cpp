@@ -847,33 +847,51 @@ received_tensor node::receive(const tensor_info& info, std::chrono::milliseconds
 
 tensor_info node::receive_next(int from, void* dst, std::size_t bytes,
                                std::chrono::milliseconds timeout) {
+  auto r = post_receive_next(from, dst, bytes);
+  return finish_receive(r, timeout);
+}
+
+tensor_recv node::post_receive_next(int from, void* dst, std::size_t bytes) {
   auto& I = *impl_;
   TROUPE_CHECK(I.ucx, "rank ", I.rank, ": receive_next after shutdown");
   TROUPE_CHECK(from >= 0 && from < I.world && from != I.rank, "rank ", I.rank,
                ": receive_next from rank ", from, " (world of ", I.world, ")");
-  const auto deadline = steady::now() + timeout;
-  std::uint32_t seq;
-  std::optional<tensor_info> info;
+  tensor_recv r;
+  r.n_ = this;
+  r.from_ = from;
+  r.bytes_ = bytes;
   {
     std::lock_guard<std::mutex> lock(I.mu);
     const std::string f = I.failure_of(from);
     if (!f.empty()) TROUPE_FAIL("rank ", I.rank, ": receive_next from rank ", from, ": ", f);
-    seq = I.next_claim[from]++;
+    r.seq_ = I.next_claim[from]++;
     for (auto it = I.inbox.begin(); it != I.inbox.end(); ++it)
-      if (it->source == from && it->seq == seq) {
-        info = std::move(*it);
+      if (it->source == from && it->seq == r.seq_) {
+        r.info_ = std::move(*it);
         I.inbox.erase(it);
         break;
       }
   }
-  auto req = I.ucx->irecv(from, tensor_tag(0, seq), dst, bytes);
-  I.ucx->wait(req, timeout);
-  if (!info) {
+  r.r_ = I.ucx->irecv(from, tensor_tag(0, r.seq_), dst, bytes);
+  return r;
+}
+
+tensor_info tensor_recv::wait(std::chrono::milliseconds timeout) {
+  TROUPE_CHECK(n_, "tensor_recv::wait on an empty handle");
+  return n_->finish_receive(*this, timeout);
+}
+
+tensor_info node::finish_receive(tensor_recv& r, std::chrono::milliseconds timeout) {
+  auto& I = *impl_;
+  const auto deadline = steady::now() + timeout;
+  const int from = r.from_;
+  I.ucx->wait(r.r_, timeout);
+  if (!r.info_) {
     std::unique_lock<std::mutex> lock(I.mu);
     for (;;) {
-      auto it = I.claimed.find({from, seq});
+      auto it = I.claimed.find({from, r.seq_});
       if (it != I.claimed.end()) {
-        info = std::move(it->second);
+        r.info_ = std::move(it->second);
         I.claimed.erase(it);
         break;
       }
@@ -881,16 +899,17 @@ tensor_info node::receive_next(int from, void* dst, std::size_t bytes,
       if (!f.empty()) TROUPE_FAIL("rank ", I.rank, ": receive_next from rank ", from, ": ", f);
       if (timeout.count() > 0) {
         if (I.cv.wait_until(lock, deadline) == std::cv_status::timeout && steady::now() >= deadline)
-          TROUPE_FAIL("rank ", I.rank, ": the announcement of tensor ", seq, " from rank ", from,
+          TROUPE_FAIL("rank ", I.rank, ": the announcement of tensor ", r.seq_, " from rank ", from,
                       " did not come within ", timeout_text(timeout));
       } else {
         I.cv.wait(lock);
       }
     }
   }
-  TROUPE_CHECK(info->bytes == bytes, "rank ", I.rank, ": tensor \"", info->name, "\" from rank ",
-               from, " has ", info->bytes, " bytes, the buffer ", bytes);
-  return *info;
+  TROUPE_CHECK(r.info_->bytes == r.bytes_, "rank ", I.rank, ": tensor \"", r.info_->name,
+               "\" from rank ", from, " has ", r.info_->bytes, " bytes, the buffer ", r.bytes_);
+  r.n_ = nullptr;
+  return *r.info_;
 }
 
 int node::on_membership(std::function<void(const member_event&)> fn) {

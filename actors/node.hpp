@@ -82,6 +82,27 @@ class tensor_send {
   tensor_info info_;
 };
 
+class node;
+
+// A pre-posted receive of the next tensor from one rank (node::post_receive_next).
+class tensor_recv {
+ public:
+  tensor_recv() = default;
+  // Blocks until the bytes and the announcement are in; returns the announcement. Throws when the
+  // sender is lost, the sizes differ or the timeout (0: none) passes.
+  tensor_info wait(std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  bool valid() const { return n_ != nullptr; }
+
+ private:
+  friend class node;
+  node* n_ = nullptr;
+  collective::p2p_request r_;
+  int from_ = -1;
+  std::uint32_t seq_ = 0;
+  std::size_t bytes_ = 0;
+  std::optional<tensor_info> info_;
+};
+
 // A change of the member list.
 struct member_event {
   enum kind_t { lost, left } kind = lost;
@@ -138,6 +159,8 @@ class node {
   // bytes and the announcement are in. A size mismatch is an error naming both sizes.
   tensor_info receive_next(int from, void* dst, std::size_t bytes,
                            std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  // The same without blocking: post several to keep transfers back to back.
+  tensor_recv post_receive_next(int from, void* dst, std::size_t bytes);
 
   // Calls `fn` (on a runtime thread; keep it short) for every membership change; returns an id.
   int on_membership(std::function<void(const member_event&)> fn);
@@ -156,6 +179,8 @@ class node {
   impl& internals() { return *impl_; }
 
  private:
+  friend class tensor_recv;
+  tensor_info finish_receive(tensor_recv& r, std::chrono::milliseconds timeout);
   std::unique_ptr<impl> impl_;
 };
 

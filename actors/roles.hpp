@@ -8,7 +8,9 @@
 //   roles.add("worker", [](role_builder& b, role_context& ctx) {
 //     b.on<sum_request>([](role_context& c, const sum_request& r) { return sum(r.xs); });
 //   });
-//   troupe::actors::node n({.roles = &roles});
+//   node_options o;
+//   o.roles = &roles;
+//   troupe::actors::node n(o);
 //   if (n.rank() == 0) {
 //     job j(n);
 //     auto w = j.spawn("worker", 1);
