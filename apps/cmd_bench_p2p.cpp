@@ -79,8 +79,9 @@ std::uint8_t pattern(std::size_t i, std::size_t size) {
   return static_cast<std::uint8_t>((i * 131 + size / 7 + 17) & 0xff);
 }
 
-// Rank 0 streams `iterations` tensors to rank 1 with at most `window` sends outstanding, then
-// waits for rank 1's 8-byte acknowledgement; returns GB/s on rank 0 (0 on rank 1).
+// Rank 0 streams `iterations` tensors to rank 1 with at most `window` sends outstanding (and rank
+// 1 keeps `window` receives posted), then waits for rank 1's 8-byte acknowledgement; returns GB/s
+// on rank 0 (0 on rank 1).
 double by_handle(actors::node& n, std::vector<std::uint8_t>& buf, int iterations, int window) {
   const std::size_t size = buf.size();
   const std::int64_t shape[1] = {static_cast<std::int64_t>(size)};
@@ -101,7 +102,17 @@ double by_handle(actors::node& n, std::vector<std::uint8_t>& buf, int iterations
     const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
     return static_cast<double>(size) * iterations / s / 1e9;
   }
-  for (int i = 0; i < iterations; ++i) n.receive_next(0, buf.data(), size);
+  // Receives are pre-posted `window` deep (into the one buffer, as ucx_perftest does).
+  std::vector<actors::tensor_recv> posted;
+  int next = 0;
+  for (int i = 0; i < iterations; ++i) {
+    while (next < iterations && next < i + window) {
+      posted.push_back(n.post_receive_next(0, buf.data(), size));
+      ++next;
+    }
+    posted.front().wait();
+    posted.erase(posted.begin());
+  }
   n.send_tensor(0, &ack, dtype::u8, ack_shape, "ack").wait();
   return 0;
 }
@@ -114,7 +125,9 @@ int run_worker(const p2p_args& a) {
       return actors::start_raw_echo(ctx.node());
     });
   });
-  actors::node n(actors::node_options{.roles = &roles});
+  actors::node_options options;
+  options.roles = &roles;
+  actors::node n(options);
   if (n.world_size() != 2) {
     std::fprintf(stderr, "troupe bench p2p: needs exactly 2 ranks, got %d\n", n.world_size());
     return 1;

@@ -148,7 +148,9 @@ int main(int argc, char** argv) {
   try {
     role_registry roles;
     roles.add("worker", make_worker);
-    node n(node_options{.roles = &roles});
+    node_options options;
+    options.roles = &roles;
+    node n(options);
     if (n.rank() == 0)
       fmt::print("job {}: {} ranks, coordinator {}\n", n.job(), n.world_size(), n.coordinator());
     int rc = 0;
