@@ -1,0 +1,275 @@
+// The actor runtime across real processes: `troupe launch` with real CAF remoting and real UCX on
+// loopback (and across two network namespaces), fault injection with SIGKILL and SIGSTOP.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/multirank/process.hpp"
+
+namespace {
+
+using troupe::tests::child_process;
+using troupe::tests::run_command;
+using namespace std::chrono_literals;
+
+const std::string troupe_bin = TROUPE_BIN;
+const std::string worker_bin = TROUPE_WORKER_BIN;
+const std::string example_bin = TROUPE_EXAMPLE_ROLES_BIN;
+
+std::string job_name(const std::string& what) {
+  return "multirank-" + what + "-" + std::to_string(::getpid());
+}
+
+// The pid a worker announced in its "ready rank R pid P" line.
+int ready_pid(const child_process& p, int rank) {
+  const std::string key = "ready rank " + std::to_string(rank) + " pid ";
+  for (const auto& l : p.lines_with(key)) {
+    const auto at = l.find(key);
+    return std::atoi(l.c_str() + at + key.size());
+  }
+  return -1;
+}
+
+// The port of the coordinator from the launcher's first line.
+int coordinator_port(const child_process& p) {
+  std::smatch m;
+  for (const auto& l : p.lines_with("coordinator on ")) {
+    static const std::regex re("coordinator on [^ ]+:([0-9]+)");
+    if (std::regex_search(l, m, re)) return std::stoi(m[1]);
+  }
+  return -1;
+}
+
+double seconds_between(child_process::clock::time_point a, child_process::clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// SIGKILL or SIGSTOP one rank of four; every survivor must see it within `bound_s`.
+void loss_test(int sig, double heartbeat_s, double bound_s, const std::string& reason) {
+  const int victim = 2;
+  child_process launcher({troupe_bin, "launch", "-n", "4", "--heartbeat-timeout",
+                          std::to_string(heartbeat_s), "--grace", "20", "--job",
+                          job_name(sig == SIGKILL ? "kill" : "stop"), "--", worker_bin, "loss",
+                          "--victim", std::to_string(victim)});
+  REQUIRE(launcher.wait_for_count("ready rank", 4, 60s));
+  const int pid = ready_pid(launcher, victim);
+  REQUIRE(pid > 0);
+  const auto t0 = child_process::clock::now();
+  REQUIRE(::kill(pid, sig) == 0);
+  const bool all = launcher.wait_for_count("pending receive failed", 3, 30s);
+  // Every survivor reports the rest, then meets the others in a barrier.
+  const bool done = launcher.wait_for_count("survivors barrier passed", 3, 30s);
+  if (sig == SIGSTOP) ::kill(pid, SIGKILL);  // let the launcher finish
+  INFO(launcher.output());
+  REQUIRE(all);
+  CHECK(done);
+  for (int r : {0, 1, 3}) {
+    const std::string who = "rank " + std::to_string(r) + ":";
+    auto t = launcher.time_of("pending receive failed: " + who);
+    REQUIRE(t);
+    const double s = seconds_between(t0, *t);
+    INFO("rank " << r << " noticed after " << s << " s");
+    CHECK(s < bound_s);
+    auto lines = launcher.lines_with("pending receive failed: " + who);
+    REQUIRE(!lines.empty());
+    CHECK(lines.front().find("rank 2 lost") != std::string::npos);
+    CHECK(lines.front().find(reason) != std::string::npos);
+    auto raw = launcher.lines_with("pending transport receive failed: " + who);
+    REQUIRE(!raw.empty());
+    CHECK(raw.front().find("rank 2") != std::string::npos);
+    CHECK(!launcher.lines_with("next_tensor failed: " + who).empty());
+    auto cb = launcher.lines_with("membership callback: " + who);
+    REQUIRE(!cb.empty());
+    CHECK(cb.front().find("rank 2 lost: ") != std::string::npos);
+  }
+  auto st = launcher.wait(60s);
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 1);  // the launcher names the killed rank
+  CHECK(!launcher.lines_with("ranks failed (rank 2)").empty());
+  CHECK(launcher.lines_with("UNEXPECTED").empty());
+}
+
+}  // namespace
+
+TEST_CASE("Four ranks exchange tensors of 1 KiB to 64 MiB by handle byte for byte", "[multirank]") {
+  child_process launcher({troupe_bin, "launch", "-n", "4", "--job", job_name("exchange"), "--",
+                          worker_bin, "exchange"});
+  auto st = launcher.wait(120s);
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 0);
+  for (int r = 0; r < 4; ++r)
+    CHECK(!launcher
+               .lines_with("[rank " + std::to_string(r) + "] exchange ok: rank " +
+                           std::to_string(r) + " received 6 tensors")
+               .empty());
+}
+
+TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[multirank]") {
+  child_process launcher({troupe_bin, "launch", "-n", "1", "--world-size", "2", "--token",
+                          "the-right-token", "--job", job_name("token"), "--", worker_bin, "hold"});
+  REQUIRE(launcher.wait_for("coordinator on ", 30s));
+  const int port = coordinator_port(launcher);
+  REQUIRE(port > 0);
+  const std::string endpoint = "127.0.0.1:" + std::to_string(port);
+  {
+    child_process intruder({worker_bin, "hold"}, {{"TROUPE_COORDINATOR", endpoint},
+                                                  {"TROUPE_TOKEN", "a-wrong-token"},
+                                                  {"TROUPE_RANK", "1"},
+                                                  {"TROUPE_WORLD_SIZE", "2"}});
+    auto st = intruder.wait(60s);
+    INFO(intruder.output());
+    REQUIRE(st);
+    CHECK(child_process::code(*st) != 0);
+    CHECK(!intruder.lines_with("coordinator " + endpoint + " refused to join: wrong job token")
+               .empty());
+    REQUIRE(launcher.wait_for("wrong job token", 10s));
+    auto refusal = launcher.lines_with("wrong job token");
+    CHECK(refusal.front().find("refused rank 1") != std::string::npos);
+    CHECK(refusal.front().find("pid " + std::to_string(intruder.pid())) != std::string::npos);
+  }
+  {
+    // A rank without any token cannot even try.
+    child_process tokenless(
+        {worker_bin, "hold"},
+        {{"TROUPE_COORDINATOR", endpoint}, {"TROUPE_TOKEN", ""}, {"TROUPE_RANK", "1"}});
+    auto st = tokenless.wait(30s);
+    REQUIRE(st);
+    CHECK(child_process::code(*st) != 0);
+    CHECK(!tokenless.lines_with("no job token").empty());
+  }
+  // The job still forms with the right token.
+  child_process rank1({worker_bin, "hold"}, {{"TROUPE_COORDINATOR", endpoint},
+                                             {"TROUPE_TOKEN", "the-right-token"},
+                                             {"TROUPE_RANK", "1"},
+                                             {"TROUPE_WORLD_SIZE", "2"}});
+  auto st1 = rank1.wait(60s);
+  auto st0 = launcher.wait(60s);
+  INFO(launcher.output() << rank1.output());
+  REQUIRE(st1);
+  REQUIRE(st0);
+  CHECK(child_process::code(*st1) == 0);
+  CHECK(child_process::code(*st0) == 0);
+  CHECK(!rank1.lines_with("hold done: rank 1").empty());
+}
+
+TEST_CASE("A killed rank is detected by every other rank and its pending receives fail",
+          "[multirank]") {
+  loss_test(SIGKILL, 3.0, 2.5, "connection lost");
+}
+
+TEST_CASE("A stopped rank is detected by heartbeat although its connection stays open",
+          "[multirank]") {
+  // Heartbeat timeout 1 s: lost after 1 s of silence, checked every 0.25 s.
+  loss_test(SIGSTOP, 1.0, 3.0, "no heartbeat");
+}
+
+TEST_CASE("The example actor script runs and troupe ps lists every actor", "[multirank]") {
+  const std::string job = job_name("ps");
+  child_process launcher(
+      {troupe_bin, "launch", "-n", "4", "--job", job, "--", example_bin, "--hold", "4"});
+  REQUIRE(launcher.wait_for("holding the job", 60s));
+  auto [rc, out] = run_command({troupe_bin, "ps", "--job", job}, 20s);
+  INFO(out);
+  CHECK(rc == 0);
+  for (const char* name : {"coordinator", "node@0", "node@1", "node@2", "node@3", "worker@0",
+                           "worker@1", "worker@2", "worker@3"})
+    CHECK(out.find(name) != std::string::npos);
+  CHECK(out.find("4/4 alive") != std::string::npos);
+  auto st = launcher.wait(60s);
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 0);
+  CHECK(!launcher.lines_with("weighted sum 40").empty());
+  CHECK(!launcher.lines_with("(match)").empty());
+}
+
+TEST_CASE("Ranks on two hosts form one job across network namespaces", "[multirank]") {
+  const std::string id = std::to_string(::getpid() % 100000);
+  const std::string ns_a = "troupe_a" + id, ns_b = "troupe_b" + id;
+  const std::string dev_a = "trpa" + id, dev_b = "trpb" + id;
+  auto ip = [](std::vector<std::string> args) {
+    args.insert(args.begin(), {"/usr/bin/env", "ip"});
+    return run_command(args, 10s);
+  };
+  // Removes the namespaces (and with them the veth pair) however the test ends.
+  struct cleanup {
+    std::function<void()> f;
+    ~cleanup() { f(); }
+  } guard{[&] {
+    ip({"netns", "del", ns_a});
+    ip({"netns", "del", ns_b});
+  }};
+  const std::vector<std::vector<std::string>> setup = {
+      {"netns", "add", ns_a},
+      {"netns", "add", ns_b},
+      {"link", "add", dev_a, "type", "veth", "peer", "name", dev_b},
+      {"link", "set", dev_a, "netns", ns_a},
+      {"link", "set", dev_b, "netns", ns_b},
+      {"-n", ns_a, "addr", "add", "10.231.7.1/24", "dev", dev_a},
+      {"-n", ns_b, "addr", "add", "10.231.7.2/24", "dev", dev_b},
+      {"-n", ns_a, "link", "set", dev_a, "up"},
+      {"-n", ns_b, "link", "set", dev_b, "up"},
+      {"-n", ns_a, "link", "set", "lo", "up"},
+      {"-n", ns_b, "link", "set", "lo", "up"}};
+  for (const auto& step : setup) {
+    auto [rc, out] = ip(step);
+    if (rc != 0) {
+      std::string cmd = "ip";
+      for (const auto& s : step) cmd += " " + s;
+      WARN("troupe-skip: cannot create network namespaces here (" << cmd << ": " << out
+                                                                  << "): two-host test skipped");
+      return;
+    }
+  }
+  const std::string token = "netns-token-" + id;
+  const std::string port = std::to_string(29400 + static_cast<int>(::getpid() % 500));
+  child_process host_a({"/usr/bin/env",    "ip",     "netns",    "exec",         ns_a,  troupe_bin,
+                        "launch",          "-n",     "2",        "--world-size", "4",   "--bind",
+                        "10.231.7.1",      "--port", port,       "--token",      token, "--job",
+                        job_name("netns"), "--",     worker_bin, "exchange"});
+  REQUIRE(host_a.wait_for("coordinator on 10.231.7.1:" + port, 30s));
+  child_process host_b({"/usr/bin/env",
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns_b,
+                        troupe_bin,
+                        "launch",
+                        "-n",
+                        "2",
+                        "--coordinator",
+                        "10.231.7.1:" + port,
+                        "--rank-offset",
+                        "2",
+                        "--bind",
+                        "10.231.7.2",
+                        "--token",
+                        token,
+                        "--",
+                        worker_bin,
+                        "exchange"});
+  auto sb = host_b.wait(120s);
+  auto sa = host_a.wait(60s);
+  INFO(host_a.output() << host_b.output());
+  REQUIRE(sa);
+  REQUIRE(sb);
+  CHECK(child_process::code(*sa) == 0);
+  CHECK(child_process::code(*sb) == 0);
+  for (int r = 0; r < 2; ++r)
+    CHECK(!host_a.lines_with("exchange ok: rank " + std::to_string(r)).empty());
+  for (int r = 2; r < 4; ++r)
+    CHECK(!host_b.lines_with("exchange ok: rank " + std::to_string(r)).empty());
+  // Rank 2 (on host b) received from rank 1 (on host a): the data crossed the namespaces.
+  CHECK(!host_b.lines_with("rank 2 received 6 tensors").empty());
+}
