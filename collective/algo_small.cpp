@@ -52,10 +52,8 @@ void op_context::check() const {
 
 void op_context::wait(p2p_request& r) {
   if (!r.valid()) return;
-  for (int i = 0; i < 64; ++i) {
-    if (t.test(r)) return;
-    cpu_relax();
-  }
+  // Straight into the transport's wait, which spins before it sleeps: polling with test() here
+  // would fight a transport's own progress thread for the worker (see the UCX transport).
   for (;;) {
     auto slice = wait_slice;
     if (deadline != std::chrono::steady_clock::time_point::max()) {
