@@ -1,0 +1,220 @@
+// The host collectives between processes over UCX: every op and dtype on 2, 3 and 4 forked ranks
+// against serial references, and a rank SIGKILLed in the middle of an allreduce.
+//
+// Ranks are children of run_local_ranks (collective/ucx/local_ranks.hpp): Catch2 does not run in
+// them, so a child prints what went wrong and returns non-zero, and the parent checks the exit
+// codes. Inputs are small integers, so every reduction is exact and results compare byte for byte.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "collective/p2p_communicator.hpp"
+#include "collective/ucx/local_ranks.hpp"
+#include "memory/error.hpp"
+
+using namespace troupe;
+using namespace troupe::collective;
+
+namespace {
+
+double value(int rank, std::size_t i, int salt) {
+  return static_cast<double>(static_cast<int>((i * 7 + rank * 13 + salt * 5) % 17) - 8);
+}
+
+void put(std::vector<std::byte>& b, dtype t, std::size_t i, double v) {
+  if (t == dtype::f32) {
+    float f = static_cast<float>(v);
+    std::memcpy(&b[i * 4], &f, 4);
+  } else if (t == dtype::f64) {
+    std::memcpy(&b[i * 8], &v, 8);
+  } else {
+    std::uint16_t h = t == dtype::bf16 ? f32_to_bf16_bits(static_cast<float>(v))
+                                       : f32_to_f16_bits(static_cast<float>(v));
+    std::memcpy(&b[i * 2], &h, 2);
+  }
+}
+
+std::vector<std::byte> make(dtype t, std::size_t count, int rank, int salt) {
+  std::vector<std::byte> b(count * dtype_size(t));
+  for (std::size_t i = 0; i < count; ++i) put(b, t, i, value(rank, i, salt));
+  return b;
+}
+
+double reduce_ref(reduce_op op, dtype t, int n, std::size_t i, int salt) {
+  double acc = value(0, i, salt);
+  for (int r = 1; r < n; ++r)
+    acc = op == reduce_op::max ? std::max(acc, value(r, i, salt)) : acc + value(r, i, salt);
+  if (op != reduce_op::avg) return acc;
+  if (t == dtype::f64) return acc / n;
+  return static_cast<float>(acc) / static_cast<float>(n);
+}
+
+// Runs every op on every dtype and size; returns the number of mismatches (printed).
+int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
+  dynamic_cast<p2p_communicator&>(c).set_tuning(tune);
+  const int n = c.size(), me = c.rank();
+  int bad = 0;
+  auto expect = [&](bool ok, const char* what, dtype t, std::size_t count) {
+    if (ok) return;
+    ++bad;
+    std::fprintf(stderr, "rank %d: %s %s count %zu tuning %s: wrong result\n", me, what,
+                 std::string(dtype_name(t)).c_str(), count, tune_name);
+  };
+  for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{1023}, std::size_t{4099},
+                            std::size_t{262147}}) {
+    for (dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16}) {
+      const std::size_t es = dtype_size(t);
+      for (reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::avg}) {
+        if (t == dtype::f64 && op != reduce_op::sum) continue;
+        options o;
+        o.op = op;
+        auto data = make(t, count, me, 1);
+        c.allreduce(data.data(), count, t, o).wait();
+        std::vector<std::byte> want(count * es);
+        for (std::size_t i = 0; i < count; ++i) put(want, t, i, reduce_ref(op, t, n, i, 1));
+        expect(data == want, "allreduce", t, count);
+
+        auto in = make(t, count * n, me, 2);
+        std::vector<std::byte> out(count * es);
+        c.reduce_scatter(in.data(), out.data(), count, t, o).wait();
+        for (std::size_t i = 0; i < count; ++i)
+          put(want, t, i, reduce_ref(op, t, n, me * count + i, 2));
+        expect(out == want, "reduce_scatter", t, count);
+      }
+      auto mine = make(t, count, me, 3);
+      std::vector<std::byte> gathered(count * n * es);
+      c.all_gather(mine.data(), gathered.data(), count, t).wait();
+      bool ok = true;
+      for (int r = 0; r < n; ++r) {
+        auto theirs = make(t, count, r, 3);
+        ok = ok && std::memcmp(gathered.data() + r * count * es, theirs.data(), count * es) == 0;
+      }
+      expect(ok, "all_gather", t, count);
+
+      options o;
+      o.root = static_cast<int>(count % n);
+      auto b = make(t, count, me, 4);
+      c.broadcast(b.data(), count, t, o).wait();
+      expect(b == make(t, count, o.root, 4), "broadcast", t, count);
+
+      auto a_in = make(t, count * n, me, 5);
+      std::vector<std::byte> a_out(count * n * es);
+      c.all_to_all(a_in.data(), a_out.data(), count, t).wait();
+      ok = true;
+      for (int r = 0; r < n; ++r) {
+        auto theirs = make(t, count * n, r, 5);
+        ok = ok && std::memcmp(a_out.data() + r * count * es, theirs.data() + me * count * es,
+                               count * es) == 0;
+      }
+      expect(ok, "all_to_all", t, count);
+    }
+  }
+  // send/recv around a ring, both directions posted before either is waited.
+  std::vector<float> tx(5000, static_cast<float>(me)), rx(5000, -1);
+  work s = c.send(tx.data(), tx.size(), dtype::f32, (me + 1) % n);
+  work r = c.recv(rx.data(), rx.size(), dtype::f32, (me + n - 1) % n);
+  r.wait();
+  s.wait();
+  for (float x : rx) bad += x != static_cast<float>((me + n - 1) % n);
+  c.barrier().wait();
+  return bad;
+}
+
+rank_group everyone(int n, std::uint32_t id) {
+  rank_group g;
+  g.id = id;
+  for (int r = 0; r < n; ++r) g.ranks.push_back(r);
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("host collectives over UCX match the serial reference on 2 3 and 4 processes",
+          "[collective][multirank]") {
+  algo_tuning ring;  // ring allreduce and chained broadcast everywhere, many small chunks
+  ring.allreduce_ring_min = 0;
+  ring.broadcast_chain_min = 0;
+  ring.chunk_bytes = 8192;
+  for (int n : {2, 3, 4}) {
+    local_ranks_options opt;
+    opt.timeout = std::chrono::seconds(120);
+    int rc = run_local_ranks(
+        n,
+        [&](ucx_transport& t) {
+          auto c = make_communicator(t, everyone(n, 3), "ucx");
+          int bad = check_all(*c, algo_tuning{}, "default") + check_all(*c, ring, "ring");
+          return bad == 0 ? 0 : 1;
+        },
+        opt);
+    INFO(n << " ranks");
+    CHECK(rc == 0);
+  }
+}
+
+TEST_CASE("a SIGKILLed rank fails every survivor's allreduce naming it over UCX",
+          "[collective][multirank]") {
+  const int n = 4, victim = 2;
+  std::vector<rank_outcome> outcomes;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.outcomes = &outcomes;
+  run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 9), "ucx");
+        const std::size_t count = std::size_t{16} << 20;  // 64 MiB: far from done after 3 ms
+        std::vector<float> d(count, 1.0f);
+        c->barrier().wait();
+        work w = c->allreduce(d.data(), count, dtype::f32);
+        if (t.rank() == victim) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(3));
+          kill(getpid(), SIGKILL);
+        }
+        std::string err;
+        try {
+          w.wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        if (err.find("allreduce #2 on ucx#9[0,1,2,3] failed") == std::string::npos ||
+            err.find("rank 2 lost") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected the allreduce to fail naming rank 2, got '%s'\n",
+                       t.rank(), err.c_str());
+          return 1;
+        }
+        // Later ops on the old communicator fail at once; a new one on the survivors works.
+        try {
+          c->barrier().wait();
+          std::fprintf(stderr, "rank %d: a barrier after the loss succeeded\n", t.rank());
+          return 1;
+        } catch (const troupe::error&) {
+        }
+        rank_group survivors{10, {0, 1, 3}};
+        auto c2 = make_communicator(t, survivors, "ucx");
+        std::vector<float> e(100000, static_cast<float>(t.rank()));
+        c2->allreduce(e.data(), e.size(), dtype::f32).wait();
+        for (float x : e)
+          if (x != 4.0f) {
+            std::fprintf(stderr, "rank %d: rebuilt allreduce gave %g\n", t.rank(), x);
+            return 1;
+          }
+        c2->barrier().wait();
+        return 0;
+      },
+      opt);
+  REQUIRE(outcomes.size() == static_cast<std::size_t>(n));
+  for (const auto& o : outcomes) {
+    INFO(o.describe());
+    if (o.rank == victim)
+      CHECK(o.signal == SIGKILL);
+    else
+      CHECK(o.ok());
+  }
+}
