@@ -27,5 +27,6 @@ command_fn add_top_command(CLI::App& app);  // troupe top ...  (apps/cmd_top.cpp
 command_fn add_launch_command(CLI::App& app);  // troupe launch ...   (apps/cmd_launch.cpp)
 // troupe bench p2p (apps/cmd_bench_p2p.cpp), added to the `bench` subcommand by apps/troupe.cpp.
 command_fn add_bench_p2p_command(CLI::App& bench);
+command_fn add_bench_collective_command(CLI::App& bench);  // (apps/cmd_bench_collective.cpp)
 
 }  // namespace troupe::apps
