@@ -446,6 +446,8 @@ void node::impl::deliver(const msg::tensor_announce& a) {
     std::lock_guard<std::mutex> lock(mu);
     if (a.source < 0 || a.source >= world) return;
     const auto ahead = static_cast<std::int32_t>(a.seq - next_claim[a.source]);
+    if (ahead < 0 && unwanted.erase({a.source, a.seq}))
+      return;  // its bytes were taken by wait_data() already
     if (ahead < 0)
       claimed[{a.source, a.seq}] = std::move(t);
     else
@@ -767,11 +769,15 @@ tensor_send send_on(node::impl& I, int dest, std::uint16_t channel, const void* 
   info.shape.assign(shape.begin(), shape.end());
   info.bytes = bytes;
   info.name = name;
-  auto req = I.ucx->isend(dest, info.tag, data, bytes);
+  // The announcement goes first and the thread yields once: the middleman then writes it before
+  // this thread starts waiting on the transfer (on a busy core the waiter would delay it, and with
+  // it the receiver).
   msg::tensor_announce a{I.rank,     info.id, seq, channel, static_cast<std::uint8_t>(type),
                          info.shape, bytes,   name};
   caf::send_as(I.node_actor, to, std::move(a));
   ++I.msgs_out;
+  std::this_thread::yield();
+  auto req = I.ucx->isend(dest, info.tag, data, bytes);
   return tensor_send(I.ucx.get(), std::move(req), std::move(info));
 }
 
@@ -848,7 +854,7 @@ received_tensor node::receive(const tensor_info& info, std::chrono::milliseconds
 tensor_info node::receive_next(int from, void* dst, std::size_t bytes,
                                std::chrono::milliseconds timeout) {
   auto r = post_receive_next(from, dst, bytes);
-  return finish_receive(r, timeout);
+  return finish_receive(r, timeout, true);
 }
 
 tensor_recv node::post_receive_next(int from, void* dst, std::size_t bytes) {
@@ -878,14 +884,36 @@ tensor_recv node::post_receive_next(int from, void* dst, std::size_t bytes) {
 
 tensor_info tensor_recv::wait(std::chrono::milliseconds timeout) {
   TROUPE_CHECK(n_, "tensor_recv::wait on an empty handle");
-  return n_->finish_receive(*this, timeout);
+  return n_->finish_receive(*this, timeout, true);
 }
 
-tensor_info node::finish_receive(tensor_recv& r, std::chrono::milliseconds timeout) {
+tensor_info tensor_recv::wait_data(std::chrono::milliseconds timeout) {
+  TROUPE_CHECK(n_, "tensor_recv::wait_data on an empty handle");
+  return n_->finish_receive(*this, timeout, false);
+}
+
+tensor_info node::finish_receive(tensor_recv& r, std::chrono::milliseconds timeout,
+                                 bool announced) {
   auto& I = *impl_;
   const auto deadline = steady::now() + timeout;
   const int from = r.from_;
   I.ucx->wait(r.r_, timeout);
+  if (!r.info_ && !announced) {
+    std::lock_guard<std::mutex> lock(I.mu);
+    auto it = I.claimed.find({from, r.seq_});
+    if (it != I.claimed.end()) {
+      r.info_ = std::move(it->second);
+      I.claimed.erase(it);
+    } else {
+      I.unwanted.insert({from, r.seq_});
+      tensor_info t;
+      t.source = from;
+      t.seq = r.seq_;
+      t.tag = tensor_tag(0, r.seq_);
+      t.bytes = r.bytes_;
+      r.info_ = std::move(t);
+    }
+  }
   if (!r.info_) {
     std::unique_lock<std::mutex> lock(I.mu);
     for (;;) {

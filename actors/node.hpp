@@ -91,6 +91,10 @@ class tensor_recv {
   // Blocks until the bytes and the announcement are in; returns the announcement. Throws when the
   // sender is lost, the sizes differ or the timeout (0: none) passes.
   tensor_info wait(std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+  // Blocks until the bytes are in, without waiting for the announcement (the receiver knows the
+  // shape already; the transport has checked the size). The announcement, when it comes, is
+  // dropped. Returns what is known: source, seq, tag, bytes, and the rest if it was announced.
+  tensor_info wait_data(std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
   bool valid() const { return n_ != nullptr; }
 
  private:
@@ -180,7 +184,7 @@ class node {
 
  private:
   friend class tensor_recv;
-  tensor_info finish_receive(tensor_recv& r, std::chrono::milliseconds timeout);
+  tensor_info finish_receive(tensor_recv& r, std::chrono::milliseconds timeout, bool announced);
   std::unique_ptr<impl> impl_;
 };
 

@@ -80,6 +80,7 @@ struct node::impl {
   std::deque<tensor_info> inbox;
   std::vector<std::uint32_t> next_claim;  // per source: the next seq a consumer takes
   std::map<std::pair<int, std::uint32_t>, tensor_info> claimed;  // pre-posted, announced
+  std::set<std::pair<int, std::uint32_t>> unwanted;  // received without waiting: drop on arrival
 
   // Roles hosted here (touched by the node actor only, except live_roles).
   std::map<std::uint16_t, local_role> roles;
