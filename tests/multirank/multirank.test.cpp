@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <regex>
 #include <string>
 #include <thread>
@@ -272,4 +273,64 @@ TEST_CASE("Ranks on two hosts form one job across network namespaces", "[multira
     CHECK(!host_b.lines_with("exchange ok: rank " + std::to_string(r)).empty());
   // Rank 2 (on host b) received from rank 1 (on host a): the data crossed the namespaces.
   CHECK(!host_b.lines_with("rank 2 received 6 tensors").empty());
+
+  // The same job from one hostfile: each launcher finds its line by its interface address.
+  char path[] = "/tmp/troupe-hostfile-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  const std::string hosts = "10.231.7.1 slots=2\n10.231.7.2 slots=2\n";
+  REQUIRE(::write(fd, hosts.data(), hosts.size()) == static_cast<ssize_t>(hosts.size()));
+  ::close(fd);
+  struct unlink_file {
+    const char* p;
+    ~unlink_file() { ::unlink(p); }
+  } unlink_guard{path};
+  const std::string port2 = std::to_string(std::stoi(port) + 500);
+  child_process hf_a({"/usr/bin/env", "ip", "netns", "exec", ns_a, troupe_bin, "launch",
+                      "--hostfile", path, "--bind", "10.231.7.1", "--port", port2, "--token", token,
+                      "--", worker_bin, "exchange"});
+  child_process hf_b({"/usr/bin/env", "ip", "netns", "exec", ns_b, troupe_bin, "launch",
+                      "--hostfile", path, "--bind", "10.231.7.2", "--port", port2, "--token", token,
+                      "--", worker_bin, "exchange"});
+  auto hb = hf_b.wait(120s);
+  auto ha = hf_a.wait(60s);
+  INFO(hf_a.output() << hf_b.output());
+  REQUIRE(ha);
+  REQUIRE(hb);
+  CHECK(child_process::code(*ha) == 0);
+  CHECK(child_process::code(*hb) == 0);
+  CHECK(!hf_a.lines_with("[rank 1] exchange ok: rank 1").empty());
+  CHECK(!hf_b.lines_with("[rank 3] exchange ok: rank 3").empty());
+}
+
+TEST_CASE("Ranks started with torchrun or Slurm variables host the coordinator on rank 0",
+          "[multirank]") {
+  const std::string base = std::to_string(29000 + static_cast<int>(::getpid() % 400) * 2);
+  for (const bool slurm : {false, true}) {
+    std::vector<std::unique_ptr<child_process>> ranks;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<std::pair<std::string, std::string>> env = {{"TROUPE_TOKEN", "env-token"}};
+      if (slurm)
+        env.insert(env.end(), {{"SLURM_PROCID", std::to_string(r)},
+                               {"SLURM_NTASKS", "3"},
+                               {"SLURM_LOCALID", std::to_string(r)},
+                               {"SLURM_NODELIST", "localhost"},
+                               {"TROUPE_PORT", std::to_string(std::stoi(base) + 1)}});
+      else
+        env.insert(env.end(), {{"RANK", std::to_string(r)},
+                               {"WORLD_SIZE", "3"},
+                               {"MASTER_ADDR", "127.0.0.1"},
+                               {"MASTER_PORT", base}});
+      ranks.push_back(
+          std::make_unique<child_process>(std::vector<std::string>{worker_bin, "exchange"}, env));
+    }
+    for (int r = 0; r < 3; ++r) {
+      auto st = ranks[r]->wait(60s);
+      INFO((slurm ? "slurm" : "torchrun") << " rank " << r << ":\n" << ranks[r]->output());
+      REQUIRE(st);
+      CHECK(child_process::code(*st) == 0);
+      CHECK(!ranks[r]->lines_with("exchange ok: rank " + std::to_string(r)).empty());
+    }
+    CHECK(!ranks[0]->lines_with("all 3 ranks joined and connected").empty());
+  }
 }
