@@ -10,10 +10,12 @@
 // (or at least the same struct definitions): the format carries no field names.
 #pragma once
 
+#include <cxxabi.h>
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -220,13 +222,22 @@ void get(reader& r, T& x) {
 }  // namespace codec_detail
 
 // The name a request or reply type travels under: `T::kind` when the type defines it (a
-// std::string_view or const char*), else its typeid name (the same in every process of one binary).
+// std::string_view or const char*), else its demangled type name (the same in every process of one
+// binary), e.g. "app::sum_request".
 template <class T>
 std::string kind_of() {
-  if constexpr (requires { T::kind; })
-    return std::string(std::string_view(T::kind));
-  else
-    return typeid(T).name();
+  static const std::string kind = [] {
+    if constexpr (requires { T::kind; }) {
+      return std::string(std::string_view(T::kind));
+    } else {
+      int status = 0;
+      char* d = abi::__cxa_demangle(typeid(T).name(), nullptr, nullptr, &status);
+      std::string s = status == 0 && d ? std::string(d) : std::string(typeid(T).name());
+      std::free(d);
+      return s;
+    }
+  }();
+  return kind;
 }
 
 template <class T>

@@ -189,7 +189,7 @@ class job {
       if (!r.error.empty())
         out.push_back(expected<Rep>::failure(r.error));
       else
-        out.push_back(decode<Rep>(r.payload));
+        out.emplace_back(decode<Rep>(r.payload));
     }
     return out;
   }
