@@ -334,3 +334,32 @@ TEST_CASE("Ranks started with torchrun or Slurm variables host the coordinator o
     CHECK(!ranks[0]->lines_with("all 3 ranks joined and connected").empty());
   }
 }
+
+TEST_CASE("An actor script gets typed replies and errors that name the actor and its rank",
+          "[multirank]") {
+  child_process launcher({troupe_bin, "launch", "-n", "4", "--grace", "20", "--job",
+                          job_name("roles"), "--", worker_bin, "roles"});
+  auto st = launcher.wait(120s);
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 1);  // rank 3 killed itself
+  CHECK(!launcher.lines_with("ranks failed (rank 3)").empty());
+  CHECK(launcher.lines_with("CHECK FAILED").empty());
+  CHECK(launcher.lines_with("check ok").size() == 5);
+  auto has = [&](const std::string& key, const std::string& text) {
+    for (const auto& l : launcher.lines_with(key))
+      if (l.find(text) != std::string::npos) return true;
+    return false;
+  };
+  CHECK(has("duplicate name:", "rank 1 already has an actor named \"calc@1\""));
+  CHECK(has("unknown role:", "rank 2 has no role \"nope\" (registered: calc)"));
+  CHECK(has("handler error:", "calc@1 (rank 1) failed on \"(anonymous namespace)::fail_request\""));
+  CHECK(has("handler error:", "refusing on purpose: test"));
+  CHECK(has("unknown kind:", "calc@2 (rank 2) has no handler for requests of kind"));
+  CHECK(has("wrong reply type:", "calc@1 (rank 1) answered with a reply of kind"));
+  CHECK(has("timeout:", "calc@2 (rank 2): no reply to"));
+  CHECK(has("timeout:", "within 200 ms"));
+  CHECK(has("lost rank:", "calc@3 (rank 3): rank 3 lost"));
+  for (int r = 0; r < 3; ++r)
+    CHECK(!launcher.lines_with("roles done: rank " + std::to_string(r)).empty());
+}

@@ -4,6 +4,9 @@
 //   loss --victim V     rank V waits to be killed or stopped; the others keep receives from it
 //                       pending and report how they fail, and the membership callback
 //   hold                join, then a barrier (the partner of the wrong-token test)
+//   roles               rank 0 drives "calc" role actors on every rank through the job API:
+//   fan-out,
+//                       typed errors, timeouts, a tensor sent to a role, a role on a killed rank
 // Every line is flushed at once so that the test sees it as it happens.
 #include <unistd.h>
 
@@ -18,7 +21,10 @@
 #include <thread>
 #include <vector>
 
+#include <signal.h>
+
 #include "actors/node.hpp"
+#include "actors/roles.hpp"
 
 namespace {
 
@@ -153,6 +159,149 @@ int loss(node& n, int victim) {
   return bad;
 }
 
+// -- roles: the job API, its errors and a role actor on a dying rank ---------------------------
+
+struct add_request {
+  std::vector<std::int64_t> xs;
+  auto fields() { return std::tie(xs); }
+};
+struct add_reply {
+  std::string who;
+  std::int64_t sum = 0;
+  auto fields() { return std::tie(who, sum); }
+};
+struct fail_request {
+  std::string why;
+  auto fields() { return std::tie(why); }
+};
+struct slow_request {
+  std::int32_t ms = 0;
+};
+struct unknown_request {
+  std::int32_t x = 0;
+};
+struct checksum_request {
+  std::uint8_t unused = 0;
+};
+struct die_request {
+  std::uint8_t unused = 0;
+};
+
+std::uint64_t checksum(const std::uint8_t* p, std::size_t n) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+void make_calc(role_builder& b, role_context&) {
+  auto last = std::make_shared<std::atomic<std::uint64_t>>(0);
+  b.on<add_request>([](role_context& c, const add_request& r) {
+    std::int64_t s = 0;
+    for (auto x : r.xs) s += x;
+    return add_reply{c.name(), s * (c.rank() + 1)};
+  });
+  b.on<fail_request>([](role_context&, const fail_request& r) -> int {
+    throw std::runtime_error("refusing on purpose: " + r.why);
+  });
+  b.on<slow_request>([](role_context&, const slow_request& r) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(r.ms));
+    return r.ms;
+  });
+  b.on<checksum_request>([last](role_context&, const checksum_request&) { return last->load(); });
+  b.on<die_request>([](role_context&, const die_request&) {
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  b.on_tensor([last](role_context& c, const tensor_info& t) {
+    auto r = c.receive(t, 30s);
+    last->store(checksum(static_cast<const std::uint8_t*>(r.data.data()), t.bytes));
+  });
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "NO ERROR";
+}
+
+int roles_driver(node& n) {
+  job j(n);
+  const int world = n.world_size();
+  auto calcs = j.spawn_on_all("calc");
+  int bad = 0;
+  auto expect = [&](bool ok, const std::string& what) {
+    std::printf("%s: %s\n", ok ? "check ok" : "CHECK FAILED", what.c_str());
+    if (!ok) bad = 1;
+  };
+  // Fan-out and gather, in handle order.
+  auto sums = j.ask_all<add_reply>(calcs, add_request{{1, 2, 3}}, 10s);
+  bool sums_ok = static_cast<int>(sums.size()) == world;
+  for (int r = 0; r < world && sums_ok; ++r)
+    sums_ok = sums[r].sum == 6 * (r + 1) && sums[r].who == "calc@" + std::to_string(r);
+  expect(sums_ok, "ask_all gathered " + std::to_string(sums.size()) + " replies in rank order");
+  // A second actor of the same role on one rank gets a unique name; a taken name is refused.
+  auto second = j.spawn("calc", 1);
+  expect(second.name == "calc@1#1", "second calc on rank 1 is " + second.name);
+  std::printf("duplicate name: %s\n", error_of([&] { j.spawn("calc", 1, "calc@1"); }).c_str());
+  std::printf("unknown role: %s\n", error_of([&] { j.spawn("nope", 2); }).c_str());
+  // Errors name the actor and its rank.
+  std::printf("handler error: %s\n",
+              error_of([&] { j.ask<int>(calcs[1], fail_request{"test"}, 10s); }).c_str());
+  std::printf("unknown kind: %s\n",
+              error_of([&] { j.ask<int>(calcs[2], unknown_request{}, 10s); }).c_str());
+  std::printf("wrong reply type: %s\n",
+              error_of([&] { j.ask<std::string>(calcs[1], slow_request{1}, 10s); }).c_str());
+  std::printf("timeout: %s\n",
+              error_of([&] { j.ask<std::int32_t>(calcs[2], slow_request{1500}, 200ms); }).c_str());
+  // A late reply does not confuse the next ask.
+  expect(j.ask<std::int32_t>(calcs[2], slow_request{1}, 10s) == 1, "the ask after a timeout");
+  // A tensor to a role actor, by handle.
+  std::vector<std::uint8_t> data(3 << 20);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 7 + 3);
+  const std::int64_t shape[1] = {static_cast<std::int64_t>(data.size())};
+  n.send_tensor(calcs[world - 1], data.data(), troupe::dtype::u8, shape, "to-role").wait(30s);
+  std::uint64_t got = 0;
+  for (int i = 0; i < 500 && got == 0; ++i) {
+    got = j.ask<std::uint64_t>(calcs[world - 1], checksum_request{}, 10s);
+    if (got == 0) std::this_thread::sleep_for(10ms);
+  }
+  expect(got == checksum(data.data(), data.size()), "the role actor got the tensor byte-exact");
+  // The last rank's actor kills its process: asks to it fail naming the rank.
+  const role_handle victim = calcs[world - 1];
+  j.try_ask_all<int>(std::span<const role_handle>(&victim, 1), die_request{}, 2000ms);
+  for (int i = 0; i < 500 && n.lost_reason(victim.rank).empty(); ++i)
+    std::this_thread::sleep_for(10ms);
+  std::printf("lost rank: %s\n",
+              error_of([&] { j.ask<add_reply>(victim, add_request{}, 10s); }).c_str());
+  auto partial = j.try_ask_all<add_reply>(calcs, add_request{{1}}, 10s);
+  int answered = 0;
+  for (auto& p : partial) answered += p ? 1 : 0;
+  expect(answered == world - 1, "try_ask_all: " + std::to_string(answered) + " of " +
+                                    std::to_string(world) + " answered after the loss");
+  return bad;
+}
+
+int roles(node& n, role_registry&) {
+  int rc = 0;
+  if (n.rank() == 0) rc = roles_driver(n);
+  // The survivors meet; a barrier that a loss interrupts fails, and is entered again.
+  for (int attempt = 0;; ++attempt) {
+    try {
+      n.barrier("roles", 60s);
+      break;
+    } catch (const std::exception& e) {
+      if (attempt >= 2) throw;
+      std::printf("barrier interrupted: rank %d: %s\n", n.rank(), e.what());
+    }
+  }
+  std::printf("roles done: rank %d\n", n.rank());
+  return rc;
+}
+
 int hold(node& n) {
   std::printf("ready rank %d pid %d\n", n.rank(), static_cast<int>(::getpid()));
   n.barrier("hold", 60s);
@@ -166,7 +315,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::setvbuf(stderr, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s exchange | loss --victim V | hold\n", argv[0]);
+    std::fprintf(stderr, "usage: %s exchange | loss --victim V | hold | roles\n", argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -174,7 +323,11 @@ int main(int argc, char** argv) {
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], "--victim") == 0) victim = std::atoi(argv[i + 1]);
   try {
-    node n;
+    role_registry registry;
+    registry.add("calc", make_calc);
+    node_options options;
+    options.roles = &registry;
+    node n(options);
     int rc = 2;
     if (mode == "exchange")
       rc = exchange(n);
@@ -182,6 +335,8 @@ int main(int argc, char** argv) {
       rc = loss(n, victim);
     else if (mode == "hold")
       rc = hold(n);
+    else if (mode == "roles")
+      rc = roles(n, registry);
     else
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     n.shutdown();
