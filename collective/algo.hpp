@@ -48,6 +48,9 @@ struct op_context {
   const std::atomic<bool>* cancelled = nullptr;  // abort() of the communicator
   const algo_tuning& tune;
   scratch_pool* scratch = nullptr;
+  // Poll with sched_yield() before blocking in the transport: set when this process may run on
+  // one CPU only, where a peer or helper thread sharing the CPU needs it to get anything done.
+  bool yield_poll = false;
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <thread>
 
+#include <sched.h>
+
 #include "collective/algo.hpp"
 #include "collective/reduce.hpp"
 #include "memory/error.hpp"
@@ -52,8 +54,15 @@ void op_context::check() const {
 
 void op_context::wait(p2p_request& r) {
   if (!r.valid()) return;
-  // Straight into the transport's wait, which spins before it sleeps: polling with test() here
-  // would fight a transport's own progress thread for the worker (see the UCX transport).
+  // On a single allowed CPU, yield between polls for a while: the transport's wait spins ~50 us
+  // before it yields, which starves a peer or helper thread on the same CPU. Otherwise straight
+  // into the transport's wait, which spins before it sleeps: polling with test() here would fight
+  // a transport's own progress thread for the worker (see the UCX transport).
+  if (yield_poll)
+    for (int i = 0; i < 256; ++i) {
+      if (t.test(r)) return;
+      sched_yield();
+    }
   for (;;) {
     auto slice = wait_slice;
     if (deadline != std::chrono::steady_clock::time_point::max()) {

@@ -191,6 +191,7 @@ struct comm_core {
   op_context context(std::uint64_t tag, std::chrono::milliseconds timeout,
                      clock::time_point deadline, const algo_tuning& tu) {
     op_context c{t, group.ranks, me, n, tag, deadline, timeout, &cancelled, tu, &scratch};
+    c.yield_poll = !may_spin;
     return c;
   }
 

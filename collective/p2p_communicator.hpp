@@ -25,14 +25,20 @@
 
 namespace troupe::collective {
 
-// Algorithm switch points and pipelining, in bytes of the user's dtype. The defaults were measured
-// on this project's 2-core machine (docs/performance.md); tests lower them to cover every path.
+// Algorithm switch points and pipelining, in bytes of the user's dtype; the same on every rank of a
+// group. Defaults measured with `troupe bench collective --ring-min/--chain-min/--chunk` on the
+// project's 2-CPU machine, UCX ranks (docs/performance.md): recursive doubling and the ring tie at
+// 2 ranks up to 512 KiB, and at 4 ranks recursive doubling wins at 64 KiB (108 vs 154 us) and the
+// ring from 128 KiB (318 vs 358 us at 256 KiB); the binomial tree beats the chain at 4 ranks up
+// to 1 MiB and they tie at 2 MiB; chunks of 64 KiB to 1 MiB measured within noise of each other.
+// Tests lower the thresholds to cover every path at every size.
 struct algo_tuning {
-  std::size_t allreduce_ring_min = 64 * 1024;   // below: recursive doubling, from here: ring
-  std::size_t broadcast_chain_min = 64 * 1024;  // below: binomial tree, from here: pipelined chain
+  std::size_t allreduce_ring_min = 128 * 1024;  // below: recursive doubling, from here: ring
+  std::size_t broadcast_chain_min = 2 << 20;    // below: binomial tree, from here: chain
   std::size_t chunk_bytes = 256 * 1024;         // pipeline chunk of ring and chain steps
   int window = 4;                               // receives posted ahead in pipelined loops
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
+                              // (never when the process may use only one CPU)
 };
 
 namespace detail {

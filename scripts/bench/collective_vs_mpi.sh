@@ -3,14 +3,17 @@
 # same invocation (docs/performance.md, "Collectives on host memory").
 #
 # Installs openmpi-bin and libopenmpi-dev when mpicc is missing (apt-get; runs as root), builds
-# scripts/bench/mpi_allreduce.c with mpicc, then for ROUNDS rounds runs, one after the other:
+# scripts/bench/mpi_allreduce.c with mpicc, then for ROUNDS rounds and for each op in turn runs,
+# one right after the other (so that a change in the shared machine's load hits all three alike):
 #   OpenMPI, pml ucx, UCX_TLS=posix,sysv,self (shared memory, no CMA: its fastest setup here;
 #     pml_ucx_tls/devices "any", without which Debian's OpenMPI refuses UCX on shared memory)
-#   OpenMPI, pml ob1, btl vader,self (its default shared-memory path)
+#   OpenMPI, pml ob1, btl vader,self (its default shared-memory path, CMA for large messages)
 #   troupe bench collective (ranks forked, connected by UCX, pinned one per CPU)
-# all with N ranks bound to cores. Each row shows the median over rounds; the MPI column is the
-# better of its two setups for that row (named in the last column), so the baseline is the
-# strongest MPI measured. ratio = troupe busbw / MPI busbw (above 1: troupe is faster).
+# all with N ranks bound to cores. Each program reports, per size, the fastest of its --reps
+# repetitions (a repetition: the slowest rank's mean time over many iterations); each row here is
+# the fastest over rounds, and the MPI column the faster of its two setups for that row (named in
+# the mpi column), so the baseline is the strongest MPI measured. ratio = troupe busbw / MPI busbw
+# (above 1: troupe is faster).
 #
 #   scripts/bench/collective_vs_mpi.sh [-n N] [--ops a,b,...] [--min 1K] [--max 256M] [--step 4]
 #       [--warmup 5] [--reps 5] [--seconds 0.2] [--rounds 1] [--nice N] [--troupe PATH]
@@ -71,26 +74,29 @@ echo "collective_vs_mpi: $n ranks on $cores CPUs ($(grep -m1 'model name' /proc/
 echo "  mpi ucx: ${mpi[*]} --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any --mca osc ^ucx -x UCX_TLS=posix,sysv,self mpi_allreduce ${args[*]}"
 echo "  mpi ob1: ${mpi[*]} --mca pml ob1 --mca btl vader,self mpi_allreduce ${args[*]}"
 echo "  troupe:  nice -n $nice_level $troupe bench collective -n $n --csv ${args[*]}"
+IFS=, read -r -a op_list <<<"$ops"
 for ((r = 1; r <= rounds; r++)); do
-  UCX_TLS=posix,sysv,self "${mpi[@]}" --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any --mca osc ^ucx -x UCX_TLS \
-    "$work/mpi_allreduce" "${args[@]}" >"$work/mpi_ucx.$r.csv"
-  "${mpi[@]}" --mca pml ob1 --mca btl vader,self "$work/mpi_allreduce" "${args[@]}" \
-    >"$work/mpi_ob1.$r.csv"
-  nice -n "$nice_level" "$troupe" bench collective -n "$n" --csv "${args[@]}" \
-    >"$work/troupe.$r.csv"
+  for op in "${op_list[@]}"; do
+    a=(--ops "$op" "${args[@]:2}")
+    UCX_TLS=posix,sysv,self "${mpi[@]}" --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any \
+      --mca osc ^ucx -x UCX_TLS "$work/mpi_allreduce" "${a[@]}" >"$work/mpi_ucx.$r.$op.csv"
+    "${mpi[@]}" --mca pml ob1 --mca btl vader,self "$work/mpi_allreduce" "${a[@]}" \
+      >"$work/mpi_ob1.$r.$op.csv"
+    nice -n "$nice_level" "$troupe" bench collective -n "$n" --csv "${a[@]}" \
+      >"$work/troupe.$r.$op.csv"
+  done
 done
 if [[ -n "$keep" ]]; then mkdir -p "$keep" && cp "$work"/*.csv "$keep"/; fi
 
-# Median time per (source, op, bytes) over rounds, then the side-by-side table.
+# Best time per (source, op, bytes) over rounds, then the side-by-side table.
 awk -F, -v n="$n" '
   function bus(op) { return op == "allreduce" ? 2 * (n - 1) / n : op == "broadcast" ? 1 : (n - 1) / n }
-  function median(key,   k, m, i, j, t, v) {
-    m = cnt[key]
-    for (i = 1; i <= m; i++) v[i] = vals[key, i]
-    for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t }
-    return v[int((m + 1) / 2)]
+  function best(key,   i, b) {
+    b = vals[key, 1]
+    for (i = 2; i <= cnt[key]; i++) if (vals[key, i] < b) b = vals[key, i]
+    return b
   }
-  FNR == 1 { split(FILENAME, p, "/"); src = p[length(p)]; sub(/\..*/, "", src); next }
+  FNR == 1 { n_p = split(FILENAME, p, "/"); src = p[n_p]; sub(/\..*/, "", src); next }
   {
     key = src SUBSEP $1 SUBSEP $2
     vals[key, ++cnt[key]] = $3
@@ -102,14 +108,15 @@ awk -F, -v n="$n" '
       split(order[i], f, SUBSEP); op = f[1]; b = f[2]
       kt = "troupe" SUBSEP op SUBSEP b; ku = "mpi_ucx" SUBSEP op SUBSEP b; ko = "mpi_ob1" SUBSEP op SUBSEP b
       if (!(kt in cnt)) continue
-      tt = median(kt); best = ""; tm = 0
-      if (ku in cnt) { tm = median(ku); best = "ucx" }
-      if (ko in cnt) { to = median(ko); if (best == "" || to < tm) { tm = to; best = "ob1" } }
+      tt = best(kt); who = ""; tm = 0
+      if (ku in cnt) { tm = best(ku); who = "ucx" }
+      if (ko in cnt) { to = best(ko); if (who == "" || to < tm) { tm = to; who = "ob1" } }
       size = b >= 1048576 ? sprintf("%dMiB", b / 1048576) : b >= 1024 ? sprintf("%dKiB", b / 1024) : b "B"
       bt = b / (tt * 1e-6) / 1e9 * bus(op)
-      if (best == "") { printf "%-15s %9s | %11.2f %9.3f | %11s %9s %-7s | %6s\n", op, size, tt, bt, "-", "-", "-", "-"; continue }
+      if (who == "") { printf "%-15s %9s | %11.2f %9.3f | %11s %9s %-7s | %6s\n", op, size, tt, bt, "-", "-", "-", "-"; continue }
       bm = b / (tm * 1e-6) / 1e9 * bus(op)
-      printf "%-15s %9s | %11.2f %9.3f | %11.2f %9.3f %-7s | %6.2f\n", op, size, tt, bt, tm, bm, best, bt / bm
+      printf "%-15s %9s | %11.2f %9.3f | %11.2f %9.3f %-7s | %6.2f\n", op, size, tt, bt, tm, bm, who, bt / bm
     }
     print "(busbw in GB/s of 1e9 B: algbw x 2(n-1)/n allreduce, (n-1)/n reduce_scatter, all_gather, all_to_all, 1 broadcast)"
-  }' "$work"/troupe.*.csv "$work"/mpi_ucx.*.csv "$work"/mpi_ob1.*.csv
+  }' $(for op in "${op_list[@]}"; do echo "$work"/troupe.*."$op".csv; done) \
+    "$work"/mpi_ucx.*.csv "$work"/mpi_ob1.*.csv
