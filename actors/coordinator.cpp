@@ -231,6 +231,8 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
   st.shared = std::move(shared);
   st.members.resize(static_cast<std::size_t>(st.opts.world_size));
   st.interval_ms = std::max<std::int64_t>(10, st.opts.heartbeat_timeout.count() / 4);
+  // Unknown messages (a peer of another version, or not of this job) are dropped quietly.
+  self->set_default_handler(caf::drop);
   self->set_down_handler([self](const caf::down_msg& dm) {
     auto& st = self->state;
     for (std::size_t r = 0; r < st.members.size(); ++r) {
@@ -366,6 +368,18 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         }
         self->delayed_send(self, std::chrono::milliseconds(st.interval_ms), msg::tick_atom::value);
       },
+      [self](msg::exited_atom, std::int32_t rank, std::string& how) {
+        auto& st = self->state;
+        const auto& s = self->current_sender();
+        if (!s || s->node() != self->node()) return;
+        if (rank < 0 || rank >= static_cast<std::int32_t>(st.members.size())) return;
+        auto& m = st.members[rank];
+        if (m.status == member_rec::alive || m.status == member_rec::joining)
+          declare_lost(self, rank, "its process " + how);
+        else if (m.status == member_rec::absent && !st.started)
+          fail_forming(self, "rank " + std::to_string(rank) + " " + how + " before joining");
+        publish_status(self);
+      },
       [self](msg::leave_request& req) -> msg::barrier_reply {
         auto& st = self->state;
         ++st.msgs_in;
@@ -392,7 +406,14 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         check_barriers(self);
         return rp;
       },
-      [self](msg::describe_atom) -> actor_state { return own_state(self); },
+      [self](msg::describe_atom) -> caf::result<actor_state> {
+        const auto& s = self->current_sender();
+        bool member = s && s->node() == self->node();
+        for (const auto& m : self->state.members)
+          member = member || (s && m.status != member_rec::absent && s->node() == m.nid);
+        if (!member) return caf::sec::request_receiver_down;
+        return own_state(self);
+      },
       [self](msg::snapshot_atom, std::int64_t timeout_ms) -> caf::result<job_snapshot> {
         auto& st = self->state;
         const auto& sender = self->current_sender();
@@ -562,6 +583,11 @@ bool coordinator::wait_finished(std::chrono::milliseconds timeout) {
 
 job_snapshot coordinator::snapshot(std::chrono::milliseconds timeout) {
   return impl_->snapshot(timeout);
+}
+
+void coordinator::process_ended(int rank, const std::string& how) {
+  caf::scoped_actor self{*impl_->sys};
+  self->send(impl_->actor, msg::exited_atom::value, static_cast<std::int32_t>(rank), how);
 }
 
 }  // namespace troupe::actors

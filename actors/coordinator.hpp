@@ -55,6 +55,11 @@ class coordinator {
   // Asks every member for its actors (each answering within `timeout`) and returns the job view.
   job_snapshot snapshot(std::chrono::milliseconds timeout = std::chrono::milliseconds{1000});
 
+  // The launcher saw the process of `rank` end (`how`: "exited with status 1"): a member that did
+  // not leave is lost at once, and a rank that never joined makes the job fail to form instead of
+  // leaving the others waiting.
+  void process_ended(int rank, const std::string& how);
+
   struct impl;
 
  private:

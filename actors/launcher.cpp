@@ -83,10 +83,9 @@ std::string resolve_program(const std::string& p) {
   std::size_t start = 0;
   while (start <= dirs.size()) {
     const auto colon = dirs.find(':', start);
-    std::string dir =
-        dirs.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
-    if (dir.empty()) dir = ".";
-    const std::string full = dir + "/" + p;
+    const std::size_t len = colon == std::string::npos ? dirs.size() - start : colon - start;
+    std::string full = len == 0 ? std::string("./") : dirs.substr(start, len) + "/";
+    full += p;
     struct stat st {};
     if (::stat(full.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(full.c_str(), X_OK) == 0)
       return full;
@@ -413,6 +412,7 @@ int launch(const launch_options& given) {
       if (r == c.pid) {
         c.running = false;
         c.status = status;
+        if (coord) coord->process_ended(c.rank, describe_status(status));
         if (failed(status)) {
           if (failures.empty()) first_failure = steady::now();
           failures.push_back(c.local);

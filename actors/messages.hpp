@@ -22,6 +22,7 @@ using tick_atom = caf::atom_constant<caf::atom("tick")>;
 using describe_atom = caf::atom_constant<caf::atom("describe")>;
 using snapshot_atom = caf::atom_constant<caf::atom("snapshot")>;
 using shutdown_atom = caf::atom_constant<caf::atom("shutdown")>;
+using exited_atom = caf::atom_constant<caf::atom("exited")>;  // launcher: (rank, how)
 
 // A rank asks to join: the token, who it is, where its node actor listens, its UCX address.
 struct join_request {

@@ -86,6 +86,8 @@ void fail_barriers(node_actor_t* self, const std::string& why) {
 
 caf::behavior node_actor(node_actor_t* self, node::impl* impl) {
   self->state.impl = impl;
+  // Unknown messages (a peer of another version, or not of this job) are dropped quietly.
+  self->set_default_handler(caf::drop);
   self->set_down_handler([self](const caf::down_msg& dm) {
     auto& st = self->state;
     if (st.coordinator && dm.source == st.coordinator.address()) {

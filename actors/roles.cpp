@@ -60,6 +60,8 @@ caf::behavior role_actor(role_actor_t* self, node::impl* n, role_handle h, role_
     }
     n->roles_cv.notify_all();
   });
+  // Unknown messages (a peer of another version, or not of this job) are dropped quietly.
+  self->set_default_handler(caf::drop);
   self->set_exit_handler([self](caf::exit_msg& m) {
     run_stop(self);
     self->quit(m.reason);
