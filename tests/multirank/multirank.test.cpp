@@ -363,3 +363,23 @@ TEST_CASE("An actor script gets typed replies and errors that name the actor and
   for (int r = 0; r < 3; ++r)
     CHECK(!launcher.lines_with("roles done: rank " + std::to_string(r)).empty());
 }
+
+TEST_CASE("A rank that exits before joining makes the others fail fast instead of waiting",
+          "[multirank]") {
+  const auto t0 = child_process::clock::now();
+  child_process launcher({troupe_bin, "launch", "-n", "3", "--job", job_name("early"), "--",
+                          worker_bin, "early-exit"});
+  auto st = launcher.wait(60s);
+  const double s = std::chrono::duration<double>(child_process::clock::now() - t0).count();
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 1);
+  CHECK(s < 15);
+  for (int r : {0, 2}) {
+    auto lines =
+        launcher.lines_with("[rank " + std::to_string(r) + "] troupe_multirank_worker: error");
+    REQUIRE(!lines.empty());
+    CHECK(lines.front().find("rank 1 exited with status 3 before joining") != std::string::npos);
+  }
+  CHECK(!launcher.lines_with("ranks failed (ranks 0, 1, 2)").empty());
+}

@@ -4,6 +4,7 @@
 //   loss --victim V     rank V waits to be killed or stopped; the others keep receives from it
 //                       pending and report how they fail, and the membership callback
 //   hold                join, then a barrier (the partner of the wrong-token test)
+//   early-exit          rank 1 exits before joining, the others try to join
 //   roles               rank 0 drives "calc" role actors on every rank through the job API:
 //   fan-out,
 //                       typed errors, timeouts, a tensor sent to a role, a role on a killed rank
@@ -322,6 +323,14 @@ int main(int argc, char** argv) {
   int victim = 1;
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], "--victim") == 0) victim = std::atoi(argv[i + 1]);
+  if (mode == "early-exit") {
+    // Rank 1 fails before it joins; the others must not wait for it.
+    const char* r = std::getenv("TROUPE_RANK");
+    if (r && std::atoi(r) == 1) {
+      std::printf("rank 1 gives up before joining\n");
+      return 3;
+    }
+  }
   try {
     role_registry registry;
     registry.add("calc", make_calc);
@@ -337,6 +346,8 @@ int main(int argc, char** argv) {
       rc = hold(n);
     else if (mode == "roles")
       rc = roles(n, registry);
+    else if (mode == "early-exit")
+      rc = hold(n);
     else
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     n.shutdown();
