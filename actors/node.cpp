@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "actors/node_impl.hpp"
@@ -340,11 +341,32 @@ caf::behavior node_actor(node_actor_t* self, node::impl* impl) {
 // -----------------------------------------------------------------------------------
 
 void tensor_send::wait(std::chrono::milliseconds timeout) {
+  if (local_) {
+    std::unique_lock<std::mutex> lock(local_->mu);
+    auto ready = [&] { return local_->done || !local_->error.empty(); };
+    if (timeout.count() > 0) {
+      if (!local_->cv.wait_for(lock, timeout, ready))
+        TROUPE_FAIL("rank ", info_.source, ": tensor \"", info_.name,
+                    "\" to a role actor on this rank was not received within ", timeout.count(),
+                    " ms");
+    } else {
+      local_->cv.wait(lock, ready);
+    }
+    if (!local_->error.empty())
+      TROUPE_FAIL("rank ", info_.source, ": tensor \"", info_.name, "\": ", local_->error);
+    return;
+  }
   TROUPE_CHECK(t_ && r_.valid(), "tensor_send::wait on an empty handle");
   t_->wait(r_, timeout);
 }
 
 bool tensor_send::test() {
+  if (local_) {
+    std::lock_guard<std::mutex> lock(local_->mu);
+    if (!local_->error.empty())
+      TROUPE_FAIL("rank ", info_.source, ": tensor \"", info_.name, "\": ", local_->error);
+    return local_->done;
+  }
   TROUPE_CHECK(t_ && r_.valid(), "tensor_send::test on an empty handle");
   return t_->test(r_);
 }
@@ -496,6 +518,15 @@ void teardown(node::impl& I) {
   if (I.ucx)
     for (int p = 0; p < I.world; ++p)
       if (p != I.rank) I.ucx->fail_peer(p, "rank " + std::to_string(I.rank) + " is shutting down");
+  {
+    std::lock_guard<std::mutex> lock(I.mu);
+    for (auto& [key, local] : I.local_sends) {
+      std::lock_guard<std::mutex> l2(local->mu);
+      local->error = "rank " + std::to_string(I.rank) + " is shutting down";
+      local->cv.notify_all();
+    }
+    I.local_sends.clear();
+  }
   if (I.node_actor) caf::send_as(I.node_actor, I.node_actor, msg::shutdown_atom::value);
   {
     // Role actors finish the message at hand (a blocked transfer fails above), then stop.
@@ -743,9 +774,9 @@ tensor_send send_on(node::impl& I, int dest, std::uint16_t channel, const void* 
                     std::span<const std::int64_t> shape, const std::string& name,
                     std::uint64_t id) {
   TROUPE_CHECK(I.ucx, "rank ", I.rank, ": send_tensor after shutdown");
-  TROUPE_CHECK(dest >= 0 && dest < I.world && dest != I.rank, "rank ", I.rank,
+  TROUPE_CHECK(dest >= 0 && dest < I.world && (dest != I.rank || channel != 0), "rank ", I.rank,
                ": send_tensor to rank ", dest, " (the world has ", I.world,
-               " ranks; sending to oneself is not supported)");
+               " ranks; a rank sends to itself only to its role actors)");
   std::size_t numel = 1;
   for (auto d : shape) {
     TROUPE_CHECK(d >= 0, "rank ", I.rank, ": send_tensor \"", name, "\": negative dimension ", d);
@@ -776,6 +807,19 @@ tensor_send send_on(node::impl& I, int dest, std::uint16_t channel, const void* 
   // it the receiver).
   msg::tensor_announce a{I.rank,     info.id, seq, channel, static_cast<std::uint8_t>(type),
                          info.shape, bytes,   name};
+  if (dest == I.rank) {
+    // To a role actor here: the bytes stay put until it receives them (one copy).
+    auto local = std::make_shared<detail::local_transfer>();
+    local->data = data;
+    local->bytes = bytes;
+    {
+      std::lock_guard<std::mutex> lock(I.mu);
+      I.local_sends[{channel, seq}] = local;
+    }
+    caf::send_as(I.node_actor, to, std::move(a));
+    ++I.msgs_out;
+    return tensor_send(std::move(local), std::move(info));
+  }
   caf::send_as(I.node_actor, to, std::move(a));
   ++I.msgs_out;
   std::this_thread::yield();
@@ -839,6 +883,22 @@ void node::receive(const tensor_info& info, void* dst, std::size_t bytes,
   TROUPE_CHECK(I.ucx, "rank ", I.rank, ": receive after shutdown");
   TROUPE_CHECK(bytes == info.bytes, "rank ", I.rank, ": tensor \"", info.name, "\" from rank ",
                info.source, " has ", info.bytes, " bytes, the buffer ", bytes);
+  if (info.source == I.rank) {
+    std::shared_ptr<detail::local_transfer> local;
+    {
+      std::lock_guard<std::mutex> lock(I.mu);
+      auto it = I.local_sends.find({info.channel, info.seq});
+      TROUPE_CHECK(it != I.local_sends.end(), "rank ", I.rank, ": tensor \"", info.name,
+                   "\" from this rank was received already (or never sent)");
+      local = it->second;
+      I.local_sends.erase(it);
+    }
+    std::lock_guard<std::mutex> lock(local->mu);
+    if (bytes) std::memcpy(dst, local->data, bytes);
+    local->done = true;
+    local->cv.notify_all();
+    return;
+  }
   I.set_activity("receiving \"" + info.name + "\" from rank " + std::to_string(info.source));
   auto req = I.ucx->irecv(info.source, info.tag, dst, bytes);
   I.ucx->wait(req, timeout);

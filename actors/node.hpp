@@ -65,12 +65,18 @@ struct received_tensor {
   memory::buffer data;
 };
 
+namespace detail {
+struct local_transfer;  // a tensor to a role actor on the sender's own rank
+}
+
 // A posted tensor send: the source buffer must stay untouched until wait() returns.
 class tensor_send {
  public:
   tensor_send() = default;
   tensor_send(collective::transport* t, collective::p2p_request r, tensor_info info)
       : t_(t), r_(std::move(r)), info_(std::move(info)) {}
+  tensor_send(std::shared_ptr<detail::local_transfer> local, tensor_info info)
+      : local_(std::move(local)), info_(std::move(info)) {}
   // Throws troupe::error when the transfer failed (receiver lost) or timed out.
   void wait(std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
   bool test();
@@ -79,6 +85,7 @@ class tensor_send {
  private:
   collective::transport* t_ = nullptr;
   collective::p2p_request r_;
+  std::shared_ptr<detail::local_transfer> local_;
   tensor_info info_;
 };
 
@@ -143,7 +150,8 @@ class node {
   tensor_send send_tensor(int dest, const void* data, dtype type,
                           std::span<const std::int64_t> shape, const std::string& name = {},
                           std::uint64_t id = 0);
-  // The same to a role actor (its on_tensor handler gets the announcement).
+  // The same to a role actor (its on_tensor handler gets the announcement); the actor may live on
+  // this rank (the bytes are then copied once, when it receives them).
   tensor_send send_tensor(const role_handle& dest, const void* data, dtype type,
                           std::span<const std::int64_t> shape, const std::string& name = {},
                           std::uint64_t id = 0);

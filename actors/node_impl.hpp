@@ -38,6 +38,17 @@ class role_actor_state {
   steady::time_point born = steady::now();
 };
 
+namespace detail {
+struct local_transfer {
+  std::mutex mu;
+  std::condition_variable cv;
+  const void* data = nullptr;
+  std::size_t bytes = 0;
+  bool done = false;
+  std::string error;
+};
+}  // namespace detail
+
 struct local_role {
   role_handle handle;
   caf::actor actor;
@@ -81,6 +92,9 @@ struct node::impl {
   std::vector<std::uint32_t> next_claim;  // per source: the next seq a consumer takes
   std::map<std::pair<int, std::uint32_t>, tensor_info> claimed;  // pre-posted, announced
   std::set<std::pair<int, std::uint32_t>> unwanted;  // received without waiting: drop on arrival
+  // Tensors from this rank to its own role actors, by (channel, seq), until received.
+  std::map<std::pair<std::uint16_t, std::uint32_t>, std::shared_ptr<detail::local_transfer>>
+      local_sends;
 
   // Roles hosted here (touched by the node actor only, except live_roles).
   std::map<std::uint16_t, local_role> roles;
