@@ -43,7 +43,7 @@ struct p2p_args {
   int rounds = 5;             // alternating rounds of troupe asks and bare CAF requests
   int reps = 5;               // bandwidth repetitions per size (the median is reported)
   int window = 4;             // the second by-handle window
-  bool pin = true;
+  bool no_pin = false;
   bool json = false;
   bool worker = false;
   std::string report;
@@ -230,7 +230,7 @@ int run_parent(const p2p_args& a) {
   ::close(fd);
   actors::launch_options lo;
   lo.nprocs = 2;
-  lo.pin = a.pin;
+  lo.pin = !a.no_pin;
   lo.quiet = true;
   lo.job = "bench-p2p-" + actors::generate_token().substr(0, 6);
   lo.command = {self_exe(),     "bench",
@@ -264,7 +264,7 @@ int run_parent(const p2p_args& a) {
   const auto& t = r["rtt"]["troupe_ask"];
   const auto& c = r["rtt"]["bare_caf"];
   fmt::print("troupe bench p2p: 2 ranks on this host{}; UCX transports: {}\n",
-             a.pin ? ", pinned to their own CPUs" : "", r.value("transports", "?"));
+             !a.no_pin ? ", pinned to their own CPUs" : "", r.value("transports", "?"));
   fmt::print("\nrequest round trip ({} samples each)      p50 us    p99 us   mean us\n",
              r["rtt"]["samples"].get<std::size_t>());
   fmt::print("  troupe job.ask to a role actor      {:9.1f} {:9.1f} {:9.1f}\n",
@@ -308,7 +308,7 @@ command_fn add_bench_p2p_command(CLI::App& bench) {
   sub->add_option("--reps", a->reps, "Bandwidth repetitions per size")->check(CLI::PositiveNumber);
   sub->add_option("--window", a->window, "Sends outstanding in the second by-handle run")
       ->check(CLI::PositiveNumber);
-  sub->add_flag("--no-pin{false}", a->pin, "Do not pin the two ranks to their own CPUs");
+  sub->add_flag("--no-pin", a->no_pin, "Do not pin the two ranks to their own CPUs");
   sub->add_flag("--json", a->json, "Print the raw JSON report");
   sub->add_flag("--worker", a->worker, "(internal) run as one of the two ranks")->group("");
   sub->add_option("--report", a->report, "(internal) where rank 0 writes its report")->group("");

@@ -345,7 +345,7 @@ TEST_CASE("An actor script gets typed replies and errors that name the actor and
   CHECK(child_process::code(*st) == 1);  // rank 3 killed itself
   CHECK(!launcher.lines_with("ranks failed (rank 3)").empty());
   CHECK(launcher.lines_with("CHECK FAILED").empty());
-  CHECK(launcher.lines_with("check ok").size() == 5);
+  CHECK(launcher.lines_with("check ok").size() == 6);
   auto has = [&](const std::string& key, const std::string& text) {
     for (const auto& l : launcher.lines_with(key))
       if (l.find(text) != std::string::npos) return true;

@@ -271,6 +271,12 @@ int roles_driver(node& n) {
     if (got == 0) std::this_thread::sleep_for(10ms);
   }
   expect(got == checksum(data.data(), data.size()), "the role actor got the tensor byte-exact");
+  // The same to a role actor on this rank: no transport, one copy when it receives.
+  auto local = n.send_tensor(calcs[0], data.data(), troupe::dtype::u8, shape, "to-local-role");
+  local.wait(30s);
+  expect(
+      j.ask<std::uint64_t>(calcs[0], checksum_request{}, 10s) == checksum(data.data(), data.size()),
+      "the role actor on the driver's rank got the tensor byte-exact");
   // The last rank's actor kills its process: asks to it fail naming the rank.
   const role_handle victim = calcs[world - 1];
   j.try_ask_all<int>(std::span<const role_handle>(&victim, 1), die_request{}, 2000ms);
