@@ -331,6 +331,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           st.epoch = 1;
           for (auto& mm : st.members) {
             if (mm.status == member_rec::joining) mm.status = member_rec::alive;
+            mm.last_seen = clock::now();
             mm.ready_rp.deliver(msg::ready_reply{true, {}, st.epoch});
           }
           log(self, "all " + std::to_string(st.members.size()) + " ranks joined and connected");
@@ -349,7 +350,9 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         const auto now = clock::now();
         for (std::size_t r = 0; r < st.members.size(); ++r) {
           auto& m = st.members[r];
-          if (m.status != member_rec::alive && m.status != member_rec::joining) continue;
+          // Heartbeats count from the start; while the world forms (ranks may start minutes
+          // apart under a batch system) a dead joiner is caught by its connection instead.
+          if (m.status != member_rec::alive) continue;
           const double silent = std::chrono::duration<double>(now - m.last_seen).count();
           if (silent * 1000.0 > static_cast<double>(st.opts.heartbeat_timeout.count()))
             declare_lost(self, static_cast<int>(r),

@@ -117,8 +117,10 @@ TEST_CASE("Four ranks exchange tensors of 1 KiB to 64 MiB by handle byte for byt
 }
 
 TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[multirank]") {
+  // A short heartbeat timeout: rank 0 waits longer than that for rank 1 while the world forms.
   child_process launcher({troupe_bin, "launch", "-n", "1", "--world-size", "2", "--token",
-                          "the-right-token", "--job", job_name("token"), "--", worker_bin, "hold"});
+                          "the-right-token", "--heartbeat-timeout", "0.5", "--job",
+                          job_name("token"), "--", worker_bin, "hold"});
   REQUIRE(launcher.wait_for("coordinator on ", 30s));
   const int port = coordinator_port(launcher);
   REQUIRE(port > 0);
@@ -149,7 +151,8 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[
     CHECK(child_process::code(*st) != 0);
     CHECK(!tokenless.lines_with("no job token").empty());
   }
-  // The job still forms with the right token.
+  // The job still forms with the right token, later than one heartbeat timeout.
+  std::this_thread::sleep_for(1500ms);
   child_process rank1({worker_bin, "hold"}, {{"TROUPE_COORDINATOR", endpoint},
                                              {"TROUPE_TOKEN", "the-right-token"},
                                              {"TROUPE_RANK", "1"},
