@@ -21,8 +21,8 @@ command_fn add_tokenize_command(CLI::App& app);
 command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)
 command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/cmd_generate.cpp)  //
                                                  // troupe tokenize ...  (apps/cmd_tokenize.cpp)
-command_fn add_ps_command(CLI::App& app);   // troupe ps ...   (apps/cmd_ps.cpp)
-command_fn add_top_command(CLI::App& app);  // troupe top ...  (apps/cmd_top.cpp)
+command_fn add_ps_command(CLI::App& app);        // troupe ps ...   (apps/cmd_ps.cpp)
+command_fn add_top_command(CLI::App& app);       // troupe top ...  (apps/cmd_top.cpp)
 
 command_fn add_launch_command(CLI::App& app);  // troupe launch ...   (apps/cmd_launch.cpp)
 // troupe bench p2p (apps/cmd_bench_p2p.cpp), added to the `bench` subcommand by apps/troupe.cpp.
