@@ -1,0 +1,77 @@
+// Vocabulary-parallel embedding and cross-entropy (Megatron's VocabParallelEmbedding and
+// vocab_parallel_cross_entropy): shard r of tp owns the vocabulary rows r*V/tp .. (r+1)*V/tp - 1.
+//
+// vocab_parallel_embedding: each shard looks up the tokens it owns (the others give zero rows) and
+// the rows are summed over the group (allreduce; with sequence parallelism reduce_scatter to the
+// shard's [B, T/tp, C]). Backward scatters the (SP: gathered) output gradient into the shard's
+// table for the tokens it owns.
+// vocab_parallel_cross_entropy: the logits are the shard's columns [..., V/tp] (e.g. of a
+// column-parallel head). The row maximum is allreduced (max), then the sum of exp(logit - max) and
+// the target's logit (given by its owner, 0 elsewhere) are allreduced (sum), so every shard gets
+// the same per-position losses; backward writes the gradient of the shard's logits only.
+// Both run on the host (the ids, targets and statistics are read by plain loops) and f32 / f64.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "models/layers/embedding.hpp"
+#include "models/layers/slots.hpp"
+#include "models/parallel/tp_mappings.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models {
+
+struct vocab_parallel_embedding {
+  embedding::config cfg;  // the unsharded vocab and dim
+  tp_group tp;
+  std::string label = "vocab_parallel_embedding";
+  std::int64_t vocab_start = 0, local_vocab = 0;
+
+  tensor weight, dweight;           // [V/tp, dim]
+  tensor ids;                       // saved: a view of the caller's ids
+  tensor full, scratch, dy_masked;  // scratch: [B, T, dim] (SP), its buffer, [rows, dim]
+
+  vocab_parallel_embedding() = default;
+  vocab_parallel_embedding(const embedding::config& c, tp_group g);
+  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // ids [B, T] (global token ids, i32 or i64, on the host) -> y [B, T, dim] (SP: [B, T/tp, dim]).
+  void forward(const tensor& ids, const tensor& y);
+  void backward(const tensor& dy);
+  void load_from(const embedding& full);
+
+ private:
+  std::vector<std::int32_t> local_ids_;  // the shard's row of each id (0 if not owned)
+  std::vector<std::pair<std::int64_t, std::int64_t>> foreign_;  // runs of rows not owned
+  tensor local_ids_view(std::int64_t n);
+  void zero_foreign(const tensor& rows) const;
+};
+
+struct vocab_parallel_cross_entropy {
+  struct config {
+    std::int64_t vocab = 0;  // the unsharded vocabulary
+    std::int64_t ignore_index = -100;
+  };
+  config cfg;
+  tp_group tp;
+  std::string label = "vocab_parallel_cross_entropy";
+  std::int64_t vocab_start = 0, local_vocab = 0;
+
+  tensor logits, targets;           // saved views of the caller's tensors
+  tensor row_max, sum_exp, losses;  // activations [rows]
+  tensor scratch;                   // [2 rows], the allreduce buffer
+  std::int64_t count = 0;           // positions not ignored in the last forward
+
+  vocab_parallel_cross_entropy() = default;
+  vocab_parallel_cross_entropy(const config& c, tp_group g);
+  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // logits [..., V/tp] (the shard's columns), targets [...] global ids -> mean loss over the
+  // positions not ignored (the same on every shard).
+  double forward(const tensor& logits, const tensor& targets);
+  // dlogits [..., V/tp] = d(dloss * mean loss) / d(the shard's logits); may alias logits.
+  void backward(const tensor& dlogits, double dloss = 1.0);
+};
+
+}  // namespace troupe::models
