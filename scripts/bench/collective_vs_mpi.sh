@@ -74,19 +74,30 @@ echo "collective_vs_mpi: $n ranks on $cores CPUs ($(grep -m1 'model name' /proc/
 echo "  mpi ucx: ${mpi[*]} --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any --mca osc ^ucx -x UCX_TLS=posix,sysv,self mpi_allreduce ${args[*]}"
 echo "  mpi ob1: ${mpi[*]} --mca pml ob1 --mca btl vader,self mpi_allreduce ${args[*]}"
 echo "  troupe:  nice -n $nice_level $troupe bench collective -n $n --csv ${args[*]}"
+# Runs a benchmark into a CSV file; on failure prints the command and its output, and stops.
+run_to() {
+  local out=$1
+  shift
+  if ! "$@" >"$out" 2>"$out.err"; then
+    echo "collective_vs_mpi.sh: failed: $*" >&2
+    tail -n 20 "$out" "$out.err" >&2
+    exit 1
+  fi
+}
 IFS=, read -r -a op_list <<<"$ops"
 for ((r = 1; r <= rounds; r++)); do
   for op in "${op_list[@]}"; do
     a=(--ops "$op" "${args[@]:2}")
-    UCX_TLS=posix,sysv,self "${mpi[@]}" --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any \
-      --mca osc ^ucx -x UCX_TLS "$work/mpi_allreduce" "${a[@]}" >"$work/mpi_ucx.$r.$op.csv"
-    "${mpi[@]}" --mca pml ob1 --mca btl vader,self "$work/mpi_allreduce" "${a[@]}" \
-      >"$work/mpi_ob1.$r.$op.csv"
-    nice -n "$nice_level" "$troupe" bench collective -n "$n" --csv "${a[@]}" \
-      >"$work/troupe.$r.$op.csv"
+    UCX_TLS=posix,sysv,self run_to "$work/mpi_ucx.$r.$op.csv" "${mpi[@]}" --mca pml ucx \
+      --mca pml_ucx_tls any --mca pml_ucx_devices any --mca osc ^ucx -x UCX_TLS \
+      "$work/mpi_allreduce" "${a[@]}"
+    run_to "$work/mpi_ob1.$r.$op.csv" "${mpi[@]}" --mca pml ob1 --mca btl vader,self \
+      "$work/mpi_allreduce" "${a[@]}"
+    run_to "$work/troupe.$r.$op.csv" nice -n "$nice_level" "$troupe" bench collective -n "$n" \
+      --csv "${a[@]}"
   done
 done
-if [[ -n "$keep" ]]; then mkdir -p "$keep" && cp "$work"/*.csv "$keep"/; fi
+if [[ -n "$keep" ]]; then mkdir -p "$keep" && cp "$work"/*.csv "$work"/*.err "$keep"/; fi
 
 # Best time per (source, op, bytes) over rounds, then the side-by-side table.
 awk -F, -v n="$n" '
