@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <utility>
@@ -22,6 +23,12 @@ class causal_lm {
   // Accumulates d(loss_scale * loss)/d(params) into memory().grads() (loss_scale: f16 loss
   // scaling; 1 for the plain gradient).
   virtual void backward(double loss_scale = 1.0) = 0;
+  // Makes backward call f(i) as soon as block i's parameter gradients are final (blocks in
+  // reverse order; an empty f stops it). False when the model has no such point.
+  virtual bool set_block_grads_hook(std::function<void(std::int64_t block)> f) {
+    (void)f;
+    return false;
+  }
   virtual tensor logits() const = 0;   // [B*T, V] of the last forward
   virtual layer_memory& memory() = 0;  // flat params / grads
   virtual const slot_list& slots() const = 0;
@@ -42,6 +49,14 @@ class causal_lm_of final : public causal_lm {
     return m_.forward(ids, targets);
   }
   void backward(double loss_scale) override { m_.backward(loss_scale); }
+  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
+    if constexpr (requires { m_.on_block_grads = std::move(f); }) {
+      m_.on_block_grads = std::move(f);
+      return true;
+    } else {
+      return false;
+    }
+  }
   tensor logits() const override { return m_.logits(); }
   layer_memory& memory() override { return m_.memory(); }
   const slot_list& slots() const override { return m_.slots(); }

@@ -198,6 +198,7 @@ void gpt::backward(double loss_scale) {
     // The last block's activations are still those of the forward.
     if (cfg_.recompute && i + 1 < cfg_.n_layer) h_[i].recompute(x(i));
     h_[i].backward(db, da);
+    if (on_block_grads) on_block_grads(i);
     std::swap(da, db);
   }
   // db holds d(x0) now: tokens and positions.

@@ -214,6 +214,7 @@ void llama::backward(double loss_scale) {
     // The last block's activations are still those of the forward.
     if (cfg_.recompute && i + 1 < cfg_.n_layer) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
+    if (on_block_grads) on_block_grads(i);
     std::swap(da, db);
   }
   embed_tokens_.backward(db);

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -104,6 +105,9 @@ class llama {
   // memory().zero_grads()); once per forward. With config().recompute, each block but the last
   // runs its forward again first.
   void backward(double loss_scale = 1.0);
+  // Called by backward as soon as block i's parameter gradients are final (i = n_layer - 1 down
+  // to 0), e.g. to start reducing them while the rest of backward runs. Empty: not called.
+  std::function<void(std::int64_t block)> on_block_grads;
 
   // Incremental decoding with a kv cache, as gpt's: begin_generation plans a cache for `batch`
   // sequences of up to `capacity` positions (0: max_seq); step_logits runs new tokens ids [B, t]

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "memory/error.hpp"
 #include "models/targets.hpp"
@@ -50,6 +51,21 @@ std::vector<bool> exempt_mask(causal_lm& model, bool decay_exempt) {
     std::fill_n(exempt.begin() + off, s.field->numel(), true);
   }
   return exempt;
+}
+
+// The block of a parameter named "<scope>.<i>.<rest>" (h.3.attn.c_attn.weight, layers.0.mlp...),
+// or -1.
+std::int64_t block_of(const std::string& name) {
+  auto a = name.find('.');
+  if (a == std::string::npos) return -1;
+  auto b = name.find('.', a + 1);
+  if (b == std::string::npos || b == a + 1) return -1;
+  std::int64_t v = 0;
+  for (auto i = a + 1; i < b; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
 }
 
 }  // namespace
@@ -157,6 +173,34 @@ dp_trainer::dp_trainer(causal_lm& model, const train_config& cfg, collective::co
     shard_opt_ = std::make_unique<shard_optimizer>(
         buckets_, comm.rank(), exempt_mask(model, cfg.decay_exempt), cfg.plan.zero == 2, ao);
   }
+  // When each bucket's gradients are final: event e < blocks_ is block blocks_ - 1 - e's backward,
+  // event blocks_ the end of backward (embeddings, final norm, head: and anything else).
+  overlap_ = opts.overlap && model.set_block_grads_hook([this](std::int64_t block) {
+    if (issuing_) issue_ready(blocks_ - 1 - block);
+  });
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // flat begin, block
+  const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
+  for (const auto& s : model.slots().slots()) {
+    if (s.kind != slot_kind::param) continue;
+    std::int64_t block = overlap_ ? block_of(s.name) : -1;
+    blocks_ = std::max(blocks_, block + 1);
+  }
+  for (auto& b : buckets_) b.ready = blocks_;
+  if (overlap_) {
+    for (auto& b : buckets_) b.ready = -1;
+    for (const auto& s : model.slots().slots()) {
+      if (s.kind != slot_kind::param) continue;
+      std::int64_t block = block_of(s.name);
+      std::int64_t event = block < 0 ? blocks_ : blocks_ - 1 - block;
+      std::int64_t off =
+          (static_cast<const char*>(s.field->data()) - static_cast<const char*>(p.data())) / elem;
+      for (auto& b : buckets_)
+        if (off < b.begin + b.length && off + s.field->numel() > b.begin)
+          b.ready = std::max(b.ready, event);
+    }
+    for (auto& b : buckets_)
+      if (b.ready < 0) b.ready = blocks_;  // padding only
+  }
   std::int64_t shard = 0;
   for (const auto& b : buckets_) {
     shard += b.chunk;
@@ -171,7 +215,9 @@ dp_trainer::dp_trainer(causal_lm& model, const train_config& cfg, collective::co
     shard_grads_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
 }
 
-dp_trainer::~dp_trainer() = default;
+dp_trainer::~dp_trainer() {
+  if (overlap_) model_.set_block_grads_hook({});
+}
 
 std::int64_t dp_trainer::optimizer_elements() const {
   return full_opt_ ? full_opt_->m().numel() : shard_opt_->elements;
@@ -197,36 +243,40 @@ void dp_trainer::read_rows(std::int64_t begin, std::int64_t end,
   }
 }
 
-double dp_trainer::reduce_gradients() {
+void dp_trainer::issue_ready(std::int64_t event) {
+  for (const auto& b : buckets_)
+    if (b.ready == event) issue_bucket(b);
+}
+
+void dp_trainer::issue_bucket(const dp_bucket& b) {
   const tensor& g = model_.memory().grads();
-  const int dp = comm_.size(), rank = comm_.rank();
-  std::vector<collective::work> works;
-  works.reserve(buckets_.size());
-  auto t0 = clock_type::now();
+  const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
-    for (const auto& b : buckets_)
-      works.push_back(comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32));
-    wait_all(works);
+    works_.push_back(comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32));
+    return;
+  }
+  const float* in = f32_at(g, b.begin);
+  if (b.padded(dp)) {
+    std::memcpy(pad_in_.data(), in, static_cast<std::size_t>(b.length) * 4);
+    std::fill(f32_at(pad_in_, b.length), f32_at(pad_in_, b.chunk * dp), 0.0f);
+    in = f32_at(pad_in_, 0);
+  }
+  works_.push_back(
+      comm_.reduce_scatter(in, f32_at(shard_grads_, b.shard_offset), b.chunk, dtype::f32));
+}
+
+double dp_trainer::reduce_gradients() {
+  auto t0 = clock_type::now();
+  wait_all(works_);
+  if (cfg_.plan.zero < 2) {
     comm_wait_ += seconds_since(t0);
-    return clip_grad_norm(g, cfg_.clip);
+    return clip_grad_norm(model_.memory().grads(), cfg_.clip);
   }
-  for (const auto& b : buckets_) {
-    const float* in = f32_at(g, b.begin);
-    if (b.padded(dp)) {
-      std::memcpy(pad_in_.data(), in, static_cast<std::size_t>(b.length) * 4);
-      std::fill(f32_at(pad_in_, b.length), f32_at(pad_in_, b.chunk * dp), 0.0f);
-      in = f32_at(pad_in_, 0);
-    }
-    works.push_back(
-        comm_.reduce_scatter(in, f32_at(shard_grads_, b.shard_offset), b.chunk, dtype::f32));
-  }
-  wait_all(works);
   // The padding of the short bucket reduces to zeros, so the shard's squares are exactly its
   // elements'.
   double sq = ops::sum_squares(shard_grads_);
   comm_.allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
-  (void)rank;
   double norm = std::sqrt(sq);
   if (cfg_.clip > 0 && norm > cfg_.clip) ops::scale(shard_grads_, cfg_.clip / (norm + 1e-6));
   return norm;
@@ -272,12 +322,22 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     next_token_targets(ids, tg);
     const double w = plan_.weight(rank, m);
     loss += w * model_.forward(ids, tg);
-    model_.backward(w);  // the gradient of w * loss: the group's sum is the step's mean
+    // The last microbatch's backward makes the gradients final: buckets may start during it.
+    issuing_ = m + 1 == plan_.microbatches();
+    try {
+      model_.backward(w);  // the gradient of w * loss: the group's sum is the step's mean
+    } catch (...) {
+      issuing_ = false;
+      throw;
+    }
+    issuing_ = false;
   }
-  comm_.allreduce(&loss, 1, dtype::f64).wait();
+  issue_ready(blocks_);  // what the end of backward made final (everything without overlap)
+  auto loss_work = comm_.allreduce(&loss, 1, dtype::f64);
 
   step_result r;
   r.grad_norm = reduce_gradients();
+  loss_work.wait();
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);

@@ -17,8 +17,10 @@
 //   zero 2: each bucket is reduce-scattered into a shard-sized gradient buffer (the model's own
 //           full gradient buffer still exists: backward writes it); the global norm is the
 //           allreduced sum of the shards' squares; then as zero 1.
-// All bucket ops are issued back to back and waited before the optimizer (no overlap with
-// backward: the models expose no per-block hook yet). f32 models only (no mixed precision yet).
+// Overlap: when the model has a per-block point where a block's gradients are final
+// (causal_lm::set_block_grads_hook), a bucket's op is issued during the last microbatch's backward
+// as soon as every parameter it holds is final; the rest right after backward. All are waited
+// before the optimizer. f32 models only (no mixed precision yet).
 #pragma once
 
 #include <cstddef>
@@ -37,6 +39,7 @@ namespace troupe::models::parallel {
 
 struct dp_options {
   std::size_t bucket_bytes = 25u << 20;  // gradient bucket size (rounded up to dp elements)
+  bool overlap = true;                   // issue buckets during backward when the model allows it
 };
 
 // One bucket of the flat buffers: [begin, begin + length) with chunk = ceil(length / dp) elements
@@ -44,6 +47,7 @@ struct dp_options {
 struct dp_bucket {
   std::int64_t begin = 0, length = 0, chunk = 0;
   std::int64_t shard_offset = 0;  // where this bucket's chunk starts in a rank's shard buffer
+  std::int64_t ready = 0;         // the backward event after which all its gradients are final
   bool padded(int dp) const { return chunk * dp != length; }
 };
 
@@ -67,13 +71,18 @@ class dp_trainer {
   // Rows in the largest microbatch of any rank: the batch the model must be planned for.
   static std::int64_t microbatch_rows(const train_config& cfg);
 
-  // Seconds of the last step spent waiting for the gradient and parameter collectives.
+  // Seconds of the last step spent waiting for the gradient and parameter collectives (after
+  // backward: what overlap did not hide).
   double last_comm_wait_seconds() const { return comm_wait_; }
+  // True when bucket ops start during backward.
+  bool overlapped() const { return overlap_; }
 
  private:
   struct shard_optimizer;
   void read_rows(std::int64_t begin, std::int64_t end, const trainer::batch_source& data);
-  double reduce_gradients();  // returns the global gradient norm before clipping (after clipping)
+  void issue_ready(std::int64_t event);  // issues the buckets whose `ready` is event
+  void issue_bucket(const dp_bucket& b);
+  double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
   void gather_parameters();
 
   causal_lm& model_;
@@ -89,6 +98,10 @@ class dp_trainer {
   owned_tensor pad_in_, pad_out_;  // staging for the padded bucket
   std::int64_t step_ = 0;
   double comm_wait_ = 0;
+  bool overlap_ = false;
+  bool issuing_ = false;                 // the last microbatch's backward is running
+  std::int64_t blocks_ = 0;              // events: block blocks_-1-e for e < blocks_, then the end
+  std::vector<collective::work> works_;  // the bucket ops of this step
   std::vector<std::int32_t> rows_, draw_rows_, targets_;
   std::uint64_t cached_draw_ = ~std::uint64_t{0};
 };

@@ -4,7 +4,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -13,6 +15,7 @@
 #include "models/parallel/data_parallel.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
+#include "tensor/parallel.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -49,6 +52,7 @@ hf::model_config tiny_model(bool llama) {
 struct run_result {
   std::vector<step_result> steps;
   std::vector<float> params;
+  bool overlapped = false;
 };
 
 std::vector<float> host_params(causal_lm& m) {
@@ -81,6 +85,7 @@ std::vector<run_result> data_parallel(bool llama, train_config c, int dp, int ze
         auto m = make_causal_lm(tiny_model(llama), {dp_trainer::microbatch_rows(c), c.seq});
         m->init_weights(5);
         dp_trainer t(*m, c, *comms[r], opts);
+        out[r].overlapped = t.overlapped();
         for (int s = 0; s < c.steps; ++s) out[r].steps.push_back(t.step(synthetic_rows));
         out[r].params = host_params(*m);
       } catch (...) {
@@ -107,7 +112,7 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST_CASE("Buckets cover the flat buffer from its end with chunks padded to the group size",
           "[parallel]") {
-  auto bs = parallel::make_buckets(103, 4, 10);  // chunk 3: buckets of 12, the last of 7
+  auto bs = models::parallel::make_buckets(103, 4, 10);  // chunk 3: buckets of 12, the last of 7
   REQUIRE(bs.size() == 9);
   std::int64_t end = 103, shard = 0;
   for (const auto& b : bs) {
@@ -176,6 +181,23 @@ TEST_CASE("Data parallel training with ZeRO 0 1 and 2 equals the single process 
   }
 }
 
+TEST_CASE("Buckets issued during backward give the weights of buckets issued after it",
+          "[parallel]") {
+  for (bool llama : {false, true}) {
+    train_config c = tiny_run(4, 1);
+    c.steps = 4;
+    for (int zero : {0, 2}) {
+      INFO((llama ? "llama" : "gpt2") << " zero " << zero);
+      auto early = data_parallel(llama, c, 2, zero, {.bucket_bytes = 4 * 10007, .overlap = true});
+      auto late = data_parallel(llama, c, 2, zero, {.bucket_bytes = 4 * 10007, .overlap = false});
+      // Each bucket is reduced on its own, so the order of issue changes no bit.
+      CHECK(early[0].params == late[0].params);
+      CHECK(early[0].overlapped);
+      CHECK_FALSE(late[0].overlapped);
+    }
+  }
+}
+
 TEST_CASE("ZeRO 1 gives each rank the optimizer state of its shard only", "[parallel]") {
   train_config c = tiny_run(4, 1);
   c.steps = 1;
@@ -205,5 +227,75 @@ TEST_CASE("ZeRO 1 gives each rank the optimizer state of its shard only", "[para
       }
       CHECK(sum == total);
     }
+  }
+}
+
+// Not a test: tokens/s of dp 2 (two rank threads, one compute thread each) against the
+// single-process trainer on two compute threads, and how much of the gradient reduction overlap
+// hides. Run: troupe_models_tests "[.dp_bench]"
+TEST_CASE("Data parallel throughput against the single process trainer", "[.dp_bench]") {
+  const char* names[] = {"gpt2-demo", "bench-small"};
+  for (const char* name : names) {
+    auto mc = named_model_config(name).value();
+    train_config c;
+    c.batch = 8;
+    c.seq = 128;
+    c.steps = 100;
+    const int steps = 4;
+    const double tokens = static_cast<double>(c.batch * c.seq * steps);
+    auto source = [&](std::uint64_t d, int b, int t, std::vector<std::int32_t>& rows) {
+      rows.resize(static_cast<std::size_t>(b) * t);
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        rows[i] = static_cast<std::int32_t>((d * 7919 + i * 31 + i * i) %
+                                            250);  // both vocabularies hold 250
+    };
+    troupe::parallel::set_num_threads(2);
+    double single = 0;
+    {
+      auto m = make_causal_lm(mc, {c.batch, c.seq});
+      m->init_weights(1);
+      trainer t(*m, c);
+      t.step(source);
+      auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) t.step(source);
+      single = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::printf("%s single process, 2 threads: %.0f tokens/s\n", name, tokens / single);
+    troupe::parallel::set_num_threads(1);
+    for (int zero : {0, 2}) {
+      for (bool overlap : {false, true}) {
+        train_config d = c;
+        d.plan.dp = 2;
+        d.plan.zero = zero;
+        auto comms = collective::make_local_group(2);
+        double secs = 0, wait = 0, total_wait = 0;
+        std::vector<std::thread> threads;
+        for (int r = 0; r < 2; ++r)
+          threads.emplace_back([&, r] {
+            auto m = make_causal_lm(mc, {dp_trainer::microbatch_rows(d), d.seq});
+            m->init_weights(1);
+            dp_trainer t(*m, d, *comms[r], {.overlap = overlap});
+            t.step(source);
+            auto t0 = std::chrono::steady_clock::now();
+            double w = 0;
+            for (int i = 0; i < steps; ++i) {
+              t.step(source);
+              w += t.last_comm_wait_seconds();
+            }
+            if (r == 0) {
+              secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+              wait = w / steps;
+              total_wait = w;
+            }
+          });
+        for (auto& t : threads) t.join();
+        std::printf(
+            "%s dp2 zero %d overlap %d: %.0f tokens/s (%.2fx single), %.1f ms/step waiting on "
+            "collectives (%.1f%% of the step)\n",
+            name, zero, int(overlap), tokens / secs, single / secs, wait * 1e3,
+            100 * total_wait / secs);
+      }
+    }
+    troupe::parallel::set_num_threads(2);
   }
 }
