@@ -30,7 +30,6 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
-#include <unordered_map>
 
 #include "memory/error.hpp"
 
@@ -107,6 +106,40 @@ struct ucx_request : detail::p2p_state {
   // Whoever sets this first writes `error` and `status` (UCX's callback, or the transport failing
   // a request UCX never completed).
   std::atomic<bool> claimed{false};
+  // The peer's list of pending requests (guarded by impl::mu_); `self` keeps a listed request
+  // alive while UCX may call back into it, even if the caller dropped its p2p_request.
+  ucx_request* prev = nullptr;
+  ucx_request* next = nullptr;
+  std::shared_ptr<ucx_request> self;
+};
+
+// An intrusive list: no allocation per request (a hash map here cost ~5% of a ping-pong).
+struct request_list {
+  ucx_request* head = nullptr;
+  void push(std::shared_ptr<ucx_request> r) {
+    ucx_request* raw = r.get();
+    raw->self = std::move(r);
+    raw->prev = nullptr;
+    raw->next = head;
+    if (head != nullptr) head->prev = raw;
+    head = raw;
+  }
+  // Unlinks `r` if listed; returns its self reference (empty if it was not listed).
+  std::shared_ptr<ucx_request> remove(ucx_request* r) {
+    if (r->self == nullptr) return nullptr;
+    if (r->prev != nullptr) r->prev->next = r->next;
+    if (r->next != nullptr) r->next->prev = r->prev;
+    if (head == r) head = r->next;
+    r->prev = r->next = nullptr;
+    return std::move(r->self);
+  }
+  template <class F>
+  void for_each(F&& f) {
+    for (ucx_request* r = head; r != nullptr; r = r->next) f(r->self);
+  }
+  void clear() {
+    while (head != nullptr) remove(head);
+  }
 };
 
 struct peer_state {
@@ -117,7 +150,7 @@ struct peer_state {
   std::atomic<bool> closing{true};  // no posts on `ep` (not connected, lost or closing)
   bool close_pending = false;       // an endpoint error asked for a deferred close (mu_)
   std::string failure;              // guarded by mu_
-  std::unordered_map<ucx_request*, std::shared_ptr<ucx_request>> pending;  // guarded by mu_
+  request_list pending;             // guarded by mu_
 };
 
 struct ucx_transport::impl {
@@ -198,11 +231,7 @@ struct ucx_transport::impl {
     bool free_now = false;
     {
       std::lock_guard lk(mu_);
-      auto& pend = peers[r->peer].pending;
-      if (auto it = pend.find(r); it != pend.end()) {
-        keep = std::move(it->second);
-        pend.erase(it);
-      }
+      keep = peers[r->peer].pending.remove(r);
       r->ucx_done = true;
       r->handle = nullptr;
       if (r->cancel_holds == 0) {
@@ -260,7 +289,7 @@ struct ucx_transport::impl {
       r->status.store(detail::p2p_state::failed, std::memory_order_release);
       return false;
     }
-    ps.pending.emplace(r.get(), r);
+    ps.pending.push(r);
     return true;
   }
 
@@ -269,7 +298,7 @@ struct ucx_transport::impl {
     if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {  // completed (or failed) at once: no callback
       {
         std::lock_guard lk(mu_);
-        peers[r->peer].pending.erase(r.get());
+        peers[r->peer].pending.remove(r.get());
         r->ucx_done = true;
       }
       finish(r.get(), sp == nullptr ? UCS_OK : UCS_PTR_STATUS(sp), length);
@@ -315,12 +344,12 @@ struct ucx_transport::impl {
       auto& ps = peers[peer];
       if (!ps.failure.empty()) return false;
       ps.failure = reason.empty() ? std::string("(no reason given)") : reason;
-      for (auto& [raw, r] : ps.pending) {
+      ps.pending.for_each([&](const std::shared_ptr<ucx_request>& r) {
         if (!r->is_send && r->handle != nullptr && !r->ucx_done) {
           ++r->cancel_holds;
           held.emplace_back(r, r->handle);
         }
-      }
+      });
       if (from_callback) {
         ps.close_pending = true;
         any_close_pending.store(true, std::memory_order_release);
@@ -361,7 +390,7 @@ struct ucx_transport::impl {
     std::vector<std::shared_ptr<ucx_request>> left;
     {
       std::lock_guard lk(mu_);
-      for (auto& [raw, r] : ps.pending) left.push_back(r);
+      ps.pending.for_each([&](const std::shared_ptr<ucx_request>& r) { left.push_back(r); });
     }
     for (auto& r : left) fail_request(r.get(), why_left);
   }
@@ -642,7 +671,7 @@ p2p_request ucx_transport::isend(int peer, std::uint64_t tag, const void* data, 
     {
       std::lock_guard lk(m.mu_);
       failure = ps.failure;
-      ps.pending.erase(r.get());
+      ps.pending.remove(r.get());
       r->ucx_done = true;
     }
     TROUPE_CHECK(!failure.empty(), "ucx_transport rank ", m.opt.rank, ": isend to rank ", peer,
@@ -709,14 +738,17 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
   m.active_waiters.fetch_add(1, std::memory_order_acq_rel);
   bool active = true;
   try {
+    // The clock is read every 32 polls only: reading it each time cost 17% of an 8-byte ping-pong.
     auto last_progress = start;
-    while (!done()) {
-      unsigned n = ucp_worker_progress(m.worker);
-      if (done()) break;
+    bool progressed = false;
+    for (unsigned polls = 1; !done(); ++polls) {
+      progressed |= ucp_worker_progress(m.worker) != 0;
+      if (done() || polls % 32 != 0) continue;
       auto now = clock::now();
       check_deadline(now);
-      if (n != 0) {
+      if (progressed) {
         last_progress = now;
+        progressed = false;
         continue;
       }
       auto idle = now - last_progress;

@@ -419,7 +419,12 @@ TEST_CASE("UCX p2p bandwidth and latency between two pinned processes", "[.ucx-b
     const char* v = std::getenv(name);
     return std::string(v != nullptr ? v : fallback);
   };
-  const std::string what = env("TROUPE_P2P", "4194304 67108864 lat");
+  // Catch2 runs hidden tests under an exclusion-only filter ("~[gpu]"): run only when asked.
+  if (std::getenv("TROUPE_P2P") == nullptr) {
+    WARN("set TROUPE_P2P (e.g. \"4194304 67108864 lat\") to run the p2p benchmark");
+    return;
+  }
+  const std::string what = env("TROUPE_P2P", "");
   const bool progress = env("TROUPE_P2P_PROGRESS", "1") == "1";
   const int window = std::stoi(env("TROUPE_P2P_WINDOW", "1"));
   local_ranks_options opt;

@@ -9,7 +9,11 @@
 # usage: scripts/bench/ucx_perftest.sh [repetitions] [path/to/troupe_collective_tests]
 #   env: UCX_TLS (default self,sysv,posix,tcp), UCX_MAX_RNDV_RAILS (0), UCX_NET_DEVICES (lo):
 #        troupe's defaults; SERVER_CPU (1), CLIENT_CPU (0), PORT (13400 + random);
-#        TROUPE_P2P_PROGRESS (1: troupe's progress thread on).
+#        TROUPE_P2P_PROGRESS (1: troupe's progress thread on); PRIO: a command prefix for both
+#        (e.g. PRIO="chrt -f 10": SCHED_FIFO, so that other jobs on a shared 2-core machine do not
+#        preempt the busy-polling pair; unset = normal priority). Never with tcp carrying data:
+#        real-time spinners on every core starve ksoftirqd and a tcp transfer stalls (each run is
+#        cut off after 60 s anyway).
 # Tests: tag_bw 4 MiB (1000 iterations) and 64 MiB (100), one message outstanding (ucx_perftest's
 # default; troupe window 1), and tag_lat 8 B (100000 round trips; one-way latency = RTT / 2).
 set -euo pipefail
@@ -18,6 +22,7 @@ troupe_tests=${2:-}
 export UCX_TLS=${UCX_TLS:-self,sysv,posix,tcp}
 export UCX_MAX_RNDV_RAILS=${UCX_MAX_RNDV_RAILS:-0}
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+prio=${PRIO:-}
 server_cpu=${SERVER_CPU:-1}
 client_cpu=${CLIENT_CPU:-0}
 port=${PORT:-$((13400 + RANDOM % 500))}
@@ -26,12 +31,12 @@ command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get in
 # run_one TEST SIZE ITERS WARMUP -> prints ucx_perftest's final line
 run_one() {
   local test=$1 size=$2 iters=$3 warmup=$4 out=""
-  taskset -c "$server_cpu" ucx_perftest -p "$port" >/dev/null 2>&1 &
+  timeout 60 $prio taskset -c "$server_cpu" ucx_perftest -p "$port" >/dev/null 2>&1 &
   local server=$!
   # the server needs a moment to listen; retry the client a few times
   for _ in 1 2 3 4 5 6 7 8 9 10; do
     sleep 0.2
-    if out=$(taskset -c "$client_cpu" ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$size" \
+    if out=$(timeout 60 $prio taskset -c "$client_cpu" ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$size" \
                -n "$iters" -w "$warmup" -f 2>&1); then
       break
     fi
@@ -43,11 +48,12 @@ run_one() {
 
 run_troupe() {
   [ -n "$troupe_tests" ] || return 0
-  TROUPE_P2P="$1" "$troupe_tests" "[.ucx-bench]" | grep '^troupe' | sed 's/^/        /'
+  TROUPE_P2P="$1" timeout 120 $prio "$troupe_tests" "[.ucx-bench]" | grep '^troupe' |
+    sed 's/^/        /'
 }
 
 echo "UCX_TLS=$UCX_TLS UCX_MAX_RNDV_RAILS=$UCX_MAX_RNDV_RAILS UCX_NET_DEVICES=$UCX_NET_DEVICES"
-echo "server cpu $server_cpu, client cpu $client_cpu (troupe: rank 0 on the first allowed cpu, rank 1 on the second)"
+echo "server cpu $server_cpu, client cpu $client_cpu (troupe: rank 0 on the first allowed cpu, rank 1 on the second)${prio:+, under '$prio'}"
 for rep in $(seq 1 "$reps"); do
   for size in 4194304 67108864; do
     iters=$((size > 8388608 ? 100 : 1000))
