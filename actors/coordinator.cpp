@@ -58,6 +58,10 @@ struct member_rec {
   caf::typed_response_promise<msg::address_reply> address_rp;
   bool ready_in = false;
   caf::typed_response_promise<msg::ready_reply> ready_rp;
+  // A new process taking the place of this lost rank in a running job: the survivors that still
+  // have to connect to it (joined_ack) before it starts.
+  bool rejoining = false;
+  std::set<int> acks_missing;
 };
 
 struct barrier_rec {
@@ -173,6 +177,29 @@ void broadcast(coord_actor* self, const caf::message& m, int also = -1) {
   }
 }
 
+std::vector<std::string> member_status(const coordinator_state& st) {
+  std::vector<std::string> out;
+  for (const auto& m : st.members)
+    out.push_back(m.status == member_rec::lost   ? "lost: " + m.reason
+                  : m.status == member_rec::left ? std::string("left the job")
+                                                 : std::string());
+  return out;
+}
+
+// A rejoining rank starts once it asked to and every survivor has connected to it.
+void complete_rejoin(coord_actor* self, int rank) {
+  auto& st = self->state;
+  auto& m = st.members[rank];
+  if (!m.rejoining || !m.ready_in || !m.acks_missing.empty()) return;
+  m.rejoining = false;
+  m.status = member_rec::alive;
+  m.last_seen = clock::now();
+  m.ready_rp.deliver(msg::ready_reply{true, {}, st.epoch});
+  log(self, "rank " + std::to_string(rank) + " (host " + m.info.host + ", pid " +
+                std::to_string(m.info.pid) + ") rejoined; membership epoch " +
+                std::to_string(st.epoch));
+}
+
 void declare_lost(coord_actor* self, int rank, const std::string& reason) {
   auto& st = self->state;
   auto& m = st.members[rank];
@@ -189,6 +216,15 @@ void declare_lost(coord_actor* self, int rank, const std::string& reason) {
   const std::string why = "rank " + std::to_string(rank) + " lost: " + reason;
   fail_barriers(self, why);
   if (!st.started) fail_forming(self, why + " while the job was starting");
+  if (m.rejoining) {
+    m.rejoining = false;
+    if (m.address_rp.pending()) m.address_rp.deliver(msg::address_reply{false, why, {}});
+    if (m.ready_rp.pending()) m.ready_rp.deliver(msg::ready_reply{false, why, 0});
+  }
+  // A survivor that is gone no longer needs to connect to a rejoining rank.
+  for (std::size_t r = 0; r < st.members.size(); ++r)
+    if (st.members[r].rejoining && st.members[r].acks_missing.erase(rank))
+      complete_rejoin(self, static_cast<int>(r));
   publish_status(self);
 }
 
@@ -269,8 +305,35 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
                         " ranks, the job has " + std::to_string(world));
         if (!st.forming_failed.empty())
           return refuse("the job could not start: " + st.forming_failed);
-        if (st.started) return refuse("the job has already started");
         auto& m = st.members[req.rank];
+        if (st.started) {
+          // A new process may take the place of a lost (or departed) rank.
+          if (m.status != member_rec::lost && m.status != member_rec::left)
+            return refuse("the job has already started and rank " + std::to_string(req.rank) +
+                          " is in it (host " + m.info.host + ", pid " + std::to_string(m.info.pid) +
+                          ")");
+          m.status = member_rec::joining;
+          m.rejoining = true;
+          m.address_in = m.ready_in = false;
+          m.acks_missing.clear();
+          m.info = msg::member_info{req.rank,          req.host,          req.pid,
+                                    req.endpoint_host, req.endpoint_port, req.node};
+          m.nid = req.node.node();
+          m.last_seen = clock::now();
+          self->monitor(req.node);
+          log(self, who + " rejoins the running job");
+          msg::join_reply r;
+          r.accepted = true;
+          r.job = st.opts.job;
+          r.world_size = world;
+          r.heartbeat_interval_ms = st.interval_ms;
+          r.heartbeat_timeout_ms = st.opts.heartbeat_timeout.count();
+          for (const auto& mm : st.members) r.members.push_back(mm.info);
+          r.member_status = member_status(st);
+          r.member_status[req.rank].clear();
+          publish_status(self);
+          return r;
+        }
         if (m.status != member_rec::absent)
           return refuse("rank " + std::to_string(req.rank) + " already joined from host " +
                         m.info.host + ", pid " + std::to_string(m.info.pid));
@@ -304,6 +367,18 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         if (!from_member(self, req.rank, "an address")) return caf::sec::request_receiver_down;
         if (!st.forming_failed.empty()) return msg::address_reply{false, st.forming_failed, {}};
         auto& m = st.members[req.rank];
+        if (m.rejoining) {
+          m.address_in = true;
+          m.ucx = std::move(req.ucx_address);
+          msg::address_reply r{true, {}, {}};
+          for (const auto& mm : st.members) r.addresses.push_back(mm.ucx);
+          // Every survivor connects to the new process, then acknowledges.
+          ++st.epoch;
+          for (std::size_t p = 0; p < st.members.size(); ++p)
+            if (st.members[p].status == member_rec::alive) m.acks_missing.insert(int(p));
+          broadcast(self, caf::make_message(msg::member_joined{req.rank, m.info, m.ucx, st.epoch}));
+          return r;
+        }
         if (!m.address_in) ++st.addresses;
         m.address_in = true;
         m.ucx = std::move(req.ucx_address);
@@ -322,6 +397,14 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         if (!from_member(self, req.rank, "a ready message")) return caf::sec::request_receiver_down;
         if (!st.forming_failed.empty()) return msg::ready_reply{false, st.forming_failed, 0};
         auto& m = st.members[req.rank];
+        if (m.rejoining) {
+          m.ready_in = true;
+          m.ready_rp = self->make_response_promise<msg::ready_reply>();
+          auto rp = m.ready_rp;
+          complete_rejoin(self, req.rank);
+          publish_status(self);
+          return rp;
+        }
         if (!m.ready_in) ++st.ready;
         m.ready_in = true;
         m.ready_rp = self->make_response_promise<msg::ready_reply>();
@@ -371,12 +454,22 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         }
         self->delayed_send(self, std::chrono::milliseconds(st.interval_ms), msg::tick_atom::value);
       },
-      [self](msg::exited_atom, std::int32_t rank, std::string& how) {
+      [self](msg::joined_ack& ack) {
+        auto& st = self->state;
+        ++st.msgs_in;
+        if (!from_member(self, ack.rank, "a joined_ack")) return;
+        if (ack.joined < 0 || ack.joined >= static_cast<std::int32_t>(st.members.size())) return;
+        auto& m = st.members[ack.joined];
+        if (m.rejoining && m.acks_missing.erase(ack.rank)) complete_rejoin(self, ack.joined);
+        publish_status(self);
+      },
+      [self](msg::exited_atom, std::int32_t rank, std::int32_t pid, std::string& how) {
         auto& st = self->state;
         const auto& s = self->current_sender();
         if (!s || s->node() != self->node()) return;
         if (rank < 0 || rank >= static_cast<std::int32_t>(st.members.size())) return;
         auto& m = st.members[rank];
+        if (m.status != member_rec::absent && m.info.pid != pid) return;  // another incarnation
         if (m.status == member_rec::alive || m.status == member_rec::joining)
           declare_lost(self, rank, "its process " + how);
         else if (m.status == member_rec::absent && !st.started)
@@ -588,9 +681,10 @@ job_snapshot coordinator::snapshot(std::chrono::milliseconds timeout) {
   return impl_->snapshot(timeout);
 }
 
-void coordinator::process_ended(int rank, const std::string& how) {
+void coordinator::process_ended(int rank, int pid, const std::string& how) {
   caf::scoped_actor self{*impl_->sys};
-  self->send(impl_->actor, msg::exited_atom::value, static_cast<std::int32_t>(rank), how);
+  self->send(impl_->actor, msg::exited_atom::value, static_cast<std::int32_t>(rank),
+             static_cast<std::int32_t>(pid), how);
 }
 
 }  // namespace troupe::actors

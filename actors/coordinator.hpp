@@ -4,7 +4,9 @@
 // job snapshot for introspection (HTTP endpoint + the job registry `troupe ps` reads).
 //
 // It runs in the launcher (`troupe launch`), or in rank 0 under Slurm and torchrun. It ignores
-// every message from actors of processes that have not joined. No CAF type appears here.
+// every message from actors of processes that have not joined. A new process with the token may
+// take the place of a lost rank in a running job: the survivors connect to it (member_joined)
+// before it starts. No CAF type appears here.
 #pragma once
 
 #include <chrono>
@@ -55,10 +57,10 @@ class coordinator {
   // Asks every member for its actors (each answering within `timeout`) and returns the job view.
   job_snapshot snapshot(std::chrono::milliseconds timeout = std::chrono::milliseconds{1000});
 
-  // The launcher saw the process of `rank` end (`how`: "exited with status 1"): a member that did
-  // not leave is lost at once, and a rank that never joined makes the job fail to form instead of
-  // leaving the others waiting.
-  void process_ended(int rank, const std::string& how);
+  // The launcher saw the process `pid` of `rank` end (`how`: "exited with status 1"): a member
+  // that did not leave is lost at once, and a rank that never joined makes the job fail to form
+  // instead of leaving the others waiting. (A rank now held by another process is not touched.)
+  void process_ended(int rank, int pid, const std::string& how);
 
   struct impl;
 

@@ -412,7 +412,7 @@ int launch(const launch_options& given) {
       if (r == c.pid) {
         c.running = false;
         c.status = status;
-        if (coord) coord->process_ended(c.rank, describe_status(status));
+        if (coord) coord->process_ended(c.rank, static_cast<int>(c.pid), describe_status(status));
         if (failed(status)) {
           if (failures.empty()) first_failure = steady::now();
           failures.push_back(c.local);

@@ -22,7 +22,7 @@ using tick_atom = caf::atom_constant<caf::atom("tick")>;
 using describe_atom = caf::atom_constant<caf::atom("describe")>;
 using snapshot_atom = caf::atom_constant<caf::atom("snapshot")>;
 using shutdown_atom = caf::atom_constant<caf::atom("shutdown")>;
-using exited_atom = caf::atom_constant<caf::atom("exited")>;  // launcher: (rank, how)
+using exited_atom = caf::atom_constant<caf::atom("exited")>;  // launcher: (rank, pid, how)
 
 // A rank asks to join: the token, who it is, where its node actor listens, its UCX address.
 struct join_request {
@@ -55,6 +55,9 @@ struct join_reply {
   std::int64_t heartbeat_interval_ms = 0;
   std::int64_t heartbeat_timeout_ms = 0;
   std::vector<member_info> members;  // by rank
+  // Why each rank is not in good standing ("" when it is): a rank that rejoins a running job
+  // learns who is gone.
+  std::vector<std::string> member_status;
 };
 
 // Once the world is known every rank makes its transport and sends its UCX worker address; the
@@ -95,6 +98,20 @@ struct member_lost {
 };
 struct member_left {
   std::int32_t rank = -1;
+  std::uint64_t epoch = 0;
+};
+
+// A lost rank came back (a new process took its place): survivors connect to it and answer with
+// joined_ack; the new process starts once every survivor has.
+struct member_joined {
+  std::int32_t rank = -1;
+  member_info info;
+  std::vector<char> ucx_address;
+  std::uint64_t epoch = 0;
+};
+struct joined_ack {
+  std::int32_t rank = -1;  // who acknowledges
+  std::int32_t joined = -1;
   std::uint64_t epoch = 0;
 };
 
@@ -168,7 +185,7 @@ typename Inspector::result_type inspect(Inspector& f, member_info& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, join_reply& x) {
   return f(caf::meta::type_name("troupe::join_reply"), x.accepted, x.reason, x.job, x.world_size,
-           x.heartbeat_interval_ms, x.heartbeat_timeout_ms, x.members);
+           x.heartbeat_interval_ms, x.heartbeat_timeout_ms, x.members, x.member_status);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, address_request& x) {
@@ -201,6 +218,14 @@ typename Inspector::result_type inspect(Inspector& f, member_lost& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, member_left& x) {
   return f(caf::meta::type_name("troupe::member_left"), x.rank, x.epoch);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, member_joined& x) {
+  return f(caf::meta::type_name("troupe::member_joined"), x.rank, x.info, x.ucx_address, x.epoch);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, joined_ack& x) {
+  return f(caf::meta::type_name("troupe::joined_ack"), x.rank, x.joined, x.epoch);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, leave_request& x) {
@@ -279,6 +304,8 @@ CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::heartbeat))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::coordinator_beat))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::member_lost))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::member_left))
+CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::member_joined))
+CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::joined_ack))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::leave_request))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::barrier_request))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::barrier_reply))

@@ -163,6 +163,16 @@ caf::behavior node_actor(node_actor_t* self, node::impl* impl) {
         ++st.impl->msgs_in;
         st.impl->on_left(m.rank, m.epoch);
       },
+      [self](msg::member_joined& m) {
+        auto& st = self->state;
+        const auto& s = self->current_sender();
+        if (!s || !st.coordinator || s->node() != st.coordinator.node()) return;
+        ++st.impl->msgs_in;
+        if (m.rank == st.impl->rank) return;  // our own rejoin
+        st.impl->on_joined(m);
+        self->send(st.coordinator, msg::joined_ack{st.impl->rank, m.rank, m.epoch});
+        ++st.impl->msgs_out;
+      },
       // Local: a barrier through the coordinator, failed here if the coordinator is lost.
       [self](msg::barrier_request& req) -> caf::result<msg::barrier_reply> {
         auto& st = self->state;
@@ -441,6 +451,42 @@ void node::impl::on_left(int r, std::uint64_t ep) {
   post_event(member_event{member_event::left, r, "left the job", ep});
 }
 
+void node::impl::on_joined(const msg::member_joined& m) {
+  const int r = m.rank;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (r < 0 || r >= world || r == rank) return;
+    epoch = std::max(epoch, m.epoch);
+    members[r] = m.info;
+    lost[r].clear();
+    left[r] = false;
+    ++incarnation[r];
+    if (m.info.node) member_nodes.insert(m.info.node.node());
+    // The new process numbers its tensors from 0 again, in both directions.
+    for (auto it = send_seq.begin(); it != send_seq.end();)
+      it = it->first.first == r ? send_seq.erase(it) : std::next(it);
+    next_claim[r] = 0;
+    for (auto it = inbox.begin(); it != inbox.end();)
+      it = it->source == r ? inbox.erase(it) : std::next(it);
+    for (auto it = claimed.begin(); it != claimed.end();)
+      it = it->first.first == r ? claimed.erase(it) : std::next(it);
+    for (auto it = unwanted.begin(); it != unwanted.end();)
+      it = it->first == r ? unwanted.erase(it) : std::next(it);
+  }
+  {
+    std::lock_guard<std::mutex> lock(connect_mu);
+    if (r < static_cast<int>(direct.size())) direct[r] = nullptr;
+  }
+  if (ucx)
+    ucx->connect(
+        r, std::span<const std::uint8_t>(
+               reinterpret_cast<const std::uint8_t*>(m.ucx_address.data()), m.ucx_address.size()));
+  cv.notify_all();
+  post_event(member_event{
+      member_event::joined, r,
+      "rejoined (host " + m.info.host + ", pid " + std::to_string(m.info.pid) + ")", m.epoch});
+}
+
 void node::impl::on_coordinator_lost(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -652,6 +698,15 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
       I.lost.assign(I.world, {});
       I.left.assign(I.world, false);
       I.next_claim.assign(I.world, 0);
+      I.incarnation.assign(I.world, 0);
+      // Rejoining a running job: some ranks may be gone.
+      for (int p = 0; p < I.world && p < static_cast<int>(rep.member_status.size()); ++p) {
+        const auto& st = rep.member_status[p];
+        if (st == "left the job")
+          I.left[p] = true;
+        else if (!st.empty())
+          I.lost[p] = st.rfind("lost: ", 0) == 0 ? st.substr(6) : st;
+      }
       for (const auto& m : I.members)
         if (m.node) I.member_nodes.insert(m.node.node());
     }
@@ -676,6 +731,15 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
                  arep.addresses.size(), " transport addresses for a world of ", I.world);
     for (int p = 0; p < I.world; ++p) {
       if (p == I.rank) continue;
+      std::string gone;
+      {
+        std::lock_guard<std::mutex> lock(I.mu);
+        gone = I.failure_of(p);
+      }
+      if (!gone.empty()) {
+        I.ucx->fail_peer(p, gone);  // not in the job now: nothing to connect to
+        continue;
+      }
       const auto& a = arep.addresses[p];
       I.ucx->connect(p, std::span<const std::uint8_t>(
                             reinterpret_cast<const std::uint8_t*>(a.data()), a.size()));

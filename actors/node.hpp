@@ -116,8 +116,8 @@ class tensor_recv {
 
 // A change of the member list.
 struct member_event {
-  enum kind_t { lost, left } kind = lost;
-  int rank = -1;       // -1: the coordinator itself was lost
+  enum kind_t { lost, left, joined } kind = lost;  // joined: a new process took a lost rank
+  int rank = -1;                                   // -1: the coordinator itself was lost
   std::string reason;  // "process exited", "no heartbeat for 3.0 s", ...
   std::uint64_t epoch = 0;
 };

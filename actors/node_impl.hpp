@@ -76,6 +76,7 @@ struct node::impl {
   std::vector<msg::member_info> members;
   std::vector<std::string> lost;  // reason by rank; empty: in good standing
   std::vector<bool> left;
+  std::vector<std::uint32_t> incarnation;  // +1 each time a new process takes the rank
   std::string expelled;  // non-empty: this rank can no longer talk to the job (and why)
   std::uint64_t epoch = 0;
   std::set<caf::node_id> member_nodes;  // processes allowed to talk to this node's actors
@@ -125,6 +126,7 @@ struct node::impl {
   // Called by the node actor.
   void on_lost(int r, const std::string& reason, std::uint64_t ep);
   void on_left(int r, std::uint64_t ep);
+  void on_joined(const msg::member_joined& m);
   void on_coordinator_lost(const std::string& reason);
   void deliver(const msg::tensor_announce& a);
   bool is_member_node(const caf::node_id& n) const;

@@ -236,7 +236,13 @@ std::vector<std::string> role_registry::names() const {
 struct job::impl {
   node::impl* n = nullptr;
   std::unique_ptr<caf::scoped_actor> self;
-  std::map<std::pair<int, std::uint16_t>, caf::actor> actors;  // (rank, channel) -> actor
+  // (rank, channel) -> the actor and the incarnation of its rank when it was found.
+  std::map<std::pair<int, std::uint16_t>, std::pair<caf::actor, std::uint32_t>> actors;
+
+  std::uint32_t incarnation(int rank) {
+    std::lock_guard<std::mutex> lock(n->mu);
+    return rank >= 0 && rank < static_cast<int>(n->incarnation.size()) ? n->incarnation[rank] : 0;
+  }
   std::uint64_t next_corr = 1;
 
   std::string who(const role_handle& h) const {
@@ -246,7 +252,9 @@ struct job::impl {
   // The actor behind a handle: known from spawn, else looked up on its node.
   caf::actor resolve(const role_handle& h, ms timeout) {
     auto key = std::make_pair(h.rank, h.channel);
-    if (auto it = actors.find(key); it != actors.end()) return it->second;
+    const std::uint32_t inc = incarnation(h.rank);
+    if (auto it = actors.find(key); it != actors.end() && it->second.second == inc)
+      return it->second.first;
     TROUPE_CHECK(h.valid(), "job: invalid role handle \"", h.name, "\"");
     caf::actor node_actor = n->peer(h.rank);
     msg::spawn_reply rep;
@@ -257,7 +265,7 @@ struct job::impl {
                  [&](caf::error& e) { failure = n->sys->render(e); });
     if (!failure.empty()) TROUPE_FAIL("job: looking up ", who(h), " failed: ", failure);
     if (!rep.ok) TROUPE_FAIL("job: looking up ", who(h), ": ", rep.error);
-    actors[key] = rep.actor;
+    actors[key] = {rep.actor, inc};
     return rep.actor;
   }
 
@@ -304,7 +312,7 @@ role_handle job::spawn(const std::string& role, int rank, const std::string& nam
   h.role = rep.role;
   h.rank = rank;
   h.channel = rep.channel;
-  I.actors[{rank, rep.channel}] = rep.actor;
+  I.actors[{rank, rep.channel}] = {rep.actor, I.incarnation(rank)};
   return h;
 }
 
