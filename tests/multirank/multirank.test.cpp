@@ -386,3 +386,37 @@ TEST_CASE("A rank that exits before joining makes the others fail fast instead o
   }
   CHECK(!launcher.lines_with("ranks failed (ranks 0, 1, 2)").empty());
 }
+
+TEST_CASE("A new process takes the place of a killed rank and the job goes on", "[multirank]") {
+  child_process launcher({troupe_bin, "launch", "-n", "3", "--token", "rejoin-token", "--grace",
+                          "30", "--job", job_name("rejoin"), "--", worker_bin, "rejoin"});
+  REQUIRE(launcher.wait_for_count("ready rank", 3, 60s));
+  const int port = coordinator_port(launcher);
+  const int pid = ready_pid(launcher, 2);
+  REQUIRE(port > 0);
+  REQUIRE(pid > 0);
+  REQUIRE(::kill(pid, SIGKILL) == 0);
+  REQUIRE(launcher.wait_for_count("saw rank 2 lost", 2, 30s));
+  child_process replacement({worker_bin, "rejoin"},
+                            {{"TROUPE_COORDINATOR", "127.0.0.1:" + std::to_string(port)},
+                             {"TROUPE_TOKEN", "rejoin-token"},
+                             {"TROUPE_RANK", "2"},
+                             {"TROUPE_WORLD_SIZE", "3"},
+                             {"TROUPE_REPLACEMENT", "1"}});
+  auto sr = replacement.wait(60s);
+  auto sl = launcher.wait(60s);
+  INFO(launcher.output() << "replacement:\n" << replacement.output());
+  REQUIRE(sr);
+  REQUIRE(sl);
+  CHECK(child_process::code(*sr) == 0);
+  CHECK(child_process::code(*sl) == 1);  // the original rank 2 was killed
+  CHECK(!replacement.lines_with("replacement joined as rank 2: alive 0 1 2").empty());
+  CHECK(!replacement.lines_with("rejoin ok rank 2").empty());
+  for (int r : {0, 1}) {
+    CHECK(!launcher.lines_with("saw rank 2 rejoin: rank " + std::to_string(r)).empty());
+    CHECK(!launcher.lines_with("rejoin ok rank " + std::to_string(r)).empty());
+  }
+  CHECK(!launcher.lines_with("rejoined; membership epoch").empty());
+  CHECK(launcher.lines_with("UNEXPECTED").empty());
+  CHECK(replacement.lines_with("UNEXPECTED").empty());
+}

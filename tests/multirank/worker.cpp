@@ -5,6 +5,8 @@
 //                       pending and report how they fail, and the membership callback
 //   hold                join, then a barrier (the partner of the wrong-token test)
 //   early-exit          rank 1 exits before joining, the others try to join
+//   rejoin              rank 2 is killed; a replacement (TROUPE_REPLACEMENT=1) takes its place and
+//                       exchanges tensors with the survivors
 //   roles               rank 0 drives "calc" role actors on every rank through the job API:
 //   fan-out,
 //                       typed errors, timeouts, a tensor sent to a role, a role on a killed rank
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -309,6 +312,82 @@ int roles(node& n, role_registry&) {
   return rc;
 }
 
+// -- rejoin: a new process takes the place of a killed rank ---------------------------------------
+
+int rejoin(node& n) {
+  const int me = n.rank();
+  const std::size_t size = (1 << 20) + 4096;
+  std::vector<std::uint8_t> out, in(size), expect;
+  if (std::getenv("TROUPE_REPLACEMENT")) {
+    std::string alive;
+    for (int r : n.alive()) {
+      alive += ' ';
+      alive += std::to_string(r);
+    }
+    std::printf("replacement joined as rank %d: alive%s, epoch %llu\n", me, alive.c_str(),
+                static_cast<unsigned long long>(n.epoch()));
+    for (int peer : n.alive()) {
+      if (peer == me) continue;
+      auto info = n.next_tensor(30s, peer);
+      n.receive(info, in.data(), in.size(), 30s);
+      fill(expect, peer, size);
+      if (in != expect) {
+        std::printf("UNEXPECTED: replacement got a wrong tensor from rank %d\n", peer);
+        return 1;
+      }
+      fill(out, me, size);
+      const std::int64_t shape[1] = {static_cast<std::int64_t>(size)};
+      n.send_tensor(peer, out.data(), troupe::dtype::u8, shape, "back").wait(30s);
+    }
+  } else if (me == 2) {
+    std::printf("ready rank %d pid %d (victim)\n", me, static_cast<int>(::getpid()));
+    std::this_thread::sleep_for(120s);
+    return 3;
+  } else {
+    std::mutex mu;
+    std::vector<member_event> events;
+    n.on_membership([&](const member_event& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      events.push_back(e);
+    });
+    std::printf("ready rank %d pid %d\n", me, static_cast<int>(::getpid()));
+    auto seen = [&](member_event::kind_t k) -> std::optional<member_event> {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const auto& e : events)
+        if (e.rank == 2 && e.kind == k) return e;
+      return std::nullopt;
+    };
+    for (int i = 0; i < 3000 && !seen(member_event::lost); ++i) std::this_thread::sleep_for(10ms);
+    if (!seen(member_event::lost)) {
+      std::printf("UNEXPECTED: rank %d never saw rank 2 lost\n", me);
+      return 1;
+    }
+    std::printf("saw rank 2 lost: rank %d\n", me);
+    for (int i = 0; i < 6000 && !seen(member_event::joined); ++i) std::this_thread::sleep_for(10ms);
+    auto j = seen(member_event::joined);
+    if (!j) {
+      std::printf("UNEXPECTED: rank %d never saw rank 2 rejoin\n", me);
+      return 1;
+    }
+    std::printf("saw rank 2 rejoin: rank %d: %s (epoch %llu)\n", me, j->reason.c_str(),
+                static_cast<unsigned long long>(j->epoch));
+    fill(out, me, size);
+    const std::int64_t shape[1] = {static_cast<std::int64_t>(size)};
+    auto send = n.send_tensor(2, out.data(), troupe::dtype::u8, shape, "to-new");
+    auto info = n.next_tensor(30s, 2);
+    n.receive(info, in.data(), in.size(), 30s);
+    send.wait(30s);
+    fill(expect, 2, size);
+    if (in != expect) {
+      std::printf("UNEXPECTED: rank %d got a wrong tensor from the new rank 2\n", me);
+      return 1;
+    }
+  }
+  n.barrier("rejoined", 60s);
+  std::printf("rejoin ok rank %d\n", me);
+  return 0;
+}
+
 int hold(node& n) {
   std::printf("ready rank %d pid %d\n", n.rank(), static_cast<int>(::getpid()));
   n.barrier("hold", 60s);
@@ -354,6 +433,8 @@ int main(int argc, char** argv) {
       rc = roles(n, registry);
     else if (mode == "early-exit")
       rc = hold(n);
+    else if (mode == "rejoin")
+      rc = rejoin(n);
     else
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     n.shutdown();
