@@ -178,7 +178,6 @@ dp_trainer::dp_trainer(causal_lm& model, const train_config& cfg, collective::co
   overlap_ = opts.overlap && model.set_block_grads_hook([this](std::int64_t block) {
     if (issuing_) issue_ready(blocks_ - 1 - block);
   });
-  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // flat begin, block
   const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
   for (const auto& s : model.slots().slots()) {
     if (s.kind != slot_kind::param) continue;

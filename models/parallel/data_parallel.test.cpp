@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -232,8 +233,11 @@ TEST_CASE("ZeRO 1 gives each rank the optimizer state of its shard only", "[para
 
 // Not a test: tokens/s of dp 2 (two rank threads, one compute thread each) against the
 // single-process trainer on two compute threads, and how much of the gradient reduction overlap
-// hides. Run: troupe_models_tests "[.dp_bench]"
+// hides. Run: troupe_models_tests "[.dp_bench]" (DP_BENCH_BUCKET_MB sets the bucket size).
 TEST_CASE("Data parallel throughput against the single process trainer", "[.dp_bench]") {
+  dp_options bench_opts;
+  if (const char* e = std::getenv("DP_BENCH_BUCKET_MB"))
+    bench_opts.bucket_bytes = static_cast<std::size_t>(std::atof(e) * (1 << 20));
   const char* names[] = {"gpt2-demo", "bench-small"};
   for (const char* name : names) {
     auto mc = named_model_config(name).value();
@@ -274,7 +278,9 @@ TEST_CASE("Data parallel throughput against the single process trainer", "[.dp_b
           threads.emplace_back([&, r] {
             auto m = make_causal_lm(mc, {dp_trainer::microbatch_rows(d), d.seq});
             m->init_weights(1);
-            dp_trainer t(*m, d, *comms[r], {.overlap = overlap});
+            dp_options o = bench_opts;
+            o.overlap = overlap;
+            dp_trainer t(*m, d, *comms[r], o);
             t.step(source);
             auto t0 = std::chrono::steady_clock::now();
             double w = 0;
