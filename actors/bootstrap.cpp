@@ -149,9 +149,17 @@ expected<join_info> join_info_from_env(const env_lookup& lookup) {
       if (!lr) return result::failure(lr.error_message());
       j.local_rank = *lr;
     }
-    auto token = token_from_env(get, "TROUPE_COORDINATOR is set");
-    if (!token) return result::failure(token.error_message());
-    j.token = *token;
+    // Without a token the rank still asks, so that the coordinator refuses it (and logs who it
+    // was): both sides then say what is wrong. A token file that cannot be read is an error here.
+    const char* token = get("TROUPE_TOKEN");
+    const char* file = get("TROUPE_TOKEN_FILE");
+    if (token && *token) {
+      j.token = token;
+    } else if (file && *file) {
+      auto t = read_token_file(file);
+      if (!t) return result::failure(t.error_message());
+      j.token = *t;
+    }
     fill_common(j, get);
     return j;
   }

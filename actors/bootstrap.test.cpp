@@ -44,10 +44,21 @@ TEST_CASE("The launcher's variables give coordinator token rank and world") {
 }
 
 TEST_CASE("A missing token or a bad rank is an error naming the variable") {
+  // Without a token a launcher-style rank still asks (and the coordinator refuses it, naming it).
   auto no_token =
       join_info_from_env(env_of({{"TROUPE_COORDINATOR", "127.0.0.1:4000"}, {"TROUPE_RANK", "0"}}));
-  REQUIRE_FALSE(no_token);
-  CHECK(no_token.error_message().find("TROUPE_TOKEN") != std::string::npos);
+  REQUIRE(no_token);
+  CHECK(no_token->token.empty());
+  auto bad_file = join_info_from_env(env_of({{"TROUPE_COORDINATOR", "127.0.0.1:4000"},
+                                             {"TROUPE_RANK", "0"},
+                                             {"TROUPE_TOKEN_FILE", "/nonexistent/token"}}));
+  REQUIRE_FALSE(bad_file);
+  CHECK(bad_file.error_message().find("/nonexistent/token") != std::string::npos);
+  // Slurm and torchrun ranks need one: rank 0 starts the coordinator with it.
+  auto slurm = join_info_from_env(
+      env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NODELIST", "a"}}));
+  REQUIRE_FALSE(slurm);
+  CHECK(slurm.error_message().find("TROUPE_TOKEN") != std::string::npos);
   auto bad_rank = join_info_from_env(
       env_of({{"TROUPE_COORDINATOR", "h:1"}, {"TROUPE_TOKEN", "t"}, {"TROUPE_RANK", "two"}}));
   REQUIRE_FALSE(bad_rank);

@@ -294,6 +294,10 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           r.reason = why;
           return r;
         };
+        if (req.token.empty())
+          return refuse(
+              "no job token (set TROUPE_TOKEN or TROUPE_TOKEN_FILE, or run under troupe "
+              "launch)");
         if (!tokens_equal(req.token, st.opts.token)) return refuse("wrong job token");
         if (!req.node) return refuse("no node actor in the join request");
         const int world = static_cast<int>(st.members.size());

@@ -142,14 +142,20 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[
     CHECK(refusal.front().find("pid " + std::to_string(intruder.pid())) != std::string::npos);
   }
   {
-    // A rank without any token cannot even try.
+    // A rank without any token is refused too, on both sides.
     child_process tokenless(
         {worker_bin, "hold"},
         {{"TROUPE_COORDINATOR", endpoint}, {"TROUPE_TOKEN", ""}, {"TROUPE_RANK", "1"}});
     auto st = tokenless.wait(30s);
+    INFO(tokenless.output());
     REQUIRE(st);
     CHECK(child_process::code(*st) != 0);
-    CHECK(!tokenless.lines_with("no job token").empty());
+    CHECK(!tokenless.lines_with("coordinator " + endpoint + " refused to join: no job token")
+               .empty());
+    REQUIRE(launcher.wait_for("no job token", 10s));
+    CHECK(launcher.lines_with("no job token")
+              .front()
+              .find("pid " + std::to_string(tokenless.pid())) != std::string::npos);
   }
   // The job still forms with the right token, later than one heartbeat timeout.
   std::this_thread::sleep_for(1500ms);
