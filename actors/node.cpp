@@ -866,9 +866,10 @@ tensor_send send_on(node::impl& I, int dest, std::uint16_t channel, const void* 
   info.shape.assign(shape.begin(), shape.end());
   info.bytes = bytes;
   info.name = name;
-  // The announcement goes first and the thread yields once: the middleman then writes it before
-  // this thread starts waiting on the transfer (on a busy core the waiter would delay it, and with
-  // it the receiver).
+  // The announcement is queued first, then the bytes are posted at once: a receiver that
+  // pre-posted its receive (receive_next) takes them without waiting for the announcement.
+  // (Yielding here so that the middleman writes the announcement first cost those receivers up
+  // to 20% at 4 MiB.)
   msg::tensor_announce a{I.rank,     info.id, seq, channel, static_cast<std::uint8_t>(type),
                          info.shape, bytes,   name};
   if (dest == I.rank) {
@@ -886,7 +887,6 @@ tensor_send send_on(node::impl& I, int dest, std::uint16_t channel, const void* 
   }
   caf::send_as(I.node_actor, to, std::move(a));
   ++I.msgs_out;
-  std::this_thread::yield();
   auto req = I.ucx->isend(dest, info.tag, data, bytes);
   return tensor_send(I.ucx.get(), std::move(req), std::move(info));
 }

@@ -8,6 +8,9 @@
 # (goal >= 0.90) and troupe request round trip / bare CAF round trip (goal <= 2).
 #
 # usage: scripts/bench/p2p.sh [build dir (default build)] [ucx_perftest repetitions (default 3)]
+#   env: PRIO, a command prefix for both benchmarks, e.g. PRIO="chrt -f 10" (SCHED_FIFO, so that
+#        other jobs on a shared 2-core machine do not preempt the pinned pairs), as
+#        scripts/bench/ucx_perftest.sh takes it.
 # The machine is shared and noisy: run it when nothing else runs, and compare within one run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +27,7 @@ echo "== ucx_perftest (scripts/bench/ucx_perftest.sh $reps)"
 scripts/bench/ucx_perftest.sh "$reps" | tee "$perf"
 echo
 echo "== troupe bench p2p"
-"$troupe" bench p2p --json >"$report"
+timeout 600 ${PRIO:-} "$troupe" bench p2p --json >"$report"
 
 python3 - "$perf" "$report" <<'EOF'
 import json, re, statistics, sys
