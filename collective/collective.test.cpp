@@ -614,7 +614,8 @@ TEST_CASE("the flight recorder keeps the last 64 ops with their state", "[collec
   auto last = comms[0]->recent().back();
   REQUIRE(last.seq == 71);
   REQUIRE(last.kind == op_kind::allreduce);
-  REQUIRE(last.state == "running");
+  // "issued" until the executor (or a waiter) picks it up, which a loaded machine may delay.
+  REQUIRE((last.state == "running" || last.state == "issued"));
   REQUIRE(last.end_us == 0);
   comms[1]->allreduce(x.data(), 4, dtype::f32).wait();
   w.wait();

@@ -153,12 +153,27 @@ struct comm_core {
     r.state = "issued";
     r.start_us = now_us();
   }
-  void record_state(std::uint64_t seq, std::string state, bool end) {
+  void record_running(std::uint64_t seq) {
     std::lock_guard lock(rec_mu);
     flight_record& r = ring[seq % recorder_size];
-    if (r.seq != seq) return;
-    r.state = std::move(state);
-    if (end) r.end_us = now_us();
+    if (r.seq != seq || r.end_us != 0) return;  // gone from the ring, or already settled
+    r.state = "running";
+  }
+
+  // Finishes w (failed with *message, or done) and its flight record together, so that a waiter
+  // woken by the finish reads a record that says so. The first finisher wins.
+  void settle(work_state& w, const std::string* message, const std::string& why) {
+    std::lock_guard lock(rec_mu);
+    if (w.finished()) return;
+    flight_record& r = ring[w.seq % recorder_size];
+    if (r.seq == w.seq) {
+      r.state = message != nullptr ? "failed: " + why : std::string("done");
+      r.end_us = now_us();
+    }
+    if (message != nullptr)
+      w.fail(*message);
+    else
+      w.complete();
   }
 
   // The cause of a failure with the abort reason filled in.
@@ -180,7 +195,7 @@ struct comm_core {
         broken.store(true);
       }
     }
-    if (w.fail(msg)) record_state(w.seq, "failed: " + why, true);
+    settle(w, &msg, why);
   }
   std::string broken_cause() const {
     std::lock_guard lock(fail_mu);
@@ -201,7 +216,7 @@ struct comm_core {
       fail_work(w, broken_cause());
       return;
     }
-    record_state(w.seq, "running", false);
+    record_running(w.seq);
     algo_tuning tu;
     {
       std::lock_guard lock(tune_mu);
@@ -218,7 +233,7 @@ struct comm_core {
     }
     w.body = nullptr;
     if (why.empty()) {
-      if (w.complete()) record_state(w.seq, "done", true);
+      settle(w, nullptr, {});
     } else {
       fail_work(w, why);
     }
@@ -234,7 +249,7 @@ struct comm_core {
           w.req = w.is_send ? t.isend(wr, p2p_tag(), w.send_buf, w.bytes)
                             : t.irecv(wr, p2p_tag(), w.recv_buf, w.bytes);
           if (w.timeout.count() > 0) w.deadline = clock::now() + w.timeout;
-          record_state(w.seq, "running", false);
+          record_running(w.seq);
           w.posted.store(1);
           w.posted.notify_all();
           return;
@@ -262,7 +277,7 @@ struct comm_core {
       fail_work(w, cause(e.what()));
       return;
     }
-    if (w.complete()) record_state(w.seq, "done", true);
+    settle(w, nullptr, {});
   }
 
   void execute(const std::shared_ptr<work_state>& w) {
