@@ -113,10 +113,10 @@ int drive(node& n, double hold_s) {
   for (const auto& r : replies)
     fmt::print("  {} on rank {}: weighted sum {}\n", r.worker, r.rank, r.weighted_sum);
 
-  // A tensor from the second worker to the last, by handle.
+  // A tensor from the last worker to the first, by handle.
   if (workers.size() >= 2) {
-    const auto& from = workers[1 % workers.size()];
-    const auto& to = workers.back();
+    const auto& from = workers.back();
+    const auto& to = workers.front();
     const std::int64_t elements = 1 << 20;
     const double sent = j.ask<double>(from, pass_tensor{to, elements}, 20s);
     received_reply got;
