@@ -193,6 +193,9 @@ void role_context::receive(const tensor_info& info, void* dst, std::size_t bytes
 tensor_send role_context::send_tensor(const role_handle& dest, const void* data, dtype type,
                                       std::span<const std::int64_t> shape,
                                       const std::string& name) {
+  // It would wait for itself: its tensor handler cannot run while this handler does.
+  TROUPE_CHECK(dest.rank != self_.rank || dest.channel != self_.channel, self_.name,
+               " cannot send a tensor to itself");
   auto s = node_.send_tensor(dest, data, type, shape, name);
   ++state_->msgs_out;
   state_->bytes_out += s.info().bytes;
