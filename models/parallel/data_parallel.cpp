@@ -176,7 +176,10 @@ dp_trainer::dp_trainer(causal_lm& model, const train_config& cfg, collective::co
   // When each bucket's gradients are final: event e < blocks_ is block blocks_ - 1 - e's backward,
   // event blocks_ the end of backward (embeddings, final norm, head: and anything else).
   overlap_ = opts.overlap && model.set_block_grads_hook([this](std::int64_t block) {
-    if (issuing_) issue_ready(blocks_ - 1 - block);
+    if (!issuing_) return;
+    auto before = works_.size();
+    issue_ready(blocks_ - 1 - block);
+    early_ += static_cast<std::int64_t>(works_.size() - before);
   });
   const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
   for (const auto& s : model.slots().slots()) {
@@ -305,6 +308,7 @@ void dp_trainer::gather_parameters() {
 step_result dp_trainer::step(const trainer::batch_source& data) {
   auto t0 = clock_type::now();
   comm_wait_ = 0;
+  early_ = 0;
   cached_draw_ = ~std::uint64_t{0};
   auto& mem = model_.memory();
   const int rank = comm_.rank();

@@ -74,8 +74,9 @@ class dp_trainer {
   // Seconds of the last step spent waiting for the gradient and parameter collectives (after
   // backward: what overlap did not hide).
   double last_comm_wait_seconds() const { return comm_wait_; }
-  // True when bucket ops start during backward.
+  // True when bucket ops start during backward; how many did in the last step.
   bool overlapped() const { return overlap_; }
+  std::int64_t buckets_issued_in_backward() const { return early_; }
 
  private:
   struct shard_optimizer;
@@ -99,6 +100,7 @@ class dp_trainer {
   std::int64_t step_ = 0;
   double comm_wait_ = 0;
   bool overlap_ = false;
+  std::int64_t early_ = 0;
   bool issuing_ = false;                 // the last microbatch's backward is running
   std::int64_t blocks_ = 0;              // events: block blocks_-1-e for e < blocks_, then the end
   std::vector<collective::work> works_;  // the bucket ops of this step
