@@ -608,7 +608,7 @@ TEST_CASE("the flight recorder keeps the last 64 ops with their state", "[collec
     }
   }
   // An unfinished op shows as issued or running, with no end time.
-  std::vector<float> x(4);
+  std::vector<float> x(4), y(4);  // one buffer per rank
   work w = comms[0]->allreduce(x.data(), 4, dtype::f32);
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto last = comms[0]->recent().back();
@@ -617,7 +617,7 @@ TEST_CASE("the flight recorder keeps the last 64 ops with their state", "[collec
   // "issued" until the executor (or a waiter) picks it up, which a loaded machine may delay.
   REQUIRE((last.state == "running" || last.state == "issued"));
   REQUIRE(last.end_us == 0);
-  comms[1]->allreduce(x.data(), 4, dtype::f32).wait();
+  comms[1]->allreduce(y.data(), 4, dtype::f32).wait();
   w.wait();
   REQUIRE(comms[0]->recent().back().state == "done");
 }
