@@ -132,7 +132,7 @@ void fail_forming(coord_actor* self, const std::string& why) {
     if (m.join_rp.pending()) {
       msg::join_reply r;
       r.accepted = false;
-      r.reason = why;
+      r.reason = "the job cannot start: " + why;
       m.join_rp.deliver(std::move(r));
     }
     if (m.address_rp.pending()) m.address_rp.deliver(msg::address_reply{false, why, {}});
@@ -291,7 +291,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           log(self, "refused " + who + ": " + why);
           msg::join_reply r;
           r.accepted = false;
-          r.reason = why;
+          r.reason = "the job cannot start: " + why;
           return r;
         };
         if (req.token.empty())

@@ -764,6 +764,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
         member_event e = std::move(I.events.front());
         I.events.pop_front();
         auto cbs = I.callbacks;
+        I.dispatching = true;
         lock.unlock();
         for (auto& [id, fn] : cbs) {
           try {
@@ -774,6 +775,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
           }
         }
         lock.lock();
+        I.dispatching = false;
+        I.cb_cv.notify_all();
       }
     });
   } catch (...) {
@@ -1074,8 +1077,12 @@ int node::on_membership(std::function<void(const member_event&)> fn) {
 }
 
 void node::remove_membership_callback(int id) {
-  std::lock_guard<std::mutex> lock(impl_->cb_mu);
-  impl_->callbacks.erase(id);
+  auto& I = *impl_;
+  std::unique_lock<std::mutex> lock(I.cb_mu);
+  I.callbacks.erase(id);
+  // Once this returns the callback does not run any more (unless this is the callback itself).
+  if (std::this_thread::get_id() != I.dispatcher.get_id())
+    I.cb_cv.wait(lock, [&] { return !I.dispatching; });
 }
 
 void node::barrier(const std::string& name, std::chrono::milliseconds timeout) {

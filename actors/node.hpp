@@ -174,8 +174,10 @@ class node {
   // The same without blocking: post several to keep transfers back to back.
   tensor_recv post_receive_next(int from, void* dst, std::size_t bytes);
 
-  // Calls `fn` (on a runtime thread; keep it short) for every membership change; returns an id.
+  // Calls `fn` (on a runtime thread; keep it short) for every membership change until removed or
+  // shutdown; returns an id. A callback that refers to locals must be removed before they go.
   int on_membership(std::function<void(const member_event&)> fn);
+  // After this returns, `id` is not running and never runs again.
   void remove_membership_callback(int id);
 
   // Blocks until every member in good standing calls barrier() with the same name; throws when a

@@ -116,6 +116,7 @@ struct node::impl {
   std::condition_variable cb_cv;
   std::deque<member_event> events;
   bool cb_stop = false;
+  bool dispatching = false;  // callbacks are running (outside cb_mu)
   std::thread dispatcher;
 
   std::vector<caf::actor> extra_actors;  // mu: helpers that stop with the node (bench echo)
