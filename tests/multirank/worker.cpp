@@ -50,6 +50,13 @@ void fill(std::vector<std::uint8_t>& buf, int src, std::size_t size) {
   }
 }
 
+// Removes a membership callback that refers to a function's locals on every way out.
+struct callback_guard {
+  node& n;
+  int id;
+  ~callback_guard() { n.remove_membership_callback(id); }
+};
+
 int exchange(node& n) {
   const int world = n.world_size(), me = n.rank();
   const int next = (me + 1) % world, prev = (me + world - 1) % world;
@@ -107,13 +114,14 @@ int loss(node& n, int victim) {
   std::mutex mu;
   std::string callback;
   std::atomic<bool> called{false};
-  n.on_membership([&](const member_event& e) {
+  const int callback_id = n.on_membership([&](const member_event& e) {
     if (e.kind != member_event::lost || e.rank != victim) return;
     std::lock_guard<std::mutex> lock(mu);
     callback = "rank " + std::to_string(e.rank) + " lost: " + e.reason + " (epoch " +
                std::to_string(e.epoch) + ")";
     called = true;
   });
+  callback_guard guard{n, callback_id};  // the callback refers to this frame
   // Two receives from the victim that can never complete: one by handle, one on the raw transport
   // (the collectives' half of the tag space).
   std::vector<std::uint8_t> a(1 << 20), b(1 << 20);
@@ -346,10 +354,11 @@ int rejoin(node& n) {
   } else {
     std::mutex mu;
     std::vector<member_event> events;
-    n.on_membership([&](const member_event& e) {
+    const int callback = n.on_membership([&](const member_event& e) {
       std::lock_guard<std::mutex> lock(mu);
       events.push_back(e);
     });
+    callback_guard guard{n, callback};  // it refers to this frame
     std::printf("ready rank %d pid %d\n", me, static_cast<int>(::getpid()));
     auto seen = [&](member_event::kind_t k) -> std::optional<member_event> {
       std::lock_guard<std::mutex> lock(mu);
