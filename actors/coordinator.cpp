@@ -291,7 +291,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           log(self, "refused " + who + ": " + why);
           msg::join_reply r;
           r.accepted = false;
-          r.reason = "the job cannot start: " + why;
+          r.reason = why;
           return r;
         };
         if (req.token.empty())
