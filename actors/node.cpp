@@ -718,6 +718,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
     uo.rank = I.rank;
     uo.size = I.world;
     uo.net_device = I.info.net_device.empty() ? std::string("all") : I.info.net_device;
+    if (I.opts.survive_local_loss) uo.error_mode = collective::ucx_error_mode::peer;
     I.ucx = std::make_unique<collective::ucx_transport>(uo);
     const auto addr = I.ucx->address();
     msg::address_reply arep;

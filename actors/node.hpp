@@ -44,6 +44,10 @@ struct node_options {
   int caf_threads = 0;
   // Heartbeat timeout of a coordinator this process hosts (Slurm / torchrun rank 0).
   std::chrono::milliseconds heartbeat_timeout{3000};
+  // Whether survivors keep exchanging tensors after losing a rank on their own host: endpoints
+  // to local ranks then run over tcp loopback instead of shared memory (ucx_error_mode::peer),
+  // because a rank killed mid-send can stall a shared-memory receiver for every sender.
+  bool survive_local_loss = false;
 };
 
 // An announced tensor, not yet received.

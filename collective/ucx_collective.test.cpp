@@ -165,6 +165,10 @@ TEST_CASE("a SIGKILLed rank fails every survivor's allreduce naming it over UCX"
   local_ranks_options opt;
   opt.timeout = std::chrono::seconds(60);
   opt.outcomes = &outcomes;
+  // Survivors go on talking after the loss, so every endpoint must isolate a dead peer: over
+  // shared memory a rank killed while writing into a survivor's receive FIFO stalls that FIFO for
+  // every sender (see ucx_error_mode).
+  opt.error_mode = ucx_error_mode::peer;
   run_local_ranks(
       n,
       [&](ucx_transport& t) {

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -224,16 +225,29 @@ TEST_CASE("Many clients at once all get their answer", "[introspection]") {
   http_server server([] { return sample_snapshot(); });
   const std::string want = to_json(sample_snapshot()) + "\n";
   std::atomic<int> good{0};
+  std::mutex mu;
+  std::string first_problem;
   std::vector<std::thread> clients;
   for (int t = 0; t < 8; ++t)
     clients.emplace_back([&] {
       for (int i = 0; i < 25; ++i) {
         auto r = http_get(loopback, server.port(), "/json", 10s);
-        if (r && *r == want) ++good;
+        if (r && *r == want) {
+          ++good;
+          continue;
+        }
+        std::lock_guard lk(mu);
+        if (first_problem.empty())
+          first_problem = r ? "wrong body: " + r->substr(0, 200) : r.error_message();
       }
     });
   for (auto& c : clients) c.join();
+  INFO(first_problem);
   CHECK(good == 200);
+  // A response is counted when its write completes, which may be just after the client read it.
+  auto until = std::chrono::steady_clock::now() + 5s;
+  while (server.requests_served() < 200 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(1ms);
   CHECK(server.requests_served() >= 200);
 }
 

@@ -36,6 +36,12 @@ namespace troupe::collective {
 // of the bandwidth (see README.md). `automatic` uses PEER mode for ranks on other hosts and no
 // error handling for ranks on this host: the membership layer's fail_peer is their failure
 // detector (a dead local process is noticed by its supervisor, not by UCX).
+//
+// Only `peer` lets survivors go on talking after a local rank is killed: each shared-memory
+// receiver has one FIFO that every sender reserves slots in, so a rank killed between reserving a
+// slot and publishing it stalls that receiver for all senders (seen here as a hang in about one of
+// ten SIGKILLs during a 64 MiB allreduce; tcp endpoints isolate the dead peer). With `automatic`,
+// after a local loss, tear the job down or give every operation a timeout.
 enum class ucx_error_mode { automatic, peer, none };
 
 struct ucx_transport_options {

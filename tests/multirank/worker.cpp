@@ -430,6 +430,8 @@ int main(int argc, char** argv) {
     registry.add("calc", make_calc);
     node_options options;
     options.roles = &registry;
+    // Jobs that go on after a loss keep local endpoints isolated (see node_options).
+    options.survive_local_loss = mode == "rejoin";
     node n(options);
     int rc = 2;
     if (mode == "exchange")
