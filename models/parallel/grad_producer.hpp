@@ -1,0 +1,65 @@
+// grad_producer: what the data-parallel engine (dp_trainer) needs of the model piece one rank
+// trains, so that the same gradient reduction, ZeRO sharding, clipping and AdamW serve a whole
+// model, a tensor-parallel shard, a pipeline stage, or a tensor-parallel shard of a stage.
+//
+// The producer owns the piece's planned memory (one flat parameter and one flat gradient buffer)
+// and runs the forward and backward passes of a step's microbatches however its plan says: one
+// after the other for a whole model, along a pipeline schedule for a stage. The engine owns what
+// happens to the gradients afterwards.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string_view>
+
+#include "collective/communicator.hpp"
+#include "models/layers/slots.hpp"
+
+namespace troupe::models::parallel {
+
+// Microbatch k of a step as this data-parallel rank reads it: token ids and next-token targets,
+// i32 [rows, seq] on the host (valid until the next fetch), and its weight (rows / global batch:
+// the factor on its mean-loss gradient).
+struct microbatch_data {
+  tensor ids, targets;
+  double weight = 0;
+};
+
+class grad_producer {
+ public:
+  virtual ~grad_producer() = default;
+
+  // The piece's parameters and gradients (flat: memory().params(), memory().grads()) and names.
+  virtual layer_memory& memory() = 0;
+  virtual const slot_list& slots() const = 0;
+
+  // Forward and backward of this rank's `microbatches` microbatches of one step; fetch(k) gives
+  // microbatch k (k ascending, each at most once). Accumulates sum_k weight_k * d loss_k / d params
+  // into memory().grads() (the caller zeroed them) and returns sum_k weight_k * loss_k, the same
+  // value on every rank of the piece's model-parallel group (pipeline stages and tensor shards of
+  // one data-parallel replica).
+  virtual double forward_backward(int microbatches,
+                                  const std::function<microbatch_data(int k)>& fetch) = 0;
+
+  // Makes forward_backward call f(i) as soon as the gradients of block i (parameters named
+  // "<scope>.<i>.*", global layer index) are final for the step, i.e. after the last microbatch's
+  // backward through it. False when the piece has no such point (the engine then reduces
+  // everything after forward_backward returns). An empty f stops the calls.
+  virtual bool set_block_grads_hook(std::function<void(std::int64_t block)> f) {
+    (void)f;
+    return false;
+  }
+
+  // Gradient norm across model parallelism: the global norm is the square root of the sum, over
+  // the ranks of norm_group() (null: this rank alone), of the squares of the gradients of the
+  // parameters this rank counts. A parameter replicated on several ranks of the group (a
+  // LayerNorm on every tensor shard, a tied embedding on the first and last stage) is counted by
+  // exactly one of them.
+  virtual collective::communicator* norm_group() { return nullptr; }
+  virtual bool counts_in_norm(std::string_view parameter) const {
+    (void)parameter;
+    return true;
+  }
+};
+
+}  // namespace troupe::models::parallel
