@@ -118,7 +118,8 @@ class nvme_store {
   std::size_t in_flight() const;  // requests issued and not yet completed
 
   bool contains(std::uint64_t key) const;
-  std::size_t page_bytes(std::uint64_t key) const;  // 0 if absent
+  std::size_t page_bytes(std::uint64_t key) const;     // 0 if absent
+  std::uint64_t page_offset(std::uint64_t key) const;  // file offset of the page (tests, tools)
   std::size_t pages() const;
   std::uint64_t used_bytes() const;  // bytes of extents in use (4 KiB rounded)
   std::uint64_t file_bytes() const;  // current size of the file
