@@ -146,17 +146,10 @@ void train_config::validate() const {
   if (!problems.empty()) throw error(scheduler::join(problems));
 }
 
-expected<train_config> load_train_config(const std::string& path) {
+namespace {
+
+expected<train_config> from_table(const toml::table& doc, const std::string& path) {
   train_config c;
-  toml::table doc;
-  try {
-    doc = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    std::ostringstream os;
-    os << path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": "
-       << e.description();
-    return expected<train_config>::failure(os.str());
-  }
   try {
     for (const auto& [section, node] : doc) {
       const auto* tbl = node.as_table();
@@ -173,6 +166,82 @@ expected<train_config> load_train_config(const std::string& path) {
     return expected<train_config>::failure(path + ": " + e.what());
   }
   return c;
+}
+
+expected<train_config> parse_failure(const std::string& origin, const toml::parse_error& e) {
+  std::ostringstream os;
+  os << origin << ":" << e.source().begin.line << ":" << e.source().begin.column << ": "
+     << e.description();
+  return expected<train_config>::failure(os.str());
+}
+
+}  // namespace
+
+expected<train_config> load_train_config(const std::string& path) {
+  try {
+    return from_table(toml::parse_file(path), path);
+  } catch (const toml::parse_error& e) {
+    return parse_failure(path, e);
+  }
+}
+
+expected<train_config> parse_train_config(std::string_view text, const std::string& origin) {
+  try {
+    return from_table(toml::parse(text, origin), origin);
+  } catch (const toml::parse_error& e) {
+    return parse_failure(origin, e);
+  }
+}
+
+std::string to_toml(const train_config& c) {
+  toml::table model, data, train, optim, ckpt, par;
+  if (!c.model_hf.empty()) model.insert("hf", c.model_hf);
+  model.insert("size", c.model_size);
+  if (!c.data_tokens.empty()) data.insert("tokens", c.data_tokens);
+  data.insert("text", c.data_text);
+  train.insert("steps", c.steps);
+  train.insert("batch", c.batch);
+  train.insert("seq", c.seq);
+  train.insert("grad_accum", c.grad_accum);
+  train.insert("log_every", c.log_every);
+  train.insert("seed", static_cast<std::int64_t>(c.seed));
+  train.insert("fixed_batch", c.fixed_batch);
+  train.insert("recompute", c.recompute);
+  train.insert("precision", c.precision);
+  optim.insert("lr", c.lr);
+  optim.insert("min_lr", c.min_lr);
+  optim.insert("beta1", c.beta1);
+  optim.insert("beta2", c.beta2);
+  optim.insert("eps", c.eps);
+  optim.insert("weight_decay", c.weight_decay);
+  optim.insert("clip", c.clip);
+  optim.insert("warmup", c.warmup);
+  optim.insert("decay_exempt", c.decay_exempt);
+  if (!c.ckpt_dir.empty()) ckpt.insert("dir", c.ckpt_dir);
+  ckpt.insert("every", c.ckpt_every);
+  if (!c.resume.empty()) ckpt.insert("resume", c.resume);
+  par.insert("dp", c.plan.dp);
+  par.insert("tp", c.plan.tp);
+  par.insert("pp", c.plan.pp);
+  par.insert("sp", c.plan.sp);
+  par.insert("zero", c.plan.zero);
+  par.insert("microbatches", c.plan.microbatches);
+  par.insert("schedule", std::string(scheduler::name(c.plan.schedule)));
+  par.insert("virtual_stages", c.plan.virtual_stages);
+  par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
+  toml::array order;
+  for (const auto& a : c.plan.order) order.push_back(a);
+  par.insert("order", order);
+  toml::table doc;
+  doc.insert("model", model);
+  doc.insert("data", data);
+  doc.insert("train", train);
+  doc.insert("optim", optim);
+  doc.insert("checkpoint", ckpt);
+  doc.insert("parallel", par);
+  std::ostringstream os;
+  os << doc;
+  return os.str();
 }
 
 }  // namespace troupe::models

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "memory/error.hpp"
 #include "scheduler/plan.hpp"
@@ -50,10 +51,16 @@ struct train_config {
 
   // Checks ranges and combinations; the message names the key as "section.key".
   void validate() const;
+  friend bool operator==(const train_config&, const train_config&) = default;
 };
 
 // Reads a TOML job file over the defaults; unknown sections or keys, wrong types and bad values
 // are errors naming the file and "section.key".
 expected<train_config> load_train_config(const std::string& path);
+// The same from TOML text; errors name `origin` as they would name the file.
+expected<train_config> parse_train_config(std::string_view text, const std::string& origin);
+// Every key as TOML: parse_train_config(to_toml(c)) == c (to hand a run's settings to other ranks
+// or store them next to a checkpoint).
+std::string to_toml(const train_config& c);
 
 }  // namespace troupe::models

@@ -74,3 +74,30 @@ TEST_CASE("job file mistakes are errors naming the file and the key") {
   REQUIRE(!missing.has_value());
   CHECK_THAT(missing.error_message(), Catch::Contains("/no/such/job.toml"));
 }
+
+TEST_CASE("A job written as TOML text reads back equal") {
+  train_config c;
+  c.model_size = "llama-tiny";
+  c.data_text = "/tmp/some text with \"quotes\"";
+  c.steps = 17;
+  c.seed = 99;
+  c.lr = 1.25e-3;
+  c.clip = 0.5;
+  c.fixed_batch = true;
+  c.ckpt_dir = "/tmp/ck";
+  c.plan.dp = 2;
+  c.plan.pp = 2;
+  c.plan.zero = 1;
+  c.plan.microbatches = 4;
+  c.plan.schedule = troupe::scheduler::schedule_kind::gpipe;
+  c.plan.order = {"pp", "dp", "tp"};
+  auto back = parse_train_config(to_toml(c), "sent");
+  REQUIRE(back.has_value());
+  CHECK(*back == c);
+  auto defaults = parse_train_config(to_toml(train_config{}), "defaults");
+  REQUIRE(defaults.has_value());
+  CHECK(*defaults == train_config{});
+  auto bad = parse_train_config("[train]\nsteps = 0\n", "from rank 0");
+  REQUIRE(!bad.has_value());
+  CHECK_THAT(bad.error_message(), Catch::Contains("from rank 0") && Catch::Contains("train.steps"));
+}
