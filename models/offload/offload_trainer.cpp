@@ -1,0 +1,319 @@
+// offload_trainer (see offload_trainer.hpp): chunked parameters, gradients and AdamW state under
+// a tier manager, driving a streamed_gpt unit by unit.
+#include "models/offload/offload_trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "memory/error.hpp"
+#include "models/optim.hpp"
+#include "models/targets.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models {
+namespace {
+
+using memory::tier;
+
+memory::tier_manager_options manager_options(const offload_options& o) {
+  memory::tier_manager_options m;
+  m.device_bytes = o.device_bytes;
+  m.host_bytes = o.host_bytes;
+  m.nvme_dir = o.nvme_dir;
+  m.prefetch_depth = o.prefetch_depth;
+  return m;
+}
+
+memory::chunk_size_choice choose(const streamed_gpt& model, std::vector<std::int32_t>& slots,
+                                 const offload_options& o) {
+  std::vector<std::size_t> sizes;
+  const auto& all = model.slots().slots();
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i].kind != slot_kind::param) continue;
+    slots.push_back(static_cast<std::int32_t>(i));
+    sizes.push_back(static_cast<std::size_t>(all[i].sizes.numel()) * 4);
+  }
+  auto cands = o.chunk_candidates.empty() ? memory::default_chunk_candidates() : o.chunk_candidates;
+  return memory::choose_chunk_size(sizes, cands, 64);
+}
+
+}  // namespace
+
+offload_trainer::offload_trainer(const gpt_config& model, const train_config& cfg,
+                                 const offload_options& opt)
+    : gcfg_(model),
+      cfg_(cfg),
+      opt_(opt),
+      model_(model, {cfg.batch, cfg.seq}),
+      chunks_(choose(model_, param_slots_, opt)),
+      tiers_(manager_options(opt)) {
+  cfg_.validate();
+  TROUPE_CHECK(cfg.precision == "f32", "offload_trainer: precision ", cfg.precision,
+               " is not supported (f32 only)");
+  TROUPE_CHECK(cfg.grad_accum == 1, "offload_trainer: grad_accum ", cfg.grad_accum,
+               " is not supported (1 only)");
+  for (tier t : {opt.placement.param_tier, opt.placement.optim_tier})
+    TROUPE_CHECK(t == tier::host || t == tier::nvme,
+                 "offload_trainer: param_tier and optim_tier must be host or nvme, got ",
+                 memory::tier_name(t));
+  const auto& all = model_.slots().slots();
+  const auto nt = static_cast<std::int32_t>(param_slots_.size());
+  std::vector<std::int32_t> tensor_of(all.size(), -1);
+  for (std::int32_t j = 0; j < nt; ++j) tensor_of[param_slots_[j]] = j;
+  last_backward_unit_.assign(nt, model_.units());
+  for (std::int32_t u = 0; u < model_.units(); ++u) {
+    std::vector<std::int32_t> cs, ts;
+    for (std::int32_t s : model_.unit_params(u)) {
+      const std::int32_t j = tensor_of[s];
+      ts.push_back(j);
+      last_backward_unit_[j] = std::min(last_backward_unit_[j], u);
+      const std::int32_t c = chunks_.layout.records[j].chunk;
+      if (std::find(cs.begin(), cs.end(), c) == cs.end()) cs.push_back(c);
+    }
+    unit_chunks_.push_back(std::move(cs));
+    unit_tensors_.push_back(std::move(ts));
+  }
+  for (std::int32_t j = 0; j < nt; ++j) {
+    const auto& s = all[param_slots_[j]];
+    decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s.name, s.sizes.rank())));
+  }
+  tiers_.reserve(tier::device, model_.non_model_bytes());
+  place();
+  build_schedule();
+}
+
+void offload_trainer::place() {
+  const std::int32_t n = chunk_count();
+  const std::size_t cb = chunks_.layout.chunk_bytes;
+  const auto& pl = opt_.placement;
+  std::vector<bool> p_dev(n, true), o_dev(n, true);
+  if (pl.how == offload_placement::mode::fixed) {
+    TROUPE_CHECK(pl.param_fraction >= 0 && pl.param_fraction <= 1 && pl.optim_fraction >= 0 &&
+                     pl.optim_fraction <= 1,
+                 "offload_trainer: param_fraction and optim_fraction must be in [0, 1]");
+    const auto np = static_cast<std::int32_t>(std::lround(pl.param_fraction * n));
+    const auto no = static_cast<std::int32_t>(std::lround(pl.optim_fraction * n));
+    for (std::int32_t i = 0; i < n; ++i) {
+      p_dev[i] = i >= np;
+      o_dev[i] = i >= no;
+    }
+  } else {
+    // Room for the slots one unit's backward pins at once (parameters and gradients), plus two
+    // for prefetch; the rest of the budget after the non-model memory keeps chunks resident.
+    std::size_t working = 0;
+    for (const auto& cs : unit_chunks_) working = std::max(working, 2 * cs.size());
+    const std::size_t need = model_.non_model_bytes() + (working + 2) * cb;
+    std::size_t room = opt_.device_bytes > need ? opt_.device_bytes - need : 0;
+    for (std::int32_t i = 0; i < n; ++i) {
+      p_dev[i] = room >= 2 * cb;  // parameters and gradients
+      if (p_dev[i]) room -= 2 * cb;
+      o_dev[i] = false;
+    }
+    for (std::int32_t i = 0; i < n; ++i) {
+      o_dev[i] = p_dev[i] && room >= 2 * cb;  // m and v (the update then runs on the device)
+      if (o_dev[i]) room -= 2 * cb;
+    }
+  }
+  optim_at_.resize(n);
+  for (std::int32_t i = 0; i < n; ++i)
+    optim_at_[i] = p_dev[i] && o_dev[i] ? tier::device : tier::host;
+  for (std::int32_t i = 0; i < n; ++i)
+    tiers_.add_chunk(cb, p_dev[i] ? tier::device : pl.param_tier, "param." + std::to_string(i));
+  for (std::int32_t i = 0; i < n; ++i) {
+    // Gradients live where their update runs, with the optimizer state.
+    const tier g = optim_at_[i] == tier::device ? tier::device : pl.optim_tier;
+    tiers_.add_chunk(cb, g, "grad." + std::to_string(i));
+  }
+  for (const char* kind : {"m.", "v."})
+    for (std::int32_t i = 0; i < n; ++i)
+      tiers_.add_chunk(cb, o_dev[i] ? tier::device : pl.optim_tier, kind + std::to_string(i));
+}
+
+void offload_trainer::build_schedule() {
+  const std::int32_t n = chunk_count();
+  schedule_.clear();
+  for (std::int32_t u = 0; u < model_.units(); ++u)
+    for (std::int32_t c : unit_chunks_[u]) schedule_.push_back({c, tier::device});
+  for (std::int32_t u = model_.units() - 1; u >= 0; --u)
+    for (std::int32_t c : unit_chunks_[u]) {
+      schedule_.push_back({c, tier::device});
+      schedule_.push_back({n + c, tier::device});
+    }
+  for (std::int32_t i = 0; i < n; ++i)
+    for (std::int32_t k = 0; k < 4; ++k) schedule_.push_back({k * n + i, optim_at_[i]});
+}
+
+std::size_t offload_trainer::model_state_bytes() const {
+  return 4 * chunks_.layout.total_bytes();
+}
+
+std::size_t offload_trainer::pinned_at_once(tier where) const {
+  const std::int32_t n = chunk_count();
+  auto away = [&](std::int32_t id) { return tiers_.home(id) != where ? 1u : 0u; };
+  std::size_t most = 0;
+  if (where == tier::device)
+    for (const auto& cs : unit_chunks_) {
+      std::size_t k = 0;
+      for (std::int32_t c : cs) k += away(c) + away(n + c);
+      most = std::max(most, k);
+    }
+  for (std::int32_t i = 0; i < n; ++i) {
+    if (optim_at_[i] != where) continue;
+    std::size_t k = 0;
+    for (std::int32_t j = 0; j < 4; ++j) k += away(j * n + i);
+    most = std::max(most, k);
+  }
+  return most;
+}
+
+void offload_trainer::check_budgets() {
+  if (!schedule_set_) {
+    tiers_.set_schedule(schedule_);
+    schedule_set_ = true;
+  }
+  // The pools are laid out on the first acquire; a parameter chunk in its home tier costs nothing.
+  const tier t = tiers_.home(0) == tier::device ? tier::device : tier::host;
+  tiers_.acquire(0, t);
+  tiers_.release(0, t, false);
+  tiers_.set_schedule(schedule_);  // rewind the cursor
+  for (tier w : {tier::device, tier::host}) {
+    const std::size_t need = pinned_at_once(w);
+    TROUPE_CHECK(tiers_.slots(w) >= need, "offload_trainer: the ", memory::tier_name(w),
+                 " budget holds ", tiers_.slots(w), " chunk slots but a step pins ", need,
+                 " at once (chunk size ", chunks_.layout.chunk_bytes, " bytes)");
+  }
+}
+
+tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
+  const auto& rec = chunks_.layout.records[j];
+  const auto& s = model_.slots().slots()[param_slots_[j]];
+  return tensor(base + rec.offset, rec.bytes, dtype::f32, s.sizes, device::cpu());
+}
+
+void offload_trainer::set_weights(const slot_list& src) {
+  TROUPE_CHECK(!schedule_set_, "offload_trainer: set_weights before the first step");
+  const auto& all = model_.slots().slots();
+  for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
+    const auto& s = all[param_slots_[j]];
+    const tensor_slot* from = nullptr;
+    for (const auto& o : src.slots())
+      if (o.kind == slot_kind::param && o.name == s.name) from = &o;
+    TROUPE_CHECK(from != nullptr, "offload_trainer: the source has no parameter '", s.name, "'");
+    const std::int32_t c = chunks_.layout.records[j].chunk;
+    const tier t = tiers_.home(c) == tier::device ? tier::device : tier::host;
+    std::byte* base = tiers_.acquire(c, t);
+    ops::copy(*from->field, view(base, j));
+    tiers_.release(c, t, true);
+  }
+}
+
+void offload_trainer::copy_weights_to(const slot_list& dst) {
+  const auto& all = model_.slots().slots();
+  for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
+    const auto& s = all[param_slots_[j]];
+    for (const auto& o : dst.slots()) {
+      if (o.kind != slot_kind::param || o.name != s.name) continue;
+      const std::int32_t c = chunks_.layout.records[j].chunk;
+      const tier t = tiers_.home(c) == tier::device ? tier::device : tier::host;
+      std::byte* base = tiers_.acquire(c, t);
+      ops::copy(view(base, j), *o.field);
+      tiers_.release(c, t, false);
+    }
+  }
+  if (schedule_set_) tiers_.set_schedule(schedule_);  // off-schedule reads: rewind the cursor
+}
+
+step_result offload_trainer::step(const trainer::batch_source& data) {
+  auto t0 = std::chrono::steady_clock::now();
+  if (!schedule_set_) {
+    tiers_.set_schedule(schedule_);
+    schedule_set_ = true;
+  }
+  const std::int32_t n = chunk_count();
+  const auto& all = model_.slots().slots();
+  const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
+  const std::uint64_t draw = cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_);
+  data(draw, b, t, rows_);
+  targets_.resize(rows_.size());
+  tensor ids(rows_.data(), rows_.size() * 4, dtype::i32, {b, t});
+  tensor tg(targets_.data(), targets_.size() * 4, dtype::i32, {b, t});
+  next_token_targets(ids, tg);
+  model_.begin(ids, tg);
+
+  // Forward: each unit's parameter chunks on the device.
+  for (std::int32_t u = 0; u < model_.units(); ++u) {
+    for (std::int32_t c : unit_chunks_[u]) {
+      std::byte* base = tiers_.acquire(c, tier::device);
+      for (std::int32_t j : unit_tensors_[u])
+        if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
+    }
+    model_.forward_unit(u);
+    for (std::int32_t c : unit_chunks_[u]) tiers_.release(c, tier::device, false);
+  }
+  step_result r;
+  r.loss = model_.loss();
+
+  // Backward: parameters and gradients on the device; the norm is summed as gradients finish.
+  grad_touched_.assign(n, false);
+  double sumsq = 0;
+  for (std::int32_t u = model_.units() - 1; u >= 0; --u) {
+    for (std::int32_t c : unit_chunks_[u]) {
+      std::byte* p = tiers_.acquire(c, tier::device);
+      const bool first = !grad_touched_[c];
+      std::byte* g = tiers_.acquire(n + c, tier::device, first);
+      if (first) std::memset(g, 0, chunks_.layout.chunk_bytes);
+      grad_touched_[c] = true;
+      for (std::int32_t j : unit_tensors_[u])
+        if (chunks_.layout.records[j].chunk == c) {
+          *all[param_slots_[j]].field = view(p, j);
+          *all[param_slots_[j]].grad = view(g, j);
+        }
+    }
+    model_.backward_unit(u);
+    for (std::int32_t j : unit_tensors_[u])
+      if (last_backward_unit_[j] == u) sumsq += ops::sum_squares(*all[param_slots_[j]].grad);
+    for (std::int32_t c : unit_chunks_[u]) {
+      tiers_.release(c, tier::device, false);
+      tiers_.release(n + c, tier::device, true);
+    }
+  }
+
+  // Clip and update chunk by chunk where each chunk's optimizer runs.
+  r.grad_norm = std::sqrt(sumsq);
+  const double clip =
+      cfg_.clip > 0 && r.grad_norm > cfg_.clip ? cfg_.clip / (r.grad_norm + 1e-6) : 1.0;
+  r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
+  ops::adamw_options o{.lr = r.lr,
+                       .beta1 = cfg_.beta1,
+                       .beta2 = cfg_.beta2,
+                       .eps = cfg_.eps,
+                       .weight_decay = cfg_.weight_decay,
+                       .step = step_ + 1};
+  for (std::int32_t i = 0; i < n; ++i) {
+    const tier at = optim_at_[i];
+    std::byte* p = tiers_.acquire(i, at);
+    std::byte* g = tiers_.acquire(n + i, at);
+    std::byte* m = tiers_.acquire(2 * n + i, at);
+    std::byte* v = tiers_.acquire(3 * n + i, at);
+    for (std::int32_t j : chunks_.layout.members[i]) {
+      tensor gj = view(g, j);
+      if (clip != 1.0) ops::scale(gj, clip);
+      ops::adamw_options oj = o;
+      if (!decays_[j]) oj.weight_decay = 0.0;
+      ops::adamw(view(p, j), gj, view(m, j), view(v, j), oj);
+    }
+    tiers_.release(i, at, true);
+    tiers_.release(n + i, at, clip != 1.0);
+    tiers_.release(2 * n + i, at, true);
+    tiers_.release(3 * n + i, at, true);
+  }
+  ++step_;
+  r.step = step_;
+  r.tokens = cfg_.batch * cfg_.seq;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace troupe::models

@@ -1,0 +1,110 @@
+// offload_trainer: models/trainer.hpp's step for a GPT-2 whose parameters, gradients and AdamW
+// state live in chunks under a memory::tier_manager (device / host / NVMe), ZeRO-Infinity style.
+//
+// Layout: the parameters, in the order of first use (the slot order of the forward), are packed
+// into chunks of one size chosen among candidates to waste the fewest bytes
+// (memory::choose_chunk_size); the gradients and the moments m and v use the same layout, so
+// chunk i of each kind covers the same tensors. Chunk ids in the tier manager: parameters
+// 0..n-1, gradients n..2n-1, m 2n..3n-1, v 3n..4n-1.
+//
+// Placement (the home tier of each chunk): fixed: the first round(param_fraction * n) parameter
+// chunks (and their gradients) live in param_tier, the rest on the device; the first
+// round(optim_fraction * n) optimizer-state chunks live in optim_tier, the rest on the device.
+// automatic: takes the model's non-model memory (the planned activations and scratch: the step
+// allocates nothing else), leaves room for the chunk slots one unit needs at once, and keeps as
+// many parameter (+ gradient) chunks and then optimizer-state chunks resident on the device as
+// fit; the rest go to param_tier / optim_tier. The optimizer of chunk i runs on the device when
+// its parameters and state all live there, and otherwise on the host (the CPU AdamW, chunk by
+// chunk), where gradients of such chunks live too (in optim_tier).
+//
+// A step (f32, grad_accum 1): forward unit by unit with each unit's parameter chunks brought into
+// the device region, backward in reverse with parameter and gradient chunks there (gradients are
+// zeroed at their first touch, and the global norm is summed as each tensor's gradient becomes
+// final), then clipping and AdamW chunk by chunk in the chunks' order. The tier manager knows
+// this schedule: it prefetches along it and evicts by Belady. The losses and weights equal
+// trainer's on gpt bit for bit (up to the grad-norm sum's order, in double).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memory/chunk.hpp"
+#include "memory/tier_manager.hpp"
+#include "models/gpt.hpp"
+#include "models/offload/streamed_gpt.hpp"
+#include "models/train_config.hpp"
+#include "models/trainer.hpp"
+
+namespace troupe::models {
+
+struct offload_placement {
+  enum class mode : std::uint8_t { fixed, automatic };
+  mode how = mode::fixed;
+  double param_fraction = 0;                     // fixed: parameter (and gradient) chunks offloaded
+  double optim_fraction = 0;                     // fixed: optimizer-state chunks offloaded
+  memory::tier param_tier = memory::tier::host;  // host or nvme
+  memory::tier optim_tier = memory::tier::host;  // host or nvme
+};
+
+struct offload_options {
+  std::size_t device_bytes = 0;  // the device budget (non-model memory included)
+  std::size_t host_bytes = 0;    // the host budget for chunks (0: unlimited)
+  std::string nvme_dir;          // needed when a tier is nvme
+  int prefetch_depth = 4;
+  offload_placement placement;
+  std::vector<std::size_t> chunk_candidates;  // empty: memory::default_chunk_candidates()
+};
+
+class offload_trainer {
+ public:
+  offload_trainer(const gpt_config& model, const train_config& cfg, const offload_options& opt);
+
+  // Parameters by name from / to another model's slots (e.g. a gpt's, to start from the same
+  // weights and to compare after training).
+  void set_weights(const slot_list& src);
+  void copy_weights_to(const slot_list& dst);
+
+  step_result step(const trainer::batch_source& data);
+  std::int64_t steps_done() const { return step_; }
+
+  const memory::chunk_size_choice& chunking() const { return chunks_; }
+  std::int32_t chunk_count() const { return chunks_.layout.chunks; }
+  memory::tier_manager& tiers() { return tiers_; }
+  std::size_t non_model_bytes() const { return model_.non_model_bytes(); }
+  std::size_t model_state_bytes() const;  // parameters, gradients, m and v (chunked)
+  memory::tier param_home(std::int32_t chunk) const { return tiers_.home(chunk); }
+  memory::tier optim_home(std::int32_t chunk) const {
+    return tiers_.home(2 * chunk_count() + chunk);
+  }
+  // Makes the tier manager lay out its pools now and checks that they hold what a step pins at
+  // once; throws troupe::error naming the budget otherwise.
+  void check_budgets();
+  // Chunks a step pins at once in `where` outside their home there (the slots it needs).
+  std::size_t pinned_at_once(memory::tier where) const;
+
+ private:
+  tensor view(std::byte* base, std::int32_t tensor_index) const;
+  void place();
+  void build_schedule();
+
+  gpt_config gcfg_;
+  train_config cfg_;
+  offload_options opt_;
+  streamed_gpt model_;
+  std::vector<std::int32_t> param_slots_;  // tensor j -> its index in model_.slots()
+  memory::chunk_size_choice chunks_;
+  memory::tier_manager tiers_;
+  std::vector<std::vector<std::int32_t>> unit_chunks_;   // unit -> its chunks, in order
+  std::vector<std::vector<std::int32_t>> unit_tensors_;  // unit -> its tensors
+  std::vector<std::int32_t> last_backward_unit_;         // tensor -> unit finishing its grad
+  std::vector<bool> decays_;                             // tensor -> weight decay applies
+  std::vector<memory::tier> optim_at_;                   // chunk -> where its AdamW runs
+  std::vector<memory::chunk_use> schedule_;
+  bool schedule_set_ = false;
+  std::vector<bool> grad_touched_;
+  std::int64_t step_ = 0;
+  std::vector<std::int32_t> rows_, targets_;
+};
+
+}  // namespace troupe::models
