@@ -5,9 +5,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/parallel/model_producer.hpp"
 #include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
@@ -15,6 +17,7 @@ namespace troupe::models::parallel {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
+using range_list = std::vector<std::pair<std::int64_t, std::int64_t>>;  // [begin, length)
 
 double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
@@ -36,19 +39,23 @@ std::pair<std::int64_t, std::int64_t> own_range(const dp_bucket& b, int rank) {
   return {begin, end};
 }
 
+// Where parameter slot s starts in the flat parameter buffer p (checked).
+std::int64_t flat_offset(const tensor_slot& s, const tensor& p) {
+  const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
+  std::int64_t off =
+      (static_cast<const char*>(s.field->data()) - static_cast<const char*>(p.data())) / elem;
+  TROUPE_CHECK(off >= 0 && off + s.field->numel() <= p.numel(), "dp_trainer: parameter '", s.name,
+               "' does not live in the flat parameter buffer");
+  return off;
+}
+
 // Which elements of the flat parameter buffer are exempt from weight decay.
-std::vector<bool> exempt_mask(causal_lm& model, bool decay_exempt) {
-  const tensor& p = model.memory().params();
+std::vector<bool> exempt_mask(const slot_list& slots, const tensor& p, bool decay_exempt) {
   std::vector<bool> exempt(static_cast<std::size_t>(p.numel()), false);
   if (!decay_exempt) return exempt;
-  const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
-  for (const auto& s : model.slots().slots()) {
+  for (const auto& s : slots.slots()) {
     if (s.kind != slot_kind::param || !biases_norms_embeddings(s.name, s.sizes.rank())) continue;
-    std::ptrdiff_t off =
-        (static_cast<const char*>(s.field->data()) - static_cast<const char*>(p.data())) / elem;
-    TROUPE_CHECK(off >= 0 && off + s.field->numel() <= p.numel(), "dp_trainer: parameter '", s.name,
-                 "' does not live in the flat parameter buffer");
-    std::fill_n(exempt.begin() + off, s.field->numel(), true);
+    std::fill_n(exempt.begin() + flat_offset(s, p), s.field->numel(), true);
   }
   return exempt;
 }
@@ -66,6 +73,20 @@ std::int64_t block_of(const std::string& name) {
     v = v * 10 + (name[i] - '0');
   }
   return v;
+}
+
+// Sorted, merged ranges.
+range_list merged(range_list r) {
+  std::sort(r.begin(), r.end());
+  range_list out;
+  for (const auto& [b, n] : r) {
+    if (n <= 0) continue;
+    if (!out.empty() && out.back().first + out.back().second >= b)
+      out.back().second = std::max(out.back().second, b + n - out.back().first);
+    else
+      out.emplace_back(b, n);
+  }
+  return out;
 }
 
 }  // namespace
@@ -91,19 +112,21 @@ std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_
 // AdamW over the chunks this rank owns: moments only for them, cut into runs of equal decay.
 struct dp_trainer::shard_optimizer {
   struct piece {
-    std::int64_t flat = 0, length = 0;  // in the flat parameter buffer
-    std::int64_t grad = 0;              // in the gradient tensor step() is given
-    std::int64_t state = 0;             // in m and v
+    std::int64_t param = 0, length = 0;  // in the parameter tensor step() is given
+    std::int64_t grad = 0;               // in the gradient tensor step() is given
+    std::int64_t state = 0;              // in m and v
     bool decay = true;
   };
   ops::adamw_options opt;
   std::vector<piece> pieces;
   owned_tensor m, v;
   std::int64_t steps = 0;
+  std::int64_t elements = 0;
 
-  // grad_in_shard: the gradients come as the shard buffer (zero 2), else as the flat buffer.
+  // grad_in_shard: the gradients come as the shard buffer (zero 2, 3), else as the flat buffer;
+  // param_in_shard: the same for the parameters (zero 3).
   shard_optimizer(const std::vector<dp_bucket>& buckets, int rank, const std::vector<bool>& exempt,
-                  bool grad_in_shard, const ops::adamw_options& o)
+                  bool grad_in_shard, bool param_in_shard, const ops::adamw_options& o)
       : opt(o) {
     std::int64_t state = 0;
     for (const auto& b : buckets) {
@@ -111,8 +134,9 @@ struct dp_trainer::shard_optimizer {
       for (std::int64_t i = begin; i < end;) {
         std::int64_t j = i;
         while (j < end && exempt[j] == exempt[i]) ++j;
-        std::int64_t grad = grad_in_shard ? b.shard_offset + (i - begin) : i;
-        pieces.push_back({i, j - i, grad, state, !exempt[i]});
+        std::int64_t in_shard = b.shard_offset + (i - begin);
+        pieces.push_back({param_in_shard ? in_shard : i, j - i, grad_in_shard ? in_shard : i, state,
+                          !exempt[i]});
         state += j - i;
         i = j;
       }
@@ -121,7 +145,6 @@ struct dp_trainer::shard_optimizer {
     v = zeros({std::max<std::int64_t>(state, 1)}, dtype::f32, device::cpu());
     elements = state;
   }
-  std::int64_t elements = 0;
 
   void step(const tensor& params, const tensor& grads, double lr) {
     ++steps;
@@ -130,7 +153,7 @@ struct dp_trainer::shard_optimizer {
     o.step = steps;
     for (const auto& p : pieces) {
       o.weight_decay = p.decay ? opt.weight_decay : 0.0;
-      ops::adamw(params.narrow(0, p.flat, p.length), grads.narrow(0, p.grad, p.length),
+      ops::adamw(params.narrow(0, p.param, p.length), grads.narrow(0, p.grad, p.length),
                  m.narrow(0, p.state, p.length), v.narrow(0, p.state, p.length), o);
     }
   }
@@ -146,79 +169,136 @@ std::int64_t dp_trainer::microbatch_rows(const train_config& cfg) {
 
 dp_trainer::dp_trainer(causal_lm& model, const train_config& cfg, collective::communicator& comm,
                        const dp_options& opts)
-    : model_(model),
+    : dp_trainer(std::make_unique<model_producer>(model), nullptr, cfg, comm, opts) {}
+
+dp_trainer::dp_trainer(grad_producer& piece, const train_config& cfg,
+                       collective::communicator& comm, const dp_options& opts)
+    : dp_trainer(nullptr, &piece, cfg, comm, opts) {}
+
+dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piece,
+                       const train_config& cfg, collective::communicator& comm,
+                       const dp_options& opts)
+    : owned_(std::move(owned)),
+      piece_(piece != nullptr ? *piece : *owned_),
       cfg_(cfg),
       comm_(comm),
       opts_(opts),
       plan_(cfg.batch * cfg.grad_accum, cfg.plan.dp, cfg.plan.microbatches) {
   cfg_.validate();
-  TROUPE_CHECK(cfg.plan.dp == comm.size(), "dp_trainer: plan.dp is ", cfg.plan.dp, " but ",
-               comm.name(), " has ", comm.size(), " ranks");
-  TROUPE_CHECK(cfg.plan.zero >= 0 && cfg.plan.zero <= 2, "dp_trainer: zero stage ", cfg.plan.zero,
-               " is not supported (0, 1 or 2) on rank ", comm.rank());
-  const tensor& p = model.memory().params();
+  const int dp = comm.size(), rank = comm.rank();
+  const int zero = cfg.plan.zero;
+  TROUPE_CHECK(cfg.plan.dp == dp, "dp_trainer: plan.dp is ", cfg.plan.dp, " but ", comm.name(),
+               " has ", dp, " ranks");
+  TROUPE_CHECK(zero >= 0 && zero <= 3, "dp_trainer: parallel.zero = ", zero,
+               " is not supported (0 to 3) on rank ", rank, " of ", comm.name());
+  TROUPE_CHECK(zero < 3 || cfg.plan.pp == 1, "dp_trainer: parallel.zero = 3 needs parallel.pp = 1",
+               " (got pp ", cfg.plan.pp, ") on rank ", rank, " of ", comm.name());
+  const tensor& p = piece_.memory().params();
   TROUPE_CHECK(p.type() == dtype::f32 && cfg.precision == "f32",
                "dp_trainer: only f32 training is supported, got a ", dtype_name(p.type()),
                " model and precision ", cfg.precision);
   TROUPE_CHECK(p.dev() == device::cpu(), "dp_trainer: host models only for now");
-  const int dp = comm.size();
+  TROUPE_CHECK(piece_.memory().grads().numel() == p.numel(), "dp_trainer: the piece's gradient ",
+               "buffer has ", piece_.memory().grads().numel(), " elements, its parameters ",
+               p.numel());
   buckets_ =
       make_buckets(p.numel(), dp, static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
+  const auto& slots = piece_.slots();
   ops::adamw_options ao{
       .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay};
-  if (cfg.plan.zero == 0) {
+  if (zero == 0) {
     full_opt_ = std::make_unique<adamw_optimizer>(p, ao);
-    if (cfg.decay_exempt) full_opt_->exempt_from_decay(model.slots(), p, biases_norms_embeddings);
+    if (cfg.decay_exempt) full_opt_->exempt_from_decay(slots, p, biases_norms_embeddings);
   } else {
     shard_opt_ = std::make_unique<shard_optimizer>(
-        buckets_, comm.rank(), exempt_mask(model, cfg.decay_exempt), cfg.plan.zero == 2, ao);
+        buckets_, rank, exempt_mask(slots, p, cfg.decay_exempt), zero >= 2, zero == 3, ao);
   }
-  // When each bucket's gradients are final: event e < blocks_ is block blocks_ - 1 - e's backward,
-  // event blocks_ the end of backward (embeddings, final norm, head: and anything else).
-  overlap_ = opts.overlap && model.set_block_grads_hook([this](std::int64_t block) {
-    if (!issuing_) return;
-    auto before = works_.size();
-    issue_ready(blocks_ - 1 - block);
-    early_ += static_cast<std::int64_t>(works_.size() - before);
-  });
-  const auto elem = static_cast<std::ptrdiff_t>(p.element_size());
-  for (const auto& s : model.slots().slots()) {
+
+  // The norm: every parameter the piece counts (the whole buffer, padding included, when it
+  // counts them all: the padding is zero).
+  bool all_count = true;
+  range_list counted;
+  for (const auto& s : slots.slots()) {
     if (s.kind != slot_kind::param) continue;
-    std::int64_t block = overlap_ ? block_of(s.name) : -1;
-    blocks_ = std::max(blocks_, block + 1);
+    if (piece_.counts_in_norm(s.name))
+      counted.emplace_back(flat_offset(s, p), s.field->numel());
+    else
+      all_count = false;
   }
-  for (auto& b : buckets_) b.ready = blocks_;
-  if (overlap_) {
-    for (auto& b : buckets_) b.ready = -1;
-    for (const auto& s : model.slots().slots()) {
-      if (s.kind != slot_kind::param) continue;
-      std::int64_t block = block_of(s.name);
-      std::int64_t event = block < 0 ? blocks_ : blocks_ - 1 - block;
-      std::int64_t off =
-          (static_cast<const char*>(s.field->data()) - static_cast<const char*>(p.data())) / elem;
-      for (auto& b : buckets_)
-        if (off < b.begin + b.length && off + s.field->numel() > b.begin)
-          b.ready = std::max(b.ready, event);
-    }
-    for (auto& b : buckets_)
-      if (b.ready < 0) b.ready = blocks_;  // padding only
-  }
+  norm_ranges_ = all_count ? range_list{{0, p.numel()}} : merged(counted);
   std::int64_t shard = 0;
+  for (const auto& b : buckets_) shard += b.chunk;
+  if (zero >= 2) {
+    if (all_count) {
+      shard_norm_ranges_ = {{0, shard}};  // bucket padding reduces to zeros
+    } else {
+      for (const auto& b : buckets_) {
+        auto [begin, end] = own_range(b, rank);
+        for (const auto& [rb, rn] : norm_ranges_) {
+          std::int64_t lo = std::max(begin, rb), hi = std::min(end, rb + rn);
+          if (lo < hi) shard_norm_ranges_.emplace_back(b.shard_offset + lo - begin, hi - lo);
+        }
+      }
+      shard_norm_ranges_ = merged(shard_norm_ranges_);
+    }
+  }
+
+  // Overlap: the blocks each bucket holds (parameters "<scope>.<i>.*"); a bucket with anything
+  // else (embeddings, final norm, head, padding only) waits for the end of forward_backward.
+  overlap_ =
+      opts.overlap && piece_.set_block_grads_hook([this](std::int64_t block) { on_block(block); });
+  bucket_blocks_.assign(buckets_.size(), {});
+  if (overlap_) {
+    std::vector<char> outside(buckets_.size(), 0), any(buckets_.size(), 0);
+    std::int64_t blocks = 0;
+    for (const auto& s : slots.slots()) {
+      if (s.kind != slot_kind::param) continue;
+      std::int64_t block = block_of(s.name), off = flat_offset(s, p);
+      blocks = std::max(blocks, block + 1);
+      for (std::size_t i = 0; i < buckets_.size(); ++i) {
+        const auto& b = buckets_[i];
+        if (off >= b.begin + b.length || off + s.field->numel() <= b.begin) continue;
+        any[i] = 1;
+        if (block < 0)
+          outside[i] = 1;
+        else
+          bucket_blocks_[i].push_back(block);
+      }
+    }
+    final_.assign(static_cast<std::size_t>(blocks), 0);
+    for (std::size_t i = 0; i < buckets_.size(); ++i) {
+      auto& bl = bucket_blocks_[i];
+      std::sort(bl.begin(), bl.end());
+      bl.erase(std::unique(bl.begin(), bl.end()), bl.end());
+      if (outside[i] || !any[i]) bl.clear();
+      buckets_[i].ready = bl.empty() ? -1 : bl.front();
+    }
+  }
+  issued_.assign(buckets_.size(), 0);
+
   for (const auto& b : buckets_) {
-    shard += b.chunk;
     if (b.padded(dp)) {
       pad_in_ = zeros({b.chunk * dp}, dtype::f32, device::cpu());
       pad_out_ = zeros({b.chunk * dp}, dtype::f32, device::cpu());
     }
   }
-  if (cfg.plan.zero >= 1)
+  if (zero >= 1)
     shard_params_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
-  if (cfg.plan.zero == 2)
+  if (zero >= 2)
     shard_grads_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
+  if (zero == 3) {
+    // The rank's chunks become its master parameters (the bucket padding stays zero).
+    for (const auto& b : buckets_) {
+      auto [begin, end] = own_range(b, rank);
+      std::memcpy(f32_at(shard_params_, b.shard_offset), f32_at(p, begin),
+                  static_cast<std::size_t>(end - begin) * 4);
+    }
+    if (opts.poison_released) poison();
+  }
 }
 
 dp_trainer::~dp_trainer() {
-  if (overlap_) model_.set_block_grads_hook({});
+  if (overlap_) piece_.set_block_grads_hook({});
 }
 
 std::int64_t dp_trainer::optimizer_elements() const {
@@ -245,13 +325,43 @@ void dp_trainer::read_rows(std::int64_t begin, std::int64_t end,
   }
 }
 
-void dp_trainer::issue_ready(std::int64_t event) {
-  for (const auto& b : buckets_)
-    if (b.ready == event) issue_bucket(b);
+microbatch_data dp_trainer::fetch(int k, const trainer::batch_source& data) {
+  const int rank = comm_.rank();
+  TROUPE_CHECK(k >= next_fetch_ && k < plan_.microbatches(), "dp_trainer: rank ", rank, " of ",
+               comm_.name(), ": the piece fetched microbatch ", k, " (microbatches are fetched in ",
+               "ascending order, each at most once, of ", plan_.microbatches(), "; next is ",
+               next_fetch_, ")");
+  next_fetch_ = k + 1;
+  auto range = plan_.range(rank, k, step_);
+  read_rows(range.begin, range.end, data);
+  const int rows = static_cast<int>(range.size()), t = static_cast<int>(cfg_.seq);
+  targets_.resize(rows_.size());
+  microbatch_data mb;
+  mb.ids = tensor(rows_.data(), rows_.size() * 4, dtype::i32, {rows, t});
+  mb.targets = tensor(targets_.data(), targets_.size() * 4, dtype::i32, {rows, t});
+  next_token_targets(mb.ids, mb.targets);
+  mb.weight = plan_.weight(rank, k);
+  return mb;
 }
 
-void dp_trainer::issue_bucket(const dp_bucket& b) {
-  const tensor& g = model_.memory().grads();
+void dp_trainer::on_block(std::int64_t block) {
+  if (!running_ || block < 0 || block >= static_cast<std::int64_t>(final_.size())) return;
+  final_[static_cast<std::size_t>(block)] = 1;
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    const auto& bl = bucket_blocks_[i];
+    if (issued_[i] || bl.empty()) continue;
+    bool ready = std::all_of(bl.begin(), bl.end(),
+                             [&](std::int64_t b) { return final_[static_cast<std::size_t>(b)]; });
+    if (!ready) continue;
+    issue_bucket(i);
+    ++early_;
+  }
+}
+
+void dp_trainer::issue_bucket(std::size_t i) {
+  const dp_bucket& b = buckets_[i];
+  issued_[i] = 1;
+  const tensor& g = piece_.memory().grads();
   const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
     works_.push_back(comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32));
@@ -267,42 +377,63 @@ void dp_trainer::issue_bucket(const dp_bucket& b) {
       comm_.reduce_scatter(in, f32_at(shard_grads_, b.shard_offset), b.chunk, dtype::f32));
 }
 
+double dp_trainer::sum_squares(const tensor& t, const range_list& ranges) const {
+  double sq = 0;
+  for (const auto& [b, n] : ranges)
+    sq += b == 0 && n == t.numel() ? ops::sum_squares(t) : ops::sum_squares(t.narrow(0, b, n));
+  return sq;
+}
+
 double dp_trainer::reduce_gradients() {
   auto t0 = clock_type::now();
   wait_all(works_);
-  if (cfg_.plan.zero < 2) {
-    comm_wait_ += seconds_since(t0);
-    return clip_grad_norm(model_.memory().grads(), cfg_.clip);
-  }
-  // The padding of the short bucket reduces to zeros, so the shard's squares are exactly its
-  // elements'.
-  double sq = ops::sum_squares(shard_grads_);
-  comm_.allreduce(&sq, 1, dtype::f64).wait();
+  // zero 0, 1: the full gradient, the same on every dp rank; zero 2, 3: the shards (the padding
+  // of the short bucket reduces to zeros, so the shard's squares are exactly its elements').
+  const bool sharded = cfg_.plan.zero >= 2;
+  const tensor& g = sharded ? shard_grads_.view() : piece_.memory().grads();
+  double sq = sum_squares(g, sharded ? shard_norm_ranges_ : norm_ranges_);
+  if (sharded) comm_.allreduce(&sq, 1, dtype::f64).wait();
+  if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
   double norm = std::sqrt(sq);
-  if (cfg_.clip > 0 && norm > cfg_.clip) ops::scale(shard_grads_, cfg_.clip / (norm + 1e-6));
+  // As clip_grad_norm does.
+  if (cfg_.clip > 0 && norm > cfg_.clip) ops::scale(g, cfg_.clip / (norm + 1e-6));
   return norm;
 }
 
 void dp_trainer::gather_parameters() {
-  const tensor& p = model_.memory().params();
+  const tensor& p = piece_.memory().params();
   const int dp = comm_.size(), rank = comm_.rank();
   std::vector<collective::work> works;
   works.reserve(buckets_.size());
-  for (const auto& b : buckets_) {
-    auto [begin, end] = own_range(b, rank);
+  // In forward order: the buckets from the start of the buffer first.
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    const auto& b = *it;
     float* in = f32_at(shard_params_, b.shard_offset);
-    std::memcpy(in, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
-    std::fill(in + (end - begin), in + b.chunk, 0.0f);
+    if (cfg_.plan.zero < 3) {  // zero 1, 2: stage the updated chunk (no in-place all_gather)
+      auto [begin, end] = own_range(b, rank);
+      std::memcpy(in, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
+      std::fill(in + (end - begin), in + b.chunk, 0.0f);
+    }
     float* out = b.padded(dp) ? f32_at(pad_out_, 0) : f32_at(p, b.begin);
     works.push_back(comm_.all_gather(in, out, b.chunk, dtype::f32));
   }
   auto t0 = clock_type::now();
-  wait_all(works);
+  auto w = works.begin();
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it, ++w) {
+    w->wait();
+    if (it->padded(dp))
+      std::memcpy(f32_at(p, it->begin), pad_out_.data(), static_cast<std::size_t>(it->length) * 4);
+  }
   comm_wait_ += seconds_since(t0);
-  for (const auto& b : buckets_)
-    if (b.padded(dp))
-      std::memcpy(f32_at(p, b.begin), pad_out_.data(), static_cast<std::size_t>(b.length) * 4);
+}
+
+void dp_trainer::poison() {
+  ops::fill(piece_.memory().params(), std::numeric_limits<double>::quiet_NaN());
+}
+
+void dp_trainer::gather_full_parameters() {
+  if (cfg_.plan.zero == 3) gather_parameters();
 }
 
 step_result dp_trainer::step(const trainer::batch_source& data) {
@@ -310,32 +441,28 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   comm_wait_ = 0;
   early_ = 0;
   cached_draw_ = ~std::uint64_t{0};
-  auto& mem = model_.memory();
-  const int rank = comm_.rank();
-  const int t = static_cast<int>(cfg_.seq);
+  const int zero = cfg_.plan.zero;
+  auto& mem = piece_.memory();
+  if (zero == 3) gather_parameters();  // just in time: released again after the update
   mem.zero_grads();
+  std::fill(issued_.begin(), issued_.end(), 0);
+  std::fill(final_.begin(), final_.end(), 0);
+  next_fetch_ = 0;
+  running_ = true;
   double loss = 0;
-  for (int m = 0; m < plan_.microbatches(); ++m) {
-    auto range = plan_.range(rank, m, step_);
-    read_rows(range.begin, range.end, data);
-    const int rows = static_cast<int>(range.size());
-    targets_.resize(rows_.size());
-    tensor ids(rows_.data(), rows_.size() * 4, dtype::i32, {rows, t});
-    tensor tg(targets_.data(), targets_.size() * 4, dtype::i32, {rows, t});
-    next_token_targets(ids, tg);
-    const double w = plan_.weight(rank, m);
-    loss += w * model_.forward(ids, tg);
-    // The last microbatch's backward makes the gradients final: buckets may start during it.
-    issuing_ = m + 1 == plan_.microbatches();
-    try {
-      model_.backward(w);  // the gradient of w * loss: the group's sum is the step's mean
-    } catch (...) {
-      issuing_ = false;
-      throw;
-    }
-    issuing_ = false;
+  try {
+    loss = piece_.forward_backward(plan_.microbatches(), [&](int k) { return fetch(k, data); });
+  } catch (...) {
+    running_ = false;
+    throw;
   }
-  issue_ready(blocks_);  // what the end of backward made final (everything without overlap)
+  running_ = false;
+  TROUPE_CHECK(next_fetch_ == plan_.microbatches(), "dp_trainer: rank ", comm_.rank(), " of ",
+               comm_.name(), ": the piece fetched ", next_fetch_, " of ", plan_.microbatches(),
+               " microbatches");
+  // What the end of backward made final (everything without overlap), in bucket order.
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    if (!issued_[i]) issue_bucket(i);
   auto loss_work = comm_.allreduce(&loss, 1, dtype::f64);
 
   step_result r;
@@ -344,8 +471,11 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);
+  } else if (zero == 3) {
+    shard_opt_->step(shard_params_, shard_grads_, r.lr);
+    if (opts_.poison_released) poison();
   } else {
-    shard_opt_->step(mem.params(), cfg_.plan.zero == 2 ? shard_grads_.view() : mem.grads(), r.lr);
+    shard_opt_->step(mem.params(), zero == 2 ? shard_grads_.view() : mem.grads(), r.lr);
     gather_parameters();
   }
   ++step_;

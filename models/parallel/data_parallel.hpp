@@ -1,12 +1,13 @@
-// dp_trainer: data-parallel training with ZeRO stages 0, 1 and 2 over one communicator (the dp
-// group). Every rank holds the whole model; the update equals the single-process trainer's
+// dp_trainer: data-parallel training with ZeRO stages 0 to 3 over one communicator (the dp
+// group), around any grad_producer (grad_producer.hpp): a whole model (model_producer.hpp), a
+// tensor-parallel shard, a pipeline stage. The update equals the single-process trainer's
 // (models/trainer.hpp) at the same tokens per step.
 //
 // A step reads the same train.batch x train.grad_accum samples a single process reads (sample i of
 // step s is row i mod batch of draw s * grad_accum + i / batch), split over the group by
-// scheduler::microbatch_plan (plan.dp ranks x plan.microbatches). Each rank runs forward/backward
-// on its microbatches with the gradient of each scaled by its weight (slot size / global batch), so
-// the sum over the group is the gradient of the step's mean loss.
+// scheduler::microbatch_plan (plan.dp ranks x plan.microbatches). The engine hands this rank's
+// microbatches to piece.forward_backward through its fetch callback, each with its weight (slot
+// size / global batch), so the sum over the group is the gradient of the step's mean loss.
 //
 // The flat gradient buffer is cut into buckets of about bucket_bytes, from the end of the buffer
 // (the last layers' gradients are final first), each padded to a multiple of dp. Rank r owns the
@@ -14,23 +15,33 @@
 //   zero 0: each bucket is allreduced; every rank clips and runs AdamW on the whole buffer.
 //   zero 1: each bucket is allreduced; each rank keeps AdamW moments only for its shard, updates
 //           its shard of the parameters, then the parameters are all-gathered bucket by bucket.
-//   zero 2: each bucket is reduce-scattered into a shard-sized gradient buffer (the model's own
+//   zero 2: each bucket is reduce-scattered into a shard-sized gradient buffer (the piece's own
 //           full gradient buffer still exists: backward writes it); the global norm is the
 //           allreduced sum of the shards' squares; then as zero 1.
-// Overlap: when the model has a per-block point where a block's gradients are final
-// (causal_lm::set_block_grads_hook), a bucket's op is issued during the last microbatch's backward
-// as soon as every parameter it holds is final; the rest right after backward. All are waited
-// before the optimizer. f32 models only (no mixed precision yet).
+//   zero 3: as zero 2, and the rank's f32 parameters live in its shard (the master copy, updated
+//           by AdamW there); before forward_backward every bucket's parameters are all-gathered
+//           into the piece's buffer (issued in forward order, waited in that order), which the
+//           engine treats as released after the step: with dp_options::poison_released it fills
+//           it with NaN after each step (and at construction), so any parameter a step used
+//           without gathering it turns the loss into NaN. The piece's buffer is still full-size
+//           (see README.md). The caller rejects zero 3 with pipeline parallelism (pp > 1).
+// Gradient norm (clipping): the sum of squares of the gradients of the parameters the piece
+// counts (counts_in_norm), summed over the dp shards (zero 2, 3) and over piece.norm_group().
+// Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
+// op is issued from the hook as soon as every block it holds is final; the rest right after
+// forward_backward. All are waited before the optimizer. f32 host pieces only.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "collective/communicator.hpp"
 #include "models/causal_lm.hpp"
 #include "models/optim.hpp"
+#include "models/parallel/grad_producer.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
 #include "scheduler/microbatch.hpp"
@@ -39,7 +50,10 @@ namespace troupe::models::parallel {
 
 struct dp_options {
   std::size_t bucket_bytes = 25u << 20;  // gradient bucket size (rounded up to dp elements)
-  bool overlap = true;                   // issue buckets during backward when the model allows it
+  bool overlap = true;                   // issue buckets during backward when the piece allows it
+  // ZeRO 3 debug check: fill the piece's whole parameter buffer with NaN after every step and at
+  // construction (the engine never relies on it between steps).
+  bool poison_released = false;
 };
 
 // One bucket of the flat buffers: [begin, begin + length) with chunk = ceil(length / dp) elements
@@ -47,7 +61,10 @@ struct dp_options {
 struct dp_bucket {
   std::int64_t begin = 0, length = 0, chunk = 0;
   std::int64_t shard_offset = 0;  // where this bucket's chunk starts in a rank's shard buffer
-  std::int64_t ready = 0;         // the backward event after which all its gradients are final
+  // With overlap: the lowest block whose parameters it holds (it is issued once all of its
+  // blocks' hooks fired); -1: issued after forward_backward (it holds a parameter outside the
+  // blocks, or only padding, or the piece has no block hook).
+  std::int64_t ready = -1;
   bool padded(int dp) const { return chunk * dp != length; }
 };
 
@@ -56,12 +73,18 @@ std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_
 
 class dp_trainer {
  public:
-  // cfg.plan.dp must equal comm.size() and cfg.plan.zero be 0, 1 or 2; the model's weights must be
-  // the same on every rank (initialize with the same seed, or load the same checkpoint) and its
-  // batch dims hold the largest microbatch (microbatch_rows()).
+  // cfg.plan.dp must equal dp.size() and cfg.plan.zero be 0 to 3; the piece's weights must be
+  // the same on every dp rank (initialize with the same seed, or load the same checkpoint) and
+  // its batch dims hold the largest microbatch (microbatch_rows()). The piece must outlive the
+  // trainer.
+  dp_trainer(grad_producer& piece, const train_config& cfg, collective::communicator& dp,
+             const dp_options& opts = {});
+  // A whole model, wrapped in a model_producer.
   dp_trainer(causal_lm& model, const train_config& cfg, collective::communicator& comm,
              const dp_options& opts = {});
   ~dp_trainer();
+  dp_trainer(const dp_trainer&) = delete;
+  dp_trainer& operator=(const dp_trainer&) = delete;
 
   step_result step(const trainer::batch_source& data);
   std::int64_t steps_done() const { return step_; }
@@ -70,9 +93,12 @@ class dp_trainer {
   std::int64_t optimizer_elements() const;
   // Rows in the largest microbatch of any rank: the batch the model must be planned for.
   static std::int64_t microbatch_rows(const train_config& cfg);
+  // Zero 3: all-gathers the current parameters into the piece's buffer (collective over the dp
+  // group: every rank calls it), e.g. before evaluating or saving. Other stages: nothing to do.
+  void gather_full_parameters();
 
   // Seconds of the last step spent waiting for the gradient and parameter collectives (after
-  // backward: what overlap did not hide).
+  // backward: what overlap did not hide; zero 3: and the parameter gathers before forward).
   double last_comm_wait_seconds() const { return comm_wait_; }
   // True when bucket ops start during backward; how many did in the last step.
   bool overlapped() const { return overlap_; }
@@ -80,29 +106,43 @@ class dp_trainer {
 
  private:
   struct shard_optimizer;
+  // piece: the producer to drive, or null for `owned`.
+  dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piece, const train_config& cfg,
+             collective::communicator& dp, const dp_options& opts);
   void read_rows(std::int64_t begin, std::int64_t end, const trainer::batch_source& data);
-  void issue_ready(std::int64_t event);  // issues the buckets whose `ready` is event
-  void issue_bucket(const dp_bucket& b);
+  microbatch_data fetch(int k, const trainer::batch_source& data);
+  void on_block(std::int64_t block);  // the piece's hook
+  void issue_bucket(std::size_t i);
   double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
-  void gather_parameters();
+  double sum_squares(const tensor& t,
+                     const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const;
+  void gather_parameters();  // from shard_params_ (zero 3) or the updated chunks (zero 1, 2)
+  void poison();
 
-  causal_lm& model_;
+  std::unique_ptr<grad_producer> owned_;  // the model_producer of the causal_lm constructor
+  grad_producer& piece_;
   train_config cfg_;
   collective::communicator& comm_;
   dp_options opts_;
   scheduler::microbatch_plan plan_;
   std::vector<dp_bucket> buckets_;
+  std::vector<std::vector<std::int64_t>> bucket_blocks_;  // overlap: the blocks each bucket holds
+  std::vector<char> issued_, final_;                      // per bucket; per block (this step)
+  // Flat [begin, length) ranges of the parameters the piece counts in the norm, and the same in
+  // shard coordinates (zero 2, 3).
+  std::vector<std::pair<std::int64_t, std::int64_t>> norm_ranges_, shard_norm_ranges_;
   std::unique_ptr<adamw_optimizer> full_opt_;   // zero 0
-  std::unique_ptr<shard_optimizer> shard_opt_;  // zero 1 and 2
-  owned_tensor shard_grads_;                    // zero 2: this rank's reduced gradient chunks
-  owned_tensor shard_params_;      // zero 1, 2: this rank's updated chunks, sent by all_gather
+  std::unique_ptr<shard_optimizer> shard_opt_;  // zero 1, 2 and 3
+  owned_tensor shard_grads_;                    // zero 2, 3: this rank's reduced gradient chunks
+  // zero 1, 2: this rank's updated chunks, sent by all_gather; zero 3: its parameters (master).
+  owned_tensor shard_params_;
   owned_tensor pad_in_, pad_out_;  // staging for the padded bucket
   std::int64_t step_ = 0;
   double comm_wait_ = 0;
   bool overlap_ = false;
   std::int64_t early_ = 0;
-  bool issuing_ = false;                 // the last microbatch's backward is running
-  std::int64_t blocks_ = 0;              // events: block blocks_-1-e for e < blocks_, then the end
+  bool running_ = false;  // inside forward_backward: the hook may issue
+  int next_fetch_ = 0;
   std::vector<collective::work> works_;  // the bucket ops of this step
   std::vector<std::int32_t> rows_, draw_rows_, targets_;
   std::uint64_t cached_draw_ = ~std::uint64_t{0};

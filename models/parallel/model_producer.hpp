@@ -1,0 +1,60 @@
+// model_producer: a grad_producer (grad_producer.hpp) over a whole causal_lm, or over a
+// tensor-parallel shard of one (causal_lm_of<tp_gpt>): the step's microbatches run one after the
+// other, forward then backward of weight_k * loss_k, and the model's block hook reaches the engine
+// during the last microbatch's backward only (when a block's gradients are final).
+//
+// Gradient norm of a tensor-parallel shard: the norm group is the tp communicator and a parameter
+// is counted on every shard when it is sharded (each shard holds a disjoint slice) but on tp rank 0
+// only when it is replicated (every shard holds the whole tensor and, after backward, the same
+// gradient: LayerNorms, wpe, row-parallel biases). The rule that tells them apart is the shape: a
+// parameter is replicated exactly when its shard shape equals the unsharded model's shape of the
+// same name (a sharded dimension is divided by tp >= 2, so it cannot agree). replicated_by_shape
+// builds that predicate from the two slot lists; any other predicate may be given.
+#pragma once
+
+#include <functional>
+#include <set>
+#include <string>
+#include <string_view>
+
+#include "models/causal_lm.hpp"
+#include "models/parallel/grad_producer.hpp"
+
+namespace troupe::models::parallel {
+
+class model_producer final : public grad_producer {
+ public:
+  // A whole model: no norm group, every parameter counted.
+  explicit model_producer(causal_lm& model);
+  // A tensor-parallel shard: the norm is summed over `tp`; parameters for which replicated(name)
+  // holds count on tp rank 0 only.
+  model_producer(causal_lm& shard, collective::communicator& tp,
+                 std::function<bool(std::string_view)> replicated);
+  ~model_producer() override;
+  model_producer(const model_producer&) = delete;
+  model_producer& operator=(const model_producer&) = delete;
+
+  causal_lm& model() { return model_; }
+  layer_memory& memory() override { return model_.memory(); }
+  const slot_list& slots() const override { return model_.slots(); }
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override;
+  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override;
+  collective::communicator* norm_group() override { return tp_; }
+  bool counts_in_norm(std::string_view parameter) const override;
+
+ private:
+  causal_lm& model_;
+  collective::communicator* tp_ = nullptr;
+  std::function<bool(std::string_view)> replicated_;
+  std::function<void(std::int64_t)> hook_;
+  bool last_ = false;  // the last microbatch's backward is running
+};
+
+// The parameters of `shard` whose shape equals the parameter of the same name in `full` (the
+// unsharded model, e.g. a gpt or a tp_gpt built without a group), as a predicate over names.
+// Fails naming the parameter when `full` lacks one of the shard's parameters.
+std::function<bool(std::string_view)> replicated_by_shape(const slot_list& shard,
+                                                          const slot_list& full);
+
+}  // namespace troupe::models::parallel

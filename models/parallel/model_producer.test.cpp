@@ -1,0 +1,326 @@
+// dp_trainer over grad_producers other than a whole model: a tensor-parallel GPT-2 shard
+// (model_producer with the tp norm group) in a dp2 x tp2 grid against the single-process trainer
+// with clipping active, and a recording producer that checks the rows fetch hands it.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collective/grid.hpp"
+#include "collective/local/local_transport.hpp"
+#include "collective/p2p_communicator.hpp"
+#include "models/gpt.hpp"
+#include "models/parallel/data_parallel.hpp"
+#include "models/parallel/model_producer.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/trainer.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::parallel;
+
+namespace {
+
+void synthetic_rows(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
+  rows.resize(static_cast<std::size_t>(batch) * seq);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3 + (i * draw) % 5) % 29);
+}
+
+gpt_config tiny() {
+  gpt_config c;
+  c.vocab = 32;
+  c.max_seq = 8;
+  c.dim = 32;
+  c.n_layer = 2;
+  c.n_head = 4;
+  return c;
+}
+
+train_config tiny_run() {
+  train_config c;
+  c.steps = 10;
+  c.batch = 4;
+  c.seq = 8;
+  c.lr = 3e-3;
+  c.min_lr = 1e-3;
+  c.warmup = 2;
+  c.clip = 0.05;  // below every step's norm: clipping scales each update
+  return c;
+}
+
+// fn(rank) on one thread per rank; the first failure is rethrown (after aborting `comms`).
+void run_threads(int n, const std::function<void(int)>& fn,
+                 const std::vector<collective::communicator*>& comms) {
+  std::vector<std::exception_ptr> err(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        err[r] = std::current_exception();
+        for (auto* c : comms)
+          if (c != nullptr) c->abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : err)
+    if (e) std::rethrow_exception(e);
+}
+
+struct grid_run {
+  std::vector<std::vector<step_result>> steps;  // per world rank
+  std::vector<double> weight_diff;              // per world rank: against the reference's slice
+};
+
+// dp2 x tp2 over one local world: world rank = dp * 2 + tp. tp_norm: the producer sums the norm
+// over the tp group (else each shard's norm is its own, which is wrong).
+grid_run dp_tp(const train_config& base, int zero, bool sp, bool tp_norm, int steps,
+               causal_lm_of<gpt>* reference) {
+  train_config c = base;
+  c.plan.dp = 2;
+  c.plan.tp = 2;
+  c.plan.zero = zero;
+  c.plan.sp = sp;
+  const gpt_config cfg = tiny();
+  auto world = std::make_shared<collective::local_world>(4);
+  collective::rank_grid grid({{"dp", 2}, {"tp", 2}});
+  std::vector<std::unique_ptr<collective::communicator>> dps(4), tps(4);
+  std::vector<collective::communicator*> all;
+  for (int r = 0; r < 4; ++r) {
+    dps[r] = collective::make_communicator(world->transport(r), grid.group(r, {"dp"}), "local:dp",
+                                           world);
+    tps[r] = collective::make_communicator(world->transport(r), grid.group(r, {"tp"}), "local:tp",
+                                           world);
+    all.push_back(dps[r].get());
+    all.push_back(tps[r].get());
+  }
+  grid_run out;
+  out.steps.resize(4);
+  out.weight_diff.resize(4);
+  run_threads(
+      4,
+      [&](int r) {
+        batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
+        causal_lm_of<tp_gpt> shard(cfg, dims, tp_group{tps[r].get(), sp});
+        shard.init_weights(3);
+        gpt full(cfg, {1, c.seq});  // for its parameter shapes
+        auto producer = tp_norm
+                            ? std::make_unique<model_producer>(
+                                  shard, *tps[r], replicated_by_shape(shard.slots(), full.slots()))
+                            : std::make_unique<model_producer>(shard);
+        dp_trainer t(*producer, c, *dps[r],
+                     {.bucket_bytes = 4 * 1009, .poison_released = zero == 3});
+        for (int s = 0; s < steps; ++s) out.steps[r].push_back(t.step(synthetic_rows));
+        t.gather_full_parameters();
+        if (reference == nullptr) return;
+        tp_gpt want(cfg, dims, tp_group{tps[r].get(), sp});
+        want.load_from(reference->model().slots());
+        const tensor& a = shard.memory().params();
+        const tensor& b = want.memory().params();
+        REQUIRE(a.numel() == b.numel());
+        double d = 0;
+        for (std::int64_t i = 0; i < a.numel(); ++i)
+          d = std::max(
+              d, std::abs(static_cast<double>(a.data_as<float>()[i]) - b.data_as<float>()[i]));
+        out.weight_diff[r] = d;
+      },
+      all);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("Replicated parameters of a tensor parallel GPT-2 shard are told apart by shape",
+          "[parallel]") {
+  auto comms = collective::make_local_group(2);
+  const gpt_config cfg = tiny();
+  causal_lm_of<tp_gpt> shard(cfg, batch_dims{1, 8}, tp_group{comms[0].get(), false});
+  gpt full(cfg, {1, 8});
+  auto replicated = replicated_by_shape(shard.slots(), full.slots());
+  CHECK(replicated("h.0.ln_1.weight"));
+  CHECK(replicated("ln_f.bias"));
+  CHECK(replicated("wpe.weight"));
+  CHECK_FALSE(replicated("wte.weight"));
+  int counted = 0, total = 0;
+  model_producer rank0(shard, *comms[0], replicated), rank1(shard, *comms[1], replicated);
+  for (const auto& s : shard.slots().slots()) {
+    if (s.kind != slot_kind::param) continue;
+    ++total;
+    CHECK(rank0.counts_in_norm(s.name));
+    counted += rank1.counts_in_norm(s.name) ? 1 : 0;
+    // Sharded parameters count on every shard: a sharded dimension is full / 2.
+    bool sharded = false;
+    for (const auto& f : full.slots().slots())
+      if (f.name == s.name) sharded = f.sizes != s.sizes;
+    CHECK(rank1.counts_in_norm(s.name) == sharded);
+  }
+  CHECK(counted > 0);
+  CHECK(counted < total);
+}
+
+// The tp-aware norm: with a clip below every step's norm, each update is scaled by clip / norm, so
+// a wrong norm changes every step's weights. Losses and norms within 1e-4 relative of the single
+// process, weights within 2e-4 (AdamW's magnification of summation-order noise, see
+// data_parallel.test.cpp).
+TEST_CASE(
+    "Data parallel training of tensor parallel GPT-2 shards with clipping matches the "
+    "single process trainer",
+    "[parallel]") {
+  const train_config c = tiny_run();
+  causal_lm_of<gpt> ref_model(tiny(), batch_dims{c.batch, c.seq});
+  ref_model.init_weights(3);
+  std::vector<step_result> ref;
+  {
+    trainer t(ref_model, c);
+    for (int s = 0; s < c.steps; ++s) ref.push_back(t.step(synthetic_rows));
+  }
+  for (const auto& r : ref) CHECK(r.grad_norm > 2 * c.clip);
+  struct plan_case {
+    int zero;
+    bool sp;
+  };
+  for (auto pc : {plan_case{1, false}, plan_case{3, true}}) {
+    INFO("zero " << pc.zero << " sp " << pc.sp);
+    auto run = dp_tp(c, pc.zero, pc.sp, true, c.steps, &ref_model);
+    for (int r = 0; r < 4; ++r) {
+      INFO("world rank " << r);
+      for (int s = 0; s < c.steps; ++s) {
+        INFO("step " << s);
+        CHECK(run.steps[r][s].loss == Approx(ref[s].loss).epsilon(1e-4));
+        CHECK(run.steps[r][s].grad_norm == Approx(ref[s].grad_norm).epsilon(1e-4));
+      }
+      INFO("max abs weight diff " << run.weight_diff[r]);
+      CHECK(run.weight_diff[r] < 2e-4);
+    }
+  }
+  // The test can fail: without the tp norm group each shard clips by its own norm.
+  auto naive = dp_tp(c, 1, false, false, 1, nullptr);
+  for (int r = 0; r < 4; ++r)
+    CHECK(std::abs(naive.steps[r][0].grad_norm - ref[0].grad_norm) > 1e-3 * ref[0].grad_norm);
+}
+
+namespace {
+
+// Records what fetch gives it (its gradients stay zero). Parameters in two blocks (h.0, h.1) and
+// one outside (head); it calls the block hook for both blocks after its last microbatch.
+class recording_producer final : public grad_producer {
+ public:
+  struct seen {
+    std::vector<std::int32_t> ids, targets;
+    std::int64_t rows = 0, seq = 0;
+    double weight = 0;
+  };
+  recording_producer() {
+    slots_.param("h.0.w", {4}, w_[0], g_[0]);
+    slots_.param("h.1.w", {4}, w_[1], g_[1]);
+    slots_.param("head.w", {3}, w_[2], g_[2]);
+    mem_ = layer_memory(slots_, dtype::f32);
+  }
+  layer_memory& memory() override { return mem_; }
+  const slot_list& slots() const override { return slots_; }
+  bool set_block_grads_hook(std::function<void(std::int64_t)> f) override {
+    hook_ = std::move(f);
+    return true;
+  }
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override {
+    double loss = 0;
+    steps_.emplace_back();
+    for (int k = 0; k < microbatches; ++k) {
+      microbatch_data mb = fetch(k);
+      seen s;
+      s.rows = mb.ids.size(0);
+      s.seq = mb.ids.size(1);
+      s.ids.assign(mb.ids.data_as<std::int32_t>(), mb.ids.data_as<std::int32_t>() + mb.ids.numel());
+      s.targets.assign(mb.targets.data_as<std::int32_t>(),
+                       mb.targets.data_as<std::int32_t>() + mb.targets.numel());
+      s.weight = mb.weight;
+      double sum = 0;
+      for (auto v : s.ids) sum += v;
+      loss += mb.weight * sum;
+      steps_.back().push_back(std::move(s));
+    }
+    if (hook_) {
+      hook_(1);
+      hook_(0);
+    }
+    return loss;
+  }
+  std::vector<std::vector<seen>> steps_;
+
+ private:
+  tensor w_[3], g_[3];
+  slot_list slots_;
+  layer_memory mem_;
+  std::function<void(std::int64_t)> hook_;
+};
+
+}  // namespace
+
+TEST_CASE("dp_trainer hands a custom grad producer the rows of its microbatches", "[parallel]") {
+  train_config c;
+  c.steps = 3;
+  c.batch = 2;
+  c.grad_accum = 4;  // 8 samples per step: 2 ranks x 2 microbatches x 2 rows
+  c.seq = 8;
+  c.clip = 0;
+  c.plan.dp = 2;
+  c.plan.microbatches = 2;
+  c.plan.zero = 2;
+  const int dp = 2, m = 2, steps = 3;
+  const std::int64_t g = c.batch * c.grad_accum, n = g / (dp * m);
+  auto comms = collective::make_local_group(dp);
+  std::vector<std::unique_ptr<recording_producer>> producers;
+  for (int r = 0; r < dp; ++r) producers.push_back(std::make_unique<recording_producer>());
+  std::vector<std::vector<double>> losses(dp);
+  std::vector<std::int64_t> early(dp);
+  run_threads(dp,
+              [&](int r) {
+                dp_trainer t(*producers[r], c, *comms[r], {.bucket_bytes = 4 * 2});
+                for (int s = 0; s < steps; ++s) {
+                  losses[r].push_back(t.step(synthetic_rows).loss);
+                  early[r] += t.buckets_issued_in_backward();
+                }
+              },
+              {comms[0].get(), comms[1].get()});
+  std::vector<std::int32_t> draw;
+  for (int s = 0; s < steps; ++s) {
+    double want_loss = 0;
+    for (int r = 0; r < dp; ++r) {
+      REQUIRE(producers[r]->steps_.size() == static_cast<std::size_t>(steps));
+      const auto& got = producers[r]->steps_[s];
+      REQUIRE(got.size() == static_cast<std::size_t>(m));
+      for (int k = 0; k < m; ++k) {
+        INFO("step " << s << " rank " << r << " microbatch " << k);
+        CHECK(got[k].rows == n);
+        CHECK(got[k].seq == c.seq);
+        CHECK(got[k].weight == Approx(static_cast<double>(n) / g));
+        // Megatron's layout: microbatch k of rank r is the (k * dp + r)-th run of n samples of
+        // the step; sample i is row i mod batch of draw i / batch.
+        double sum = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          std::int64_t i = s * g + (k * dp + r) * n + j;
+          synthetic_rows(static_cast<std::uint64_t>(i / c.batch), static_cast<int>(c.batch),
+                         static_cast<int>(c.seq), draw);
+          for (std::int64_t p = 0; p < c.seq; ++p) {
+            std::int32_t id = draw[(i % c.batch) * c.seq + p];
+            CHECK(got[k].ids[j * c.seq + p] == id);
+            sum += id;
+            if (p > 0) CHECK(got[k].targets[j * c.seq + p - 1] == id);
+          }
+          CHECK(got[k].targets[j * c.seq + c.seq - 1] == -100);
+        }
+        want_loss += static_cast<double>(n) / g * sum;
+      }
+    }
+    for (int r = 0; r < dp; ++r) CHECK(losses[r][s] == Approx(want_loss).epsilon(1e-12));
+  }
+  // The h.0 and h.1 buckets started from the hook.
+  for (int r = 0; r < dp; ++r) CHECK(early[r] > 0);
+}
