@@ -75,21 +75,7 @@ void tp_gpt::load_from(const slot_list& full, bool from_grads, bool to_grads) {
                  "'");
     const tensor& src = from_grads ? *it->second->grad : *it->second->field;
     const tensor& dst = to_grads ? *s.grad : *s.field;
-    const shape& fs = src.sizes();
-    const shape& ls = dst.sizes();
-    bool qkv = s.name.find("qkv_proj.") != std::string::npos;
-    if (fs == ls && !(qkv && n > 1)) {
-      ops::copy(src, dst);
-    } else if (qkv) {
-      copy_qkv_shard(src, cfg_.n_head, cfg_.n_head, cfg_.dim / cfg_.n_head, r, n, dst);
-    } else if (fs.rank() == ls.rank() && fs[0] == ls[0] * n && (fs.rank() == 1 || fs[1] == ls[1])) {
-      copy_shard(src, 0, r, n, dst);
-    } else if (fs.rank() == 2 && ls.rank() == 2 && fs[0] == ls[0] && fs[1] == ls[1] * n) {
-      copy_shard(src, 1, r, n, dst);
-    } else {
-      TROUPE_FAIL("tp_gpt: parameter '", s.name, "' is ", ls.str(), " on shard ", r, " of ", n,
-                  " but ", fs.str(), " in the unsharded model: no slicing matches");
-    }
+    copy_gpt_slice(s.name, src, dst, cfg_.n_head, r, n, /*into_shard=*/true, "tp_gpt");
   }
 }
 
@@ -170,6 +156,40 @@ void tp_gpt::begin_generation(std::int64_t, std::int64_t) {
 
 tensor tp_gpt::step_logits(const tensor&) {
   TROUPE_FAIL("tp_gpt: generation is not supported on a tensor-parallel model");
+}
+
+void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& shard,
+                    std::int64_t n_head, int rank, int tp, bool into_shard, std::string_view what) {
+  const shape& fs = full.sizes();
+  const shape& ls = shard.sizes();
+  bool qkv = name.find("qkv_proj.") != std::string::npos;
+  auto copy = [&](const tensor& f, const tensor& l) {
+    if (into_shard)
+      ops::copy(f, l);
+    else
+      ops::copy(l, f);
+  };
+  if (fs == ls && !(qkv && tp > 1)) {
+    copy(full, shard);
+  } else if (qkv && into_shard) {
+    std::int64_t d = fs[0] / (3 * n_head);
+    copy_qkv_shard(full, n_head, n_head, d, rank, tp, shard);
+  } else if (qkv) {
+    std::int64_t d = fs[0] / (3 * n_head);
+    std::int64_t lq = divide_by_tp(n_head, tp, "copy_gpt_slice: n_head") * d;
+    TROUPE_CHECK(fs[0] == 3 * n_head * d && ls[0] == 3 * lq, what, ": parameter '", name, "' is ",
+                 ls.str(), " on shard ", rank, " of ", tp, " but ", fs.str(),
+                 " in the unsharded model: no qkv slicing matches");
+    for (int part = 0; part < 3; ++part)
+      copy(full.narrow(0, part * n_head * d + rank * lq, lq), shard.narrow(0, part * lq, lq));
+  } else if (fs.rank() == ls.rank() && fs[0] == ls[0] * tp && (fs.rank() == 1 || fs[1] == ls[1])) {
+    copy(full.narrow(0, rank * ls[0], ls[0]), shard);
+  } else if (fs.rank() == 2 && ls.rank() == 2 && fs[0] == ls[0] && fs[1] == ls[1] * tp) {
+    copy(full.narrow(1, rank * ls[1], ls[1]), shard);
+  } else {
+    TROUPE_FAIL(what, ": parameter '", name, "' is ", ls.str(), " on shard ", rank, " of ", tp,
+                " but ", fs.str(), " in the unsharded model: no slicing matches");
+  }
 }
 
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "models/gpt.hpp"
@@ -72,6 +74,14 @@ class tp_gpt {
   slot_list slots_;
   layer_memory mem_;
 };
+
+// Copies between an unsharded GPT-2 parameter `full` and shard `rank` of `tp` of it, sliced the
+// way tp_gpt (and the pipeline's gpt_stage) hold it: the full tensor when the shapes agree (norms,
+// wpe, row-parallel biases), else qkv rows by heads, fc rows, o_proj and mlp.proj columns, wte
+// rows. into_shard: full's slice into shard; else shard into full's slice. Fails naming `what`
+// and the parameter when no slicing matches the shapes.
+void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& shard,
+                    std::int64_t n_head, int rank, int tp, bool into_shard, std::string_view what);
 
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

@@ -1,0 +1,217 @@
+// gpt_stage: a GPT-2 pipeline stage over the tensor-parallel layers (see gpt_stage.hpp).
+#include "models/parallel/gpt_stage.hpp"
+
+#include <map>
+#include <string>
+
+#include "memory/error.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models::parallel {
+
+namespace {
+
+shape gpt_boundary(const gpt_config& cfg, batch_dims dims, tp_group tp) {
+  TROUPE_CHECK(!cfg.recompute, "gpt_stage: activation recompute is not supported yet");
+  TROUPE_CHECK(cfg.n_layer > 0 && cfg.n_head > 0 && cfg.dim % cfg.n_head == 0,
+               "gpt_stage: n_layer and n_head must be > 0 and dim (", cfg.dim,
+               ") a multiple of n_head (", cfg.n_head, ")");
+  TROUPE_CHECK(dims.seq <= cfg.max_seq, "gpt_stage: sequence length ", dims.seq,
+               " exceeds max_seq ", cfg.max_seq);
+  std::int64_t t = tp.sequence_parallel
+                       ? divide_by_tp(dims.seq, tp.size(), "gpt_stage: sequence length")
+                       : dims.seq;
+  return {dims.batch, t, cfg.dim};
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+}  // namespace
+
+gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options& o, tp_group tp)
+    : pipeline_stage("gpt_stage", cfg.n_layer, dims, o, tp, gpt_boundary(cfg, dims, tp)),
+      cfg_(cfg),
+      wte_({.vocab = cfg.vocab, .dim = cfg.dim}, tp),
+      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
+      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}, tp),
+      loss_({.vocab = cfg.vocab}, tp) {
+  seq_local_ = boundary()[1];
+  seq_first_ = tp.sequence_parallel ? tp.rank() * seq_local_ : 0;
+  first_ = holds_first(0);
+  last_ = holds_last(chunks() - 1);
+  head_.tp = tp;
+  h_.resize(static_cast<std::size_t>(cfg.n_layer));
+  x_.resize(static_cast<std::size_t>(cfg.n_layer + 1));
+  const gpt_block::config bc{
+      .dim = cfg.dim, .n_head = cfg.n_head, .ln_eps = cfg.ln_eps, .hidden = cfg.hidden};
+  const shape bt = boundary();
+  for (int c = 0; c < chunks(); ++c) {
+    open_chunk(c);
+    if (holds_first(c)) {
+      wte_.declare(slots_, "wte", dims);
+      wpe_.declare(slots_, "wpe", {1, dims.seq});
+      slots_.activation("pos_emb", {seq_local_, cfg.dim}, pos_emb_);
+    }
+    for (std::int64_t i = first_block(c); i < end_block(c); ++i) {
+      h_[i] = std::make_unique<tp_gpt_block>(bc, tp);
+      slots_.activation("x." + std::to_string(i), bt, x_[i]);
+      h_[i]->declare(slots_, "h." + std::to_string(i), dims);
+    }
+    if (holds_last(c)) {
+      slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
+      ln_f_.declare(slots_, "ln_f", dims);
+      {
+        auto sc = slots_.enter("head");
+        head_.declare(slots_, dims, cfg.dim, "gpt_stage head");
+      }
+      if (!first_) {
+        auto sc = slots_.enter("wte");
+        slots_.param("weight", {wte_.local_vocab, cfg.dim}, head_w_, head_dw_);
+      }
+      slots_.activation("ln_f_out", bt, ln_f_out_);
+      slots_.activation("logits", {dims.rows(), wte_.local_vocab}, logits_);
+      loss_.declare(slots_, "loss", dims);
+    }
+    close_chunk(c);
+  }
+  slots_.scratch("dx_a", bt, dx_a_);
+  slots_.scratch("dx_b", bt, dx_b_);
+  if (first_) {
+    slots_.scratch("dpos", {dims.seq, cfg.dim}, dpos_);
+    if (tp.sequence_parallel) {
+      slots_.scratch("dx0_full", {dims.batch, dims.seq, cfg.dim}, dx0_full_);
+      slots_.scratch("dx0_gather_buf", {dims.rows() * cfg.dim}, gather_buf_);
+    }
+  }
+  plan_memory();
+  if (first_ && last_) {
+    head_w_ = wte_.weight;
+    head_dw_ = wte_.dweight;
+  }
+  if (stages() > 1 && (first_ || last_)) set_tied("wte.weight", first_ ? wte_.dweight : head_dw_);
+  pos_ids_ = empty({cfg.max_seq}, dtype::i32);
+  for (std::int64_t i = 0; i < cfg.max_seq; ++i)
+    pos_ids_.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
+}
+
+void gpt_stage::match(const slot_list& full, bool full_grads, bool own_grads, bool into_own) const {
+  std::map<std::string, const tensor_slot*> by_name;
+  for (const auto& s : full.slots())
+    if (s.kind == slot_kind::param) by_name[s.name] = &s;
+  for (const auto& s : slots_.slots()) {
+    if (s.kind != slot_kind::param) continue;
+    auto it = by_name.find(s.name);
+    TROUPE_CHECK(it != by_name.end(), "gpt_stage: the full model has no parameter '", s.name, "'");
+    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
+    const tensor& own = own_grads ? *s.grad : *s.field;
+    copy_gpt_slice(s.name, f, own, cfg_.n_head, tp().rank(), tp().size(), into_own, "gpt_stage");
+  }
+}
+
+void gpt_stage::load_from(const slot_list& full, bool from_grads, bool to_grads) {
+  match(full, from_grads, to_grads, /*into_own=*/true);
+}
+
+void gpt_stage::store_to(const slot_list& full, bool from_grads, bool to_grads) const {
+  match(full, to_grads, from_grads, /*into_own=*/false);
+}
+
+void gpt_stage::init_weights(std::uint64_t seed) {
+  gpt full(cfg_, {1, 1});
+  full.init_weights(seed);
+  load_from(full.slots());
+}
+
+bool gpt_stage::replicated_over_tp(std::string_view p) const {
+  for (std::string_view sharded :
+       {"wte.weight", "attn.qkv_proj.weight", "attn.qkv_proj.bias", "attn.o_proj.weight",
+        "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight"})
+    if (ends_with(p, sharded)) return false;
+  return true;
+}
+
+double gpt_stage::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {
+  const std::int64_t a = first_block(c), b = end_block(c);
+  if (holds_first(c)) {
+    wte_.forward(in, x_[a]);
+    tensor pos = planned_view(pos_emb_, {seq_local_, cfg_.dim}, "gpt_stage", "pos_emb");
+    wpe_.forward(pos_ids_.narrow(0, seq_first_, seq_local_), pos);
+    for (std::int64_t r = 0; r < dims().batch; ++r) {
+      tensor xr = x_[a].select(0, r);
+      ops::add(xr, pos, xr);
+    }
+  } else {
+    ops::copy(in, x_[a]);
+  }
+  for (std::int64_t i = a; i < b; ++i)
+    h_[i]->forward(x_[i], i + 1 == b && !holds_last(c) ? y : x_[i + 1]);
+  if (!holds_last(c)) return 0.0;
+  const std::int64_t rows = dims().rows();
+  ln_f_.forward(x_[cfg_.n_layer], ln_f_out_);
+  tensor hf = head_.forward(ln_f_out_);  // [B, T, C] (SP: gathered)
+  ops::matmul(hf.reshape({rows, cfg_.dim}), head_w_.transpose(0, 1), logits_);
+  return loss_.forward(logits_, targets.reshape({rows}));
+}
+
+void gpt_stage::run_backward(int c, const tensor& dy, const tensor& dx, double weight,
+                             const block_hook& after_block) {
+  const std::int64_t a = first_block(c), b = end_block(c);
+  const batch_dims d = dims();
+  const tensor& da = dx_a_;
+  const tensor& db = dx_b_;
+  tensor g = dy;
+  if (holds_last(c)) {
+    const std::int64_t rows = d.rows();
+    loss_.backward(logits_, weight);  // the logits become their gradient
+    tensor hf = tp().sequence_parallel
+                    ? planned_view(head_.x_full, {d.batch, d.seq, cfg_.dim}, "gpt_stage", "head")
+                    : ln_f_out_;
+    // Tied head: dwte += dlogits^T hf; d(hf) = dlogits wte (a partial sum over the shards).
+    ops::matmul(logits_.transpose(0, 1), hf.reshape({rows, cfg_.dim}), head_dw_, 1.0, 1.0);
+    tensor dhf = head_.grad_buffer(da);
+    ops::matmul(logits_, head_w_, dhf.reshape({rows, cfg_.dim}));
+    head_.backward(dhf, da);
+    ln_f_.backward(da, db);
+    g = db;
+  }
+  for (std::int64_t i = b - 1; i >= a; --i) {
+    tensor out = i == a && !holds_first(c) ? dx : (g.data() == da.data() ? db : da);
+    h_[i]->backward(g, out);
+    if (after_block) after_block(i);
+    g = out;
+  }
+  if (!holds_first(c)) return;
+  // g holds d(x0): tokens, then positions (SP: gathered so every shard adds all positions).
+  wte_.backward(g);
+  tensor d0 = g;
+  if (tp().sequence_parallel) {
+    d0 = planned_view(dx0_full_, {d.batch, d.seq, cfg_.dim}, "gpt_stage", "dx0_full");
+    gather_sequence(tp(), g, d0, gather_buf_);
+  }
+  tensor dpos = planned_view(dpos_, {d.seq, cfg_.dim}, "gpt_stage", "dpos");
+  ops::fill(dpos, 0.0);
+  for (std::int64_t r = 0; r < d.batch; ++r) ops::add(dpos, d0.select(0, r), dpos);
+  wpe_.ids = pos_ids_.narrow(0, 0, d.seq);  // every position, as d0 covers them all
+  wpe_.backward(dpos);
+}
+
+void gpt_stage::save_extra(int c, std::size_t slot) {
+  if (holds_first(c)) {
+    if (wte_saved_.size() <= slot) wte_saved_.resize(slot + 1);
+    wte_saved_[slot] = wte_;
+  }
+  if (holds_last(c)) {
+    if (count_saved_.size() <= slot) count_saved_.resize(slot + 1);
+    count_saved_[slot] = loss_.count;
+  }
+}
+
+void gpt_stage::restore_extra(int c, std::size_t slot) {
+  if (holds_first(c)) wte_ = wte_saved_[slot];
+  if (holds_last(c)) loss_.count = count_saved_[slot];
+}
+
+}  // namespace troupe::models::parallel

@@ -1,0 +1,451 @@
+// Pipeline stages and the pipeline runner against the single-process models: ranks are threads of
+// one local_world with a pp communicator (and a tp one for pp x tp); one step of m weighted
+// microbatches must give the loss sum_k w_k loss_k and, gathered by name from every stage and
+// shard, the gradient sum_k w_k d loss_k / d params of the unsharded model at the same weights.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collective/grid.hpp"
+#include "collective/local/local_transport.hpp"
+#include "collective/p2p_communicator.hpp"
+#include "models/gpt.hpp"
+#include "models/llama.hpp"
+#include "models/parallel/gpt_stage.hpp"
+#include "models/parallel/llama_stage.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/pipeline_runner.hpp"
+#include "models/targets.hpp"
+#include "tensor/ops.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::parallel;
+using scheduler::schedule_kind;
+
+namespace {
+
+constexpr int rows = 2, seq = 16, vocab = 64;
+
+gpt_config tiny_gpt() {
+  gpt_config c;
+  c.vocab = vocab;
+  c.max_seq = seq;
+  c.dim = 32;
+  c.n_layer = 4;
+  c.n_head = 4;
+  return c;
+}
+
+llama_config tiny_llama(bool tied = false) {
+  llama_config c;
+  c.vocab = vocab;
+  c.dim = 32;
+  c.n_layer = 4;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.hidden = 64;
+  c.max_seq = seq;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+// m microbatches of random tokens with unequal weights (k + 1) / (m (m + 1) / 2).
+struct batches {
+  std::vector<owned_tensor> ids, targets;
+  std::vector<double> weight;
+  explicit batches(int m) {
+    std::mt19937_64 g(11);
+    for (int k = 0; k < m; ++k) {
+      ids.push_back(empty({rows, seq}, dtype::i32));
+      targets.push_back(empty({rows, seq}, dtype::i32));
+      for (std::int64_t i = 0; i < rows * seq; ++i)
+        ids[k].data_as<std::int32_t>()[i] = static_cast<std::int32_t>(g() % vocab);
+      next_token_targets(ids[k], targets[k]);
+      weight.push_back((k + 1) / (m * (m + 1) / 2.0));
+    }
+  }
+  microbatch_data operator()(int k) const { return {ids[k], targets[k], weight[k]}; }
+};
+
+// The single-process reference: sum_k w_k loss_k, with the gradient accumulated in the model.
+template <class M>
+double reference(M& model, const batches& data) {
+  model.memory().zero_grads();
+  double loss = 0;
+  for (std::size_t k = 0; k < data.ids.size(); ++k) {
+    loss += data.weight[k] * model.forward(data.ids[k], data.targets[k]);
+    model.backward(data.weight[k]);
+  }
+  return loss;
+}
+
+// Largest |a - b| over the largest |b| (f64 accumulation of f32 tensors).
+double rel_err(const tensor& a, const tensor& b) {
+  REQUIRE(a.sizes() == b.sizes());
+  const float* x = a.data_as<float>();
+  const float* y = b.data_as<float>();
+  double m = 0, s = 1e-30;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    m = std::max(m, std::abs(static_cast<double>(x[i]) - y[i]));
+    s = std::max(s, std::abs(static_cast<double>(y[i])));
+  }
+  return m / s;
+}
+
+const tensor& grad_of(const slot_list& s, const std::string& name) {
+  for (const auto& x : s.slots())
+    if (x.kind == slot_kind::param && x.name == name) return *x.grad;
+  FAIL("no parameter " << name);
+  static tensor none;
+  return none;
+}
+
+double sum_squares(const tensor& t) {
+  double s = 0;
+  const float* p = t.data_as<float>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) s += static_cast<double>(p[i]) * p[i];
+  return s;
+}
+
+// One pipeline rank's view of the world: its communicators (tp: null without tensor parallelism).
+struct rank_comms {
+  std::unique_ptr<collective::communicator> pp, tp, norm;
+};
+
+// What a run leaves behind for the checks: every rank's stage, runner and returned loss.
+struct pipeline_run {
+  std::vector<std::unique_ptr<pipeline_stage>> stages;
+  std::vector<std::unique_ptr<pipeline_runner>> runners;
+  std::vector<double> loss;
+  std::vector<std::map<std::int64_t, double>> hooked;  // per rank: block -> |grad| sum at the hook
+  std::vector<rank_comms> comms;
+};
+
+using stage_factory = std::function<std::unique_ptr<pipeline_stage>(const scheduler::parallel_plan&,
+                                                                    int stage, tp_group tp)>;
+
+double abs_sum_of_block(const pipeline_stage& st, std::int64_t block, const std::string& scope) {
+  std::string prefix = scope + "." + std::to_string(block) + ".";
+  double s = 0;
+  for (const auto& x : st.slots().slots())
+    if (x.kind == slot_kind::param && x.name.rfind(prefix, 0) == 0) {
+      const float* p = x.grad->data_as<float>();
+      for (std::int64_t i = 0; i < x.grad->numel(); ++i) s += std::abs(p[i]);
+    }
+  return s;
+}
+
+// Runs one step of plan on pp x tp threads (rank = stage * tp + tensor rank).
+pipeline_run run_pipeline(const scheduler::parallel_plan& plan, const stage_factory& make,
+                          const batches& data, const std::string& block_scope) {
+  const int n = plan.pp * plan.tp;
+  auto world = std::make_shared<collective::local_world>(n);
+  collective::rank_grid grid({{"pp", plan.pp}, {"tp", plan.tp}});
+  pipeline_run run;
+  run.stages.resize(n);
+  run.runners.resize(n);
+  run.loss.assign(n, 0.0);
+  run.hooked.resize(n);
+  run.comms.resize(n);
+  for (int r = 0; r < n; ++r) {
+    run.comms[r].pp = collective::make_communicator(world->transport(r), grid.group(r, {"pp"}),
+                                                    "local:pp", world);
+    if (plan.tp > 1)
+      run.comms[r].tp = collective::make_communicator(world->transport(r), grid.group(r, {"tp"}),
+                                                      "local:tp", world);
+    run.comms[r].norm = collective::make_communicator(
+        world->transport(r), grid.group(r, {"pp", "tp"}), "local:mp", world);
+  }
+  std::vector<std::exception_ptr> err(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto& c = run.comms[r];
+        int s = grid.coord(r, "pp");
+        run.stages[r] = make(plan, s, tp_group{c.tp.get(), plan.sp});
+        run.stages[r]->init_weights(5);
+        run.runners[r] =
+            std::make_unique<pipeline_runner>(*run.stages[r], *c.pp, plan, c.norm.get());
+        auto& st = *run.stages[r];
+        run.runners[r]->set_block_grads_hook([&, r](std::int64_t block) {
+          run.hooked[r][block] = abs_sum_of_block(st, block, block_scope);
+        });
+        st.memory().zero_grads();
+        run.loss[r] =
+            run.runners[r]->forward_backward(plan.microbatches, [&data](int k) { return data(k); });
+      } catch (...) {
+        err[r] = std::current_exception();
+        for (auto& c : run.comms) {
+          c.pp->abort("rank " + std::to_string(r) + " failed");
+          if (c.tp) c.tp->abort("rank " + std::to_string(r) + " failed");
+        }
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : err)
+    if (e) std::rethrow_exception(e);
+  return run;
+}
+
+scheduler::parallel_plan make_plan(int pp, schedule_kind kind, int m, int v = 1, int tp = 1,
+                                   bool sp = false) {
+  scheduler::parallel_plan p;
+  p.pp = pp;
+  p.tp = tp;
+  p.sp = sp;
+  p.schedule = kind;
+  p.microbatches = m;
+  p.virtual_stages = v;
+  return p;
+}
+
+// The checks every configuration gets: loss, the gathered gradient, the tied gradient on both
+// ends, the norm contract (counts_in_norm over the ranks = the full model's norm), the block hook
+// (called once per block the rank holds, with the block's final gradients) and the bubble.
+template <class M>
+void check_run(M& full, double want_loss, pipeline_run& run, const scheduler::parallel_plan& plan,
+               const std::string& tied, std::int64_t n_layer, double tol) {
+  const int n = plan.pp * plan.tp;
+  for (int r = 0; r < n; ++r) {
+    INFO("rank " << r << " loss " << run.loss[r] << " vs " << want_loss);
+    CHECK(std::abs(run.loss[r] - want_loss) <= 1e-5 * want_loss);
+  }
+  // Gather every rank's gradients by name into a full-shaped model's gradient buffer.
+  M got(full.config(), {1, 1});
+  got.memory().zero_grads();
+  for (int r = 0; r < n; ++r) run.stages[r]->store_to(got.slots(), true, true);
+  double worst = 0;
+  std::string worst_name;
+  for (const auto& s : full.slots().slots()) {
+    if (s.kind != slot_kind::param) continue;
+    double e = rel_err(grad_of(got.slots(), s.name), *s.grad);
+    if (e > worst) worst = e, worst_name = s.name;
+  }
+  INFO("worst gradient " << worst_name << " relative error " << worst);
+  CHECK(worst < tol);
+  // The tied gradient on the first and on the last stage (each tensor shard's slice).
+  if (!tied.empty() && plan.pp > 1) {
+    const tensor& want = grad_of(full.slots(), tied);
+    for (int r = 0; r < n; ++r) {
+      auto& st = *run.stages[r];
+      bool holds = st.stage() == 0 || st.stage() == plan.pp - 1;
+      CHECK(st.tied_parameter() == (holds ? tied : std::string()));
+      if (!holds) continue;
+      auto slice = empty(st.tied_grad().sizes(), dtype::f32);
+      copy_gpt_slice(tied, want, slice, 1, st.tp().rank(), st.tp().size(), true, "test");
+      INFO("tied gradient on rank " << r);
+      CHECK(rel_err(st.tied_grad(), slice) < tol);
+    }
+  }
+  // Norm: each rank counts its parameters once across the model-parallel group.
+  double want_sq = sum_squares(full.memory().grads()), got_sq = 0;
+  for (int r = 0; r < n; ++r) {
+    CHECK(run.runners[r]->norm_group() == run.comms[r].norm.get());
+    for (const auto& s : run.stages[r]->slots().slots())
+      if (s.kind == slot_kind::param && run.runners[r]->counts_in_norm(s.name))
+        got_sq += sum_squares(*s.grad);
+  }
+  CHECK(std::abs(got_sq - want_sq) <= 1e-5 * want_sq);
+  // Block hook: every block once on the ranks holding it, after its last gradient.
+  for (int r = 0; r < n; ++r) {
+    auto& st = *run.stages[r];
+    std::int64_t held = 0;
+    for (int c = 0; c < st.chunks(); ++c) held += st.end_block(c) - st.first_block(c);
+    CHECK(static_cast<std::int64_t>(run.hooked[r].size()) == held);
+    for (auto [block, at_hook] : run.hooked[r]) {
+      INFO("rank " << r << " block " << block);
+      CHECK(block >= 0);
+      CHECK(block < n_layer);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    double b = run.runners[r]->bubble_fraction();
+    CHECK(b >= 0.0);
+    CHECK(b < 1.0);
+  }
+}
+
+void check_hook_final(pipeline_run& run, const std::string& scope) {
+  for (std::size_t r = 0; r < run.stages.size(); ++r)
+    for (auto [block, at_hook] : run.hooked[r]) {
+      INFO("rank " << r << " block " << block);
+      CHECK(at_hook == abs_sum_of_block(*run.stages[r], block, scope));
+      CHECK(at_hook > 0);
+    }
+}
+
+}  // namespace
+
+// Every GPT-2 configuration: gradients within 1e-5 of the largest element of each unsharded
+// gradient (pp only: the same f32 operations but the loss's f64 sums and the tied gradient's
+// summation order; tp: sums split across shards).
+TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "[parallel]") {
+  struct config {
+    int pp;
+    schedule_kind kind;
+    int m, v, tp;
+    bool sp;
+  };
+  for (auto c : {config{2, schedule_kind::gpipe, 4, 1, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, 1, false},
+                 config{2, schedule_kind::interleaved, 4, 2, 1, false},
+                 config{4, schedule_kind::one_f_one_b, 6, 1, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, 2, false},
+                 config{2, schedule_kind::interleaved, 4, 2, 2, true}}) {
+    auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
+    INFO(scheduler::describe(plan));
+    batches data(c.m);
+    gpt full(tiny_gpt(), {rows, seq});
+    full.init_weights(5);
+    double want = reference(full, data);
+    auto run = run_pipeline(
+        plan,
+        [](const scheduler::parallel_plan& p, int s, tp_group tp) {
+          return std::make_unique<gpt_stage>(tiny_gpt(), batch_dims{rows, seq},
+                                             stage_options::of(p, s), tp);
+        },
+        data, "h");
+    check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
+    check_hook_final(run, "h");
+  }
+}
+
+TEST_CASE("Llama pipeline stages match the single process loss and gradients", "[parallel]") {
+  struct config {
+    int pp;
+    schedule_kind kind;
+    int m, v;
+    bool tied;
+  };
+  for (auto c : {config{2, schedule_kind::gpipe, 4, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, false},
+                 config{2, schedule_kind::interleaved, 4, 2, false},
+                 config{4, schedule_kind::one_f_one_b, 6, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 3, 1, true}}) {
+    auto plan = make_plan(c.pp, c.kind, c.m, c.v);
+    INFO(scheduler::describe(plan) << (c.tied ? " tied" : ""));
+    batches data(c.m);
+    llama full(tiny_llama(c.tied), {rows, seq});
+    full.init_weights(5);
+    double want = reference(full, data);
+    auto run = run_pipeline(
+        plan,
+        [tied = c.tied](const scheduler::parallel_plan& p, int s, tp_group tp) {
+          return std::make_unique<llama_stage>(tiny_llama(tied), batch_dims{rows, seq},
+                                               stage_options::of(p, s), tp);
+        },
+        data, "layers");
+    check_run(full, want, run, plan, c.tied ? "embed_tokens.weight" : "", 4, 1e-5);
+    check_hook_final(run, "layers");
+  }
+}
+
+TEST_CASE("Pipeline stages hold the blocks of their virtual stages", "[parallel]") {
+  auto plan = make_plan(2, schedule_kind::interleaved, 4, 2);
+  gpt_stage s0(tiny_gpt(), {rows, seq}, stage_options::of(plan, 0));
+  gpt_stage s1(tiny_gpt(), {rows, seq}, stage_options::of(plan, 1));
+  // Virtual stages 0..3 hold one block each: stage 0 has blocks 0 and 2, stage 1 blocks 1 and 3.
+  CHECK(s0.first_block(0) == 0);
+  CHECK(s0.first_block(1) == 2);
+  CHECK(s1.first_block(0) == 1);
+  CHECK(s1.first_block(1) == 3);
+  std::vector<std::string> p0, p1;
+  for (const auto& s : s0.slots().slots())
+    if (s.kind == slot_kind::param) p0.push_back(s.name);
+  for (const auto& s : s1.slots().slots())
+    if (s.kind == slot_kind::param) p1.push_back(s.name);
+  CHECK(p0.front() == "wte.weight");
+  CHECK(p0[1] == "wpe.weight");
+  CHECK(std::count(p1.begin(), p1.end(), "wte.weight") == 1);  // the tied head's copy
+  CHECK(std::count(p1.begin(), p1.end(), "ln_f.weight") == 1);
+  CHECK(std::count(p0.begin(), p0.end(), "ln_f.weight") == 0);
+  CHECK(std::count(p0.begin(), p0.end(), "h.2.attn.qkv_proj.weight") == 1);
+  CHECK(std::count(p1.begin(), p1.end(), "h.2.attn.qkv_proj.weight") == 0);
+  // Weights round-trip by name: init as the full model, store back into a full model.
+  gpt full(tiny_gpt(), {1, 1});
+  full.init_weights(9);
+  s0.init_weights(9);
+  s1.init_weights(9);
+  gpt back(tiny_gpt(), {1, 1});
+  ops::fill(back.memory().params(), 0.0);
+  s0.store_to(back.slots());
+  s1.store_to(back.slots());
+  CHECK(rel_err(back.memory().params(), full.memory().params()) == 0.0);
+}
+
+TEST_CASE("Wrong pipeline configurations fail with a clear error", "[parallel]") {
+  using Catch::Matchers::Contains;
+  // More virtual stages than layers.
+  CHECK_THROWS_WITH(gpt_stage(tiny_gpt(), {rows, seq},
+                              {.stage = 0, .stages = 5, .virtual_stages = 1, .first = {}}),
+                    Contains("need at least as many layers") && Contains("n_layer is 4"));
+  CHECK_THROWS_WITH(llama_stage(tiny_llama(), {rows, seq},
+                                {.stage = 1, .stages = 3, .virtual_stages = 2, .first = {}}),
+                    Contains("6 virtual stages"));
+  // Llama with tensor parallelism.
+  auto comms = collective::make_local_group(2);
+  CHECK_THROWS_WITH(llama_stage(tiny_llama(), {rows, seq},
+                                {.stage = 0, .stages = 2, .virtual_stages = 1, .first = {}},
+                                tp_group{comms[0].get(), false}),
+                    Contains("tensor parallelism (tp = 2)"));
+  // Interleaved with microbatches not a multiple of the stages.
+  auto plan = make_plan(2, schedule_kind::interleaved, 3, 2);
+  gpt_stage s0(tiny_gpt(), {rows, seq}, stage_options::of(plan, 0));
+  CHECK_THROWS_WITH(pipeline_runner(s0, *comms[0], plan),
+                    Contains("interleaved") && Contains("multiple of stages"));
+  // A plan that does not match the stage or the communicator.
+  auto plan1 = make_plan(2, schedule_kind::one_f_one_b, 4);
+  gpt_stage s1(tiny_gpt(), {rows, seq}, stage_options::of(plan1, 1));
+  CHECK_THROWS_WITH(pipeline_runner(s1, *comms[0], plan1), Contains("must run stage 0"));
+  plan1.recompute = scheduler::recompute_policy::full;
+  CHECK_THROWS_WITH(pipeline_runner(s1, *comms[1], plan1), Contains("parallel.recompute"));
+}
+
+TEST_CASE("A microbatch of the wrong shape fails naming the planned shape", "[parallel]") {
+  auto plan = make_plan(1, schedule_kind::one_f_one_b, 2);
+  auto comms = collective::make_local_group(1);
+  gpt_stage st(tiny_gpt(), {rows, seq}, stage_options::of(plan, 0));
+  st.init_weights(1);
+  pipeline_runner run(st, *comms[0], plan);
+  auto ids = zeros({1, seq}, dtype::i32);
+  auto fetch = [&](int) { return microbatch_data{ids, ids, 0.5}; };
+  CHECK_THROWS_WITH(run.forward_backward(2, fetch), Catch::Matchers::Contains("[2, 16]"));
+}
+
+// pp 1 (one stage holding everything) is the plain model; the bubble is then the share of the step
+// outside forward and backward, and the ideal one is 0.
+TEST_CASE("The pipeline bubble fraction is a fraction", "[parallel]") {
+  CHECK(pipeline_runner::ideal_bubble_fraction(4, 8) == Approx(3.0 / 11.0));
+  CHECK(pipeline_runner::ideal_bubble_fraction(2, 4, 2) == Approx(1.0 / 9.0));
+  auto plan = make_plan(1, schedule_kind::gpipe, 2);
+  auto comms = collective::make_local_group(1);
+  batches data(2);
+  gpt full(tiny_gpt(), {rows, seq});
+  full.init_weights(5);
+  double want = reference(full, data);
+  gpt_stage st(tiny_gpt(), {rows, seq}, stage_options::of(plan, 0));
+  st.init_weights(5);
+  pipeline_runner run(st, *comms[0], plan);
+  CHECK(run.bubble_fraction() == 0.0);
+  st.memory().zero_grads();
+  double got = run.forward_backward(2, [&data](int k) { return data(k); });
+  CHECK(std::abs(got - want) <= 1e-5 * want);
+  gpt got_grads(tiny_gpt(), {1, 1});
+  got_grads.memory().zero_grads();
+  st.store_to(got_grads.slots(), true, true);
+  CHECK(rel_err(got_grads.memory().grads(), full.memory().grads()) < 1e-5);
+  CHECK(run.bubble_fraction() >= 0.0);
+  CHECK(run.bubble_fraction() < 1.0);
+  CHECK(run.last_timing().compute_s > 0);
+  CHECK(run.last_timing().compute_s <= run.last_timing().wall_s);
+}

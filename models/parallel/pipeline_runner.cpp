@@ -1,0 +1,298 @@
+// pipeline_runner: one stage's pipeline schedule over a communicator (see pipeline_runner.hpp).
+#include "models/parallel/pipeline_runner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <map>
+#include <string>
+
+#include "memory/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models::parallel {
+
+using scheduler::action;
+using scheduler::action_kind;
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// On every link a -> b, the k-th message a sends must be the k-th b receives: same kind (the
+// communicator has one FIFO per pair for activations and gradients alike) and microbatch.
+void check_links(const std::vector<std::vector<action>>& all) {
+  const int p = static_cast<int>(all.size());
+  for (int a = 0; a < p; ++a)
+    for (int b = 0; b < p; ++b) {
+      std::vector<const action*> sent, received;
+      for (const auto& x : all[a])
+        if (scheduler::is_send(x.kind) && x.peer == b) sent.push_back(&x);
+      for (const auto& x : all[b])
+        if (scheduler::is_recv(x.kind) && x.peer == a) received.push_back(&x);
+      TROUPE_CHECK(sent.size() == received.size(), "pipeline_runner: stage ", a, " sends ",
+                   sent.size(), " messages to stage ", b, " which receives ", received.size());
+      for (std::size_t k = 0; k < sent.size(); ++k) {
+        bool act = sent[k]->kind == action_kind::send_activation;
+        bool same = (act ? received[k]->kind == action_kind::recv_activation
+                         : received[k]->kind == action_kind::recv_grad) &&
+                    sent[k]->microbatch == received[k]->microbatch;
+        TROUPE_CHECK(same, "pipeline_runner: message ", k, " from stage ", a, " to stage ", b,
+                     " is '", scheduler::describe(*sent[k]), "' but stage ", b, " expects '",
+                     scheduler::describe(*received[k]),
+                     "' (send/recv between two ranks share one FIFO)");
+      }
+    }
+}
+
+}  // namespace
+
+pipeline_runner::pipeline_runner(pipeline_stage& stage, collective::communicator& pp,
+                                 const scheduler::parallel_plan& plan,
+                                 collective::communicator* norm_group)
+    : stage_(stage), pp_(pp), norm_group_(norm_group), plan_(plan) {
+  TROUPE_CHECK(plan.pp == pp.size(), "pipeline_runner: parallel.pp is ", plan.pp,
+               " but the pp communicator ", pp.name(), " has ", pp.size(), " ranks");
+  TROUPE_CHECK(stage.stages() == plan.pp && stage.stage() == pp.rank(), "pipeline_runner: rank ",
+               pp.rank(), " of ", pp.name(), " must run stage ", pp.rank(),
+               " of parallel.pp = ", plan.pp, ", but its stage is ", stage.stage(), " of ",
+               stage.stages());
+  TROUPE_CHECK(stage.chunks() == plan.virtual_stages,
+               "pipeline_runner: parallel.virtual_stages is ", plan.virtual_stages,
+               " but the stage holds ", stage.chunks(), " chunks");
+  TROUPE_CHECK(stage.tp().size() == plan.tp && stage.tp().sequence_parallel == plan.sp,
+               "pipeline_runner: parallel.tp = ", plan.tp, " and parallel.sp = ", plan.sp,
+               " but the stage's tensor group has ", stage.tp().size(), " ranks and sp ",
+               stage.tp().sequence_parallel);
+  TROUPE_CHECK(plan.recompute == scheduler::recompute_policy::none,
+               "pipeline_runner: parallel.recompute = ", scheduler::name(plan.recompute),
+               " is not supported by pipeline stages yet (use none)");
+  TROUPE_CHECK(norm_group == nullptr || norm_group->size() == plan.pp * plan.tp,
+               "pipeline_runner: the norm group ", norm_group ? norm_group->name() : "",
+               " must hold the pp x tp = ", plan.pp * plan.tp, " ranks of one replica");
+  schedule(plan.microbatches);
+  after_block_ = [this](std::int64_t block) {
+    if (last_backward_ && hook_) hook_(block);
+  };
+}
+
+const std::vector<action>& pipeline_runner::schedule(int microbatches) {
+  if (microbatches == schedule_m_) return actions_;
+  std::vector<std::vector<action>> all;
+  try {
+    all = scheduler::make_schedules(plan_.schedule, plan_.pp, microbatches, plan_.virtual_stages);
+  } catch (const std::exception& e) {
+    TROUPE_FAIL("pipeline_runner: parallel.schedule = ", scheduler::name(plan_.schedule),
+                " with parallel.pp = ", plan_.pp,
+                ", parallel.virtual_stages = ", plan_.virtual_stages, " and ", microbatches,
+                " microbatches: ", e.what());
+  }
+  check_links(all);
+  actions_ = std::move(all[static_cast<std::size_t>(stage_.stage())]);
+  schedule_m_ = microbatches;
+  return actions_;
+}
+
+bool pipeline_runner::set_block_grads_hook(std::function<void(std::int64_t block)> f) {
+  hook_ = std::move(f);
+  return true;
+}
+
+double pipeline_runner::bubble_fraction() const {
+  if (timing_.wall_s <= 0) return 0.0;
+  return std::clamp(1.0 - timing_.compute_s / timing_.wall_s, 0.0, 1.0 - 1e-12);
+}
+
+double pipeline_runner::ideal_bubble_fraction(int stages, int microbatches, int virtual_stages) {
+  double idle = stages - 1;
+  return idle / (static_cast<double>(virtual_stages) * microbatches + idle);
+}
+
+int pipeline_runner::take_buffer() {
+  if (free_.empty()) {
+    pool_.push_back(empty(stage_.boundary(), dtype::f32));
+    return static_cast<int>(pool_.size()) - 1;
+  }
+  int i = free_.back();
+  free_.pop_back();
+  return i;
+}
+
+int& pipeline_runner::table(action_kind k, int mb, int chunk) {
+  auto i = static_cast<std::size_t>(mb * stage_.chunks() + chunk);
+  switch (k) {
+    case action_kind::recv_activation:
+      return act_in_[i];
+    case action_kind::send_activation:
+      return act_out_[i];
+    case action_kind::recv_grad:
+      return grad_in_[i];
+    default:
+      return grad_out_[i];
+  }
+}
+
+double pipeline_runner::forward_backward(int microbatches,
+                                         const std::function<microbatch_data(int k)>& fetch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto& acts = schedule(microbatches);
+  stage_.begin_step(microbatches);
+  const auto slots = static_cast<std::size_t>(microbatches * stage_.chunks());
+  for (auto* t : {&act_in_, &act_out_, &grad_in_, &grad_out_}) t->assign(slots, -1);
+  backwards_done_.assign(static_cast<std::size_t>(stage_.chunks()), 0);
+  free_.clear();
+  for (int i = static_cast<int>(pool_.size()) - 1; i >= 0; --i) free_.push_back(i);
+  fetched_ = -1;
+  loss_sum_ = 0;
+  timing_ = {};
+  timing_.microbatches = microbatches;
+
+  for (std::size_t i = 0; i < acts.size();) {
+    const action& a = acts[i];
+    if (scheduler::is_compute(a.kind)) {
+      const auto tc = std::chrono::steady_clock::now();
+      if (a.kind == action_kind::forward)
+        forward(a, fetch);
+      else
+        backward(a);
+      timing_.compute_s += seconds_since(tc);
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < acts.size() && !scheduler::is_compute(acts[j].kind)) ++j;
+    transfers(acts, i, j);
+    i = j;
+  }
+  for (int c = 0; c < stage_.chunks(); ++c)
+    TROUPE_CHECK(backwards_done_[c] == microbatches, "pipeline_runner: stage ", stage_.stage(),
+                 " ran ", backwards_done_[c], " backwards of chunk ", c, " for ", microbatches,
+                 " microbatches");
+
+  const auto tw = std::chrono::steady_clock::now();
+  exchange_tied_grad();
+  share_loss();
+  timing_.wait_s += seconds_since(tw);
+  timing_.wall_s = seconds_since(t0);
+  return loss_sum_;
+}
+
+void pipeline_runner::forward(const action& a, const std::function<microbatch_data(int k)>& fetch) {
+  const int mb = a.microbatch, c = a.chunk;
+  const bool first = stage_.holds_first(c), last = stage_.holds_last(c);
+  tensor in, targets, y;
+  double weight = 0;
+  if (first || last) {
+    TROUPE_CHECK(mb > fetched_, "pipeline_runner: stage ", stage_.stage(),
+                 " would fetch microbatch ", mb, " after ", fetched_, " (fetches must ascend)");
+    data_ = fetch(mb);
+    fetched_ = mb;
+    if (first) in = data_.ids;
+    if (last) {
+      targets = data_.targets;
+      weight = data_.weight;
+    }
+  }
+  int& in_buf = table(action_kind::recv_activation, mb, c);
+  if (!first) {
+    TROUPE_CHECK(in_buf >= 0, "pipeline_runner: stage ", stage_.stage(),
+                 " runs forward of microbatch ", mb, " chunk ", c,
+                 " before its activation arrived");
+    in = pool_[in_buf];
+  }
+  if (!last) {
+    int& out = table(action_kind::send_activation, mb, c);
+    out = take_buffer();
+    y = pool_[out];
+  }
+  double loss = stage_.forward(mb, c, in, targets, weight, y);
+  if (!first) {
+    free_.push_back(in_buf);
+    in_buf = -1;
+  }
+  if (last) loss_sum_ += weight * loss;
+}
+
+void pipeline_runner::backward(const action& a) {
+  const int mb = a.microbatch, c = a.chunk;
+  const bool first = stage_.holds_first(c), last = stage_.holds_last(c);
+  tensor dy, dx;
+  int& in_buf = table(action_kind::recv_grad, mb, c);
+  if (!last) {
+    TROUPE_CHECK(in_buf >= 0, "pipeline_runner: stage ", stage_.stage(),
+                 " runs backward of microbatch ", mb, " chunk ", c, " before its gradient arrived");
+    dy = pool_[in_buf];
+  }
+  if (!first) {
+    int& out = table(action_kind::send_grad, mb, c);
+    out = take_buffer();
+    dx = pool_[out];
+  }
+  last_backward_ = backwards_done_[c] + 1 == schedule_m_;
+  stage_.backward(mb, c, dy, dx, after_block_);
+  last_backward_ = false;
+  ++backwards_done_[c];
+  if (!last) {
+    free_.push_back(in_buf);
+    in_buf = -1;
+  }
+}
+
+void pipeline_runner::transfers(const std::vector<action>& acts, std::size_t begin,
+                                std::size_t end) {
+  pending_.clear();
+  release_.clear();
+  const auto n = static_cast<std::size_t>(stage_.boundary().numel());
+  for (std::size_t i = begin; i < end; ++i) {
+    const action& a = acts[i];
+    int& buf = table(a.kind, a.microbatch, a.chunk);
+    if (scheduler::is_send(a.kind)) {
+      TROUPE_CHECK(buf >= 0, "pipeline_runner: stage ", stage_.stage(), " would ",
+                   scheduler::describe(a), " before computing it");
+      pending_.push_back(pp_.send(pool_[buf].data(), n, dtype::f32, a.peer));
+      release_.push_back(buf);
+      buf = -1;
+    } else {
+      TROUPE_CHECK(buf < 0, "pipeline_runner: stage ", stage_.stage(), " would ",
+                   scheduler::describe(a), " twice");
+      buf = take_buffer();
+      pending_.push_back(pp_.recv(pool_[buf].data(), n, dtype::f32, a.peer));
+    }
+  }
+  const auto tw = std::chrono::steady_clock::now();
+  for (auto& w : pending_) w.wait();
+  timing_.wait_s += seconds_since(tw);
+  for (int b : release_) free_.push_back(b);
+}
+
+void pipeline_runner::share_loss() {
+  const int p = pp_.size(), s = stage_.stage();
+  if (p == 1) return;
+  pending_.clear();
+  if (s == p - 1) {
+    for (int q = 0; q < p - 1; ++q) pending_.push_back(pp_.send(&loss_sum_, 1, dtype::f64, q));
+  } else {
+    pending_.push_back(pp_.recv(&loss_sum_, 1, dtype::f64, p - 1));
+  }
+  for (auto& w : pending_) w.wait();
+}
+
+void pipeline_runner::exchange_tied_grad() {
+  const int p = pp_.size(), s = stage_.stage();
+  if (p == 1 || stage_.tied_parameter().empty() || (s != 0 && s != p - 1)) return;
+  const int peer = s == 0 ? p - 1 : 0;
+  tensor g = stage_.tied_grad();
+  TROUPE_CHECK(g.defined() && g.is_contiguous(), "pipeline_runner: stage ", s,
+               " holds no gradient for the tied parameter '", stage_.tied_parameter(), "'");
+  if (!tied_recv_.defined()) tied_recv_ = empty(g.sizes(), g.type());
+  const auto n = static_cast<std::size_t>(g.numel());
+  auto sent = pp_.send(g.data(), n, g.type(), peer);
+  auto got = pp_.recv(tied_recv_.data(), n, g.type(), peer);
+  sent.wait();
+  got.wait();
+  ops::add(g, tied_recv_, g);  // a + b on one end, b + a on the other: the same sum
+}
+
+}  // namespace troupe::models::parallel

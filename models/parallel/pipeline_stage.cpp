@@ -1,0 +1,238 @@
+// pipeline_stage: partition, per-microbatch activation stash and the checks shared by the GPT-2
+// and Llama stages (see pipeline_stage.hpp).
+#include "models/parallel/pipeline_stage.hpp"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "memory/error.hpp"
+#include "scheduler/partition.hpp"
+
+namespace troupe::models::parallel {
+
+stage_options stage_options::of(const scheduler::parallel_plan& plan, int stage) {
+  return {.stage = stage, .stages = plan.pp, .virtual_stages = plan.virtual_stages, .first = {}};
+}
+
+pipeline_stage::pipeline_stage(std::string what, std::int64_t n_layer, batch_dims dims,
+                               const stage_options& o, tp_group tp, shape boundary)
+    : what_(std::move(what)),
+      dims_(dims),
+      tp_(tp),
+      stage_(o.stage),
+      stages_(o.stages),
+      chunks_(o.virtual_stages),
+      boundary_(boundary) {
+  TROUPE_CHECK(o.stages >= 1 && o.stage >= 0 && o.stage < o.stages, what_, ": stage ", o.stage,
+               " must be in [0, stages = ", o.stages, ")");
+  TROUPE_CHECK(o.virtual_stages >= 1, what_, ": virtual_stages must be >= 1, got ",
+               o.virtual_stages);
+  TROUPE_CHECK(dims.batch > 0 && dims.seq > 0, what_, ": the planned microbatch [", dims.batch,
+               ", ", dims.seq, "] must be positive");
+  const int parts = o.stages * o.virtual_stages;
+  TROUPE_CHECK(parts <= n_layer, what_, ": pp ", o.stages, " x virtual_stages ", o.virtual_stages,
+               " = ", parts, " virtual stages need at least as many layers, but n_layer is ",
+               n_layer, " (every virtual stage holds at least one block)");
+  if (o.first.empty()) {
+    scheduler::layer_costs costs;
+    costs.layers.assign(static_cast<std::size_t>(n_layer), 1.0);
+    first_ = scheduler::even_partition(costs, parts).first;
+  } else {
+    first_ = o.first;
+    TROUPE_CHECK(static_cast<int>(first_.size()) == parts + 1 && first_.front() == 0 &&
+                     first_.back() == n_layer,
+                 what_, ": stage_options.first must have pp x virtual_stages + 1 = ", parts + 1,
+                 " entries from 0 to n_layer = ", n_layer, ", got ", first_.size(), " entries");
+    for (int k = 0; k < parts; ++k)
+      TROUPE_CHECK(first_[k] < first_[k + 1], what_, ": stage_options.first: virtual stage ", k,
+                   " holds no block ([", first_[k], ", ", first_[k + 1], "))");
+  }
+  chunk_.resize(static_cast<std::size_t>(chunks_));
+  ids_ = empty({dims.batch, dims.seq}, dtype::i32);
+  targets_ = empty({dims.batch, dims.seq}, dtype::i32);
+}
+
+std::int64_t pipeline_stage::first_block(int chunk) const {
+  return first_[static_cast<std::size_t>(virtual_stage(chunk))];
+}
+
+std::int64_t pipeline_stage::end_block(int chunk) const {
+  return first_[static_cast<std::size_t>(virtual_stage(chunk)) + 1];
+}
+
+void pipeline_stage::open_chunk(int chunk) {
+  chunk_[chunk].slot_begin = slots_.slots().size();
+}
+
+void pipeline_stage::close_chunk(int chunk) {
+  chunk_[chunk].slot_end = slots_.slots().size();
+}
+
+void pipeline_stage::plan_memory() {
+  mem_ = layer_memory(slots_, dtype::f32, device::cpu());
+  const auto& all = slots_.slots();
+  std::vector<char> owned(all.size(), 0);
+  for (int c = 0; c < chunks_; ++c) {
+    auto& ch = chunk_[c];
+    for (std::size_t i = ch.slot_begin; i < ch.slot_end; ++i) {
+      owned[i] = 1;
+      if (all[i].kind != slot_kind::activation) continue;
+      ch.state.push_back(*all[i].field);
+    }
+    if (holds_first(c)) ch.state.push_back(ids_);
+    if (holds_last(c)) ch.state.push_back(targets_);
+    for (const auto& t : ch.state) ch.bytes += t.nbytes();
+  }
+  for (std::size_t i = 0; i < all.size(); ++i)
+    TROUPE_CHECK(owned[i] || all[i].kind != slot_kind::activation, what_, ": activation '",
+                 all[i].name,
+                 "' belongs to no chunk (declare it between open_chunk and close_chunk)");
+}
+
+void pipeline_stage::begin_step(int microbatches) {
+  TROUPE_CHECK(microbatches >= 1, what_, ": microbatches must be >= 1, got ", microbatches);
+  microbatches_ = microbatches;
+  pending_.assign(static_cast<std::size_t>(chunks_ * microbatches), 0);
+  weight_.assign(static_cast<std::size_t>(microbatches), 0.0);
+  for (auto& ch : chunk_) {
+    ch.stashed.assign(static_cast<std::size_t>(microbatches), -1);
+    ch.live = -1;
+    ch.free.clear();
+    for (std::size_t k = 0; k < ch.pool.size(); ++k) ch.free.push_back(k);
+  }
+}
+
+int pipeline_stage::in_flight() const {
+  int n = 0;
+  for (char p : pending_) n += p;
+  return n;
+}
+
+std::size_t pipeline_stage::stash_buffers() const {
+  std::size_t n = 0;
+  for (const auto& ch : chunk_) n += ch.pool.size();
+  return n;
+}
+
+std::size_t pipeline_stage::stash_bytes() const {
+  std::size_t n = 0;
+  for (const auto& ch : chunk_) n += ch.pool.size() * ch.bytes;
+  return n;
+}
+
+bool pipeline_stage::counts_in_norm(std::string_view parameter) const {
+  if (stages_ > 1 && stage_ != 0 && !tied_name_.empty() && parameter == tied_name_) return false;
+  if (tp_.size() > 1 && tp_.rank() != 0 && replicated_over_tp(parameter)) return false;
+  return true;
+}
+
+void pipeline_stage::check_mb(int mb, int chunk, const char* op) const {
+  TROUPE_CHECK(microbatches_ > 0, what_, ": ", op, " before begin_step");
+  TROUPE_CHECK(chunk >= 0 && chunk < chunks_, what_, " (stage ", stage_, "): ", op, " of chunk ",
+               chunk, " but the stage has ", chunks_, " chunks");
+  TROUPE_CHECK(mb >= 0 && mb < microbatches_, what_, " (stage ", stage_, "): ", op,
+               " of microbatch ", mb, " but the step has ", microbatches_);
+}
+
+void pipeline_stage::stash(int chunk, int mb) {
+  auto& ch = chunk_[chunk];
+  std::size_t slot;
+  if (!ch.free.empty()) {
+    slot = ch.free.back();
+    ch.free.pop_back();
+  } else {
+    slot = ch.pool.size();
+    ch.pool.push_back(empty({static_cast<std::int64_t>(ch.bytes)}, dtype::u8));
+  }
+  auto* dst = static_cast<std::byte*>(ch.pool[slot].data());
+  for (const auto& t : ch.state) {
+    std::memcpy(dst, t.data(), t.nbytes());
+    dst += t.nbytes();
+  }
+  save_extra(chunk, slot);
+  ch.stashed[mb] = static_cast<int>(slot);
+}
+
+void pipeline_stage::restore(int chunk, int mb) {
+  auto& ch = chunk_[chunk];
+  int slot = ch.stashed[mb];
+  TROUPE_CHECK(slot >= 0, what_, " (stage ", stage_, "): the activations of microbatch ", mb,
+               " chunk ", chunk, " were not kept");
+  const auto* src = static_cast<const std::byte*>(ch.pool[slot].data());
+  for (const auto& t : ch.state) {
+    std::memcpy(t.data(), src, t.nbytes());
+    src += t.nbytes();
+  }
+  restore_extra(chunk, static_cast<std::size_t>(slot));
+  ch.stashed[mb] = -1;
+  ch.free.push_back(static_cast<std::size_t>(slot));
+}
+
+namespace {
+
+void check_tokens(const tensor& t, batch_dims d, const std::string& what, int stage, int mb,
+                  const char* name) {
+  const shape want{d.batch, d.seq};
+  TROUPE_CHECK(
+      t.defined() && t.type() == dtype::i32 && t.is_cpu() && t.is_contiguous() && t.sizes() == want,
+      what, " (stage ", stage, "): microbatch ", mb, " ", name, " must be i32 [", d.batch, ", ",
+      d.seq, "] on the host (the planned microbatch; every microbatch of ",
+      "a pipeline has that shape), got ", describe(t));
+}
+
+void check_boundary(const tensor& t, const shape& s, const std::string& what, int stage, int mb,
+                    const char* name) {
+  TROUPE_CHECK(
+      t.defined() && t.type() == dtype::f32 && t.is_cpu() && t.is_contiguous() && t.sizes() == s,
+      what, " (stage ", stage, "): microbatch ", mb, " ", name, " must be f32 ", s.str(),
+      " on the host, got ", describe(t));
+}
+
+}  // namespace
+
+double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor& targets,
+                               double weight, const tensor& y) {
+  check_mb(mb, chunk, "forward");
+  auto& ch = chunk_[chunk];
+  auto& pend = pending_[static_cast<std::size_t>(chunk * microbatches_ + mb)];
+  TROUPE_CHECK(!pend, what_, " (stage ", stage_, "): forward of microbatch ", mb, " chunk ", chunk,
+               " ran twice before its backward");
+  if (holds_first(chunk))
+    check_tokens(in, dims_, what_, stage_, mb, "ids");
+  else
+    check_boundary(in, boundary_, what_, stage_, mb, "input activation");
+  if (holds_last(chunk))
+    check_tokens(targets, dims_, what_, stage_, mb, "targets");
+  else
+    check_boundary(y, boundary_, what_, stage_, mb, "output activation");
+  if (ch.live >= 0) stash(chunk, ch.live);  // keep the arena's microbatch for its backward
+  if (holds_first(chunk)) std::memcpy(ids_.data(), in.data(), ids_.nbytes());
+  if (holds_last(chunk)) {
+    std::memcpy(targets_.data(), targets.data(), targets_.nbytes());
+    weight_[mb] = weight;
+  }
+  ch.live = mb;
+  pend = 1;
+  return run_forward(chunk, holds_first(chunk) ? ids_.view() : in, targets_, y);
+}
+
+void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor& dx,
+                              const block_hook& after_block) {
+  check_mb(mb, chunk, "backward");
+  auto& ch = chunk_[chunk];
+  auto& pend = pending_[static_cast<std::size_t>(chunk * microbatches_ + mb)];
+  TROUPE_CHECK(pend, what_, " (stage ", stage_, "): backward of microbatch ", mb, " chunk ", chunk,
+               " without its forward");
+  if (!holds_last(chunk)) check_boundary(dy, boundary_, what_, stage_, mb, "output gradient");
+  if (!holds_first(chunk)) check_boundary(dx, boundary_, what_, stage_, mb, "input gradient");
+  if (ch.live != mb) {
+    if (ch.live >= 0) stash(chunk, ch.live);
+    restore(chunk, mb);
+    ch.live = mb;
+  }
+  run_backward(chunk, dy, dx, weight_[mb], after_block);
+  ch.live = -1;  // backward may overwrite what it read (the logits hold dlogits)
+  pend = 0;
+}
+
+}  // namespace troupe::models::parallel

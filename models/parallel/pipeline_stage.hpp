@@ -1,0 +1,187 @@
+// pipeline_stage: the part of a language model that one pipeline rank holds, run chunk by chunk
+// for the microbatches a pipeline schedule (scheduler/pipeline.hpp) interleaves.
+//
+// With p stages and v chunks per stage the model's L blocks are cut into p * v contiguous virtual
+// stages (scheduler::even_partition unless stage_options::first says otherwise); chunk c of stage
+// s is virtual stage c * p + s. Virtual stage 0 also holds the embeddings, the last one the final
+// norm, the head and the loss (with a tied head, the last stage holds its own copy of the token
+// embedding under the same name). Every chunk of the rank lives in ONE slot_list / layer_memory:
+// one flat parameter and one flat gradient buffer, parameter names exactly the full model's
+// ("wte.weight", "h.<global i>.attn.qkv_proj.weight", ...), so weights move by name between a
+// stage and a full model (load_from / store_to) and init_weights(seed) is the full model's init.
+//
+// Activations of in-flight microbatches: each chunk's activations (its planned activation slots,
+// the stage's copies of ids and targets, and the little layer state outside the arena, e.g. the
+// loss's count) exist once in the arena, for the microbatch that ran last. When a forward of
+// (mb, c) would overwrite the activations of a microbatch whose backward is still to come, they
+// are first copied into a stash buffer (a pool per chunk, grown to the schedule's peak of
+// microbatches in flight and reused across steps); a backward whose microbatch is not the one in
+// the arena copies it back first. A backward right after its forward (the last stage in 1F1B)
+// copies nothing. Every microbatch must have the planned shape [dims.batch, dims.seq]: the views
+// layers save in forward point into the arena and are valid for any microbatch of that shape.
+//
+// forward / backward run one (microbatch, chunk); the tensors passed between virtual stages are
+// f32 [dims.batch, T_local, dim] (boundary(); T_local = T / tp with sequence parallelism). Host
+// (CPU) and f32 only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "models/layers/slots.hpp"
+#include "models/parallel/tp_mappings.hpp"
+#include "scheduler/plan.hpp"
+
+namespace troupe::models::parallel {
+
+struct stage_options {
+  int stage = 0;           // this rank's pipeline stage, 0-based
+  int stages = 1;          // pp
+  int virtual_stages = 1;  // chunks per stage (> 1 for the interleaved schedule only)
+  // Block boundaries of the p * v virtual stages (p * v + 1 entries: virtual stage k holds blocks
+  // [first[k], first[k + 1])), e.g. scheduler::balanced_partition(...).first; empty: even split.
+  std::vector<int> first;
+
+  // Stage `stage` of plan.pp with plan.virtual_stages chunks, even split.
+  static stage_options of(const scheduler::parallel_plan& plan, int stage);
+};
+
+// Called after the backward of a block (global index) has added its gradients.
+using block_hook = std::function<void(std::int64_t block)>;
+
+class pipeline_stage {
+ public:
+  virtual ~pipeline_stage() = default;
+  pipeline_stage(const pipeline_stage&) = delete;
+  pipeline_stage& operator=(const pipeline_stage&) = delete;
+
+  layer_memory& memory() { return mem_; }
+  const slot_list& slots() const { return slots_; }
+  batch_dims dims() const { return dims_; }
+  const tp_group& tp() const { return tp_; }
+  int stage() const { return stage_; }
+  int stages() const { return stages_; }
+  int chunks() const { return chunks_; }
+  int virtual_stage(int chunk) const { return chunk * stages_ + stage_; }
+  bool holds_first(int chunk) const { return virtual_stage(chunk) == 0; }
+  bool holds_last(int chunk) const { return virtual_stage(chunk) == stages_ * chunks_ - 1; }
+  // Global blocks [first_block(c), end_block(c)) of chunk c.
+  std::int64_t first_block(int chunk) const;
+  std::int64_t end_block(int chunk) const;
+  // The shape of an activation or gradient passed between virtual stages.
+  const shape& boundary() const { return boundary_; }
+
+  // Starts a step of `microbatches`, dropping whatever a failed step left in flight.
+  void begin_step(int microbatches);
+  // Forward of `chunk` on microbatch `mb`. in: the token ids i32 [B, T] when holds_first(chunk),
+  // else the previous virtual stage's output [boundary()]; targets (i32 [B, T]) and weight are
+  // read when holds_last(chunk); y receives the output [boundary()] unless holds_last(chunk).
+  // Returns the mean loss when holds_last(chunk), else 0. in and targets are copied: the caller
+  // may reuse them at once.
+  double forward(int mb, int chunk, const tensor& in, const tensor& targets, double weight,
+                 const tensor& y);
+  // Backward of `chunk` on `mb`: adds weight * d loss_mb / d params to the gradients. dy: the
+  // gradient of the output [boundary()] (ignored when holds_last(chunk)); dx receives the
+  // gradient of the input unless holds_first(chunk). after_block (may be empty) is called after
+  // each block's backward.
+  void backward(int mb, int chunk, const tensor& dy, const tensor& dx,
+                const block_hook& after_block);
+  // Microbatches whose forward ran and whose backward has not.
+  int in_flight() const;
+  // Stash buffers allocated so far (all chunks) and their bytes.
+  std::size_t stash_buffers() const;
+  std::size_t stash_bytes() const;
+
+  // The parameter the first and the last stage both hold (the tied token embedding), "" when
+  // none; its gradient on this stage (undefined when this stage does not hold it).
+  const std::string& tied_parameter() const { return tied_name_; }
+  tensor tied_grad() const { return tied_grad_; }
+  // True when this stage's copy of `parameter` enters the global gradient norm: false for the
+  // last stage's copy of the tied embedding and, on tensor ranks > 0, for parameters every
+  // tensor shard holds whole.
+  bool counts_in_norm(std::string_view parameter) const;
+
+  // This stage's part of `full`'s parameters (from_grads: of its gradients) into its parameters
+  // (to_grads: its gradients), matched by name; with tensor parallelism the shard's slice.
+  virtual void load_from(const slot_list& full, bool from_grads = false, bool to_grads = false) = 0;
+  // The reverse: writes this stage's parameters (from_grads: gradients) into `full`'s parameters
+  // (to_grads: gradients) by name, the shard's slice only; the rest of `full` is untouched.
+  virtual void store_to(const slot_list& full, bool from_grads = false,
+                        bool to_grads = false) const = 0;
+  // The weights the full model's init_weights(seed) gives.
+  virtual void init_weights(std::uint64_t seed) = 0;
+
+ protected:
+  // Checks the options against n_layer and sets the partition; `what` names the model in errors.
+  pipeline_stage(std::string what, std::int64_t n_layer, batch_dims dims, const stage_options& o,
+                 tp_group tp, shape boundary);
+
+  // Declaration: everything chunk c declares (its activations above all) goes between
+  // open_chunk(c) and close_chunk(c); then plan_memory() makes the memory and the stash tables.
+  void open_chunk(int chunk);
+  void close_chunk(int chunk);
+  void plan_memory();
+  void set_tied(std::string name, const tensor& grad) {
+    tied_name_ = std::move(name);
+    tied_grad_ = grad;
+  }
+
+  // The model: forward / backward of one chunk on the microbatch in the arena. in is ids_buffer()
+  // for the first virtual stage; targets is targets_buffer() for the last.
+  virtual double run_forward(int chunk, const tensor& in, const tensor& targets,
+                             const tensor& y) = 0;
+  virtual void run_backward(int chunk, const tensor& dy, const tensor& dx, double weight,
+                            const block_hook& after_block) = 0;
+  // Layer state outside the arena (e.g. the loss's count), kept per stash buffer `slot`.
+  virtual void save_extra(int chunk, std::size_t slot) {
+    (void)chunk;
+    (void)slot;
+  }
+  virtual void restore_extra(int chunk, std::size_t slot) {
+    (void)chunk;
+    (void)slot;
+  }
+  // Parameters every tensor shard holds whole (counted in the norm on tensor rank 0 only).
+  virtual bool replicated_over_tp(std::string_view parameter) const = 0;
+
+  const tensor& ids_buffer() const { return ids_; }
+  const tensor& targets_buffer() const { return targets_; }
+  const std::string& what() const { return what_; }
+
+  slot_list slots_;
+  layer_memory mem_;
+
+ private:
+  struct chunk_state {
+    std::size_t slot_begin = 0, slot_end = 0;  // its slots in slots_
+    std::vector<tensor> state;                 // what a stash copies
+    std::size_t bytes = 0;
+    std::vector<owned_tensor> pool;  // stash buffers (u8)
+    std::vector<std::size_t> free;   // unused pool entries
+    std::vector<int> stashed;        // per microbatch: its pool entry, -1 none
+    int live = -1;                   // the microbatch whose activations are in the arena
+  };
+  void check_mb(int mb, int chunk, const char* op) const;
+  void stash(int chunk, int mb);
+  void restore(int chunk, int mb);
+
+  std::string what_;
+  batch_dims dims_;
+  tp_group tp_;
+  int stage_, stages_, chunks_;
+  std::vector<int> first_;  // p * v + 1 block boundaries
+  shape boundary_;
+  std::vector<chunk_state> chunk_;
+  std::vector<char> pending_;   // per (chunk, mb): forward done, backward not
+  std::vector<double> weight_;  // per microbatch
+  int microbatches_ = 0;
+  owned_tensor ids_, targets_;  // i32 [B, T]
+  std::string tied_name_;
+  tensor tied_grad_;
+};
+
+}  // namespace troupe::models::parallel
