@@ -275,10 +275,15 @@ typename Inspector::result_type inspect(Inspector& f, role_reply& x) {
 // The introspection structs travel between nodes and the coordinator too.
 namespace troupe::actors {
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, collective_op& x) {
+  return f(caf::meta::type_name("troupe::collective_op"), x.communicator, x.seq, x.op, x.dtype,
+           x.count, x.peer, x.state, x.start_us, x.end_us, x.age_s);
+}
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, actor_state& x) {
   return f(caf::meta::type_name("troupe::actor_state"), x.name, x.role, x.rank, x.mesh, x.activity,
            x.mailbox_depth, x.messages_sent, x.messages_received, x.bytes_sent, x.bytes_received,
-           x.uptime_s, x.metrics);
+           x.uptime_s, x.metrics, x.collectives);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, member_state& x) {

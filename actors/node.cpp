@@ -76,6 +76,7 @@ actor_state node_state(node_actor_t* self) {
   }
   a.uptime_s = std::chrono::duration<double>(steady::now() - I->born).count();
   a.metrics["roles"] = static_cast<double>(I->roles.size());
+  a.collectives = I->watched->records();
   return a;
 }
 
@@ -829,6 +830,10 @@ std::string node::lost_reason(int rank) const {
   if (!impl_->lost[rank].empty()) return impl_->lost[rank];
   if (impl_->left[rank]) return "left the job";
   return {};
+}
+
+collective_watch node::watch(collective::communicator& c) {
+  return collective_watch(impl_->watched, impl_->watched->add(c));
 }
 
 collective::transport& node::transport() {

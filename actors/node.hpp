@@ -28,10 +28,46 @@
 #include "memory/buffer.hpp"
 #include "tensor/dtype.hpp"
 
+namespace troupe::collective {
+class communicator;
+}
+
 namespace troupe::actors {
 
 class role_registry;
 struct role_handle;
+
+namespace detail {
+class watch_list;
+}
+
+// A communicator whose flight recorder (collective::communicator::recent()) appears in an actor's
+// describe answer, hence in `troupe ps` / `troupe top` and the HTTP endpoint, until this handle is
+// destroyed or unwatch() is called (node::watch, role_context::watch). Move-only.
+// Lifetime rule: the communicator must outlive the registration. Destroy the handle (or call
+// unwatch()) before the communicator: declared after the communicator it watches, it goes first.
+// Once unwatch() returns, introspection no longer touches the communicator. A handle that outlives
+// its actor or node is harmless.
+class collective_watch {
+ public:
+  collective_watch() = default;
+  collective_watch(std::weak_ptr<detail::watch_list> list, std::uint64_t id)
+      : list_(std::move(list)), id_(id) {}
+  ~collective_watch() { unwatch(); }
+  collective_watch(collective_watch&& o) noexcept : list_(std::move(o.list_)), id_(o.id_) {
+    o.id_ = 0;
+  }
+  collective_watch& operator=(collective_watch&& o) noexcept;
+  collective_watch(const collective_watch&) = delete;
+  collective_watch& operator=(const collective_watch&) = delete;
+
+  void unwatch() noexcept;
+  bool active() const { return id_ != 0 && !list_.expired(); }
+
+ private:
+  std::weak_ptr<detail::watch_list> list_;
+  std::uint64_t id_ = 0;
+};
 
 struct node_options {
   // Where to join; read from the environment when empty (actors/bootstrap.hpp).
@@ -188,6 +224,11 @@ class node {
   // member is lost meanwhile or the timeout (0: none) passes.
   void barrier(const std::string& name = "barrier",
                std::chrono::milliseconds timeout = std::chrono::milliseconds{0});
+
+  // Shows `c`'s recent operations in this node's describe answer (the "node@<rank>" row), for
+  // communicators a plain node program makes; role actors use role_context::watch. See
+  // collective_watch for the lifetime rule.
+  [[nodiscard]] collective_watch watch(collective::communicator& c);
 
   // Leaves the job cleanly: tells the coordinator, stops local role actors, closes the transport
   // and the actor system. A rank that hosts the coordinator waits for the others to leave first.

@@ -21,11 +21,46 @@
 #include "actors/coordinator.hpp"
 #include "actors/node.hpp"
 #include "actors/roles.hpp"
+#include "collective/communicator.hpp"
 #include "collective/ucx/ucx_transport.hpp"
 
 namespace troupe::actors {
 
 using steady = std::chrono::steady_clock;
+
+namespace detail {
+
+// The communicators one actor (a role actor, or the node) shows in its describe answer. Reading
+// them (records()) and removing one (remove()) hold the same mutex, so once remove() returns the
+// communicator is never touched again (collective_watch relies on it).
+class watch_list {
+ public:
+  std::uint64_t add(collective::communicator& c);
+  void remove(std::uint64_t id);
+  // The chosen records of every watched communicator (select_records), by watch order.
+  std::vector<collective_op> records();
+
+ private:
+  struct entry {
+    collective::communicator* comm = nullptr;
+    std::string name;
+    // The latest time the communicator's clock can have started: its creation is no later than
+    // the watch, nor than any observation minus the time a record shows.
+    steady::time_point origin;
+  };
+  std::mutex mu_;
+  std::map<std::uint64_t, entry> entries_;
+  std::uint64_t next_id_ = 1;
+};
+
+// Of one communicator's flight records (oldest first, as recent() gives them) the ones a describe
+// answer shows: the last `keep`, every older unfinished one and the last finished one, oldest
+// first. `now_us` is the time of the snapshot on the communicator's clock (for age_s).
+std::vector<collective_op> select_records(const std::string& communicator,
+                                          const std::vector<collective::flight_record>& records,
+                                          double now_us, std::size_t keep = 8);
+
+}  // namespace detail
 
 // Statistics and introspection of one role actor, shared by the actor and its role_context.
 class role_actor_state {
@@ -36,6 +71,8 @@ class role_actor_state {
   std::map<std::string, int> mesh;
   std::atomic<std::uint64_t> msgs_in{0}, msgs_out{0}, bytes_in{0}, bytes_out{0};
   steady::time_point born = steady::now();
+  // Communicators watched through role_context::watch (their records go into describe).
+  std::shared_ptr<detail::watch_list> watched = std::make_shared<detail::watch_list>();
 };
 
 namespace detail {
@@ -108,6 +145,8 @@ struct node::impl {
   // Introspection of the node itself.
   std::atomic<std::uint64_t> msgs_in{0}, msgs_out{0};
   std::string activity = "running";  // mu
+  // Communicators watched through node::watch (their records go into the node's describe).
+  std::shared_ptr<detail::watch_list> watched = std::make_shared<detail::watch_list>();
 
   // Membership callbacks, run on their own thread.
   std::map<int, std::function<void(const member_event&)>> callbacks;  // cb_mu

@@ -157,7 +157,99 @@ actor_state role_state_snapshot(const role_handle& h, role_actor_state& s, std::
   a.bytes_received = s.bytes_in.load();
   a.bytes_sent = s.bytes_out.load();
   a.uptime_s = std::chrono::duration<double>(steady::now() - s.born).count();
+  a.collectives = s.watched->records();
   return a;
+}
+
+// -- watched communicators
+// ----------------------------------------------------------------------------------
+
+namespace detail {
+
+std::uint64_t watch_list::add(collective::communicator& c) {
+  entry e;
+  e.comm = &c;
+  e.name = c.name();
+  e.origin = steady::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t id = next_id_++;
+  entries_[id] = std::move(e);
+  return id;
+}
+
+void watch_list::remove(std::uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.erase(id);
+}
+
+std::vector<collective_op> watch_list::records() {
+  std::vector<collective_op> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, e] : entries_) {
+    const auto records = e.comm->recent();
+    const auto now = steady::now();
+    for (const auto& r : records) {
+      const auto shown = std::chrono::duration_cast<steady::duration>(
+          std::chrono::duration<double, std::micro>(std::max(r.start_us, r.end_us)));
+      e.origin = std::min(e.origin, now - shown);
+    }
+    const double now_us = std::chrono::duration<double, std::micro>(now - e.origin).count();
+    auto ops = select_records(e.name, records, now_us);
+    out.insert(out.end(), std::make_move_iterator(ops.begin()), std::make_move_iterator(ops.end()));
+  }
+  return out;
+}
+
+std::vector<collective_op> select_records(const std::string& communicator,
+                                          const std::vector<collective::flight_record>& records,
+                                          double now_us, std::size_t keep) {
+  auto unfinished = [](const collective::flight_record& r) {
+    return r.state == "issued" || r.state == "running";
+  };
+  std::size_t last_finished = records.size();
+  for (std::size_t i = records.size(); i-- > 0;)
+    if (!unfinished(records[i])) {
+      last_finished = i;
+      break;
+    }
+  const std::size_t recent_from = records.size() > keep ? records.size() - keep : 0;
+  std::vector<collective_op> out;
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const auto& r = records[i];
+    if (i < recent_from && !unfinished(r) && i != last_finished) continue;
+    collective_op op;
+    op.communicator = communicator;
+    op.seq = r.seq;
+    op.op = collective::op_kind_name(r.kind);
+    op.dtype = std::string(dtype_name(r.type));
+    op.count = r.count;
+    op.peer = r.peer;
+    op.state = r.state;
+    op.start_us = r.start_us;
+    op.end_us = r.end_us;
+    op.age_s = std::max(0.0, (now_us - r.start_us) * 1e-6);
+    out.push_back(std::move(op));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+collective_watch& collective_watch::operator=(collective_watch&& o) noexcept {
+  if (this != &o) {
+    unwatch();
+    list_ = std::move(o.list_);
+    id_ = o.id_;
+    o.id_ = 0;
+  }
+  return *this;
+}
+
+void collective_watch::unwatch() noexcept {
+  if (id_ == 0) return;
+  if (auto l = list_.lock()) l->remove(id_);
+  list_.reset();
+  id_ = 0;
 }
 
 // -- role_context
@@ -178,6 +270,9 @@ void role_context::set_metric(const std::string& key, double value) {
 void role_context::set_mesh(const std::string& axis, int coordinate) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->mesh[axis] = coordinate;
+}
+collective_watch role_context::watch(collective::communicator& c) {
+  return collective_watch(state_->watched, state_->watched->add(c));
 }
 
 received_tensor role_context::receive(const tensor_info& info, std::chrono::milliseconds timeout) {

@@ -63,6 +63,10 @@ class role_context {
   void set_activity(const std::string& activity);
   void set_metric(const std::string& key, double value);
   void set_mesh(const std::string& axis, int coordinate);
+  // Shows `c`'s recent operations (its flight recorder) in this actor's describe answer, so a
+  // hang names the collective it waits in. Keep the handle next to the communicator, declared
+  // after it: the communicator must outlive the registration (collective_watch, actors/node.hpp).
+  [[nodiscard]] collective_watch watch(collective::communicator& c);
 
   // Tensors from and to this actor, counted in its statistics.
   received_tensor receive(const tensor_info& info,

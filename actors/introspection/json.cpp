@@ -15,9 +15,24 @@ json number(double v) {
   return std::isfinite(v) ? json(v) : json(nullptr);
 }
 
+json to_j(const collective_op& c) {
+  return {{"communicator", c.communicator},
+          {"seq", c.seq},
+          {"op", c.op},
+          {"dtype", c.dtype},
+          {"count", c.count},
+          {"peer", c.peer},
+          {"state", c.state},
+          {"start_us", number(c.start_us)},
+          {"end_us", number(c.end_us)},
+          {"age_s", number(c.age_s)}};
+}
+
 json to_j(const actor_state& a) {
   json metrics = json::object();
   for (const auto& [k, v] : a.metrics) metrics[k] = number(v);
+  json collectives = json::array();
+  for (const auto& c : a.collectives) collectives.push_back(to_j(c));
   return {{"name", a.name},
           {"role", a.role},
           {"rank", a.rank},
@@ -29,7 +44,8 @@ json to_j(const actor_state& a) {
           {"bytes_sent", a.bytes_sent},
           {"bytes_received", a.bytes_received},
           {"uptime_s", number(a.uptime_s)},
-          {"metrics", metrics}};
+          {"metrics", metrics},
+          {"collectives", collectives}};
 }
 
 json to_j(const member_state& m) {
@@ -186,6 +202,23 @@ expected<job_snapshot> snapshot_from_json(std::string_view text, const std::stri
       r.get("bytes_received", a.bytes_received);
       r.get("uptime_s", a.uptime_s);
       r.get("metrics", a.metrics);
+      if (const json* cs = r.array("collectives")) {
+        for (std::size_t k = 0; k < cs->size() && problem.empty(); ++k) {
+          collective_op c;
+          reader rc((*cs)[k], r.at("collectives[" + std::to_string(k) + "]"), &problem);
+          rc.get("communicator", c.communicator);
+          rc.get("seq", c.seq);
+          rc.get("op", c.op);
+          rc.get("dtype", c.dtype);
+          rc.get("count", c.count);
+          rc.get("peer", c.peer);
+          rc.get("state", c.state);
+          rc.get("start_us", c.start_us);
+          rc.get("end_us", c.end_us);
+          rc.get("age_s", c.age_s);
+          a.collectives.push_back(std::move(c));
+        }
+      }
       s.actors.push_back(std::move(a));
     }
   }

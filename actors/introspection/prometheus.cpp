@@ -2,6 +2,7 @@
 //
 // Every family gets its HELP and TYPE lines before its samples; label values are escaped
 // (backslash, double quote, newline) as the format requires.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -93,6 +94,28 @@ std::string mesh_text(const std::map<std::string, int>& mesh) {
 
 }  // namespace
 
+std::vector<collective_summary> summarize_collectives(const actor_state& a) {
+  std::vector<collective_summary> out;
+  for (const auto& op : a.collectives) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const collective_summary& c) {
+      return c.communicator == op.communicator;
+    });
+    if (it == out.end()) {
+      out.push_back({});
+      it = std::prev(out.end());
+      it->communicator = op.communicator;
+    }
+    it->last_seq = std::max(it->last_seq, op.seq);
+    if (op.finished()) {
+      it->last_completed_seq = std::max(it->last_completed_seq, op.seq);
+    } else {
+      ++it->unfinished;
+      it->oldest_unfinished_s = std::max(it->oldest_unfinished_s, op.age_s);
+    }
+  }
+  return out;
+}
+
 std::string to_prometheus(const job_snapshot& s) {
   writer w;
   w.family("troupe_job_info", "gauge", "The job this endpoint serves (always 1).");
@@ -144,6 +167,30 @@ std::string to_prometheus(const job_snapshot& s) {
   }
   w.family("troupe_actor_uptime_seconds", "gauge", "Seconds since the actor started.");
   for (const auto& a : s.actors) w.sample(actor_labels(a), a.uptime_s);
+  struct per_comm {
+    const actor_state* actor;
+    collective_summary sum;
+  };
+  std::vector<per_comm> comms;
+  for (const auto& a : s.actors)
+    for (auto& c : summarize_collectives(a)) comms.push_back({&a, std::move(c)});
+  auto comm_labels = [&](const per_comm& c) {
+    auto ls = actor_labels(*c.actor);
+    ls.emplace_back("communicator", c.sum.communicator);
+    return ls;
+  };
+  w.family("troupe_collective_last_seq", "gauge",
+           "The last sequence number the actor issued on the communicator.");
+  for (const auto& c : comms) w.sample(comm_labels(c), c.sum.last_seq);
+  w.family("troupe_collective_last_completed_seq", "gauge",
+           "The highest sequence number that finished (done or failed) on the communicator.");
+  for (const auto& c : comms) w.sample(comm_labels(c), c.sum.last_completed_seq);
+  w.family("troupe_collective_unfinished", "gauge",
+           "Operations the actor issued on the communicator that have not finished.");
+  for (const auto& c : comms) w.sample(comm_labels(c), c.sum.unfinished);
+  w.family("troupe_collective_oldest_unfinished_seconds", "gauge",
+           "Seconds since the oldest unfinished operation was issued (0 when none).");
+  for (const auto& c : comms) w.sample(comm_labels(c), c.sum.oldest_unfinished_s);
   w.family("troupe_actor_metric", "gauge",
            "Role-specific numbers of an actor (loss, step, bytes per tier...), by metric name.");
   for (const auto& a : s.actors)

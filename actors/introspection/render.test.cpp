@@ -233,3 +233,105 @@ TEST_CASE("The HTML page refreshes itself and escapes names", "[introspection]")
   CHECK(h.find("&lt;script&gt;") != std::string::npos);
   CHECK(h.find("stage/1") != std::string::npos);
 }
+
+TEST_CASE("Collective records are refused naming the field when their JSON is wrong",
+          "[introspection]") {
+  auto a = snapshot_from_json(R"({"actors": [{"name": "a", "collectives": [{"seq": "12"}]}]})",
+                              "c.json");
+  REQUIRE_FALSE(a.has_value());
+  CHECK_THAT(a.error_message(),
+             Catch::Contains("c.json") && Catch::Contains("actors[0].collectives[0].seq"));
+  auto b = snapshot_from_json(R"({"actors": [{"name": "a", "collectives": {"seq": 1}}]})", "b");
+  REQUIRE_FALSE(b.has_value());
+  CHECK_THAT(b.error_message(), Catch::Contains("actors[0].collectives"));
+  // A snapshot of an older troupe has no records: none are read.
+  auto c = snapshot_from_json(R"({"actors": [{"name": "a"}]})", "old");
+  REQUIRE(c.has_value());
+  CHECK(c->actors.at(0).collectives.empty());
+}
+
+TEST_CASE("Prometheus text has the sequence numbers and unfinished ops of each communicator",
+          "[introspection]") {
+  job_snapshot s = sample_snapshot();
+  std::string text = to_prometheus(s);
+  exposition e = parse_exposition(text);
+  INFO(text);
+  REQUIRE(e.error.empty());
+  CHECK(e.types.at("troupe_collective_last_seq") == "gauge");
+  using labels = std::map<std::string, std::string>;
+  const labels tp = {{"actor", "stage/1"}, {"communicator", "ucx:tp#3[0,1]"}};
+  const labels dp = {{"actor", "stage/1"}, {"communicator", "ucx:dp#0[1,2]"}};
+  const labels odd = {{"actor", s.actors[2].name}, {"communicator", "odd \"comm\"\n"}};
+  // tp: #11 done, #12 running, #13 issued.
+  CHECK(e.value("troupe_collective_last_seq", tp) == 13);
+  CHECK(e.value("troupe_collective_last_completed_seq", tp) == 11);
+  CHECK(e.value("troupe_collective_unfinished", tp) == 2);
+  CHECK(e.value("troupe_collective_oldest_unfinished_seconds", tp) == 2.125);
+  CHECK(e.value("troupe_collective_last_seq", dp) == 4);
+  CHECK(e.value("troupe_collective_last_completed_seq", dp) == 4);
+  CHECK(e.value("troupe_collective_unfinished", dp) == 0);
+  CHECK(e.value("troupe_collective_oldest_unfinished_seconds", dp) == 0);
+  // A failed op counts as finished.
+  CHECK(e.value("troupe_collective_last_completed_seq", odd) == 7);
+  CHECK(e.value("troupe_collective_unfinished", odd) == 0);
+  std::size_t n = 0;
+  for (const auto& x : e.samples) n += x.name == "troupe_collective_unfinished";
+  CHECK(n == 3);  // one per actor and communicator; the coordinator watches none
+}
+
+TEST_CASE("The table names the oldest unfinished collective of each actor", "[introspection]") {
+  job_snapshot s = sample_snapshot();
+  const auto& stage = s.actors[1];
+  const collective_op* key = key_collective(stage);
+  REQUIRE(key != nullptr);
+  CHECK(key->seq == 12);  // not #13, issued later behind it
+  CHECK(key_collective(s.actors[0]) == nullptr);
+  CHECK(collective_text(*key) == "allreduce #12 running 2.1s on ucx:tp#3[0,1]");
+  CHECK(collective_text(s.actors[1].collectives[0]) ==
+        "allreduce #11 done in 500us on ucx:tp#3[0,1]");
+  CHECK(collective_text(s.actors[2].collectives[0]) ==
+        "send #7 failed on odd \"comm\"\n: rank 2 lost: process exited");
+
+  std::string wide = render_table(s, 0);
+  INFO(wide);
+  CHECK(wide.find("COLLECTIVE") != std::string::npos);
+  CHECK(wide.find("allreduce #12 running 2.1s on ucx:tp#3[0,1] (+1 unfinished)") !=
+        std::string::npos);
+  CHECK(wide.find("send #7 failed on odd \"comm\"?: rank 2 lost") != std::string::npos);
+  // Narrow terminals keep the start of the cell: the op, its number and its state.
+  for (int width : {100, 140}) {
+    std::string t = render_table(s, width);
+    INFO(t);
+    for (const auto& l : lines_of(t)) CHECK(columns(l) <= std::size_t(width));
+    CHECK(t.find("allreduce #12 runn") != std::string::npos);
+  }
+
+  // With nothing unfinished the last op to finish is shown.
+  actor_state a;
+  a.collectives = {{"c", 1, "allreduce", "f32", 1, -1, "done", 0, 100, 9.0},
+                   {"c", 2, "barrier", "f32", 0, -1, "done", 200, 5000, 8.0},
+                   {"c", 3, "recv", "f32", 4, 1, "done", 300, 400, 8.5}};
+  REQUIRE(key_collective(a) != nullptr);
+  CHECK(key_collective(a)->seq == 2);  // ended 8.0 - 0.0048 s ago, the others earlier
+  CHECK(collective_text(*key_collective(a)) == "barrier #2 done in 4.8ms on c");
+}
+
+TEST_CASE("Every collective record is listed for ps and the page", "[introspection]") {
+  job_snapshot s = sample_snapshot();
+  std::string t = render_collectives(s, 0);
+  INFO(t);
+  auto lines = lines_of(t);
+  REQUIRE(lines.size() == 1 + 5);  // header and five records
+  CHECK(lines[0].find("COMMUNICATOR") != std::string::npos);
+  CHECK(lines[1].find("ucx:tp#3[0,1]") != std::string::npos);
+  CHECK(lines[2].find("running") != std::string::npos);
+  CHECK(lines[4].find("all_gather") != std::string::npos);
+  CHECK(lines[4].find("1.10T") != std::string::npos);  // the count
+  CHECK(lines[5].find("failed: rank 2 lost") != std::string::npos);
+  for (const auto& l : lines_of(render_collectives(s, 60))) CHECK(columns(l) <= 60);
+  CHECK(render_collectives(job_snapshot{}, 0) == "(no collectives)\n");
+  std::string h = render_html(s, 2);
+  CHECK(h.find("recent collectives") != std::string::npos);
+  CHECK(h.find("broadcast") != std::string::npos);
+  CHECK(h.find("odd &quot;comm&quot;") != std::string::npos);
+}

@@ -1,5 +1,5 @@
-// A job snapshot with awkward content (quotes, backslashes, newlines, UTF-8, 64-bit counters) and
-// a field-by-field comparison, shared by the introspection tests.
+// A job snapshot with awkward content (quotes, backslashes, newlines, UTF-8, 64-bit counters,
+// a hanging collective) and a field-by-field comparison, shared by the introspection tests.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -42,6 +42,12 @@ inline job_snapshot sample_snapshot() {
   stage.bytes_received = 3ull << 30;
   stage.uptime_s = 0.1;
   stage.metrics = {{"tiny", 1e-300}, {"third", 1.0 / 3.0}};
+  // A tensor-parallel allreduce that hangs (#12) behind a finished one, and a quiet dp group.
+  stage.collectives = {
+      {"ucx:tp#3[0,1]", 11, "allreduce", "f32", 1024, -1, "done", 1000.0, 1500.0, 3.0},
+      {"ucx:tp#3[0,1]", 12, "allreduce", "f32", 1024, -1, "running", 1600.0, 0.0, 2.125},
+      {"ucx:tp#3[0,1]", 13, "broadcast", "f32", 16, 0, "issued", 1700.0, 0.0, 2.0},
+      {"ucx:dp#0[1,2]", 4, "all_gather", "bf16", 1ull << 40, -1, "done", 10.0, 45.0, 7.5}};
   actor_state odd;
   odd.name = "odd \"quoted\" \\ back\nslash";
   odd.role = "user role";
@@ -50,6 +56,8 @@ inline job_snapshot sample_snapshot() {
   odd.activity = "naïve ✓ — waiting";
   odd.mailbox_depth = 12345;
   odd.metrics = {{"weird \"metric\"\nname", -4.5}};
+  odd.collectives = {{"odd \"comm\"\n", 7, "send", "u8", 3, 2,
+                      "failed: rank 2 lost: process exited", 5.0, 900.0, 60.0}};
   s.actors = {coord, stage, odd};
   return s;
 }
@@ -86,6 +94,21 @@ inline void check_equal(const job_snapshot& a, const job_snapshot& b) {
     CHECK(x.bytes_sent == y.bytes_sent);
     CHECK(x.bytes_received == y.bytes_received);
     CHECK(same_number(x.uptime_s, y.uptime_s));
+    REQUIRE(x.collectives.size() == y.collectives.size());
+    for (std::size_t k = 0; k < x.collectives.size(); ++k) {
+      const auto &c = x.collectives[k], &d = y.collectives[k];
+      INFO("collective " << k);
+      CHECK(c.communicator == d.communicator);
+      CHECK(c.seq == d.seq);
+      CHECK(c.op == d.op);
+      CHECK(c.dtype == d.dtype);
+      CHECK(c.count == d.count);
+      CHECK(c.peer == d.peer);
+      CHECK(c.state == d.state);
+      CHECK(same_number(c.start_us, d.start_us));
+      CHECK(same_number(c.end_us, d.end_us));
+      CHECK(same_number(c.age_s, d.age_s));
+    }
     REQUIRE(x.metrics.size() == y.metrics.size());
     for (const auto& [k, v] : x.metrics) {
       INFO("metric " << k);

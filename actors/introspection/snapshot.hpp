@@ -9,6 +9,27 @@
 
 namespace troupe::actors {
 
+// One entry of a watched communicator's flight recorder (collective::flight_record) as
+// introspection shows it: what an actor issued on that communicator and how it ended. An actor
+// reports, per communicator it watches (role_context::watch, node::watch), its last 8 operations,
+// every older one still unfinished and the last finished one.
+struct collective_op {
+  std::string communicator;  // the communicator's name, e.g. "ucx:tp#3[0,1]"
+  std::uint64_t seq = 0;     // per-communicator sequence number, from 1
+  std::string op;            // "allreduce", "send", ... (collective::op_kind_name)
+  std::string dtype;         // "f32", "bf16", ...
+  std::uint64_t count = 0;   // elements (per rank for reduce_scatter / all_gather / all_to_all)
+  int peer = -1;             // send/recv peer or broadcast root (group rank), else -1
+  std::string state;         // "issued", "running", "done", "failed: <cause>"
+  double start_us = 0;       // on the communicator's clock (microseconds since it was made)
+  double end_us = 0;         // 0 while unfinished
+  // Seconds from the issue to the moment the actor was described (a busy actor is described by
+  // its node after 500 ms); a lower bound, exact when the communicator was watched right after it
+  // was made.
+  double age_s = 0;
+  bool finished() const { return state != "issued" && state != "running"; }
+};
+
 // The answer of one role actor to `describe`.
 struct actor_state {
   std::string name;                 // unique in the job, e.g. "stage/1" or "echo@2"
@@ -20,7 +41,8 @@ struct actor_state {
   std::uint64_t messages_sent = 0, messages_received = 0;
   std::uint64_t bytes_sent = 0, bytes_received = 0;
   double uptime_s = 0;
-  std::map<std::string, double> metrics;  // role-specific numbers (loss, step, bytes per tier...)
+  std::map<std::string, double> metrics;   // role-specific numbers (loss, step, bytes per tier...)
+  std::vector<collective_op> collectives;  // of the watched communicators, by communicator and seq
 };
 
 // One member (rank process) of the job as the coordinator sees it.

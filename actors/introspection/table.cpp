@@ -77,9 +77,14 @@ struct column {
 };
 
 // Aligns cells under headers, two spaces apart; trailing blanks are trimmed. When the table is
-// wider than `width` (> 0), column `shrink` gives up columns first, down to 12.
+// wider than `width` (> 0), the columns in `shrink` give up columns in that order, each down to
+// its minimum.
+struct shrinkable {
+  std::size_t column, minimum;
+};
 void table(std::string& out, const std::vector<column>& cols,
-           std::vector<std::vector<std::string>> rows, int width = 0, std::size_t shrink = 0) {
+           std::vector<std::vector<std::string>> rows, int width = 0,
+           const std::vector<shrinkable>& shrink = {}) {
   std::vector<std::size_t> w(cols.size());
   std::size_t total = 0;
   for (std::size_t c = 0; c < cols.size(); ++c) {
@@ -87,10 +92,13 @@ void table(std::string& out, const std::vector<column>& cols,
     for (const auto& r : rows) w[c] = std::max(w[c], columns(r[c]));
     total += w[c] + (c ? 2 : 0);
   }
-  if (width > 0 && total > std::size_t(width) && shrink < cols.size() && w[shrink] > 12) {
-    std::size_t excess = total - std::size_t(width);
-    w[shrink] = excess >= w[shrink] - 12 ? 12 : w[shrink] - excess;
-    for (auto& r : rows) r[shrink] = shorten(r[shrink], w[shrink]);
+  for (auto [k, least] : shrink) {
+    if (width <= 0 || total <= std::size_t(width) || k >= cols.size() || w[k] <= least) continue;
+    const std::size_t excess = total - std::size_t(width);
+    const std::size_t before = w[k];
+    w[k] = excess >= w[k] - least ? least : w[k] - excess;
+    total -= before - w[k];
+    for (auto& r : rows) r[k] = shorten(r[k], w[k]);
   }
   auto line = [&](auto cell) {
     std::string l;
@@ -127,6 +135,24 @@ std::string metrics_text(const std::map<std::string, double>& metrics) {
     s += format("%.4g", v);
   }
   return s.empty() ? "-" : s;
+}
+
+// 35us, 1.2ms, then as human_duration.
+std::string short_duration(double s) {
+  if (!(s >= 0) || std::isinf(s)) return "-";
+  if (s < 1e-3) return format("%.0fus", s * 1e6);
+  if (s < 1) return format("%.1fms", s * 1e3);
+  return human_duration(s);
+}
+
+std::string collective_cell(const actor_state& a) {
+  const collective_op* op = key_collective(a);
+  if (!op) return "-";
+  std::size_t unfinished = 0;
+  for (const auto& c : a.collectives) unfinished += !c.finished();
+  std::string text = printable(collective_text(*op));
+  if (unfinished > 1) text += " (+" + std::to_string(unfinished - 1) + " unfinished)";
+  return text;
 }
 
 std::string cut_lines(const std::string& text, int width) {
@@ -172,9 +198,9 @@ std::string render(const job_snapshot& s, int width,
   out += '\n';
 
   std::vector<column> cols = {{"ACTOR"},          {"ROLE"},           {"RANK", true},
-                              {"MESH"},           {"ACTIVITY"},       {"MAILBOX", true},
-                              {"MSGS IN", true},  {"MSGS OUT", true}, {"BYTES IN", true},
-                              {"BYTES OUT", true}};
+                              {"MESH"},           {"ACTIVITY"},       {"COLLECTIVE"},
+                              {"MAILBOX", true},  {"MSGS IN", true},  {"MSGS OUT", true},
+                              {"BYTES IN", true}, {"BYTES OUT", true}};
   if (rates) cols.insert(cols.end(), {{"IN/s", true}, {"OUT/s", true}});
   cols.insert(cols.end(), {{"UPTIME", true}, {"METRICS"}});
   rows.clear();
@@ -184,6 +210,7 @@ std::string render(const job_snapshot& s, int width,
                                   std::to_string(a.rank),
                                   mesh_text(a.mesh),
                                   a.activity.empty() ? "-" : shorten(printable(a.activity), 32),
+                                  collective_cell(a),
                                   human_count(a.mailbox_depth),
                                   human_count(a.messages_received),
                                   human_count(a.messages_sent),
@@ -201,7 +228,8 @@ std::string render(const job_snapshot& s, int width,
   if (rows.empty())
     out += "(no actors)\n";
   else
-    table(out, cols, std::move(rows), width, 4);  // ACTIVITY gives way first
+    // ACTIVITY gives way first, then COLLECTIVE down to its op, number, state and time.
+    table(out, cols, std::move(rows), width, {{4, 12}, {5, 28}});
   return cut_lines(out, width);
 }
 
@@ -289,6 +317,60 @@ std::map<std::string, actor_rates> compute_rates(const job_snapshot& before,
   return rates;
 }
 
+const collective_op* key_collective(const actor_state& a) {
+  const collective_op* oldest = nullptr;  // unfinished, the largest age
+  const collective_op* last = nullptr;    // finished, the latest end
+  auto since_end = [](const collective_op& c) {
+    return c.age_s - std::max(0.0, c.end_us - c.start_us) * 1e-6;
+  };
+  for (const auto& c : a.collectives) {
+    if (!c.finished()) {
+      if (!oldest || c.age_s > oldest->age_s) oldest = &c;
+    } else if (!last || since_end(c) < since_end(*last) ||
+               (since_end(c) == since_end(*last) && c.seq > last->seq)) {
+      last = &c;
+    }
+  }
+  return oldest ? oldest : last;
+}
+
+std::string collective_text(const collective_op& op) {
+  std::string head = op.op + " #" + std::to_string(op.seq);
+  if (!op.finished())
+    return head + " " + op.state + " " + short_duration(op.age_s) + " on " + op.communicator;
+  if (op.state == "done")
+    return head + " done in " + short_duration((op.end_us - op.start_us) * 1e-6) + " on " +
+           op.communicator;
+  std::string cause = op.state.rfind("failed: ", 0) == 0 ? op.state.substr(8) : op.state;
+  return head + " failed on " + op.communicator + ": " + cause;
+}
+
+std::string render_collectives(const job_snapshot& s, int width) {
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& a : s.actors)
+    for (const auto& c : a.collectives)
+      rows.push_back({printable(a.name), printable(c.communicator), std::to_string(c.seq),
+                      printable(c.op), printable(c.dtype), human_count(c.count),
+                      c.peer < 0 ? "-" : std::to_string(c.peer), printable(c.state),
+                      short_duration(c.age_s),
+                      c.finished() ? short_duration((c.end_us - c.start_us) * 1e-6) : "-"});
+  if (rows.empty()) return "(no collectives)\n";
+  std::string out;
+  table(out,
+        {{"ACTOR"},
+         {"COMMUNICATOR"},
+         {"SEQ", true},
+         {"OP"},
+         {"DTYPE"},
+         {"COUNT", true},
+         {"PEER", true},
+         {"STATE"},
+         {"AGE", true},
+         {"TOOK", true}},
+        std::move(rows), width, {{7, 12}});
+  return cut_lines(out, width);
+}
+
 std::string render_table(const job_snapshot& s, int width) {
   return render(s, width, nullptr);
 }
@@ -306,6 +388,7 @@ std::string render_html(const job_snapshot& s, int refresh_s) {
          "</title>\n<style>body{font-family:sans-serif;margin:1.5em}"
          "pre{font-size:13px;line-height:1.3}</style></head>\n<body><h2>troupe job " +
          title + "</h2>\n<pre>" + html_escape(render_table(s, 0)) +
+         "</pre>\n<h3>recent collectives</h3>\n<pre>" + html_escape(render_collectives(s, 0)) +
          "</pre>\n<p><a href=\"/json\">json</a> &middot; <a href=\"/metrics\">metrics</a> "
          "&middot; refreshes every " +
          std::to_string(std::max(1, refresh_s)) + " s</p>\n</body></html>\n";
