@@ -4,7 +4,9 @@
 // shard, the gradient sum_k w_k d loss_k / d params of the unsharded model at the same weights.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <functional>
 #include <map>
@@ -28,6 +30,7 @@
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
+#include "tensor/parallel.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -556,5 +559,65 @@ TEST_CASE("Data parallel training over pipeline stages equals the single process
       return tensor{};
     };
     CHECK(rel_err(param(*stages[0], "wte.weight"), param(*stages[1], "wte.weight")) == 0.0);
+  }
+}
+
+// The measured bubble against (p - 1) / (v m + p - 1), not a test: a GPT-2 of 8 x 128 (seq 64,
+// 4 rows per microbatch), one compute thread per rank, one warm-up step, then the median over 3
+// steps of each rank's bubble_fraction(). Run: troupe_models_tests "[.pipe_bench]".
+TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
+  troupe::parallel::set_num_threads(1);
+  gpt_config cfg;
+  cfg.vocab = 256;
+  cfg.max_seq = 64;
+  cfg.dim = 128;
+  cfg.n_layer = 8;
+  cfg.n_head = 4;
+  const batch_dims dims{4, 64};
+  struct config {
+    int pp;
+    schedule_kind kind;
+    int m, v;
+  };
+  for (auto c :
+       {config{2, schedule_kind::gpipe, 2, 1}, config{2, schedule_kind::gpipe, 8, 1},
+        config{2, schedule_kind::one_f_one_b, 2, 1}, config{2, schedule_kind::one_f_one_b, 4, 1},
+        config{2, schedule_kind::one_f_one_b, 8, 1}, config{2, schedule_kind::interleaved, 4, 2},
+        config{4, schedule_kind::one_f_one_b, 8, 1}}) {
+    auto plan = make_plan(c.pp, c.kind, c.m, c.v);
+    auto comms = collective::make_local_group(c.pp);
+    std::vector<std::vector<double>> bubble(c.pp), wall(c.pp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < c.pp; ++r)
+      threads.emplace_back([&, r] {
+        gpt_stage st(cfg, dims, stage_options::of(plan, r));
+        st.init_weights(1);
+        pipeline_runner run(st, *comms[r], plan);
+        std::vector<owned_tensor> ids;
+        for (int k = 0; k < c.m; ++k) {
+          ids.push_back(empty({dims.batch, dims.seq}, dtype::i32));
+          for (std::int64_t i = 0; i < ids[k].numel(); ++i)
+            ids[k].data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 31 + k) % 256);
+        }
+        auto fetch = [&](int k) { return microbatch_data{ids[k], ids[k], 1.0 / c.m}; };
+        for (int step = 0; step < 4; ++step) {
+          st.memory().zero_grads();
+          run.forward_backward(c.m, fetch);
+          if (step == 0) continue;
+          bubble[r].push_back(run.bubble_fraction());
+          wall[r].push_back(run.last_timing().wall_s);
+        }
+      });
+    for (auto& t : threads) t.join();
+    std::string label = std::string(scheduler::name(c.kind)) + " pp" + std::to_string(c.pp) + " m" +
+                        std::to_string(c.m) + " v" + std::to_string(c.v);
+    std::printf("%-22s ideal %.3f measured", label.c_str(),
+                pipeline_runner::ideal_bubble_fraction(c.pp, c.m, c.v));
+    for (int r = 0; r < c.pp; ++r) {
+      std::sort(bubble[r].begin(), bubble[r].end());
+      std::sort(wall[r].begin(), wall[r].end());
+      std::printf(" s%d %.3f", r, bubble[r][1]);
+    }
+    std::printf("  (step %.0f ms)\n", wall[0][1] * 1e3);
   }
 }
