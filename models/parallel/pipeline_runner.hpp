@@ -44,7 +44,7 @@ namespace troupe::models::parallel {
 struct pipeline_timing {
   double wall_s = 0;     // the whole forward_backward
   double compute_s = 0;  // forward and backward actions
-  double wait_s = 0;     // waiting for transfers (schedule, tied gradient, loss broadcast)
+  double wait_s = 0;     // waiting for transfers (schedule, tied gradient, loss)
   int microbatches = 0;
 };
 
