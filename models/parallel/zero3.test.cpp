@@ -142,11 +142,12 @@ TEST_CASE("ZeRO 3 data parallel training equals the single process trainer", "[p
         state += run.optimizer_elements;
       }
       CHECK(state == runs[0].total);
-      // ... and the single process's up to f32 summation order (see data_parallel.test.cpp: AdamW
-      // magnifies rounding-level gradient differences; measured at most 1e-4 for ZeRO 2).
+      // ... and the single process's up to f32 summation order. AdamW magnifies rounding-level
+      // gradient differences (see data_parallel.test.cpp), so the bound is not 1e-5 but 3e-5,
+      // lr / 100; measured 8.2e-6 (GPT-2) and 1.3e-5 (Llama).
       double diff = max_abs_diff(runs[0].params, ref.params);
       INFO("max abs weight diff " << diff);
-      CHECK(diff < 2e-4);
+      CHECK(diff < 3e-5);
     }
   }
 }
