@@ -28,5 +28,7 @@ command_fn add_launch_command(CLI::App& app);  // troupe launch ...   (apps/cmd_
 // troupe bench p2p (apps/cmd_bench_p2p.cpp), added to the `bench` subcommand by apps/troupe.cpp.
 command_fn add_bench_p2p_command(CLI::App& bench);
 command_fn add_bench_collective_command(CLI::App& bench);  // (apps/cmd_bench_collective.cpp)
+command_fn add_bench_nvme_command(CLI::App& bench);        // (apps/cmd_bench_nvme.cpp)
+command_fn add_bench_offload_command(CLI::App& bench);     // (apps/cmd_bench_offload.cpp)
 
 }  // namespace troupe::apps

@@ -365,7 +365,8 @@ void nvme_store::impl::pump() {
     request& r = requests.at(ready.front());
     ready.pop_front();
     unsigned char* p = r.io + r.done;
-    unsigned len = static_cast<unsigned>(r.io_len - r.done);
+    // At most 1 GiB per operation; the rest of a larger page goes as a short transfer would.
+    unsigned len = static_cast<unsigned>(std::min<std::size_t>(r.io_len - r.done, 1u << 30));
     std::uint64_t off = r.offset + r.done;
     if (r.buf_index >= 0) {
       if (r.is_write)
