@@ -22,6 +22,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "memory/buffer.hpp"
@@ -393,4 +394,34 @@ TEST_CASE("a read of the wrong size is an error naming the key and both sizes", 
                                                               Catch::Contains("4096") &&
                                                               Catch::Contains("8192"));
   CHECK(s.stats().failed == 1);
+}
+
+TEST_CASE("two threads share one store and dropped tickets still complete", "[memory][nvme]") {
+  io::nvme_store s(opts("threads", io::io_backend::io_uring));
+  constexpr int per_thread = 64;
+  std::vector<std::vector<unsigned char>> src(2 * per_thread);
+  for (int i = 0; i < 2 * per_thread; ++i) src[i] = random_bytes(40000 + 4096 * (i % 5), 100 + i);
+  auto worker = [&](int first, std::vector<int>& bad) {
+    for (int i = first; i < first + per_thread; ++i) {
+      { auto dropped = s.write(i, src[i].data(), src[i].size()); }  // the destructor waits
+    }
+    std::vector<std::vector<unsigned char>> got(per_thread);
+    std::vector<io::io_ticket> t;
+    for (int i = 0; i < per_thread; ++i) {
+      got[i].resize(src[first + i].size());
+      t.push_back(s.read(first + i, got[i].data(), got[i].size()));
+    }
+    for (auto& x : t) x.wait();
+    for (int i = 0; i < per_thread; ++i)
+      if (got[i] != src[first + i]) bad.push_back(first + i);
+  };
+  std::vector<int> bad0, bad1;
+  std::thread a(worker, 0, std::ref(bad0)), b(worker, per_thread, std::ref(bad1));
+  a.join();
+  b.join();
+  CHECK(bad0.empty());
+  CHECK(bad1.empty());
+  CHECK(s.in_flight() == 0);
+  CHECK(s.stats().writes == 2 * per_thread);
+  CHECK(s.stats().failed == 0);
 }
