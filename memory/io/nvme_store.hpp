@@ -26,7 +26,8 @@
 //   the store falls back to buffered I/O and says so in backend_note(); direct_io() reports it.
 // - The store is scratch space for one process: the file is created (truncated) when the store
 //   opens and removed when it closes (options.remove_on_close). The page table lives in memory.
-// - Thread safe (one internal mutex). The destructor waits for all in-flight I/O.
+// - Thread safe (one internal mutex; a waiter blocks in io_uring_wait_cqe holding it). The
+//   destructor waits for all in-flight I/O; tickets must not outlive their store.
 #pragma once
 
 #include <cstddef>
