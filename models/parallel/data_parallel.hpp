@@ -29,7 +29,8 @@
 // counts (counts_in_norm), summed over the dp shards (zero 2, 3) and over piece.norm_group().
 // Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
 // op is issued from the hook as soon as every block it holds is final; the rest right after
-// forward_backward. All are waited before the optimizer. f32 host pieces only.
+// forward_backward (the hook must run on the thread that called forward_backward). All are waited
+// before the optimizer. f32 host pieces only.
 #pragma once
 
 #include <cstddef>
