@@ -1,15 +1,22 @@
-// troupe train: single-process training of a GPT-2 or Llama model (the reference every parallel
-// plan is compared with). A TOML job file and/or flags (flags win); see models/train_config.hpp.
+// troupe train: training of a GPT-2 or Llama model from a TOML job file and/or flags (flags win;
+// see models/train_config.hpp). In one process it is the single-process trainer, the reference
+// every parallel plan is compared with; started by `troupe launch -n N` it is one rank of a
+// hybrid-parallel run (actors/training.hpp): rank 0 drives, every rank hosts a trainer actor.
 #include <fmt/core.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "actors/bootstrap.hpp"
+#include "actors/node.hpp"
+#include "actors/training.hpp"
 #include "apps/commands.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
@@ -33,6 +40,11 @@ struct train_cli {
   std::string config_file, json_path, tokenizer = "byte", prompt = "The ";
   bool demo = false;
   int threads = 0, sample = 200;
+  // [parallel] flags (nested in train_config::plan, so bound by hand)
+  int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
+  bool sp = false;
+  std::string schedule = "1f1b";
+  std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
 };
 
 // Adds --name bound to flags.*field; when given, it overrides the job file. A bool field is a
@@ -89,13 +101,80 @@ class progress {
   double tokens_ = 0, secs_ = 0;
 };
 
+// One rank of a launched job: rank 0 drives the trainer actors of every rank.
+int run_hybrid(train_cli& c, const train_config& cfg) {
+  actors::role_registry roles;
+  actors::add_trainer_role(roles);
+  actors::node_options o;
+  o.roles = &roles;
+  actors::node n(o);
+  int rc = 0;
+  if (n.rank() == 0) {
+    fmt::print("troupe train: {} on {} ranks: {}\n", cfg.model_size, n.world_size(),
+               scheduler::describe(cfg.plan));
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
+    if (!c.json_path.empty()) {
+      json.reset(c.json_path == "-" ? fdopen(dup(STDOUT_FILENO), "w")
+                                    : std::fopen(c.json_path.c_str(), "w"));
+      TROUPE_CHECK(json != nullptr, "--json: cannot write ", c.json_path);
+    }
+    progress bar(0, cfg.steps, cfg.log_every, json.get());
+    actors::drive_options d;
+    d.on_setup = [](const std::vector<std::string>& ranks) {
+      for (const auto& r : ranks) fmt::print("  {}\n", r);
+      std::fflush(stdout);
+    };
+    double bubble = 0, wait = 0;
+    d.on_step = [&](const actors::step_report& r) {
+      bar.report(r.result);
+      bubble += r.bubble;
+      wait += r.comm_wait;
+    };
+    auto sum = actors::drive_training(n, cfg, d);
+    fmt::print(
+        "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; pipeline "
+        "bubble {:.1f}% of step time; waiting for gradient collectives {:.2f} s per step\n",
+        sum.steps, sum.seconds, sum.tokens / std::max(sum.seconds, 1e-9), sum.first_loss,
+        sum.last_loss, sum.steps > 0 ? 100.0 * bubble / sum.steps : 0.0,
+        sum.steps > 0 ? wait / sum.steps : 0.0);
+    if (!sum.checkpoint.empty()) {
+      fmt::print("checkpoint: {} (the whole model in HF layout, loadable under any plan)\n",
+                 sum.checkpoint);
+      if (c.sample > 0) {
+        auto mcfg = hf::read_config(sum.checkpoint).value();
+        auto model = models::make_causal_lm(mcfg, {1, cfg.seq});
+        hf::load_weights(sum.checkpoint, mcfg, model->slots()).value();
+        auto tok = models::load_tokenizer(c.tokenizer).value();
+        auto prompt = tok->encode(c.prompt);
+        models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, cfg.seed);
+        auto out = models::generate(*model, prompt, c.sample, sampler, tok->eos_id());
+        prompt.insert(prompt.end(), out.begin(), out.end());
+        fmt::print("sample from the checkpoint (temperature 0.8, top-k 40):\n{}\n",
+                   tok->decode(prompt));
+      }
+    }
+    std::fflush(stdout);
+  }
+  n.barrier("troupe train: done");
+  n.shutdown();
+  return rc;
+}
+
 int run_train(train_cli& c) {
   train_config cfg;
   if (!c.config_file.empty()) cfg = models::load_train_config(c.config_file).value();
   for (auto& [opt, apply] : c.applied)
     if (opt->count() > 0) apply(cfg, c.flags);
+  for (auto& [opt, apply] : c.plan_flags)
+    if (opt->count() > 0) apply(cfg);
   cfg.validate();
   if (c.threads > 0) parallel::set_num_threads(c.threads);
+  // Started by a launcher (troupe launch, Slurm, torchrun): one rank of a hybrid-parallel run.
+  if (actors::join_info_from_env().has_value()) return run_hybrid(c, cfg);
+  TROUPE_CHECK(cfg.plan.world_size() == 1,
+               "parallel.dp x parallel.pp x parallel.tp = ", cfg.plan.world_size(),
+               " ranks: start them with `troupe launch -n ", cfg.plan.world_size(),
+               " -- troupe train ...`");
 
   // The model: resumed, loaded from an HF folder, or a named size from scratch.
   std::string from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
@@ -182,7 +261,8 @@ int run_train(train_cli& c) {
 
 command_fn add_train_command(CLI::App& app) {
   auto c = std::make_shared<train_cli>();
-  auto* sub = app.add_subcommand("train", "Train a GPT-2 or Llama model in one process");
+  auto* sub = app.add_subcommand(
+      "train", "Train a GPT-2 or Llama model (one process, or one rank of troupe launch)");
   sub->add_option("--config", c->config_file, "TOML job file (flags override it)")
       ->check(CLI::ExistingFile);
   sub->add_flag("--demo", c->demo,
@@ -218,6 +298,37 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::ckpt_dir>(*c, sub, "--checkpoint-dir", "Folder to save checkpoints to");
   bind<&train_config::ckpt_every>(*c, sub, "--checkpoint-every", "Steps between checkpoints");
   bind<&train_config::resume>(*c, sub, "--resume", "Checkpoint folder to resume from");
+  auto plan_flag = [&](CLI::Option* opt, std::function<void(train_config&)> apply) {
+    c->plan_flags.emplace_back(opt, std::move(apply));
+  };
+  auto* pc = c.get();
+  plan_flag(sub->add_option("--dp", c->dp, "Data-parallel degree")->capture_default_str(),
+            [pc](train_config& t) { t.plan.dp = pc->dp; });
+  plan_flag(sub->add_option("--tp", c->tp, "Tensor-parallel degree")->capture_default_str(),
+            [pc](train_config& t) { t.plan.tp = pc->tp; });
+  plan_flag(sub->add_option("--pp", c->pp, "Pipeline stages")->capture_default_str(),
+            [pc](train_config& t) { t.plan.pp = pc->pp; });
+  plan_flag(sub->add_flag("--sp", c->sp, "Sequence parallelism over the tp group"),
+            [pc](train_config& t) { t.plan.sp = pc->sp; });
+  plan_flag(sub->add_option("--zero", c->zero, "ZeRO stage (0-3)")->capture_default_str(),
+            [pc](train_config& t) { t.plan.zero = pc->zero; });
+  plan_flag(sub->add_option("--microbatches", c->microbatches,
+                            "Microbatches per data-parallel rank and step")
+                ->capture_default_str(),
+            [pc](train_config& t) { t.plan.microbatches = pc->microbatches; });
+  plan_flag(
+      sub->add_option("--schedule", c->schedule, "Pipeline schedule: gpipe, 1f1b, interleaved")
+          ->capture_default_str(),
+      [pc](train_config& t) {
+        auto k = scheduler::parse_schedule_kind(pc->schedule);
+        TROUPE_CHECK(k.has_value(), "--schedule must be gpipe, 1f1b or interleaved, got '",
+                     pc->schedule, "'");
+        t.plan.schedule = *k;
+      });
+  plan_flag(sub->add_option("--virtual-stages", c->virtual_stages,
+                            "Model chunks per pipeline stage (interleaved)")
+                ->capture_default_str(),
+            [pc](train_config& t) { t.plan.virtual_stages = pc->virtual_stages; });
   sub->add_option("--json", c->json_path,
                   "Write per-step loss and grad norm as JSON lines "
                   "to this file ('-': standard output)");

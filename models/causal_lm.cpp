@@ -6,9 +6,8 @@
 #include "models/llama.hpp"
 
 namespace troupe::models {
-namespace {
 
-llama_config to_llama(const hf::llama_config& c) {
+llama_config to_llama_config(const hf::llama_config& c) {
   return {.vocab = c.vocab_size,
           .dim = c.hidden_size,
           .n_layer = c.num_hidden_layers,
@@ -23,8 +22,6 @@ llama_config to_llama(const hf::llama_config& c) {
           .attention_bias = c.attention_bias};
 }
 
-}  // namespace
-
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,
                                           device dev, const model_options& opts) {
   if (const auto* g = std::get_if<hf::gpt2_config>(&cfg)) {
@@ -32,7 +29,7 @@ std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dim
     c.recompute = opts.recompute;
     return std::make_unique<causal_lm_of<gpt>>(c, dims, t, dev);
   }
-  llama_config c = to_llama(std::get<hf::llama_config>(cfg));
+  llama_config c = to_llama_config(std::get<hf::llama_config>(cfg));
   c.recompute = opts.recompute;
   return std::make_unique<causal_lm_of<llama>>(c, dims, t, dev);
 }

@@ -77,6 +77,10 @@ struct model_options {
   bool recompute = false;  // activation checkpointing per block (gpt_config / llama_config)
 };
 
+// The model settings of an HF Llama config (models/llama.hpp).
+struct llama_config;
+llama_config to_llama_config(const hf::llama_config& c);
+
 // The model of an HF config, planned for batches of `dims`.
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims,
                                           dtype t = dtype::f32, device dev = device::cpu(),

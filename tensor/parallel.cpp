@@ -1,5 +1,7 @@
 #include "tensor/parallel.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -117,6 +119,10 @@ int default_threads() {
     int n = std::atoi(e);
     if (n > 0) return n;
   }
+  // The CPUs this process may run on (a launcher pins each rank to its own), not the machine's.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

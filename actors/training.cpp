@@ -1,0 +1,227 @@
+// The "trainer" role and drive_training (see training.hpp).
+#include "actors/training.hpp"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+
+#include "collective/grid.hpp"
+#include "collective/p2p_communicator.hpp"
+#include "memory/error.hpp"
+#include "models/causal_lm.hpp"
+#include "models/data_source.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/parallel/hybrid.hpp"
+#include "models/text/token_file.hpp"
+
+namespace troupe::actors {
+namespace {
+
+namespace mp = models::parallel;
+
+// ---- requests and replies ------------------------------------------------------------------
+struct setup_request {
+  std::string config;  // models::to_toml of the run's train_config
+  auto fields() { return std::tie(config); }
+};
+struct setup_reply {
+  std::string line;  // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
+  auto fields() { return std::tie(line); }
+};
+struct step_request {
+  std::int64_t step = 0;  // 0-based: the step about to run
+  auto fields() { return std::tie(step); }
+};
+struct step_reply {
+  double loss = 0, grad_norm = 0, lr = 0, seconds = 0, bubble = 0, comm_wait = 0;
+  std::int64_t tokens = 0, step = 0;
+  auto fields() { return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step); }
+};
+struct save_request {
+  std::string dir;
+  auto fields() { return std::tie(dir); }
+};
+struct save_reply {
+  std::string written;  // the folder, on the rank that wrote it; else empty
+  auto fields() { return std::tie(written); }
+};
+
+// ---- the trainer ---------------------------------------------------------------------------
+struct trainer_state {
+  std::mutex mu;
+  models::train_config cfg;
+  models::hf::model_config model;
+  std::unique_ptr<collective::rank_grid> grid;
+  std::vector<std::unique_ptr<collective::communicator>> comms;
+  std::unique_ptr<mp::hybrid_trainer> hybrid;
+  std::unique_ptr<models::causal_lm> whole;  // for loading and saving whole checkpoints
+  models::data_source data;
+};
+
+models::hf::model_config model_of(const models::train_config& cfg) {
+  if (!cfg.model_hf.empty()) return models::hf::read_config(cfg.model_hf).value();
+  std::int64_t vocab = 0;
+  if (!cfg.data_tokens.empty())
+    vocab = models::token_dataset::open(cfg.data_tokens).value().vocab_size();
+  return models::named_model_config(cfg.model_size, vocab).value();
+}
+
+std::int64_t vocab_of(const models::hf::model_config& m) {
+  if (const auto* g = std::get_if<models::hf::gpt2_config>(&m)) return g->vocab_size;
+  return std::get<models::hf::llama_config>(m).vocab_size;
+}
+
+setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(!st.hybrid, ctx.name(), ": already set up");
+  st.cfg = models::parse_train_config(r.config, "the driver's job").value();
+  const auto& plan = st.cfg.plan;
+  node& n = ctx.node();
+  TROUPE_CHECK(plan.world_size() == n.world_size(),
+               "parallel.dp x parallel.pp x parallel.tp = ", plan.dp, " x ", plan.pp, " x ",
+               plan.tp, " = ", plan.world_size(), " but the job has ", n.world_size(), " ranks");
+  st.model = model_of(st.cfg);
+  std::vector<collective::grid_axis> axes;
+  for (const auto& a : plan.order) {
+    int d = a == "dp" ? plan.dp : a == "pp" ? plan.pp : a == "tp" ? plan.tp : 1;
+    axes.push_back({a, d});
+  }
+  st.grid = std::make_unique<collective::rank_grid>(axes);
+  const int me = n.rank();
+  auto comm = [&](const std::vector<std::string>& names) {
+    st.comms.push_back(
+        collective::make_communicator(n.transport(), st.grid->group(me, names), "ucx"));
+    return st.comms.back().get();
+  };
+  mp::hybrid_groups g;
+  g.dp = comm({"dp"});
+  g.pp = comm({"pp"});
+  g.tp = comm({"tp"});
+  g.mp = comm({"pp", "tp"});
+  const int dpc = st.grid->coord(me, "dp"), ppc = st.grid->coord(me, "pp"),
+            tpc = st.grid->coord(me, "tp");
+  ctx.set_mesh("dp", dpc);
+  ctx.set_mesh("pp", ppc);
+  ctx.set_mesh("tp", tpc);
+  ctx.set_activity("building its piece");
+  st.whole = mp::make_whole_model(st.model, st.cfg.seq);
+  std::unique_ptr<mp::whole_layout> weights;
+  if (!st.cfg.model_hf.empty()) {
+    models::hf::load_weights(st.cfg.model_hf, st.model, st.whole->slots()).value();
+    weights = std::make_unique<mp::whole_layout>(
+        mp::whole_layout{&st.whole->slots(), st.whole->memory().params()});
+  }
+  st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, st.cfg, g, weights.get());
+  st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
+                                     st.cfg.seed)
+                .value();
+  ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
+  ctx.set_activity("ready");
+  return {fmt::format("rank {}: dp {} pp {} tp {}, {}, {:.2f} M parameters", me, dpc, ppc, tpc,
+                      st.hybrid->describe(), st.hybrid->parameters() / 1e6)};
+}
+
+step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": step before setup");
+  TROUPE_CHECK(r.step == st.hybrid->steps_done(), ctx.name(), ": asked for step ", r.step,
+               " but it has done ", st.hybrid->steps_done());
+  ctx.set_activity(fmt::format("step {}", r.step + 1));
+  auto res = st.hybrid->step(st.data.rows);
+  step_reply out;
+  out.loss = res.loss;
+  out.grad_norm = res.grad_norm;
+  out.lr = res.lr;
+  out.seconds = res.seconds;
+  out.tokens = res.tokens;
+  out.step = res.step;
+  out.bubble = st.hybrid->last_bubble_fraction();
+  out.comm_wait = st.hybrid->last_comm_wait_seconds();
+  ctx.set_metric("step", static_cast<double>(res.step));
+  ctx.set_metric("loss", res.loss);
+  ctx.set_metric("tokens_per_s", res.tokens / std::max(res.seconds, 1e-9));
+  ctx.set_metric("bubble", out.bubble);
+  ctx.set_activity("idle");
+  return out;
+}
+
+save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": save before setup");
+  ctx.set_activity("assembling the whole model");
+  mp::whole_layout wl{&st.whole->slots(), st.whole->memory().params()};
+  // Every replica assembles (ZeRO 3 gathers over dp first); only rank 0 writes.
+  st.hybrid->gather_whole(wl, wl.base);
+  save_reply out;
+  if (ctx.node().rank() == 0) {
+    ctx.set_activity("writing " + r.dir);
+    models::hf::save_checkpoint(r.dir, st.model, st.whole->slots()).value();
+    std::ofstream f(std::filesystem::path(r.dir) / "troupe_parallel.json");
+    f << fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.hybrid->steps_done(),
+                     scheduler::describe(st.cfg.plan));
+    TROUPE_CHECK(f.good(), "writing ", r.dir, "/troupe_parallel.json failed");
+    out.written = r.dir;
+  }
+  ctx.set_activity("idle");
+  return out;
+}
+
+}  // namespace
+
+void add_trainer_role(role_registry& roles) {
+  roles.add("trainer", [](role_builder& b, role_context&) {
+    auto st = std::make_shared<trainer_state>();
+    b.on<setup_request>([st](role_context& c, const setup_request& r) { return setup(c, *st, r); });
+    b.on<step_request>(
+        [st](role_context& c, const step_request& r) { return run_step(c, *st, r); });
+    b.on<save_request>([st](role_context& c, const save_request& r) { return save(c, *st, r); });
+  });
+}
+
+training_summary drive_training(node& n, const models::train_config& cfg, const drive_options& o) {
+  cfg.validate();
+  job j(n);
+  auto trainers = j.spawn_on_all("trainer");
+  TROUPE_CHECK(static_cast<int>(trainers.size()) == n.world_size(), "drive_training: spawned ",
+               trainers.size(), " trainers in a job of ", n.world_size(), " ranks");
+  training_summary sum;
+  auto lines = j.ask_all<setup_reply>(trainers, setup_request{models::to_toml(cfg)},
+                                      std::chrono::minutes(5));
+  for (auto& l : lines) sum.ranks.push_back(l.line);
+  if (o.on_setup) o.on_setup(sum.ranks);
+  for (std::int64_t s = 0; s < cfg.steps; ++s) {
+    auto replies = j.ask_all<step_reply>(trainers, step_request{s}, o.step_timeout);
+    step_report rep;
+    const auto& first = replies.front();
+    rep.result.step = first.step;
+    rep.result.loss = first.loss;
+    rep.result.grad_norm = first.grad_norm;
+    rep.result.lr = first.lr;
+    rep.result.tokens = first.tokens;
+    for (const auto& r : replies) {
+      rep.result.seconds = std::max(rep.result.seconds, r.seconds);
+      rep.bubble = std::max(rep.bubble, r.bubble);
+      rep.comm_wait = std::max(rep.comm_wait, r.comm_wait);
+    }
+    if (s == 0) sum.first_loss = rep.result.loss;
+    sum.last_loss = rep.result.loss;
+    sum.seconds += rep.result.seconds;
+    sum.tokens += rep.result.tokens;
+    sum.steps = rep.result.step;
+    if (o.on_step) o.on_step(rep);
+  }
+  if (!cfg.ckpt_dir.empty()) {
+    auto saved =
+        j.ask_all<save_reply>(trainers, save_request{cfg.ckpt_dir}, std::chrono::minutes(5));
+    for (auto& s : saved)
+      if (!s.written.empty()) sum.checkpoint = s.written;
+  }
+  for (const auto& t : trainers) j.stop(t);
+  return sum;
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,58 @@
+// Hybrid-parallel training as actors: a "trainer" role actor on every rank holds that rank's piece
+// of the run (models/parallel/hybrid.hpp: its pipeline stage and/or tensor shard, its ZeRO shard),
+// and a driver - the coordinator side of an actor script, on rank 0 - tells them what to do step by
+// step and gathers what they report:
+//
+//   setup{config}   every trainer builds its communicators (groups of the plan's rank grid, over
+//                   the node's UCX transport), its piece and the data-parallel engine
+//   step{k}         every trainer runs step k; activations and gradients move rank to rank over
+//                   UCX (pipeline sends, tensor and data-parallel collectives), never through the
+//                   driver; each replies step_done{loss, tokens, seconds, bubble, ...}
+//   save{dir}       the whole model is assembled from the pieces and rank 0 writes it in HF layout
+//
+// Trainers report their mesh coordinates, activity and metrics to introspection (troupe ps/top).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "actors/node.hpp"
+#include "actors/roles.hpp"
+#include "models/train_config.hpp"
+#include "models/trainer.hpp"
+
+namespace troupe::actors {
+
+// Registers the "trainer" role.
+void add_trainer_role(role_registry& roles);
+
+// What the driver learns from one step.
+struct step_report {
+  models::step_result result;  // loss, grad norm, lr, tokens, seconds (the slowest rank's)
+  double bubble = 0;           // pipeline idle share (the largest over the stages)
+  double comm_wait = 0;        // seconds waiting for gradient collectives (the largest)
+};
+
+struct training_summary {
+  std::int64_t steps = 0, tokens = 0;
+  double seconds = 0, first_loss = 0, last_loss = 0;
+  std::vector<std::string> ranks;  // one line per rank: "rank 1: dp 0 pp 1 tp 0, stage 1 of 2 ..."
+  std::string checkpoint;          // where the whole model was written ("" when not)
+};
+
+struct drive_options {
+  std::function<void(const std::vector<std::string>& ranks)> on_setup;  // once every rank is ready
+  std::function<void(const step_report&)> on_step;
+  std::chrono::milliseconds step_timeout{600000};
+};
+
+// On the driver rank: spawns a trainer on every rank, sets them up with `cfg` (its plan's degrees
+// must multiply to the world size), runs cfg.steps steps and, when cfg.ckpt_dir is set, writes the
+// whole model there in HF layout (config.json, safetensors, trainer_state.json). Throws an error
+// naming the rank when a trainer fails.
+training_summary drive_training(node& n, const models::train_config& cfg,
+                                const drive_options& o = {});
+
+}  // namespace troupe::actors

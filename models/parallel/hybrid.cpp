@@ -1,0 +1,204 @@
+// hybrid_trainer (see hybrid.hpp): builds the rank's piece for the plan, then hands it to
+// dp_trainer.
+#include "models/parallel/hybrid.hpp"
+
+#include <fmt/core.h>
+
+#include <cstdlib>
+#include <string>
+#include <variant>
+
+#include "memory/error.hpp"
+#include "models/gpt.hpp"
+#include "models/llama.hpp"
+#include "models/parallel/data_parallel.hpp"
+#include "models/parallel/gpt_stage.hpp"
+#include "models/parallel/llama_stage.hpp"
+#include "models/parallel/model_producer.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/pipeline_runner.hpp"
+#include "scheduler/plan.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models::parallel {
+
+namespace {
+
+scheduler::model_shape shape_of(const hf::model_config& m, const train_config& cfg) {
+  scheduler::model_shape s;
+  s.seq = cfg.seq;
+  s.batch = cfg.batch * cfg.grad_accum;
+  if (const auto* g = std::get_if<hf::gpt2_config>(&m)) {
+    s.layers = g->n_layer;
+    s.heads = s.kv_heads = g->n_head;
+    s.hidden = g->n_embd;
+    s.vocab = g->vocab_size;
+  } else {
+    const auto& l = std::get<hf::llama_config>(m);
+    s.layers = l.num_hidden_layers;
+    s.heads = l.num_attention_heads;
+    s.kv_heads = l.num_key_value_heads;
+    s.hidden = l.hidden_size;
+    s.vocab = l.vocab_size;
+  }
+  return s;
+}
+
+// "0-1" or "0-1, 4-5" (interleaved chunks).
+std::string blocks_of(const pipeline_stage& s) {
+  std::string out;
+  for (int c = 0; c < s.chunks(); ++c)
+    out += fmt::format("{}{}-{}", c ? ", " : "", s.first_block(c), s.end_block(c) - 1);
+  return out;
+}
+
+int size_of(collective::communicator* c, const char* what) {
+  TROUPE_CHECK(c != nullptr, "hybrid_trainer: no ", what, " communicator given");
+  return c->size();
+}
+
+}  // namespace
+
+struct hybrid_trainer::impl {
+  train_config cfg;
+  hybrid_groups g;
+  std::unique_ptr<causal_lm> model;       // pp == 1: the whole model or its tensor shard
+  std::unique_ptr<pipeline_stage> stage;  // pp > 1
+  pipeline_runner* runner = nullptr;      // the piece, when pp > 1
+  std::unique_ptr<grad_producer> piece;
+  std::unique_ptr<dp_trainer> dp;
+  piece_layout layout;
+  std::string description;
+};
+
+hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config& cfg,
+                               const hybrid_groups& g, const whole_layout* weights)
+    : impl_(std::make_unique<impl>()), model_(model) {
+  auto& I = *impl_;
+  I.cfg = cfg;
+  I.g = g;
+  const auto& plan = cfg.plan;
+  const int world = plan.world_size();
+  TROUPE_CHECK(size_of(g.dp, "dp") == plan.dp, "hybrid_trainer: parallel.dp is ", plan.dp,
+               " but the dp group has ", g.dp->size(), " ranks");
+  TROUPE_CHECK(size_of(g.tp, "tp") == plan.tp, "hybrid_trainer: parallel.tp is ", plan.tp,
+               " but the tp group has ", g.tp->size(), " ranks");
+  TROUPE_CHECK(size_of(g.pp, "pp") == plan.pp, "hybrid_trainer: parallel.pp is ", plan.pp,
+               " but the pp group has ", g.pp->size(), " ranks");
+  TROUPE_CHECK(size_of(g.mp, "mp") == plan.pp * plan.tp, "hybrid_trainer: the model-parallel ",
+               "group has ", g.mp->size(),
+               " ranks, not parallel.pp x parallel.tp = ", plan.pp * plan.tp);
+  auto problems = scheduler::validate(plan, shape_of(model, cfg), world);
+  if (plan.zero == 3 && plan.pp > 1)
+    problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
+  if (!problems.empty()) throw error(scheduler::join(problems));
+  TROUPE_CHECK(cfg.precision == "f32", "train.precision ", cfg.precision,
+               ": parallel plans train in f32 only so far");
+  TROUPE_CHECK(!cfg.recompute, "train.recompute: activation checkpointing is not available under ",
+               "a parallel plan yet");
+  TROUPE_CHECK(cfg.resume.empty(), "checkpoint.resume: resuming a run is not available under a ",
+               "parallel plan yet; start from its weights with model.hf (--model-hf)");
+  const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
+  TROUPE_CHECK(is_gpt || plan.tp == 1, "parallel.tp ", plan.tp,
+               ": tensor parallelism is implemented for GPT-2 only (this is a Llama model)");
+
+  const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
+  auto whole = make_whole_model(model, cfg.seq);
+  if (weights != nullptr) {
+    ops::copy(weights->base, whole->memory().params());
+  } else {
+    whole->init_weights(cfg.seed);
+  }
+  whole_layout wl{&whole->slots(), whole->memory().params()};
+
+  if (plan.pp > 1) {
+    const auto so = stage_options::of(plan, g.pp->rank());
+    const tp_group tg{plan.tp > 1 ? g.tp : nullptr, plan.sp};
+    if (is_gpt)
+      I.stage = std::make_unique<gpt_stage>(to_gpt_config(std::get<hf::gpt2_config>(model)), dims,
+                                            so, tg);
+    else
+      I.stage = std::make_unique<llama_stage>(to_llama_config(std::get<hf::llama_config>(model)),
+                                              dims, so, tg);
+    auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
+    I.runner = runner.get();
+    I.piece = std::move(runner);
+    I.description =
+        fmt::format("stage {} of {} (blocks {}){}", g.pp->rank(), plan.pp, blocks_of(*I.stage),
+                    plan.tp > 1 ? fmt::format(", tensor shard {} of {}{}", g.tp->rank(), plan.tp,
+                                              plan.sp ? " (sequence parallel)" : "")
+                                : std::string());
+  } else if (plan.tp == 1) {
+    I.model = make_causal_lm(model, dims);
+    I.piece = std::make_unique<model_producer>(*I.model);
+    I.description = "whole model";
+  } else {
+    const gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
+    I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tp_group{g.tp, plan.sp});
+    I.piece = std::make_unique<model_producer>(
+        *I.model, *g.tp, replicated_by_shape(I.model->slots(), whole->slots()));
+    I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
+                                plan.sp ? " (sequence parallel)" : "");
+  }
+  I.layout.slots = &I.piece->slots();
+  I.layout.base = I.piece->memory().params();
+  I.layout.tp_rank = g.tp->rank();
+  I.layout.tp = plan.tp;
+  if (is_gpt) {
+    const auto& c = std::get<hf::gpt2_config>(model);
+    I.layout.n_head = I.layout.n_kv_head = c.n_head;
+    I.layout.head_dim = c.n_embd / c.n_head;
+  }
+  grad_producer* piece = I.piece.get();
+  I.layout.owns = [piece](std::string_view name) { return piece->counts_in_norm(name); };
+  scatter_to_piece(wl, wl.base, I.layout, I.layout.base);
+  dp_options dpo;
+  // A benchmark knob (scripts/bench/hybrid.sh): TROUPE_DP_OVERLAP=0 reduces after backward only.
+  if (const char* v = std::getenv("TROUPE_DP_OVERLAP"); v != nullptr && std::string(v) == "0")
+    dpo.overlap = false;
+  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dpo);
+}
+
+hybrid_trainer::~hybrid_trainer() = default;
+
+step_result hybrid_trainer::step(const trainer::batch_source& data) {
+  return impl_->dp->step(data);
+}
+
+std::int64_t hybrid_trainer::steps_done() const {
+  return impl_->dp->steps_done();
+}
+
+void hybrid_trainer::gather_whole(const whole_layout& whole, const tensor& to) {
+  auto& I = *impl_;
+  if (I.cfg.plan.zero == 3) I.dp->gather_full_parameters();
+  ops::fill(to, 0.0);
+  gather_from_piece(I.layout, I.layout.base, whole, to);
+  if (I.g.mp->size() > 1) {
+    collective::options o;
+    o.op = collective::reduce_op::sum;
+    I.g.mp->allreduce(to.data(), static_cast<std::size_t>(to.numel()), to.type(), o).wait();
+  }
+}
+
+std::int64_t hybrid_trainer::parameters() const {
+  return impl_->piece->slots().param_count();
+}
+
+std::string hybrid_trainer::describe() const {
+  return impl_->description;
+}
+
+double hybrid_trainer::last_bubble_fraction() const {
+  return impl_->runner != nullptr ? impl_->runner->bubble_fraction() : 0.0;
+}
+
+double hybrid_trainer::last_comm_wait_seconds() const {
+  return impl_->dp->last_comm_wait_seconds();
+}
+
+std::unique_ptr<causal_lm> make_whole_model(const hf::model_config& model, std::int64_t seq) {
+  return make_causal_lm(model, {1, seq});
+}
+
+}  // namespace troupe::models::parallel

@@ -1,0 +1,71 @@
+// hybrid_trainer: one rank's part of a dp x pp x tp training run, composed from the pieces of
+// models/parallel: the rank's model piece (the whole model, a tensor-parallel shard, a pipeline
+// stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine (dp_trainer:
+// gradient buckets, ZeRO, clipping over the model-parallel group, AdamW).
+//
+// Every rank of the job builds one with the same train_config and its own communicators (over UCX
+// in a launched job, over threads in tests); step() is collective over all of them. The update
+// equals the single-process trainer's (models/trainer.hpp) at the same tokens per step.
+//
+// Checkpoints are whole: gather_whole() assembles the whole model's parameters in HF order on every
+// model-parallel rank (an allreduce of disjoint parts), load_whole() takes each rank's part of a
+// whole model, whatever plan wrote it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "collective/communicator.hpp"
+#include "models/causal_lm.hpp"
+#include "models/hf/config.hpp"
+#include "models/parallel/reshard.hpp"
+#include "models/train_config.hpp"
+#include "models/trainer.hpp"
+
+namespace troupe::models::parallel {
+
+// This rank's groups (not owned). Each must be given, of size 1 when the degree is 1.
+struct hybrid_groups {
+  collective::communicator* dp = nullptr;  // ranks with this rank's pp and tp coordinates
+  collective::communicator* pp = nullptr;  // the stages of this rank's pipeline, in stage order
+  collective::communicator* tp = nullptr;  // the tensor shards of this rank's stage
+  collective::communicator* mp = nullptr;  // pp x tp: this data-parallel replica's ranks
+};
+
+class hybrid_trainer {
+ public:
+  // cfg.plan gives the degrees (their product is the world size), ZeRO stage, microbatches and
+  // schedule; it is validated against the model first (errors name the "parallel.<key>"). The
+  // weights: this rank's part of `weights` (a whole model's parameters, e.g. a loaded checkpoint),
+  // or without it the single-process model's init_weights(cfg.seed).
+  hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g,
+                 const whole_layout* weights = nullptr);
+  ~hybrid_trainer();
+  hybrid_trainer(const hybrid_trainer&) = delete;
+  hybrid_trainer& operator=(const hybrid_trainer&) = delete;
+
+  step_result step(const trainer::batch_source& data);
+  std::int64_t steps_done() const;
+
+  // The whole model's parameters into `to` (laid out like whole.base) on every rank of the
+  // model-parallel group. Collective over mp (and, with ZeRO 3, over dp first).
+  void gather_whole(const whole_layout& whole, const tensor& to);
+
+  const hf::model_config& model_config() const { return model_; }
+  std::int64_t parameters() const;      // this rank's parameter elements
+  std::string describe() const;         // "stage 1 of 2 (blocks 2-3), tensor shard 0 of 2"
+  double last_bubble_fraction() const;  // pipeline idle share of the last step (0 without pp)
+  double last_comm_wait_seconds() const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+  hf::model_config model_;
+};
+
+// A whole model for `model` (f32, host), built only to hold weights: to initialize, to load an HF
+// checkpoint into, to gather into for saving, to generate from.
+std::unique_ptr<causal_lm> make_whole_model(const hf::model_config& model, std::int64_t seq);
+
+}  // namespace troupe::models::parallel

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Hybrid-parallel throughput on this machine (issue 6's benchmark): the small GPT (gpt2-demo,
+# B=8 T=128) trained for STEPS steps as 1 rank x 2 threads and as 2 ranks x 1 thread each with
+# dp2, tp2 and pp2 (1F1B, 8 microbatches), in the same run; tokens/s of each next to the single
+# process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
+# overlap hides behind backward (dp2 with and without overlap).
+#
+#   bash scripts/bench/hybrid.sh [build-dir] [steps]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${1:-build}
+STEPS=${2:-40}
+T="$BUILD/apps/troupe"
+common=(train --model gpt2-demo --batch 8 --seq 128 --steps "$STEPS" --sample 0 --log-every 1000)
+tps() { grep -o '([0-9]* tokens/s)' | tr -dc '0-9'; }
+field() { grep -o "$1 [0-9.]*" | awk '{print $NF}'; }
+
+single=$("$T" "${common[@]}" --threads 2 | tps)
+echo "1 rank x 2 threads: $single tokens/s"
+run() {  # name, flags...
+  local name=$1
+  shift
+  local out
+  out=$("$T" launch -n 2 --job "bench-$name-$$" -- "$T" "${common[@]}" --threads 1 "$@" 2>&1)
+  local t
+  t=$(echo "$out" | grep 'trained to step' | tps)
+  echo "$out" | grep 'trained to step' | sed 's/^\[rank 0\] //' >"/tmp/troupe-bench-$name.txt"
+  printf '%-22s %6s tokens/s  %.2fx the single process\n' "2 ranks x 1 thread $name:" "$t" \
+    "$(echo "$t / $single" | bc -l)"
+}
+run dp2 --dp 2
+run tp2 --tp 2
+run pp2 --pp 2 --microbatches 8
+bubble=$(grep -o 'bubble [0-9.]*' /tmp/troupe-bench-pp2.txt | awk '{print $2}')
+printf 'pp2 bubble: %s%% measured, %.1f%% in theory ((p-1)/(m+p-1), p=2, m=8)\n' "$bubble" \
+  "$(echo "100 * 1 / 9" | bc -l)"
+with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
+TROUPE_DP_OVERLAP=0 run dp2-no-overlap --dp 2 >/dev/null
+without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
+printf 'dp2 gradient allreduce wait after backward: %s s per step with overlap, %s s without: ' \
+  "$with" "$without"
+echo "$with $without" | awk '{ if ($2 > 0) printf "%.0f%% hidden\n", 100 * (1 - $1 / $2); else print "n/a" }'
