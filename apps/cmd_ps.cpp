@@ -1,4 +1,5 @@
-// troupe ps: the members and actors of a running job, read from its introspection endpoint.
+// troupe ps: the members and actors of a running job, read from its introspection endpoint;
+// --collectives adds the flight records of every watched communicator.
 #include <sys/ioctl.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
@@ -19,6 +20,7 @@ using namespace troupe::actors;
 struct ps_args {
   std::string job, endpoint;
   bool json = false;
+  bool collectives = false;
   int width = -1;  // -1: the terminal's, or no limit when not a terminal
   double timeout_s = 5;
 };
@@ -58,6 +60,10 @@ int run_ps(const ps_args& a) {
   if (width < 0)
     width = isatty(STDOUT_FILENO) && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 ? ws.ws_col : 0;
   std::fputs(render_table(*snap, width).c_str(), stdout);
+  if (a.collectives) {
+    std::fputs("\n", stdout);
+    std::fputs(render_collectives(*snap, width).c_str(), stdout);
+  }
   return 0;
 }
 
@@ -70,6 +76,8 @@ command_fn add_ps_command(CLI::App& app) {
   sub->add_option("--endpoint", a->endpoint,
                   "HOST:PORT of the job's introspection endpoint (instead of the job registry)");
   sub->add_flag("--json", a->json, "Print the snapshot as JSON");
+  sub->add_flag("--collectives", a->collectives,
+                "Also list every recent collective of every actor (its flight recorder)");
   sub->add_option("--width", a->width,
                   "Cut lines to this many columns (0: no limit; default: the "
                   "terminal's width)");
