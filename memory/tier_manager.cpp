@@ -92,9 +92,11 @@ struct tier_manager::impl {
     const std::size_t budget[2] = {opt.device_bytes, opt.host_bytes};
     for (int k = 0; k < 2; ++k) {
       const tier t = k == 0 ? tier::device : tier::host;
-      std::size_t want = 0;  // slots this tier could ever need: chunks living elsewhere
-      for (const auto& c : chunks)
-        if (c.home != t) ++want;
+      // Slots this tier could ever need: chunks living elsewhere (that the schedule, when there
+      // is one, uses here).
+      std::size_t want = 0;
+      for (std::size_t i = 0; i < chunks.size(); ++i)
+        if (chunks[i].home != t && (schedule.empty() || !positions[k][i].empty())) ++want;
       std::size_t base = reserved[k] + home_bytes[k];
       std::size_t n = want;
       if (budget[k] > 0 || k == 0) {
@@ -256,6 +258,7 @@ struct tier_manager::impl {
       chunk& c = chunks[u.chunk];
       const int k = cache_of(u.where);
       if (c.home == u.where || c.slot[k] >= 0) continue;
+      if (c.pins[0] + c.pins[1] > 0) continue;  // in use now: its bytes may still change
       int s = take_slot(k, pos);
       if (s < 0) break;  // every slot holds a chunk needed sooner
       fill(u.chunk, k, s, false, true);
@@ -392,6 +395,10 @@ void tier_manager::flush() {
       TROUPE_CHECK(m.chunks[o].pins[k] == 0, "tier_manager: flush while chunk ", o, " is pinned");
       m.drop(o, k, false);
     }
+}
+
+void tier_manager::rewind() {
+  impl_->cursor = 0;
 }
 
 chunk_state tier_manager::state(std::int32_t id, tier where) const {

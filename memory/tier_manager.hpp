@@ -84,7 +84,10 @@ class tier_manager {
   std::int32_t add_chunk(std::size_t bytes, tier home, std::string_view label = {});
   // Non-model bytes the owner uses in a tier (activations, scratch): taken off the budget.
   void reserve(tier where, std::size_t bytes);
+  // The schedule; set it before the first acquire so the pools hold only the slots it uses.
   void set_schedule(std::vector<chunk_use> uses);
+  // Back to the schedule's start (after acquires off the schedule, e.g. loading weights).
+  void rewind();
 
   // The chunk's bytes in `where` (device or host), pinned until release. discard: the caller
   // overwrites every byte, so nothing is fetched.

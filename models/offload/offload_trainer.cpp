@@ -82,6 +82,7 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
   tiers_.reserve(tier::device, model_.non_model_bytes());
   place();
   build_schedule();
+  tiers_.set_schedule(schedule_);
 }
 
 void offload_trainer::place() {
@@ -169,15 +170,11 @@ std::size_t offload_trainer::pinned_at_once(tier where) const {
 }
 
 void offload_trainer::check_budgets() {
-  if (!schedule_set_) {
-    tiers_.set_schedule(schedule_);
-    schedule_set_ = true;
-  }
   // The pools are laid out on the first acquire; a parameter chunk in its home tier costs nothing.
   const tier t = tiers_.home(0) == tier::device ? tier::device : tier::host;
   tiers_.acquire(0, t);
   tiers_.release(0, t, false);
-  tiers_.set_schedule(schedule_);  // rewind the cursor
+  tiers_.rewind();
   for (tier w : {tier::device, tier::host}) {
     const std::size_t need = pinned_at_once(w);
     TROUPE_CHECK(tiers_.slots(w) >= need, "offload_trainer: the ", memory::tier_name(w),
@@ -193,7 +190,7 @@ tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
 }
 
 void offload_trainer::set_weights(const slot_list& src) {
-  TROUPE_CHECK(!schedule_set_, "offload_trainer: set_weights before the first step");
+  TROUPE_CHECK(step_ == 0, "offload_trainer: set_weights before the first step");
   const auto& all = model_.slots().slots();
   for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
     const auto& s = all[param_slots_[j]];
@@ -207,6 +204,7 @@ void offload_trainer::set_weights(const slot_list& src) {
     ops::copy(*from->field, view(base, j));
     tiers_.release(c, t, true);
   }
+  tiers_.rewind();  // the acquires above were off the schedule
 }
 
 void offload_trainer::copy_weights_to(const slot_list& dst) {
@@ -222,15 +220,11 @@ void offload_trainer::copy_weights_to(const slot_list& dst) {
       tiers_.release(c, t, false);
     }
   }
-  if (schedule_set_) tiers_.set_schedule(schedule_);  // off-schedule reads: rewind the cursor
+  tiers_.rewind();  // off the schedule
 }
 
 step_result offload_trainer::step(const trainer::batch_source& data) {
   auto t0 = std::chrono::steady_clock::now();
-  if (!schedule_set_) {
-    tiers_.set_schedule(schedule_);
-    schedule_set_ = true;
-  }
   const std::int32_t n = chunk_count();
   const auto& all = model_.slots().slots();
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);

@@ -101,7 +101,6 @@ class offload_trainer {
   std::vector<bool> decays_;                             // tensor -> weight decay applies
   std::vector<memory::tier> optim_at_;                   // chunk -> where its AdamW runs
   std::vector<memory::chunk_use> schedule_;
-  bool schedule_set_ = false;
   std::vector<bool> grad_touched_;
   std::int64_t step_ = 0;
   std::vector<std::int32_t> rows_, targets_;

@@ -1,0 +1,88 @@
+// The tier-manager role actor (see tier_actor.hpp).
+#include "actors/tier_actor.hpp"
+
+#include <chrono>
+#include <mutex>
+
+#include "memory/error.hpp"
+
+namespace troupe::actors {
+
+std::map<std::string, double> tier_metrics(const memory::tier_report& r) {
+  auto d = [](auto v) { return static_cast<double>(v); };
+  return {{"tier.device_bytes", d(r.device_used)},
+          {"tier.device_budget", d(r.device_budget)},
+          {"tier.device_peak", d(r.device_peak)},
+          {"tier.host_bytes", d(r.host_used)},
+          {"tier.host_budget", d(r.host_budget)},
+          {"tier.nvme_bytes", d(r.nvme_bytes)},
+          {"tier.chunks", d(r.chunks)},
+          {"tier.chunks_device", d(r.chunks_device)},
+          {"tier.chunks_host", d(r.chunks_host)},
+          {"tier.chunks_nvme", d(r.chunks_nvme)},
+          {"tier.in_flight", d(r.in_flight)},
+          {"tier.prefetch_hit_rate", r.hit_rate()},
+          {"tier.prefetches", d(r.prefetches)},
+          {"tier.evictions", d(r.evictions)},
+          {"tier.io_gbps", r.io_gbps()},
+          {"tier.nvme_read_gb", d(r.nvme_read_bytes) / 1e9},
+          {"tier.nvme_write_gb", d(r.nvme_write_bytes) / 1e9}};
+}
+
+namespace {
+
+void publish(role_context& c, tier_session& s) {
+  for (const auto& [k, v] : tier_metrics(s.report())) c.set_metric(k, v);
+}
+
+}  // namespace
+
+void add_tier_manager_role(role_registry& roles, tier_session_factory make) {
+  roles.add(tier_manager_role, [make](role_builder& b, role_context&) {
+    struct state {
+      std::mutex mu;
+      std::unique_ptr<tier_session> session;
+      std::int64_t steps = 0;
+    };
+    auto st = std::make_shared<state>();
+    b.on<tier_setup>([st, make](role_context& c, const tier_setup& s) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      c.set_activity("setting up " + s.model);
+      st->session.reset();
+      st->session = make(s);
+      TROUPE_CHECK(st->session != nullptr, c.name(), ": the tier session factory made nothing");
+      st->steps = 0;
+      publish(c, *st->session);
+      c.set_activity("idle");
+      return st->session->describe();
+    });
+    b.on<tier_step>([st](role_context& c, const tier_step& r) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      TROUPE_CHECK(st->session != nullptr, c.name(), ": tier_step before tier_setup");
+      tier_step_reply out;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (std::int64_t i = 0; i < r.steps; ++i) {
+        c.set_activity("step " + std::to_string(st->steps + 1));
+        out.losses.push_back(st->session->step());
+        ++st->steps;
+        c.set_metric("step", static_cast<double>(st->steps));
+        c.set_metric("loss", out.losses.back());
+        publish(c, *st->session);
+      }
+      out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      c.set_activity("idle");
+      return out;
+    });
+    b.on<tier_numbers_request>([st](role_context& c, const tier_numbers_request&) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      TROUPE_CHECK(st->session != nullptr, c.name(), ": tier_numbers_request before tier_setup");
+      return tier_metrics(st->session->report());
+    });
+    b.on_stop([st](role_context&) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->session.reset();
+    });
+  });
+}
+
+}  // namespace troupe::actors
