@@ -57,6 +57,7 @@ struct trainer_state {
   models::hf::model_config model;
   std::unique_ptr<collective::rank_grid> grid;
   std::vector<std::unique_ptr<collective::communicator>> comms;
+  std::vector<collective_watch> watches;  // the comms' flight records in describe (after comms)
   std::unique_ptr<mp::hybrid_trainer> hybrid;
   std::unique_ptr<models::causal_lm> whole;  // for loading and saving whole checkpoints
   models::data_source data;
@@ -95,6 +96,7 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   auto comm = [&](const std::vector<std::string>& names) {
     st.comms.push_back(
         collective::make_communicator(n.transport(), st.grid->group(me, names), "ucx"));
+    st.watches.push_back(ctx.watch(*st.comms.back()));
     return st.comms.back().get();
   };
   mp::hybrid_groups g;

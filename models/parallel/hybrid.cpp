@@ -156,6 +156,10 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // A benchmark knob (scripts/bench/hybrid.sh): TROUPE_DP_OVERLAP=0 reduces after backward only.
   if (const char* v = std::getenv("TROUPE_DP_OVERLAP"); v != nullptr && std::string(v) == "0")
     dpo.overlap = false;
+  // TROUPE_DP_BUCKET_BYTES: the gradient bucket size (default 25 MiB: one bucket for a tiny model,
+  // which then cannot overlap with backward).
+  if (const char* v = std::getenv("TROUPE_DP_BUCKET_BYTES"); v != nullptr && std::atoll(v) > 0)
+    dpo.bucket_bytes = static_cast<std::size_t>(std::atoll(v));
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dpo);
 }
 

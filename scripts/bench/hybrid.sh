@@ -3,7 +3,7 @@
 # B=8 T=128) trained for STEPS steps as 1 rank x 2 threads and as 2 ranks x 1 thread each with
 # dp2, tp2 and pp2 (1F1B, 8 microbatches), in the same run; tokens/s of each next to the single
 # process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
-# overlap hides behind backward (dp2 with and without overlap).
+# overlap hides behind backward (dp2 with and without overlap, 256 KiB gradient buckets).
 #
 #   bash scripts/bench/hybrid.sh [build-dir] [steps]
 set -euo pipefail
@@ -28,6 +28,8 @@ run() {  # name, flags...
   printf '%-22s %6s tokens/s  %.2fx the single process\n' "2 ranks x 1 thread $name:" "$t" \
     "$(echo "$t / $single" | bc -l)"
 }
+# 256 KiB gradient buckets (about a third of a block) so that overlap has something to hide.
+export TROUPE_DP_BUCKET_BYTES=262144
 run dp2 --dp 2
 run tp2 --tp 2
 run pp2 --pp 2 --microbatches 8
@@ -37,6 +39,6 @@ printf 'pp2 bubble: %s%% measured, %.1f%% in theory ((p-1)/(m+p-1), p=2, m=8)\n'
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
 TROUPE_DP_OVERLAP=0 run dp2-no-overlap --dp 2 >/dev/null
 without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
-printf 'dp2 gradient allreduce wait after backward: %s s per step with overlap, %s s without: ' \
+printf 'dp2 gradient allreduce wait after backward: %s ms per step with overlap, %s ms without: ' \
   "$with" "$without"
 echo "$with $without" | awk '{ if ($2 > 0) printf "%.0f%% hidden\n", 100 * (1 - $1 / $2); else print "n/a" }'
