@@ -9,6 +9,7 @@
 // The device tier is an accounted, capped region of host memory (see memory/tier_manager.hpp), so
 // this runs without a GPU. Random tokens; the step is the f32 AdamW step of models/trainer.hpp.
 #include <fmt/core.h>
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -31,7 +32,7 @@ struct offload_args {
   double device_mib = 16;
   std::int64_t dim = 128, heads = 4, vocab = 256, batch = 1, seq = 16;
   std::int64_t speed_layers = 8, speed_batch = 4, speed_seq = 64, steps = 3;
-  std::string nvme_dir = "/tmp/troupe_bench_offload";
+  std::string nvme_dir = "/tmp";  // the bench works in <nvme_dir>/troupe_bench_offload.<pid>
 };
 
 models::gpt_config model(const offload_args& a, std::int64_t layers, std::int64_t seq) {
@@ -158,7 +159,20 @@ int run(const offload_args& a) {
 
   fmt::print("\n2. step time, {} layers, batch {} x seq {} (median of {} steps after one)\n",
              a.speed_layers, a.speed_batch, a.speed_seq, a.steps);
+  // The NVMe tier works in a subdirectory of its own, and only that is removed at the end: the
+  // --nvme-dir given may be shared (/var/tmp).
+  const std::filesystem::path work =
+      std::filesystem::path(a.nvme_dir) / ("troupe_bench_offload." + std::to_string(::getpid()));
   std::filesystem::create_directories(a.nvme_dir);
+  TROUPE_CHECK(std::filesystem::create_directory(work), "bench offload: --nvme-dir ", a.nvme_dir,
+               ": the work directory ", work.string(), " exists already");
+  struct remove_work {
+    std::filesystem::path dir;
+    ~remove_work() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{work};
   const std::size_t roomy = std::size_t{8} << 30;
   timing base =
       time_steps(a, a.speed_layers, a.speed_batch, a.speed_seq, resident(roomy), int(a.steps));
@@ -166,7 +180,7 @@ int run(const offload_args& a) {
   models::offload_options os = resident(roomy);
   os.placement = {.param_fraction = 0, .optim_fraction = 1, .optim_tier = tier::nvme};
   os.host_bytes = 8 * cb;
-  os.nvme_dir = a.nvme_dir;
+  os.nvme_dir = work.string();
   timing state = time_steps(a, a.speed_layers, a.speed_batch, a.speed_seq, os, int(a.steps));
   models::offload_options all = os;
   all.placement = {
@@ -188,7 +202,6 @@ int run(const offload_args& a) {
   row("all resident", base);
   row("optimizer state on NVMe (host 8 chunks)", state);
   row("parameters and state on NVMe", both);
-  std::filesystem::remove_all(a.nvme_dir);
   return 0;
 }
 
@@ -206,7 +219,10 @@ command_fn add_bench_offload_command(CLI::App& bench) {
   c->add_option("--seq", a->seq, "capacity part: sequence length")->capture_default_str();
   c->add_option("--speed-layers", a->speed_layers, "speed part: layers")->capture_default_str();
   c->add_option("--steps", a->steps, "speed part: timed steps")->capture_default_str();
-  c->add_option("--nvme-dir", a->nvme_dir, "directory for the NVMe tier")->capture_default_str();
+  c->add_option(
+       "--nvme-dir", a->nvme_dir,
+       "directory for the NVMe tier (the bench works in a subdirectory it creates and removes)")
+      ->capture_default_str();
   return [c, a]() -> int {
     if (!c->parsed()) return -1;
     return run(*a);
