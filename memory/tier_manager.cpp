@@ -130,11 +130,24 @@ struct tier_manager::impl {
     return nullptr;
   }
 
+  // Gives up the chunk's slot in cache k (its bytes are not to be trusted).
+  void abandon(std::int32_t id, int k) {
+    chunk& c = chunks[id];
+    if (c.slot[k] >= 0) caches[k].owner[c.slot[k]] = -1;
+    c.slot[k] = -1;
+    c.slot_valid[k] = false;
+  }
+
   void finish_read(std::int32_t id, int k) {
     scoped_timer t{stats.io_seconds};
     io::io_ticket ticket = std::move(chunks[id].pending[k]);
     chunks[id].pending[k] = io::io_ticket();
-    ticket.wait();  // throws on an I/O error or a checksum mismatch
+    try {
+      ticket.wait();  // throws on an I/O error or a checksum mismatch
+    } catch (...) {
+      abandon(id, k);  // else the next acquire would be a "hit" on bad bytes
+      throw;
+    }
   }
 
   std::int64_t next_use(std::int32_t id, int k) const {
@@ -225,18 +238,23 @@ struct tier_manager::impl {
     caches[k].owner[s] = id;
     c.slot_valid[k] = true;
     if (discard) return;
-    std::byte* dst = slot_ptr(k, s);
-    const int o = 1 - k;
-    if (!c.home_valid) {
-      TROUPE_CHECK(c.slot[o] >= 0 && c.slot_valid[o], "tier_manager: chunk ", id,
-                   " has no current copy");
-      if (c.pending[o].valid()) finish_read(id, o);
-      scoped_timer t{stats.io_seconds};
-      std::memcpy(dst, slot_ptr(o, c.slot[o]), c.bytes);
-      stats.bytes_moved += c.bytes;
-      return;
+    try {
+      std::byte* dst = slot_ptr(k, s);
+      const int o = 1 - k;
+      if (!c.home_valid) {
+        TROUPE_CHECK(c.slot[o] >= 0 && c.slot_valid[o], "tier_manager: chunk ", id,
+                     " has no current copy");
+        if (c.pending[o].valid()) finish_read(id, o);
+        scoped_timer t{stats.io_seconds};
+        std::memcpy(dst, slot_ptr(o, c.slot[o]), c.bytes);
+        stats.bytes_moved += c.bytes;
+        return;
+      }
+      read_home(id, dst, k, async);
+    } catch (...) {
+      if (!c.pending[k].valid()) abandon(id, k);  // the slot holds no good bytes
+      throw;
     }
-    read_home(id, dst, k, async);
   }
 
   // An acquire that is the schedule's next use moves the cursor on; any other leaves it.

@@ -76,6 +76,17 @@ std::filesystem::path scratch_dir(const char* name) {
   return d;
 }
 
+// Flips every byte of the store's file after its first block (the header): every page is bad.
+void corrupt_pages(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  std::vector<unsigned char> junk(static_cast<std::size_t>(size > 4096 ? size - 4096 : 0), 0xa5);
+  REQUIRE(::pwrite(fd, junk.data(), junk.size(), 4096) == static_cast<ssize_t>(junk.size()));
+  ::fsync(fd);
+  ::close(fd);
+}
+
 }  // namespace
 
 TEST_CASE("belady evicts the chunk whose next use is furthest on a known schedule", "[offload]") {
@@ -190,16 +201,13 @@ TEST_CASE("a corrupted nvme page is detected when read back", "[offload]") {
     tm.flush();  // the only copy is now the page on NVMe
     REQUIRE(tm.state(c, tier::host) == chunk_state::evicted);
     REQUIRE(tm.report().chunks_nvme == 1);
-    // Flip every byte of the file after its first block (the page lies there).
-    const std::string path = tm.nvme_path();
-    int fd = ::open(path.c_str(), O_RDWR);
-    REQUIRE(fd >= 0);
-    const off_t size = ::lseek(fd, 0, SEEK_END);
-    std::vector<unsigned char> junk(static_cast<std::size_t>(size > 4096 ? size - 4096 : 0), 0xa5);
-    REQUIRE(::pwrite(fd, junk.data(), junk.size(), 4096) == static_cast<ssize_t>(junk.size()));
-    ::fsync(fd);
-    ::close(fd);
+    corrupt_pages(tm.nvme_path());
     REQUIRE_THROWS_WITH(tm.acquire(c, tier::host), Catch::Contains("checksum mismatch"));
+    // The failed read leaves no copy behind: the next acquire reads the page again (and fails
+    // again) rather than handing out the bad bytes as a cache hit.
+    CHECK(tm.state(c, tier::host) == chunk_state::evicted);
+    REQUIRE_THROWS_WITH(tm.acquire(c, tier::host), Catch::Contains("checksum mismatch"));
+    CHECK(tm.report().chunks_host == 0);
   }
   std::filesystem::remove_all(dir);
 }
