@@ -377,7 +377,12 @@ std::byte* tier_manager::acquire(std::int32_t id, tier where, bool discard) {
   }
   ++c.pins[k];
   m.advance(id, where);
-  m.prefetch();
+  try {
+    m.prefetch();  // may fail (a write-back's ENOSPC or EIO, a failed read of a victim)
+  } catch (...) {
+    --c.pins[k];  // the acquire failed: nothing is left pinned
+    throw;
+  }
   m.device_peak = std::max(m.device_peak, m.used(0));
   return p;
 }

@@ -212,6 +212,41 @@ TEST_CASE("a corrupted nvme page is detected when read back", "[offload]") {
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a failed prefetch leaves nothing pinned and no bad copy behind", "[offload]") {
+  auto dir = scratch_dir("troupe_tier_test_prefetch_fail");
+  {
+    tier_manager_options o{.device_bytes = kib64,
+                           .host_bytes = 2 * kib64,
+                           .nvme_dir = dir.string(),
+                           .prefetch_depth = 1};
+    tier_manager tm(o);
+    const std::int32_t a = tm.add_chunk(kib64, tier::nvme, "a");
+    const std::int32_t b = tm.add_chunk(kib64, tier::nvme, "b");
+    const std::int32_t c = tm.add_chunk(kib64, tier::nvme, "c");
+    for (std::int32_t id : {a, b, c}) {
+      std::memset(tm.acquire(id, tier::host), 0x11 * (id + 1), kib64);
+      tm.release(id, tier::host, true);
+    }
+    tm.flush();  // every page is on NVMe
+    REQUIRE(tm.report().chunks_nvme == 3);
+    corrupt_pages(tm.nvme_path());
+    // a (its bytes discarded: no read) is acquired first: b is prefetched, a read in flight.
+    tm.set_schedule({{a, tier::host}, {b, tier::host}, {c, tier::host}});
+    tm.acquire(a, tier::host, true);
+    REQUIRE(tm.state(b, tier::host) != chunk_state::evicted);
+    tm.release(a, tier::host, false);
+    // Now c comes before b: prefetching c evicts b, whose read fails, inside the acquire of a.
+    tm.set_schedule({{a, tier::host}, {c, tier::host}, {b, tier::host}});
+    REQUIRE_THROWS_WITH(tm.acquire(a, tier::host), Catch::Contains("checksum mismatch"));
+    // The failed acquire left a unpinned (a release without an acquire is refused) ...
+    REQUIRE_THROWS_WITH(tm.release(a, tier::host, false), Catch::Contains("without an acquire"));
+    REQUIRE_NOTHROW(tm.flush());
+    // ... and b's bad bytes are not served as a hit.
+    REQUIRE_THROWS_WITH(tm.acquire(b, tier::host), Catch::Contains("checksum mismatch"));
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a device budget without room for one chunk slot is refused") {
   tier_manager_options o;
   o.device_bytes = kib64 / 2;

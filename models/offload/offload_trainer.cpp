@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "memory/error.hpp"
 #include "models/optim.hpp"
@@ -16,6 +18,38 @@ namespace troupe::models {
 namespace {
 
 using memory::tier;
+
+// The chunks a step holds pinned; those still held when the step throws are released (clean),
+// so a failed step leaves no chunk pinned for good.
+class pin_guard {
+ public:
+  explicit pin_guard(memory::tier_manager& t) : tiers_(t) { held_.reserve(16); }
+  pin_guard(const pin_guard&) = delete;
+  pin_guard& operator=(const pin_guard&) = delete;
+  ~pin_guard() {
+    for (const auto& [c, w] : held_) {
+      try {
+        tiers_.release(c, w, false);
+      } catch (...) {  // on the way out of a failure already
+      }
+    }
+  }
+  std::byte* acquire(std::int32_t c, tier w, bool discard = false) {
+    held_.reserve(held_.size() + 1);  // no allocation failure once the chunk is pinned
+    std::byte* p = tiers_.acquire(c, w, discard);
+    held_.emplace_back(c, w);
+    return p;
+  }
+  void release(std::int32_t c, tier w, bool dirty) {
+    auto it = std::find(held_.begin(), held_.end(), std::pair{c, w});
+    if (it != held_.end()) held_.erase(it);  // release unpins even when it throws
+    tiers_.release(c, w, dirty);
+  }
+
+ private:
+  memory::tier_manager& tiers_;
+  std::vector<std::pair<std::int32_t, tier>> held_;
+};
 
 memory::tier_manager_options manager_options(const offload_options& o) {
   memory::tier_manager_options m;
@@ -225,6 +259,7 @@ void offload_trainer::copy_weights_to(const slot_list& dst) {
 
 step_result offload_trainer::step(const trainer::batch_source& data) {
   auto t0 = std::chrono::steady_clock::now();
+  pin_guard pins(tiers_);
   const std::int32_t n = chunk_count();
   const auto& all = model_.slots().slots();
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
@@ -239,12 +274,12 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
   // Forward: each unit's parameter chunks on the device.
   for (std::int32_t u = 0; u < model_.units(); ++u) {
     for (std::int32_t c : unit_chunks_[u]) {
-      std::byte* base = tiers_.acquire(c, tier::device);
+      std::byte* base = pins.acquire(c, tier::device);
       for (std::int32_t j : unit_tensors_[u])
         if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
     }
     model_.forward_unit(u);
-    for (std::int32_t c : unit_chunks_[u]) tiers_.release(c, tier::device, false);
+    for (std::int32_t c : unit_chunks_[u]) pins.release(c, tier::device, false);
   }
   step_result r;
   r.loss = model_.loss();
@@ -254,9 +289,9 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
   double sumsq = 0;
   for (std::int32_t u = model_.units() - 1; u >= 0; --u) {
     for (std::int32_t c : unit_chunks_[u]) {
-      std::byte* p = tiers_.acquire(c, tier::device);
+      std::byte* p = pins.acquire(c, tier::device);
       const bool first = !grad_touched_[c];
-      std::byte* g = tiers_.acquire(n + c, tier::device, first);
+      std::byte* g = pins.acquire(n + c, tier::device, first);
       if (first) std::memset(g, 0, chunks_.layout.chunk_bytes);
       grad_touched_[c] = true;
       for (std::int32_t j : unit_tensors_[u])
@@ -269,8 +304,8 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
     for (std::int32_t j : unit_tensors_[u])
       if (last_backward_unit_[j] == u) sumsq += ops::sum_squares(*all[param_slots_[j]].grad);
     for (std::int32_t c : unit_chunks_[u]) {
-      tiers_.release(c, tier::device, false);
-      tiers_.release(n + c, tier::device, true);
+      pins.release(c, tier::device, false);
+      pins.release(n + c, tier::device, true);
     }
   }
 
@@ -287,10 +322,10 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
                        .step = step_ + 1};
   for (std::int32_t i = 0; i < n; ++i) {
     const tier at = optim_at_[i];
-    std::byte* p = tiers_.acquire(i, at);
-    std::byte* g = tiers_.acquire(n + i, at);
-    std::byte* m = tiers_.acquire(2 * n + i, at);
-    std::byte* v = tiers_.acquire(3 * n + i, at);
+    std::byte* p = pins.acquire(i, at);
+    std::byte* g = pins.acquire(n + i, at);
+    std::byte* m = pins.acquire(2 * n + i, at);
+    std::byte* v = pins.acquire(3 * n + i, at);
     for (std::int32_t j : chunks_.layout.members[i]) {
       tensor gj = view(g, j);
       if (clip != 1.0) ops::scale(gj, clip);
@@ -298,10 +333,10 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
       if (!decays_[j]) oj.weight_decay = 0.0;
       ops::adamw(view(p, j), gj, view(m, j), view(v, j), oj);
     }
-    tiers_.release(i, at, true);
-    tiers_.release(n + i, at, clip != 1.0);
-    tiers_.release(2 * n + i, at, true);
-    tiers_.release(3 * n + i, at, true);
+    pins.release(i, at, true);
+    pins.release(n + i, at, clip != 1.0);
+    pins.release(2 * n + i, at, true);
+    pins.release(3 * n + i, at, true);
   }
   ++step_;
   r.step = step_;
