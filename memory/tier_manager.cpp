@@ -2,7 +2,10 @@
 // cursor, Belady eviction and look-ahead prefetch.
 #include "memory/tier_manager.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -290,7 +293,9 @@ tier_manager::tier_manager(const tier_manager_options& opt) : impl_(std::make_un
   if (!opt.nvme_dir.empty()) {
     io::nvme_store_options o;
     o.dir = opt.nvme_dir;
-    o.name = "troupe_tiers";
+    // A file of its own: two managers may share a directory.
+    static std::atomic<std::uint64_t> stores{0};
+    o.name = "troupe_tiers." + std::to_string(::getpid()) + "." + std::to_string(stores++);
     impl_->nvme = std::make_unique<io::nvme_store>(o);
   }
 }

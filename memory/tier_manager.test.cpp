@@ -247,6 +247,32 @@ TEST_CASE("a failed prefetch leaves nothing pinned and no bad copy behind", "[of
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("two tier managers can share one nvme directory", "[offload]") {
+  auto dir = scratch_dir("troupe_tier_test_shared_dir");
+  {
+    tier_manager_options o{.device_bytes = kib64, .host_bytes = kib64, .nvme_dir = dir.string()};
+    tier_manager t1(o);
+    tier_manager t2(o);
+    REQUIRE(t1.nvme_path() != t2.nvme_path());
+    const std::int32_t c1 = t1.add_chunk(kib64, tier::nvme);
+    const std::int32_t c2 = t2.add_chunk(kib64, tier::nvme);
+    std::memset(t1.acquire(c1, tier::host), 0x31, kib64);
+    t1.release(c1, tier::host, true);
+    t1.flush();
+    std::memset(t2.acquire(c2, tier::host), 0x32, kib64);
+    t2.release(c2, tier::host, true);
+    t2.flush();
+    const std::byte* p1 = t1.acquire(c1, tier::host);
+    const std::byte* p2 = t2.acquire(c2, tier::host);
+    for (std::size_t i = 0; i < kib64; ++i) {
+      if (p1[i] != std::byte{0x31} || p2[i] != std::byte{0x32}) FAIL("byte " << i << " differs");
+    }
+    t1.release(c1, tier::host, false);
+    t2.release(c2, tier::host, false);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("a device budget without room for one chunk slot is refused") {
   tier_manager_options o;
   o.device_bytes = kib64 / 2;

@@ -163,18 +163,29 @@ void nvme_store::impl::open_file() {
   std::filesystem::create_directories(opt.dir, ec);
   TROUPE_CHECK(!ec, "nvme_store: cannot create directory ", opt.dir, ": ", ec.message());
   path = (std::filesystem::path(opt.dir) / (opt.name + ".pages")).string();
-  int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+  // Created here, never opened over an existing file: another store's live file stays intact.
+  fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int create_errno = errno;
+  TROUPE_CHECK(fd >= 0, "nvme_store: cannot create ", path, ": ", errno_text(create_errno),
+               create_errno == EEXIST
+                   ? " (the file exists: another store with this dir and options.name, "
+                     "or one left by a killed process)"
+                   : "");
   direct = opt.direct;
-  if (direct) {
-    fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
-    if (fd < 0 && errno == EINVAL) {
+  if (direct) {  // the same file again, with O_DIRECT
+    int dfd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_DIRECT);
+    if (dfd >= 0) {
+      ::close(fd);
+      fd = dfd;
+    } else {
+      const int e = errno;
       direct = false;
-      note = "O_DIRECT refused by the file system of " + path + " (EINVAL at open); buffered I/O";
+      note =
+          e == EINVAL
+              ? "O_DIRECT refused by the file system of " + path + " (EINVAL at open); buffered I/O"
+              : "O_DIRECT open of " + path + " failed (" + errno_text(e) + "); buffered I/O";
     }
   }
-  if (fd < 0) fd = ::open(path.c_str(), flags, 0600);
-  TROUPE_CHECK(fd >= 0, "nvme_store: cannot open ", path, ": ", errno_text(errno));
-
   // Block 0: a header naming the file's purpose; writing it probes O_DIRECT for real.
   bounce_ptr hdr = alloc_bounce(header_bytes);
   std::memset(hdr.get(), 0, header_bytes);
@@ -183,10 +194,10 @@ void nvme_store::impl::open_file() {
       "troupe nvme_store v1: scratch pages of one process; CRC32C side table in memory\n");
   ssize_t w = ::pwrite(fd, hdr.get(), header_bytes, 0);
   if (w < 0 && errno == EINVAL && direct) {
-    ::close(fd);
     direct = false;
     note = "O_DIRECT refused by the file system of " + path + " (EINVAL on write); buffered I/O";
-    fd = ::open(path.c_str(), flags, 0600);
+    ::close(fd);
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     TROUPE_CHECK(fd >= 0, "nvme_store: cannot open ", path, ": ", errno_text(errno));
     w = ::pwrite(fd, hdr.get(), header_bytes, 0);
   }

@@ -358,9 +358,23 @@ TEST_CASE("the backend can be forced by option or environment variable", "[memor
   CHECK(b.backend() == io::io_backend::pread);
   CHECK(b.backend_note().find("TROUPE_NVME_BACKEND") != std::string::npos);
   REQUIRE(::setenv("TROUPE_NVME_BACKEND", "bogus", 1) == 0);
+  o.dir = test_dir("env_bogus");  // b's file is live: a store on it would be refused
   CHECK_THROWS_WITH(io::nvme_store(o), Catch::Contains("TROUPE_NVME_BACKEND=bogus"));
   ::unsetenv("TROUPE_NVME_BACKEND");
   CHECK(io::backend_name(io::io_backend::io_uring) == "io_uring");
+}
+
+TEST_CASE("a second store on a live file is refused and the first keeps its pages",
+          "[memory][nvme]") {
+  io::nvme_store a(opts("twice", io::io_backend::pread));
+  auto d = random_bytes(1 << 16, 61);
+  a.write(1, d.data(), d.size()).wait();
+  CHECK_THROWS_WITH(io::nvme_store(opts("twice", io::io_backend::pread)),
+                    Catch::Contains(a.path()) && Catch::Contains("exists"));
+  std::vector<unsigned char> r(d.size());
+  a.read(1, r.data(), r.size()).wait();
+  CHECK(r == d);
+  CHECK(std::filesystem::exists(a.path()));
 }
 
 TEST_CASE("O_DIRECT refused by the file system falls back to buffered I/O", "[memory][nvme]") {
