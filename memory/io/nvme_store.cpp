@@ -186,6 +186,12 @@ void nvme_store::impl::open_file() {
               : "O_DIRECT open of " + path + " failed (" + errno_text(e) + "); buffered I/O";
     }
   }
+  auto fail = [&](const std::string& what) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    TROUPE_FAIL("nvme_store: ", what);
+  };
+
   // Block 0: a header naming the file's purpose; writing it probes O_DIRECT for real.
   bounce_ptr hdr = alloc_bounce(header_bytes);
   std::memset(hdr.get(), 0, header_bytes);
@@ -196,13 +202,15 @@ void nvme_store::impl::open_file() {
   if (w < 0 && errno == EINVAL && direct) {
     direct = false;
     note = "O_DIRECT refused by the file system of " + path + " (EINVAL on write); buffered I/O";
+    int bfd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (bfd < 0) fail("cannot open " + path + ": " + errno_text(errno));
     ::close(fd);
-    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    TROUPE_CHECK(fd >= 0, "nvme_store: cannot open ", path, ": ", errno_text(errno));
+    fd = bfd;
     w = ::pwrite(fd, hdr.get(), header_bytes, 0);
   }
-  TROUPE_CHECK(w == static_cast<ssize_t>(header_bytes), "nvme_store: writing the header of ", path,
-               " failed: ", w < 0 ? errno_text(errno) : "short write");
+  if (w != static_cast<ssize_t>(header_bytes))
+    fail("writing the header of " + path +
+         " failed: " + (w < 0 ? errno_text(errno) : std::string("short write")));
 }
 
 void nvme_store::impl::choose_backend() {
