@@ -452,9 +452,12 @@ std::vector<job::raw_reply> job::ask_raw(std::span<const role_handle> handles,
       out[i].error = e.what();
     }
   }
-  // Gather, checking membership every slice so a lost rank fails its ask at once.
+  // Gather, checking membership every slice so a lost rank fails its ask at once. When throwing,
+  // the first error ends the wait: the others may be blocked on the failed actor (a collective
+  // it left), and its error is the cause worth reporting.
   const ms slice(20);
-  while (!waiting.empty()) {
+  bool failed_one = false;
+  while (!waiting.empty() && !(throw_on_error && failed_one)) {
     const auto now = steady::now();
     if (timeout.count() > 0 && now >= deadline) break;
     auto wait = slice;
@@ -466,9 +469,10 @@ std::vector<job::raw_reply> job::ask_raw(std::span<const role_handle> handles,
           if (it == waiting.end()) return;  // a late reply to an earlier ask
           auto& o = out[it->second];
           const auto& h = handles[it->second];
-          if (!r.ok)
+          if (!r.ok) {
             o.error = r.error;
-          else if (r.kind != reply_kind)
+            failed_one = true;
+          } else if (r.kind != reply_kind)
             o.error = I.who(h) + " answered with a reply of kind \"" + r.kind +
                       "\", the asker expects \"" + reply_kind + "\"";
           else
@@ -480,23 +484,30 @@ std::vector<job::raw_reply> job::ask_raw(std::span<const role_handle> handles,
       const auto& h = handles[it->second];
       if (auto f = I.lost_text(h.rank); !f.empty()) {
         out[it->second].error = I.who(h) + ": " + f;
+        failed_one = true;
         it = waiting.erase(it);
       } else {
         ++it;
       }
     }
   }
-  for (const auto& [corr, i] : waiting)
-    out[i].error = I.who(handles[i]) + ": no reply to \"" + kind + "\" within " +
-                   std::to_string(timeout.count()) + " ms";
+  std::vector<bool> abandoned(handles.size(), false);
+  for (const auto& [corr, i] : waiting) {
+    abandoned[i] = failed_one;
+    out[i].error = failed_one ? I.who(handles[i]) + ": no reply to \"" + kind +
+                                    "\" yet (stopped waiting after the errors before)"
+                              : I.who(handles[i]) + ": no reply to \"" + kind + "\" within " +
+                                    std::to_string(timeout.count()) + " ms";
+  }
   if (throw_on_error) {
     std::string errors;
     int failed = 0;
-    for (const auto& o : out)
-      if (!o.error.empty()) {
-        errors += (errors.empty() ? "" : "; ") + o.error;
-        ++failed;
-      }
+    for (bool second : {false, true})  // the causes first, then the asks abandoned after them
+      for (std::size_t i = 0; i < out.size(); ++i)
+        if (!out[i].error.empty() && abandoned[i] == second) {
+          errors += (errors.empty() ? "" : "; ") + out[i].error;
+          ++failed;
+        }
     if (failed == 1 && handles.size() == 1) TROUPE_FAIL("ask: ", errors);
     if (failed > 0)
       TROUPE_FAIL("ask_all: ", failed, " of ", handles.size(), " actors failed: ", errors);

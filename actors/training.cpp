@@ -61,6 +61,7 @@ struct trainer_state {
   std::unique_ptr<mp::hybrid_trainer> hybrid;
   std::unique_ptr<models::causal_lm> whole;  // for loading and saving whole checkpoints
   models::data_source data;
+  std::string broken;  // why a step failed: the piece's state is undefined from then on
 };
 
 models::hf::model_config model_of(const models::train_config& cfg) {
@@ -74,6 +75,21 @@ models::hf::model_config model_of(const models::train_config& cfg) {
 std::int64_t vocab_of(const models::hf::model_config& m) {
   if (const auto* g = std::get_if<models::hf::gpt2_config>(&m)) return g->vocab_size;
   return std::get<models::hf::llama_config>(m).vocab_size;
+}
+
+// Fails now, naming the folder, rather than after the last step when a checkpoint cannot be
+// written there.
+void probe_folder(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TROUPE_CHECK(!ec, "checkpoint.dir ", dir, ": cannot create it: ", ec.message());
+  const auto probe = std::filesystem::path(dir) / ".troupe-write-probe";
+  {
+    std::ofstream f(probe);
+    f << "probe\n";
+    TROUPE_CHECK(f.good(), "checkpoint.dir ", dir, ": cannot write into it");
+  }
+  std::filesystem::remove(probe, ec);
 }
 
 setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) {
@@ -93,23 +109,24 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   }
   st.grid = std::make_unique<collective::rank_grid>(axes);
   const int me = n.rank();
-  auto comm = [&](const std::vector<std::string>& names) {
-    st.comms.push_back(
-        collective::make_communicator(n.transport(), st.grid->group(me, names), "ucx"));
+  auto comm = [&](const std::vector<std::string>& names, const char* label) {
+    st.comms.push_back(collective::make_communicator(n.transport(), st.grid->group(me, names),
+                                                     std::string("ucx:") + label));
     st.watches.push_back(ctx.watch(*st.comms.back()));
     return st.comms.back().get();
   };
   mp::hybrid_groups g;
-  g.dp = comm({"dp"});
-  g.pp = comm({"pp"});
-  g.tp = comm({"tp"});
-  g.mp = comm({"pp", "tp"});
+  g.dp = comm({"dp"}, "dp");
+  g.pp = comm({"pp"}, "pp");
+  g.tp = comm({"tp"}, "tp");
+  g.mp = comm({"pp", "tp"}, "mp");
   const int dpc = st.grid->coord(me, "dp"), ppc = st.grid->coord(me, "pp"),
             tpc = st.grid->coord(me, "tp");
   ctx.set_mesh("dp", dpc);
   ctx.set_mesh("pp", ppc);
   ctx.set_mesh("tp", tpc);
   ctx.set_activity("building its piece");
+  if (me == 0 && !st.cfg.ckpt_dir.empty()) probe_folder(st.cfg.ckpt_dir);
   st.whole = mp::make_whole_model(st.model, st.cfg.seq);
   std::unique_ptr<mp::whole_layout> weights;
   if (!st.cfg.model_hf.empty()) {
@@ -132,8 +149,19 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
   TROUPE_CHECK(st.hybrid, ctx.name(), ": step before setup");
   TROUPE_CHECK(r.step == st.hybrid->steps_done(), ctx.name(), ": asked for step ", r.step,
                " but it has done ", st.hybrid->steps_done());
+  TROUPE_CHECK(st.broken.empty(), ctx.name(), ": an earlier step failed: ", st.broken);
   ctx.set_activity(fmt::format("step {}", r.step + 1));
-  auto res = st.hybrid->step(st.data.rows);
+  models::step_result res;
+  try {
+    res = st.hybrid->step(st.data.rows);
+  } catch (const std::exception& e) {
+    // Fail what this rank still has in flight; its peers learn of it through their own ops
+    // (a lost or failed peer) or the driver tearing the job down.
+    st.broken = e.what();
+    for (auto& c : st.comms) c->abort(st.broken);
+    ctx.set_activity("failed");
+    throw;
+  }
   step_reply out;
   out.loss = res.loss;
   out.grad_norm = res.grad_norm;
@@ -195,8 +223,20 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                                       std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
   if (o.on_setup) o.on_setup(sum.ranks);
+  auto save = [&] {
+    auto saved =
+        j.ask_all<save_reply>(trainers, save_request{cfg.ckpt_dir}, std::chrono::minutes(5));
+    for (auto& sv : saved)
+      if (!sv.written.empty()) sum.checkpoint = sv.written;
+  };
   for (std::int64_t s = 0; s < cfg.steps; ++s) {
-    auto replies = j.ask_all<step_reply>(trainers, step_request{s}, o.step_timeout);
+    std::vector<step_reply> replies;
+    try {
+      replies = j.ask_all<step_reply>(trainers, step_request{s}, o.step_timeout);
+    } catch (...) {
+      for (const auto& t : trainers) j.stop(t);
+      throw;
+    }
     step_report rep;
     const auto& first = replies.front();
     rep.result.step = first.step;
@@ -215,12 +255,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     sum.tokens += rep.result.tokens;
     sum.steps = rep.result.step;
     if (o.on_step) o.on_step(rep);
-  }
-  if (!cfg.ckpt_dir.empty()) {
-    auto saved =
-        j.ask_all<save_reply>(trainers, save_request{cfg.ckpt_dir}, std::chrono::minutes(5));
-    for (auto& s : saved)
-      if (!s.written.empty()) sum.checkpoint = s.written;
+    const bool every = cfg.ckpt_every > 0 && rep.result.step % cfg.ckpt_every == 0;
+    if (!cfg.ckpt_dir.empty() && (every || s + 1 == cfg.steps)) save();
   }
   for (const auto& t : trainers) j.stop(t);
   return sum;

@@ -9,6 +9,7 @@
 //                   UCX (pipeline sends, tensor and data-parallel collectives), never through the
 //                   driver; each replies step_done{loss, tokens, seconds, bubble, ...}
 //   save{dir}       the whole model is assembled from the pieces and rank 0 writes it in HF layout
+//                   (every checkpoint.every steps and after the last)
 //
 // Trainers report their mesh coordinates, activity and metrics to introspection (troupe ps/top).
 #pragma once
@@ -50,8 +51,10 @@ struct drive_options {
 
 // On the driver rank: spawns a trainer on every rank, sets them up with `cfg` (its plan's degrees
 // must multiply to the world size), runs cfg.steps steps and, when cfg.ckpt_dir is set, writes the
-// whole model there in HF layout (config.json, safetensors, trainer_state.json). Throws an error
-// naming the rank when a trainer fails.
+// whole model there in HF layout (config.json, safetensors, troupe_parallel.json with the step and
+// plan) every cfg.ckpt_every steps and at the end; rank 0 checks at setup that it can write there.
+// Throws an error naming the rank when a trainer fails: the first failure ends the wait for the
+// others (which may be blocked on the failed one) and the trainers are stopped.
 training_summary drive_training(node& n, const models::train_config& cfg,
                                 const drive_options& o = {});
 

@@ -457,16 +457,27 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     throw;
   }
   running_ = false;
-  TROUPE_CHECK(next_fetch_ == plan_.microbatches(), "dp_trainer: rank ", comm_.rank(), " of ",
-               comm_.name(), ": the piece fetched ", next_fetch_, " of ", plan_.microbatches(),
-               " microbatches");
+  // Every microbatch, or none: a middle pipeline stage reads no data (its inputs come from the
+  // previous stage).
+  TROUPE_CHECK(next_fetch_ == plan_.microbatches() || next_fetch_ == 0, "dp_trainer: rank ",
+               comm_.rank(), " of ", comm_.name(), ": the piece fetched ", next_fetch_, " of ",
+               plan_.microbatches(), " microbatches");
   // What the end of backward made final (everything without overlap), in bucket order.
   for (std::size_t i = 0; i < buckets_.size(); ++i)
     if (!issued_[i]) issue_bucket(i);
   auto loss_work = comm_.allreduce(&loss, 1, dtype::f64);
 
   step_result r;
-  r.grad_norm = reduce_gradients();
+  try {
+    r.grad_norm = reduce_gradients();
+  } catch (...) {
+    // The loss allreduce writes into this frame: let it finish (or fail) before unwinding.
+    try {
+      loss_work.wait();
+    } catch (...) {
+    }
+    throw;
+  }
   loss_work.wait();
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {

@@ -96,6 +96,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                ": parallel plans train in f32 only so far");
   TROUPE_CHECK(!cfg.recompute, "train.recompute: activation checkpointing is not available under ",
                "a parallel plan yet");
+  TROUPE_CHECK(plan.recompute == scheduler::recompute_policy::none, "parallel.recompute ",
+               scheduler::name(plan.recompute), ": activation checkpointing is not available ",
+               "under a parallel plan yet");
   TROUPE_CHECK(cfg.resume.empty(), "checkpoint.resume: resuming a run is not available under a ",
                "parallel plan yet; start from its weights with model.hf (--model-hf)");
   const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);

@@ -3,8 +3,10 @@
 // from --json within 1e-4 relative), and a checkpoint written under one plan loaded under another.
 #include <catch2/catch.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -135,6 +137,8 @@ TEST_CASE("Pipeline runs across processes match the single process for each sche
                           "--virtual-stages", "2"}),
                 want);
     same_losses(launched(2, model, steps, dir, "dp2z3", {"--dp", "2", "--zero", "3"}), want);
+    // Four stages: the middle ones read no data.
+    same_losses(launched(4, model, steps, dir, "pp4", {"--pp", "4", "--microbatches", "4"}), want);
   }
   std::filesystem::remove_all(dir);
 }
@@ -186,4 +190,35 @@ TEST_CASE("A checkpoint written under one plan continues under another", "[multi
   auto two = launched(2, "gpt2-demo", 1, dir, "read", {"--dp", "2", "--model-hf", dir + "/ck"});
   same_losses(two, one);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("A rank killed in the middle of a run stops the job with an error naming it",
+          "[multirank][slow]") {
+  std::vector<std::string> a = {troupe_bin, "launch",  "-n",
+                                "4",        "--job",   "hybrid-kill-" + std::to_string(::getpid()),
+                                "--",       troupe_bin};
+  auto flags = run_flags("gpt2-demo", 100000);
+  auto every = std::find(flags.begin(), flags.end(), "--log-every");
+  REQUIRE(every != flags.end());
+  *(every + 1) = "1";
+  a.insert(a.end(), flags.begin(), flags.end());
+  for (const char* f : {"--dp", "2", "--pp", "2", "--microbatches", "2"}) a.push_back(f);
+  child_process p(a);
+  REQUIRE(p.wait_for("step     3/", 120s));
+  // "troupe coordinator: rank 3 (host vm, pid 1234) joined (...)"
+  auto joined = p.lines_with("rank 3 (host");
+  REQUIRE(!joined.empty());
+  auto at = joined.front().find("pid ");
+  REQUIRE(at != std::string::npos);
+  const pid_t victim = std::stoi(joined.front().substr(at + 4));
+  REQUIRE(::kill(victim, SIGKILL) == 0);
+  auto st = p.wait(60s);
+  INFO(p.output());
+  REQUIRE(st.has_value());  // the job ends by itself: nobody waits forever on the dead rank
+  CHECK(child_process::code(*st) != 0);
+  CHECK(!p.lines_with("rank 3").empty());
+  bool named = false;
+  for (const auto& l : p.lines_with("rank 3"))
+    named = named || l.find("lost") != std::string::npos || l.find("killed") != std::string::npos;
+  CHECK(named);
 }
