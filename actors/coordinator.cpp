@@ -237,7 +237,7 @@ actor_state own_state(coord_actor* self) {
   a.activity = st.started ? "watching " + std::to_string(st.members.size()) + " ranks"
                           : "forming: " + std::to_string(st.joined) + " of " +
                                 std::to_string(st.members.size()) + " joined";
-  a.mailbox_depth = self->mailbox().size();
+  a.mailbox_depth = queued_messages(self);
   a.messages_received = st.msgs_in;
   a.messages_sent = st.msgs_out;
   a.uptime_s = seconds_since(st.born);

@@ -295,6 +295,14 @@ typename Inspector::result_type inspect(Inspector& f, job_snapshot& x) {
   return f(caf::meta::type_name("troupe::job_snapshot"), x.job, x.world_size, x.uptime_s, x.members,
            x.actors);
 }
+
+// The messages waiting in an actor's mailbox that it has already sorted into its queues (its
+// describe answer's mailbox depth). Not mailbox().size(): in CAF 0.17 that first moves the inbox
+// into the queues through task_queue::promote, a cast of the queue's sentinel that UBSan rejects.
+template <class Self>
+std::uint64_t queued_messages(Self* self) {
+  return static_cast<std::uint64_t>(self->mailbox().queue().total_task_size());
+}
 }  // namespace troupe::actors
 
 CAF_BEGIN_TYPE_ID_BLOCK(troupe_actors, caf::first_custom_type_id)

@@ -67,7 +67,7 @@ actor_state node_state(node_actor_t* self) {
     a.activity = I->activity;
     a.metrics["epoch"] = static_cast<double>(I->epoch);
   }
-  a.mailbox_depth = self->mailbox().size();
+  a.mailbox_depth = queued_messages(self);
   a.messages_sent = I->msgs_out.load();
   a.messages_received = I->msgs_in.load();
   if (I->ucx) {

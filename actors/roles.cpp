@@ -126,7 +126,7 @@ caf::behavior role_actor(role_actor_t* self, node::impl* n, role_handle h, role_
       },
       [self](msg::describe_atom) -> actor_state {
         auto& d = self->state;
-        return role_state_snapshot(d.handle, *d.state, self->mailbox().size());
+        return role_state_snapshot(d.handle, *d.state, queued_messages(self));
       },
   };
 }
