@@ -149,8 +149,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.layout.tp = plan.tp;
   if (is_gpt) {
     const auto& c = std::get<hf::gpt2_config>(model);
-    I.layout.n_head = I.layout.n_kv_head = c.n_head;
-    I.layout.head_dim = c.n_embd / c.n_head;
+    I.layout.n_head = c.n_head;
   }
   grad_producer* piece = I.piece.get();
   I.layout.owns = [piece](std::string_view name) { return piece->counts_in_norm(name); };

@@ -3,11 +3,11 @@
 // pipeline stage, or a shard of a stage - by parameter name. Checkpoints use it to write one HF
 // layout whatever the plan, and to load it under another plan.
 //
-// A piece's parameter is matched to the whole model's parameter of the same name and is either
-//   the whole of it (same shape: stages, replicated tensors such as LayerNorms on every shard),
-//   a fused q/k/v projection sliced by heads (rows: this shard's q heads, then k, then v),
-//   or a slice along dim 0 (column-parallel weights, vocab rows) or dim 1 (row-parallel weights),
-// exactly the rules tp_gpt::load_from slices by. Names the piece lacks are someone else's.
+// A piece's parameter is matched to the whole model's parameter of the same name and copied with
+// copy_gpt_slice (parallelize_gpt.hpp), the rules tp_gpt and gpt_stage slice by: the whole of it
+// when the shapes agree (stages, replicated tensors such as LayerNorms on every shard), else a
+// fused q/k/v projection by heads, or a slice along dim 0 or dim 1. Names the piece lacks are
+// someone else's.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,7 @@ struct piece_layout {
   const slot_list* slots = nullptr;  // the piece's parameters
   tensor base;                       // the piece's flat parameter buffer (offsets are from it)
   int tp_rank = 0, tp = 1;
-  std::int64_t n_head = 0, n_kv_head = 0, head_dim = 0;  // for fused qkv projections
+  std::int64_t n_head = 0;  // for fused qkv projections (tensor parallelism is GPT-2's only)
   // Whether this piece writes `parameter` when gathering (of the ranks holding a replicated
   // parameter exactly one should); empty: every parameter.
   std::function<bool(std::string_view)> owns;

@@ -58,7 +58,7 @@ TEST_CASE("Scattering a whole model to tensor shards and gathering them back is 
       tp_gpt shard(c, dims, tp_group{comms[r].get(), false});
       shard.load_from(whole);
       const tensor& pbase = shard.memory().params();
-      piece_layout pl{&shard.slots(), pbase, r, tp, c.n_head, c.n_head, c.dim / c.n_head, {}};
+      piece_layout pl{&shard.slots(), pbase, r, tp, c.n_head, {}};
       // Replicated parameters (whole shape on every shard) are written by shard 0 only.
       pl.owns = [&, r](std::string_view name) {
         for (const auto& s : shard.slots().slots())
@@ -92,7 +92,7 @@ TEST_CASE("A parameter no slicing explains is an error naming it", "[parallel]")
   wider.n_head = 4;
   gpt b(wider, {1, 8});
   whole_layout wl{&b.slots(), b.memory().params()};
-  piece_layout pl{&a.slots(), a.memory().params(), 0, 1, 4, 4, 8, {}};
+  piece_layout pl{&a.slots(), a.memory().params(), 0, 1, 4, {}};
   owned_tensor to = zeros(a.memory().params().sizes(), dtype::f32);
   REQUIRE_THROWS_WITH(scatter_to_piece(wl, b.memory().params(), pl, to),
                       Catch::Contains("no slicing matches") && Catch::Contains("'"));
