@@ -101,6 +101,25 @@ class progress {
   double tokens_ = 0, secs_ = 0;
 };
 
+// --json: per-step JSON lines to a file, or to standard output for "-"; null when not asked.
+std::unique_ptr<std::FILE, int (*)(std::FILE*)> open_json(const std::string& path) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
+  if (path.empty()) return json;
+  json.reset(path == "-" ? fdopen(dup(STDOUT_FILENO), "w") : std::fopen(path.c_str(), "w"));
+  TROUPE_CHECK(json != nullptr, "--json: cannot write ", path);
+  return json;
+}
+
+// The prompt and --sample tokens generated after it (temperature 0.8, top-k 40), decoded.
+std::string sample_text(models::causal_lm& model, const train_cli& c, std::uint64_t seed) {
+  auto tok = models::load_tokenizer(c.tokenizer).value();
+  auto prompt = tok->encode(c.prompt);
+  models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, seed);
+  auto out = models::generate(model, prompt, c.sample, sampler, tok->eos_id());
+  prompt.insert(prompt.end(), out.begin(), out.end());
+  return tok->decode(prompt);
+}
+
 // One rank of a launched job: rank 0 drives the trainer actors of every rank.
 int run_hybrid(train_cli& c, const train_config& cfg) {
   actors::role_registry roles;
@@ -110,14 +129,10 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
   actors::node n(o);
   int rc = 0;
   if (n.rank() == 0) {
-    fmt::print("troupe train: {} on {} ranks: {}\n", cfg.model_size, n.world_size(),
+    fmt::print("troupe train: {} on {} ranks: {}\n",
+               cfg.model_hf.empty() ? cfg.model_size : cfg.model_hf, n.world_size(),
                scheduler::describe(cfg.plan));
-    std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
-    if (!c.json_path.empty()) {
-      json.reset(c.json_path == "-" ? fdopen(dup(STDOUT_FILENO), "w")
-                                    : std::fopen(c.json_path.c_str(), "w"));
-      TROUPE_CHECK(json != nullptr, "--json: cannot write ", c.json_path);
-    }
+    auto json = open_json(c.json_path);
     progress bar(0, cfg.steps, cfg.log_every, json.get());
     actors::drive_options d;
     d.on_setup = [](const std::vector<std::string>& ranks) {
@@ -144,13 +159,8 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
         auto mcfg = hf::read_config(sum.checkpoint).value();
         auto model = models::make_causal_lm(mcfg, {1, cfg.seq});
         hf::load_weights(sum.checkpoint, mcfg, model->slots()).value();
-        auto tok = models::load_tokenizer(c.tokenizer).value();
-        auto prompt = tok->encode(c.prompt);
-        models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, cfg.seed);
-        auto out = models::generate(*model, prompt, c.sample, sampler, tok->eos_id());
-        prompt.insert(prompt.end(), out.begin(), out.end());
         fmt::print("sample from the checkpoint (temperature 0.8, top-k 40):\n{}\n",
-                   tok->decode(prompt));
+                   sample_text(*model, c, cfg.seed));
       }
     }
     std::fflush(stdout);
@@ -218,12 +228,7 @@ int run_train(train_cli& c) {
       mem.param_bytes() / 1e6, mem.param_bytes() / 1e6, mem.activation_bytes() / 1e6,
       cfg.recompute ? " (recompute)" : "", mem.scratch_bytes() / 1e6);
 
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> json(nullptr, std::fclose);
-  if (!c.json_path.empty()) {
-    json.reset(c.json_path == "-" ? fdopen(dup(STDOUT_FILENO), "w")
-                                  : std::fopen(c.json_path.c_str(), "w"));
-    TROUPE_CHECK(json != nullptr, "--json: cannot write ", c.json_path);
-  }
+  auto json = open_json(c.json_path);
   progress bar(tr.steps_done(), cfg.steps, cfg.log_every, json.get());
   double first_loss = -1, last_loss = 0, secs = 0;
   std::int64_t tokens = 0;
@@ -247,12 +252,7 @@ int run_train(train_cli& c) {
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
 
   if (c.sample > 0) {
-    auto tok = models::load_tokenizer(c.tokenizer).value();
-    auto prompt = tok->encode(c.prompt);
-    models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, cfg.seed);
-    auto out = models::generate(*model, prompt, c.sample, sampler, tok->eos_id());
-    prompt.insert(prompt.end(), out.begin(), out.end());
-    fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", tok->decode(prompt));
+    fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", sample_text(*model, c, cfg.seed));
   }
   return 0;
 }
