@@ -66,12 +66,12 @@ memory_plan plan_memory(const std::vector<size_spec>& specs) {
   return plan;
 }
 
-arena::arena(const memory_plan& plan, std::size_t scratch_bytes, tier where) {
+arena::arena(const memory_plan& plan, std::size_t scratch_bytes, tier where, bool releasable) {
   planned_ = align_up(plan.total, 64);
   std::size_t bytes = planned_ + scratch_bytes;
   switch (where) {
     case tier::host:
-      buf_ = buffer::host(bytes);
+      buf_ = releasable ? buffer::host_pages(bytes) : buffer::host(bytes);
       break;
     case tier::pinned:
       buf_ = buffer::pinned(bytes);

@@ -48,7 +48,10 @@ memory_plan plan_memory(const std::vector<size_spec>& specs);
 class arena {
  public:
   arena() = default;
-  arena(const memory_plan& plan, std::size_t scratch_bytes = 0, tier where = tier::host);
+  // releasable (host only): the bytes are buffer::host_pages, so release_pages can give ranges
+  // of them back.
+  arena(const memory_plan& plan, std::size_t scratch_bytes = 0, tier where = tier::host,
+        bool releasable = false);
 
   void* at(std::string_view name) const;  // start of a planned block
   template <class T>
@@ -63,6 +66,11 @@ class arena {
   std::size_t capacity() const { return buf_.size(); }
   std::size_t scratch_peak() const { return scratch_peak_; }
   void* base() const { return buf_.data(); }
+  // See buffer::release_pages and buffer::resident_bytes (offsets from base()).
+  std::size_t release_pages(std::size_t offset, std::size_t bytes) {
+    return buf_.release_pages(offset, bytes);
+  }
+  std::size_t resident_bytes() const { return buf_.resident_bytes(); }
 
  private:
   buffer buf_;

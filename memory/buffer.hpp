@@ -24,6 +24,17 @@ class buffer {
   // Device memory on the current device. Throws troupe::error when there is no GPU or no CUDA
   // build.
   static buffer device(std::size_t bytes);
+  // Host memory mapped in whole pages (mmap, anonymous, zero-filled), whose pages can be given
+  // back to the system one range at a time with release_pages and come back, zeroed, when touched.
+  static buffer host_pages(std::size_t bytes);
+
+  // host_pages buffers: gives back the whole pages inside [offset, offset + bytes) (the partial
+  // pages at either end stay) with madvise(MADV_DONTNEED): they read as zeros afterwards. Returns
+  // the bytes given back; 0 for every other kind of buffer.
+  std::size_t release_pages(std::size_t offset, std::size_t bytes);
+  // host_pages buffers: the bytes of the buffer's pages resident in memory now (mincore); size()
+  // for every other kind of buffer.
+  std::size_t resident_bytes() const;
 
   void* data() const { return data_; }
   std::size_t size() const { return size_; }
@@ -31,7 +42,7 @@ class buffer {
   explicit operator bool() const { return data_ != nullptr; }
 
  private:
-  enum class how : unsigned char { none, aligned, cuda_host, cuda_device };
+  enum class how : unsigned char { none, aligned, mapped, cuda_host, cuda_device };
   buffer(void* p, std::size_t n, memory::tier t, how h) : data_(p), size_(n), tier_(t), how_(h) {}
   void release() noexcept;
 

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <utility>
 
+#include "models/block_use.hpp"
 #include "models/hf/config.hpp"
 #include "models/layers/slots.hpp"
 
@@ -26,6 +27,12 @@ class causal_lm {
   // Makes backward call f(i) as soon as block i's parameter gradients are final (blocks in
   // reverse order; an empty f stops it). False when the model has no such point.
   virtual bool set_block_grads_hook(std::function<void(std::int64_t block)> f) {
+    (void)f;
+    return false;
+  }
+  // Makes forward and backward call f around every use of a block's parameters
+  // (models/block_use.hpp; an empty f stops it). False when the model has no such points.
+  virtual bool set_block_use_hook(block_use_hook f) {
     (void)f;
     return false;
   }
@@ -52,6 +59,14 @@ class causal_lm_of final : public causal_lm {
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
     if constexpr (requires { m_.on_block_grads = std::move(f); }) {
       m_.on_block_grads = std::move(f);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_block_use_hook(block_use_hook f) override {
+    if constexpr (requires { m_.on_block_use = std::move(f); }) {
+      m_.on_block_use = std::move(f);
       return true;
     } else {
       return false;

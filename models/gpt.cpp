@@ -174,7 +174,11 @@ double gpt::forward(const tensor& ids, const tensor& targets) {
     tensor xb = x(0).select(0, b);
     ops::add(xb, pos, xb);
   }
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) h_[i].forward(x(i), x(i + 1));
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
+    notify(on_block_use, i, block_use::before_forward);
+    h_[i].forward(x(i), x(i + 1));
+    notify(on_block_use, i, block_use::after_forward);
+  }
   ln_f_cur_ = planned_view(ln_f_out_, bt, "gpt", "ln_f_out");
   ln_f_.forward(x(cfg_.n_layer), ln_f_cur_);
   logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "gpt", "logits");
@@ -195,10 +199,12 @@ void gpt::backward(double loss_scale) {
   ln_f_.backward(da, db);
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    notify(on_block_use, i, block_use::before_backward);
     // The last block's activations are still those of the forward.
     if (cfg_.recompute && i + 1 < cfg_.n_layer) h_[i].recompute(x(i));
     h_[i].backward(db, da);
     if (on_block_grads) on_block_grads(i);
+    notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);
   }
   // db holds d(x0) now: tokens and positions.

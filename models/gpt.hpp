@@ -27,6 +27,7 @@
 #include <memory>
 #include <vector>
 
+#include "models/block_use.hpp"
 #include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
 #include "models/layers/cross_entropy.hpp"
@@ -109,6 +110,9 @@ class gpt {
   // Called by backward as soon as block i's parameter gradients are final (i = n_layer - 1 down
   // to 0), e.g. to start reducing them while the rest of backward runs. Empty: not called.
   std::function<void(std::int64_t block)> on_block_grads;
+  // Called around every use of block i's parameters in forward and backward (models/block_use.hpp),
+  // e.g. to gather them just in time. Empty: not called.
+  block_use_hook on_block_use;
 
   // Incremental decoding with a kv cache. begin_generation plans a cache for `batch` sequences of
   // up to `capacity` positions (0: max_seq) and empties it; step_logits runs new tokens ids

@@ -189,7 +189,11 @@ double llama::forward(const tensor& ids, const tensor& targets) {
   shape bt{b_, t_, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
   embed_tokens_.forward(ids, x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_[i].forward(x(i), x(i + 1));
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
+    notify(on_block_use, i, block_use::before_forward);
+    layers_[i].forward(x(i), x(i + 1));
+    notify(on_block_use, i, block_use::after_forward);
+  }
   norm_cur_ = planned_view(norm_out_, bt, "llama", "norm_out");
   norm_.forward(x(cfg_.n_layer), norm_cur_);
   logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "llama", "logits");
@@ -211,10 +215,12 @@ void llama::backward(double loss_scale) {
   norm_.backward(da, db);
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    notify(on_block_use, i, block_use::before_backward);
     // The last block's activations are still those of the forward.
     if (cfg_.recompute && i + 1 < cfg_.n_layer) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
     if (on_block_grads) on_block_grads(i);
+    notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);
   }
   embed_tokens_.backward(db);

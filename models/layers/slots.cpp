@@ -105,6 +105,18 @@ struct planned {
   memory::arena arena;
 };
 
+// The specs one after the other, in the order given (aligned).
+memory::memory_plan in_order(const std::vector<memory::size_spec>& specs) {
+  memory::memory_plan plan;
+  for (const auto& s : specs) {
+    std::size_t at = (plan.total + s.alignment - 1) / s.alignment * s.alignment;
+    plan.blocks.push_back({s.name, at, s.bytes});
+    plan.total = at + s.bytes;
+  }
+  plan.naive_total = plan.total;
+  return plan;
+}
+
 planned plan_kind(const slot_list& slots, slot_kind kind, dtype t, device dev) {
   std::vector<memory::size_spec> specs;
   for (const auto& s : slots.slots()) {
@@ -114,8 +126,11 @@ planned plan_kind(const slot_list& slots, slot_kind kind, dtype t, device dev) {
   }
   planned p;
   if (specs.empty()) return p;
-  p.plan = memory::plan_memory(specs);
-  p.arena = memory::arena(p.plan, 0, tier_of(dev));
+  // Parameters (and their gradients) in declaration order, so that a block's parameters are one
+  // range of the flat buffer; on the host their pages can be given back (release_params).
+  const bool params = kind == slot_kind::param;
+  p.plan = params ? in_order(specs) : memory::plan_memory(specs);
+  p.arena = memory::arena(p.plan, 0, tier_of(dev), params && dev.is_cpu());
   return p;
 }
 
@@ -162,6 +177,19 @@ layer_memory::layer_memory(const slot_list& slots, dtype t, device dev) {
   // Zero parameters and gradients, padding included, so flat views hold no garbage.
   if (params_flat_.defined()) ops::fill(params_flat_, 0.0);
   zero_grads();
+}
+
+std::size_t layer_memory::release_params(std::int64_t first, std::int64_t count) {
+  TROUPE_CHECK(first >= 0 && count >= 0 && first + count <= params_flat_.numel(),
+               "layer_memory::release_params: elements [", first, ", +", count,
+               ") are outside the ", params_flat_.numel(), " parameter elements");
+  const std::size_t elem = params_flat_.element_size();
+  return params_.release_pages(static_cast<std::size_t>(first) * elem,
+                               static_cast<std::size_t>(count) * elem);
+}
+
+std::size_t layer_memory::resident_param_bytes() const {
+  return params_.capacity() == 0 ? 0 : params_.resident_bytes();
 }
 
 void layer_memory::zero_grads() const {

@@ -12,7 +12,10 @@
 //   block.forward(x, y); ... block.backward(dy, dx);
 //
 // Parameters and gradients live in two arenas with the same layout, so an optimizer or an
-// allreduce may treat each as one flat buffer (the padding between tensors stays zero).
+// allreduce may treat each as one flat buffer (the padding between tensors stays zero). Parameters
+// lie in declaration order (a block's parameters are one range of the flat buffer); on the host
+// their buffer is mapped in whole pages and ranges of it can be given back (release_params, for
+// ZeRO 3: models/parallel/data_parallel.hpp).
 // Activations are live for the whole step. Scratch declared inside a scope is live only while
 // that scope's layer runs, so sibling layers share the same scratch bytes.
 //
@@ -124,6 +127,12 @@ class layer_memory {
   const tensor& params() const { return params_flat_; }
   const tensor& grads() const { return grads_flat_; }
   void zero_grads() const;
+  // Gives back the whole pages inside elements [first, first + count) of params() (host only; the
+  // partial pages at either end stay): they read as zeros until written. Returns the bytes given
+  // back (0 on a device).
+  std::size_t release_params(std::int64_t first, std::int64_t count);
+  // Bytes of the parameter buffer resident in memory now (mincore; param_bytes() on a device).
+  std::size_t resident_param_bytes() const;
 
   std::size_t param_bytes() const { return params_.capacity(); }
   std::size_t activation_bytes() const { return activations_.capacity(); }

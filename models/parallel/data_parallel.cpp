@@ -109,6 +109,65 @@ std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_
   return out;
 }
 
+std::vector<dp_bucket> make_buckets(const range_list& ranges, int dp, std::int64_t bucket_elems) {
+  std::vector<dp_bucket> out;
+  std::int64_t end = -1;
+  for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
+    const auto [begin, length] = *r;
+    TROUPE_CHECK(length >= 0 && (end < 0 || begin + length == end), "make_buckets: range [", begin,
+                 ", +", length, ") does not end where the next one begins (", end, ")");
+    end = begin;
+    for (dp_bucket b : make_buckets(length, dp, bucket_elems)) {
+      b.begin += begin;
+      const std::int64_t rest = b.length % dp;
+      if (b.padded(dp) && b.length > dp) {  // the unpadded part, then the short tail
+        out.push_back({b.begin + rest, b.length - rest, (b.length - rest) / dp});
+        b.length = rest;
+        b.chunk = 1;
+      }
+      out.push_back(b);
+    }
+  }
+  std::int64_t shard = 0;
+  for (auto& b : out) {
+    b.shard_offset = shard;
+    shard += b.chunk;
+  }
+  return out;
+}
+
+namespace {
+
+// The groups of the flat parameter buffer p (param_gather.hpp): the parameters in order of their
+// offsets, one group per block and one for the rest, each range running to the next one's start.
+std::vector<param_gather::group> make_groups(const slot_list& slots, const tensor& p) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> starts;  // offset, block
+  for (const auto& s : slots.slots())
+    if (s.kind == slot_kind::param) starts.emplace_back(flat_offset(s, p), block_of(s.name));
+  std::sort(starts.begin(), starts.end());
+  std::vector<param_gather::group> groups;
+  auto group_for = [&](std::int64_t block) -> param_gather::group& {
+    for (auto& g : groups)
+      if (g.block == block) return g;
+    groups.push_back({block, {}, {}, 0});
+    return groups.back();
+  };
+  for (std::size_t i = 0; i < starts.size();) {
+    std::size_t j = i;
+    while (j < starts.size() && starts[j].second == starts[i].second) ++j;
+    std::int64_t begin = i == 0 ? 0 : starts[i].first;
+    std::int64_t end = j == starts.size() ? p.numel() : starts[j].first;
+    auto& g = group_for(starts[i].second);
+    g.ranges.emplace_back(begin, end - begin);
+    g.elements += end - begin;
+    i = j;
+  }
+  if (starts.empty() && p.numel() > 0) groups.push_back({-1, {{0, p.numel()}}, {}, p.numel()});
+  return groups;
+}
+
+}  // namespace
+
 // AdamW over the chunks this rank owns: moments only for them, cut into runs of equal decay.
 struct dp_trainer::shard_optimizer {
   struct piece {
@@ -201,9 +260,19 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   TROUPE_CHECK(piece_.memory().grads().numel() == p.numel(), "dp_trainer: the piece's gradient ",
                "buffer has ", piece_.memory().grads().numel(), " elements, its parameters ",
                p.numel());
-  buckets_ =
-      make_buckets(p.numel(), dp, static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
   const auto& slots = piece_.slots();
+  auto groups = make_groups(slots, p);
+  range_list ranges;
+  for (const auto& g : groups) ranges.insert(ranges.end(), g.ranges.begin(), g.ranges.end());
+  std::sort(ranges.begin(), ranges.end());
+  buckets_ =
+      make_buckets(ranges, dp, static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    for (auto& g : groups) {
+      for (const auto& [gb, gn] : g.ranges)
+        if (buckets_[i].begin >= gb && buckets_[i].begin < gb + gn) g.buckets.push_back(i);
+    }
+  }
   ops::adamw_options ao{
       .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay};
   if (zero == 0) {
@@ -276,29 +345,54 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   }
   issued_.assign(buckets_.size(), 0);
 
-  for (const auto& b : buckets_) {
-    if (b.padded(dp)) {
-      pad_in_ = zeros({b.chunk * dp}, dtype::f32, device::cpu());
-      pad_out_ = zeros({b.chunk * dp}, dtype::f32, device::cpu());
-    }
+  pad_at_.assign(buckets_.size(), -1);
+  std::int64_t pad = 0;
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    if (!buckets_[i].padded(dp)) continue;
+    pad_at_[i] = pad;
+    pad += buckets_[i].chunk * dp;
   }
+  if (zero >= 2 && pad > 0) pad_in_ = zeros({pad}, dtype::f32, device::cpu());
   if (zero >= 1)
     shard_params_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
   if (zero >= 2)
     shard_grads_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
+  if (zero >= 1)
+    params_ = std::make_unique<param_gather>(
+        comm, piece_.memory(), buckets_, shard_params_.view(), std::move(groups),
+        param_gather::options{.prefetch = opts.prefetch,
+                              .poison = opts.poison_released,
+                              .measure_resident = opts.measure_resident});
   if (zero == 3) {
-    // The rank's chunks become its master parameters (the bucket padding stays zero).
+    // The rank's chunks become its master parameters (the bucket padding stays zero); the piece's
+    // buffer is released until a step gathers it.
     for (const auto& b : buckets_) {
       auto [begin, end] = own_range(b, rank);
       std::memcpy(f32_at(shard_params_, b.shard_offset), f32_at(p, begin),
                   static_cast<std::size_t>(end - begin) * 4);
     }
-    if (opts.poison_released) poison();
+    params_->release_all();
+    use_hook_ = piece_.set_block_use_hook(
+        [this](std::int64_t block, block_use use) { on_use(block, use); });
   }
 }
 
 dp_trainer::~dp_trainer() {
   if (overlap_) piece_.set_block_grads_hook({});
+  if (use_hook_) piece_.set_block_use_hook({});
+}
+
+std::int64_t dp_trainer::peak_gathered_bytes() const {
+  return cfg_.plan.zero == 3 ? params_->peak_gathered_bytes()
+                             : piece_.memory().params().numel() * 4;
+}
+
+std::size_t dp_trainer::peak_resident_param_bytes() const {
+  return cfg_.plan.zero == 3 ? params_->peak_resident_bytes() : resident_peak_;
+}
+
+void dp_trainer::on_use(std::int64_t block, block_use use) {
+  if (running_) params_->on_use(block, use);
 }
 
 std::int64_t dp_trainer::optimizer_elements() const {
@@ -369,9 +463,10 @@ void dp_trainer::issue_bucket(std::size_t i) {
   }
   const float* in = f32_at(g, b.begin);
   if (b.padded(dp)) {
-    std::memcpy(pad_in_.data(), in, static_cast<std::size_t>(b.length) * 4);
-    std::fill(f32_at(pad_in_, b.length), f32_at(pad_in_, b.chunk * dp), 0.0f);
-    in = f32_at(pad_in_, 0);
+    float* stage = f32_at(pad_in_, pad_at_[i]);
+    std::memcpy(stage, in, static_cast<std::size_t>(b.length) * 4);
+    std::fill(stage + b.length, stage + b.chunk * dp, 0.0f);
+    in = stage;
   }
   works_.push_back(
       comm_.reduce_scatter(in, f32_at(shard_grads_, b.shard_offset), b.chunk, dtype::f32));
@@ -403,47 +498,30 @@ double dp_trainer::reduce_gradients() {
 
 void dp_trainer::gather_parameters() {
   const tensor& p = piece_.memory().params();
-  const int dp = comm_.size(), rank = comm_.rank();
-  std::vector<collective::work> works;
-  works.reserve(buckets_.size());
-  // In forward order: the buckets from the start of the buffer first.
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
-    const auto& b = *it;
+  const int rank = comm_.rank();
+  for (const auto& b : buckets_) {  // stage the updated chunks (no in-place all_gather)
     float* in = f32_at(shard_params_, b.shard_offset);
-    if (cfg_.plan.zero < 3) {  // zero 1, 2: stage the updated chunk (no in-place all_gather)
-      auto [begin, end] = own_range(b, rank);
-      std::memcpy(in, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
-      std::fill(in + (end - begin), in + b.chunk, 0.0f);
-    }
-    float* out = b.padded(dp) ? f32_at(pad_out_, 0) : f32_at(p, b.begin);
-    works.push_back(comm_.all_gather(in, out, b.chunk, dtype::f32));
+    auto [begin, end] = own_range(b, rank);
+    std::memcpy(in, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
+    std::fill(in + (end - begin), in + b.chunk, 0.0f);
   }
-  auto t0 = clock_type::now();
-  auto w = works.begin();
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it, ++w) {
-    w->wait();
-    if (it->padded(dp))
-      std::memcpy(f32_at(p, it->begin), pad_out_.data(), static_cast<std::size_t>(it->length) * 4);
-  }
-  comm_wait_ += seconds_since(t0);
-}
-
-void dp_trainer::poison() {
-  ops::fill(piece_.memory().params(), std::numeric_limits<double>::quiet_NaN());
+  params_->gather_all();
+  comm_wait_ += params_->take_wait_seconds();
 }
 
 void dp_trainer::gather_full_parameters() {
-  if (cfg_.plan.zero == 3) gather_parameters();
+  if (cfg_.plan.zero == 3) params_->gather_all();
 }
 
 step_result dp_trainer::step(const trainer::batch_source& data) {
   auto t0 = clock_type::now();
   comm_wait_ = 0;
   early_ = 0;
+  resident_peak_ = 0;
   cached_draw_ = ~std::uint64_t{0};
   const int zero = cfg_.plan.zero;
   auto& mem = piece_.memory();
-  if (zero == 3) gather_parameters();  // just in time: released again after the update
+  if (zero == 3) params_->begin_step(plan_.microbatches(), use_hook_);
   mem.zero_grads();
   std::fill(issued_.begin(), issued_.end(), 0);
   std::fill(final_.begin(), final_.end(), 0);
@@ -454,9 +532,21 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     loss = piece_.forward_backward(plan_.microbatches(), [&](int k) { return fetch(k, data); });
   } catch (...) {
     running_ = false;
+    if (zero == 3) {
+      try {
+        params_->end_step();  // waits for the gathers in flight
+      } catch (...) {
+      }
+    }
     throw;
   }
   running_ = false;
+  if (zero == 3) {
+    params_->end_step();  // nothing stays gathered: the update goes to the shard
+    comm_wait_ += params_->take_wait_seconds();
+  } else if (opts_.measure_resident) {
+    resident_peak_ = std::max(resident_peak_, mem.resident_param_bytes());
+  }
   // Every microbatch, or none: a middle pipeline stage reads no data (its inputs come from the
   // previous stage).
   TROUPE_CHECK(next_fetch_ == plan_.microbatches() || next_fetch_ == 0, "dp_trainer: rank ",
@@ -484,7 +574,6 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);
   } else if (zero == 3) {
     shard_opt_->step(shard_params_, shard_grads_, r.lr);
-    if (opts_.poison_released) poison();
   } else {
     shard_opt_->step(mem.params(), zero == 2 ? shard_grads_.view() : mem.grads(), r.lr);
     gather_parameters();

@@ -9,9 +9,12 @@
 // microbatches to piece.forward_backward through its fetch callback, each with its weight (slot
 // size / global batch), so the sum over the group is the gradient of the step's mean loss.
 //
-// The flat gradient buffer is cut into buckets of about bucket_bytes, from the end of the buffer
-// (the last layers' gradients are final first), each padded to a multiple of dp. Rank r owns the
-// r-th 1/dp chunk of every bucket; its "shard" is the union of those chunks.
+// The flat buffers are cut into groups: one per block (its parameters "<scope>.<i>.*" are one
+// range, layer_memory laying them out in declaration order) and one for everything else; each
+// group into buckets of about bucket_bytes from its end (the last layers' gradients are final
+// first), each padded to a multiple of dp (a remainder that is not is split into its unpadded
+// part and a tail of fewer than dp elements). Rank r owns the r-th 1/dp chunk of every bucket;
+// its "shard" is the union of those chunks.
 //   zero 0: each bucket is allreduced; every rank clips and runs AdamW on the whole buffer.
 //   zero 1: each bucket is allreduced; each rank keeps AdamW moments only for its shard, updates
 //           its shard of the parameters, then the parameters are all-gathered bucket by bucket.
@@ -19,12 +22,16 @@
 //           full gradient buffer still exists: backward writes it); the global norm is the
 //           allreduced sum of the shards' squares; then as zero 1.
 //   zero 3: as zero 2, and the rank's f32 parameters live in its shard (the master copy, updated
-//           by AdamW there); before forward_backward every bucket's parameters are all-gathered
-//           into the piece's buffer (issued in forward order, waited in that order), which the
-//           engine treats as released after the step: with dp_options::poison_released it fills
-//           it with NaN after each step (and at construction), so any parameter a step used
-//           without gathering it turns the loss into NaN. The piece's buffer is still full-size
-//           (see README.md). The caller rejects zero 3 with pipeline parallelism (pp > 1).
+//           by AdamW there). The piece's buffer is a full-size range whose pages are given back
+//           when released (param_gather.hpp): the group outside the blocks is all-gathered at the
+//           start of the step, each block's right before its forward and again before its
+//           backward (the next dp_options::prefetch blocks' gathers issued while it computes),
+//           released after each use; so at most the outside group and prefetch + 1 blocks are
+//           gathered at once. A piece without the block use hook (grad_producer.hpp) gets every
+//           bucket before forward_backward instead. After the step nothing is gathered; with
+//           dp_options::poison_released released ranges are filled with NaN instead of given
+//           back, so any parameter a step used without gathering it turns the loss into NaN.
+//           The caller rejects zero 3 with pipeline parallelism (pp > 1).
 // Gradient norm (clipping): the sum of squares of the gradients of the parameters the piece
 // counts (counts_in_norm), summed over the dp shards (zero 2, 3) and over piece.norm_group().
 // Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
@@ -43,6 +50,7 @@
 #include "models/causal_lm.hpp"
 #include "models/optim.hpp"
 #include "models/parallel/grad_producer.hpp"
+#include "models/parallel/param_gather.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
 #include "scheduler/microbatch.hpp"
@@ -52,9 +60,15 @@ namespace troupe::models::parallel {
 struct dp_options {
   std::size_t bucket_bytes = 25u << 20;  // gradient bucket size (rounded up to dp elements)
   bool overlap = true;                   // issue buckets during backward when the piece allows it
-  // ZeRO 3 debug check: fill the piece's whole parameter buffer with NaN after every step and at
-  // construction (the engine never relies on it between steps).
+  // ZeRO 3 debug check: fill released parameter ranges with NaN (instead of giving their pages
+  // back), so the loss turns NaN if the piece reads a parameter that was not gathered.
   bool poison_released = false;
+  // ZeRO 3: how many blocks' gathers are issued ahead of the block in use (0: each block is
+  // gathered when its use begins).
+  int prefetch = 1;
+  // ZeRO 3: sample the resident bytes of the parameter buffer (mincore) at every block use, for
+  // peak_resident_param_bytes().
+  bool measure_resident = false;
 };
 
 // One bucket of the flat buffers: [begin, begin + length) with chunk = ceil(length / dp) elements
@@ -71,6 +85,12 @@ struct dp_bucket {
 
 // The buckets of a flat buffer of n elements, last elements first.
 std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_elems);
+// The buckets of a flat buffer tiled by `ranges` ([begin, length), ascending and adjacent): each
+// range cut as above (a padded remainder split into its unpadded part and a tail of fewer than dp
+// elements), last ranges first.
+std::vector<dp_bucket> make_buckets(
+    const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, int dp,
+    std::int64_t bucket_elems);
 
 class dp_trainer {
  public:
@@ -98,6 +118,13 @@ class dp_trainer {
   // group: every rank calls it), e.g. before evaluating or saving. Other stages: nothing to do.
   void gather_full_parameters();
 
+  // Parameter bytes the engine held gathered at most during the last step (zero 3: the outside
+  // group and the blocks in use or prefetched, in-flight gathers included; else the whole buffer);
+  // with dp_options::measure_resident, the parameter buffer's resident bytes at most (mincore;
+  // zero 3 samples at every block use, else at the start of the step).
+  std::int64_t peak_gathered_bytes() const;
+  std::size_t peak_resident_param_bytes() const;
+
   // Seconds of the last step spent waiting for the gradient and parameter collectives (after
   // backward: what overlap did not hide; zero 3: and the parameter gathers before forward).
   double last_comm_wait_seconds() const { return comm_wait_; }
@@ -117,8 +144,8 @@ class dp_trainer {
   double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
   double sum_squares(const tensor& t,
                      const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const;
-  void gather_parameters();  // from shard_params_ (zero 3) or the updated chunks (zero 1, 2)
-  void poison();
+  void gather_parameters();                        // zero 1, 2: all-gathers the updated chunks
+  void on_use(std::int64_t block, block_use use);  // the piece's block use hook (zero 3)
 
   std::unique_ptr<grad_producer> owned_;  // the model_producer of the causal_lm constructor
   grad_producer& piece_;
@@ -137,7 +164,11 @@ class dp_trainer {
   owned_tensor shard_grads_;                    // zero 2, 3: this rank's reduced gradient chunks
   // zero 1, 2: this rank's updated chunks, sent by all_gather; zero 3: its parameters (master).
   owned_tensor shard_params_;
-  owned_tensor pad_in_, pad_out_;  // staging for the padded bucket
+  owned_tensor pad_in_;                   // staging for the padded buckets' reduce-scatter
+  std::vector<std::int64_t> pad_at_;      // per bucket: its staging in pad_in_ (padded only)
+  std::unique_ptr<param_gather> params_;  // zero 1, 2, 3: gathers from shard_params_
+  bool use_hook_ = false;                 // zero 3: the piece reports block uses
+  std::size_t resident_peak_ = 0;         // zero 0, 1, 2 with measure_resident
   std::int64_t step_ = 0;
   double comm_wait_ = 0;
   bool overlap_ = false;

@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "collective/communicator.hpp"
+#include "models/block_use.hpp"
 #include "models/layers/slots.hpp"
 
 namespace troupe::models::parallel {
@@ -46,6 +47,16 @@ class grad_producer {
   // backward through it. False when the piece has no such point (the engine then reduces
   // everything after forward_backward returns). An empty f stops the calls.
   virtual bool set_block_grads_hook(std::function<void(std::int64_t block)> f) {
+    (void)f;
+    return false;
+  }
+
+  // Makes forward_backward call f around every use of a block's parameters, in every microbatch
+  // (models/block_use.hpp: before and after each block's forward, and its backward with any
+  // recomputed forward inside), on the thread that called forward_backward. False when the piece
+  // has no such points (ZeRO 3 then gathers every parameter before forward_backward). An empty f
+  // stops the calls.
+  virtual bool set_block_use_hook(block_use_hook f) {
     (void)f;
     return false;
   }

@@ -1,7 +1,8 @@
 // model_producer: a grad_producer (grad_producer.hpp) over a whole causal_lm, or over a
 // tensor-parallel shard of one (causal_lm_of<tp_gpt>): the step's microbatches run one after the
 // other, forward then backward of weight_k * loss_k, and the model's block hook reaches the engine
-// during the last microbatch's backward only (when a block's gradients are final).
+// during the last microbatch's backward only (when a block's gradients are final); the block use
+// hook reaches it in every microbatch.
 //
 // Gradient norm of a tensor-parallel shard: the norm group is the tp communicator and a parameter
 // is counted on every shard when it is sharded (each shard holds a disjoint slice) but on tp rank 0
@@ -16,6 +17,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "models/causal_lm.hpp"
 #include "models/parallel/grad_producer.hpp"
@@ -40,6 +42,9 @@ class model_producer final : public grad_producer {
   double forward_backward(int microbatches,
                           const std::function<microbatch_data(int k)>& fetch) override;
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override;
+  bool set_block_use_hook(block_use_hook f) override {
+    return model_.set_block_use_hook(std::move(f));
+  }
   collective::communicator* norm_group() override { return tp_; }
   bool counts_in_norm(std::string_view parameter) const override;
 

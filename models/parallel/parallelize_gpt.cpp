@@ -106,7 +106,11 @@ double tp_gpt::forward(const tensor& ids, const tensor& targets) {
     tensor xb = x(0).select(0, b);
     ops::add(xb, pos, xb);
   }
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) h_[i].forward(x(i), x(i + 1));
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
+    notify(on_block_use, i, block_use::before_forward);
+    h_[i].forward(x(i), x(i + 1));
+    notify(on_block_use, i, block_use::after_forward);
+  }
   ln_f_cur_ = planned_view(ln_f_out_, bt, "tp_gpt", "ln_f_out");
   ln_f_.forward(x(cfg_.n_layer), ln_f_cur_);
   tensor hf = head_.forward(ln_f_cur_);  // [B, T, C]
@@ -133,7 +137,9 @@ void tp_gpt::backward(double loss_scale) {
   head_.backward(dhf, da);
   ln_f_.backward(da, db);
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    notify(on_block_use, i, block_use::before_backward);
     h_[i].backward(db, da);
+    notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);
   }
   // db holds d(x0): tokens, then positions (SP: gathered so every shard adds all positions).
