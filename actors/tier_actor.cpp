@@ -1,9 +1,12 @@
 // The tier-manager role actor (see tier_actor.hpp).
 #include "actors/tier_actor.hpp"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <mutex>
 
+#include "actors/nvme_actor.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::actors {
@@ -35,21 +38,63 @@ void publish(role_context& c, tier_session& s) {
   for (const auto& [k, v] : tier_metrics(s.report())) c.set_metric(k, v);
 }
 
+// The NVMe actor of one session: spawned on the tier actor's rank, stopped with the session.
+struct nvme_tier {
+  node* host = nullptr;
+  role_handle handle;
+  tier_resources resources;
+
+  nvme_tier(role_context& c, const std::string& dir) : host(&c.node()) {
+    job j(c.node());
+    handle = j.spawn(nvme_role, c.rank(), c.name() + ".nvme");
+    try {
+      nvme_open open;
+      open.dir = dir;
+      open.name = "troupe_tiers." + std::to_string(::getpid()) + "." + c.name();
+      j.ask<std::string>(handle, open);
+      resources.nvme = nvme_client(c.node(), handle);
+      resources.nvme_actor = handle.name;
+    } catch (...) {
+      j.stop(handle);
+      throw;
+    }
+  }
+  ~nvme_tier() {
+    resources.nvme.reset();
+    try {
+      job j(*host);
+      j.stop(handle);
+    } catch (const std::exception&) {  // the node is shut down: it stopped the actor itself
+    }
+  }
+};
+
 }  // namespace
 
 void add_tier_manager_role(role_registry& roles, tier_session_factory make) {
+  add_nvme_role(roles);
   roles.add(tier_manager_role, [make](role_builder& b, role_context&) {
     struct state {
       std::mutex mu;
+      std::unique_ptr<nvme_tier> nvme;  // before the session: destroyed after it
       std::unique_ptr<tier_session> session;
       std::int64_t steps = 0;
+      void reset() {
+        session.reset();
+        nvme.reset();
+      }
     };
     auto st = std::make_shared<state>();
     b.on<tier_setup>([st, make](role_context& c, const tier_setup& s) {
       std::lock_guard<std::mutex> lock(st->mu);
       c.set_activity("setting up " + s.model);
-      st->session.reset();
-      st->session = make(s);
+      st->reset();
+      tier_resources res;
+      if (!s.nvme_dir.empty()) {
+        st->nvme = std::make_unique<nvme_tier>(c, s.nvme_dir);
+        res = st->nvme->resources;
+      }
+      st->session = make(s, res);
       TROUPE_CHECK(st->session != nullptr, c.name(), ": the tier session factory made nothing");
       st->steps = 0;
       publish(c, *st->session);
@@ -80,7 +125,7 @@ void add_tier_manager_role(role_registry& roles, tier_session_factory make) {
     });
     b.on_stop([st](role_context&) {
       std::lock_guard<std::mutex> lock(st->mu);
-      st->session.reset();
+      st->reset();
     });
   });
 }

@@ -5,8 +5,16 @@
 // chunks in flight, prefetch hit rate, I/O GB/s), so `describe`, `troupe ps` and `troupe top` show
 // them. The actor holds no maths: the session does the work; the actor sequences it.
 //
+// The NVMe tier: when tier_setup names an nvme_dir, the actor spawns an "nvme" role actor
+// (actors/nvme_actor.hpp) on its rank, named "<its name>.nvme", opens its store in that directory
+// and hands the session its client (tier_resources::nvme), which the session passes to its
+// tier_manager (tier_manager_options::nvme_io): the pages then move through the NVMe actor, whose
+// numbers `troupe ps` shows next to the tier manager's. The NVMe actor stops with the session.
+//
 //   role_registry roles;
-//   add_tier_manager_role(roles, [](const tier_setup& s) { return make_my_session(s); });
+//   add_tier_manager_role(roles, [](const tier_setup& s, const tier_resources& r) {
+//     return make_my_session(s, r.nvme);
+//   });
 //   auto tm = job.spawn(tier_manager_role, 0);
 //   job.ask<std::string>(tm, tier_setup{...});             // builds the session
 //   auto r = job.ask<tier_step_reply>(tm, tier_step{5});   // 5 steps, their losses
@@ -21,6 +29,7 @@
 #include <vector>
 
 #include "actors/roles.hpp"
+#include "memory/io/page_io.hpp"
 #include "memory/tier_manager.hpp"
 
 namespace troupe::actors {
@@ -57,6 +66,12 @@ struct tier_numbers_request {
   std::uint8_t unused = 0;
 };
 
+// What the actor provides to the session it makes.
+struct tier_resources {
+  std::shared_ptr<memory::io::page_io> nvme;  // the NVMe actor's client (null: no nvme_dir)
+  std::string nvme_actor;                     // its name in the job ("" without)
+};
+
 // What the actor drives.
 class tier_session {
  public:
@@ -65,7 +80,8 @@ class tier_session {
   virtual double step() = 0;           // one training step; returns its loss
   virtual memory::tier_report report() = 0;
 };
-using tier_session_factory = std::function<std::unique_ptr<tier_session>(const tier_setup&)>;
+using tier_session_factory =
+    std::function<std::unique_ptr<tier_session>(const tier_setup&, const tier_resources&)>;
 
 // The metrics of a tier report, keyed "tier.<name>": device_bytes, device_budget, device_peak,
 // host_bytes, host_budget, nvme_bytes, chunks, chunks_device, chunks_host, chunks_nvme,
@@ -73,7 +89,7 @@ using tier_session_factory = std::function<std::unique_ptr<tier_session>(const t
 std::map<std::string, double> tier_metrics(const memory::tier_report& r);
 
 // Registers the "tier-manager" role: tier_setup (makes the session; again: replaces it),
-// tier_step and tier_numbers_request.
+// tier_step and tier_numbers_request; and the "nvme" role it spawns, unless registered already.
 void add_tier_manager_role(role_registry& roles, tier_session_factory make);
 
 }  // namespace troupe::actors

@@ -2,13 +2,18 @@
 // steps it, and its numbers reach the coordinator's snapshot as metrics.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 
 #include "actors/coordinator.hpp"
 #include "actors/node.hpp"
+#include "actors/nvme_actor.hpp"
+#include "actors/one_rank_job.hpp"
 #include "actors/roles.hpp"
 #include "actors/tier_actor.hpp"
 
@@ -18,12 +23,14 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// A session that pages `chunks` host-home chunks through a device tier of three slots, one pass
-// over a cyclic schedule per step; its "loss" is the pass's misses.
+// A session that pages `chunks` host-home chunks (NVMe-home when the actor gives it an NVMe
+// tier) through a device tier of three slots, one pass over a cyclic schedule per step; its
+// "loss" is the pass's misses.
 class paging_session : public tier_session {
  public:
-  explicit paging_session(const tier_setup& s) : tm_(options(s)) {
-    for (int i = 0; i < chunks_; ++i) tm_.add_chunk(64 * 1024, memory::tier::host);
+  paging_session(const tier_setup& s, const tier_resources& r) : tm_(options(s, r)) {
+    const auto home = r.nvme ? memory::tier::nvme : memory::tier::host;
+    for (int i = 0; i < chunks_; ++i) tm_.add_chunk(64 * 1024, home);
     std::vector<memory::chunk_use> uses;
     for (int i = 0; i < chunks_; ++i) uses.push_back({i, memory::tier::device});
     tm_.set_schedule(uses);
@@ -42,9 +49,10 @@ class paging_session : public tier_session {
   memory::tier_report report() override { return tm_.report(); }
 
  private:
-  static memory::tier_manager_options options(const tier_setup& s) {
+  static memory::tier_manager_options options(const tier_setup& s, const tier_resources& r) {
     memory::tier_manager_options o;
     o.device_bytes = s.device_bytes;
+    o.nvme_io = r.nvme;
     o.prefetch_depth = 1;
     return o;
   }
@@ -52,44 +60,47 @@ class paging_session : public tier_session {
   memory::tier_manager tm_;
 };
 
-const actor_state* find_actor(const job_snapshot& s, const std::string& name) {
-  for (const auto& a : s.actors)
-    if (a.name == name) return &a;
-  return nullptr;
+void add_paging_role(role_registry& roles) {
+  add_tier_manager_role(roles, [](const tier_setup& s, const tier_resources& r) {
+    return std::make_unique<paging_session>(s, r);
+  });
 }
 
 }  // namespace
 
-TEST_CASE("The tier manager actor publishes its tier numbers as metrics", "[offload]") {
-  coordinator_options co;
-  co.job = "tier-actor-test";
-  co.token = "tier-token";
-  co.world_size = 1;
-  co.register_job = false;
-  co.heartbeat_timeout = 10000ms;
-  co.log = [](const std::string&) {};
-  coordinator coord(co);
-
-  role_registry roles;
-  add_tier_manager_role(roles, [](const tier_setup& s) -> std::unique_ptr<tier_session> {
-    return std::make_unique<paging_session>(s);
-  });
-  node_options o;
-  join_info j;
-  j.coordinator = coord.endpoint();
-  j.token = co.token;
-  j.rank = 0;
-  j.world_size = 1;
-  j.local_rank = 0;
-  j.net_device = "lo";
-  j.source = "options";
-  o.join = j;
-  o.roles = &roles;
-  o.join_timeout = 30000ms;
-  o.caf_threads = 1;
-  node n(o);
+TEST_CASE("The tier manager actor pages its NVMe tier through an nvme actor", "[offload][nvme]") {
+  const auto dir =
+      std::filesystem::path("/var/tmp") / ("troupe_tier_actor_test_" + std::to_string(::getpid()));
   {
-    job jb(n);
+    one_rank_job w(add_paging_role, "tier-actor-test");
+    job jb(*w.n);
+    auto tm = jb.spawn(tier_manager_role, 0);
+    tier_setup s;
+    s.device_bytes = 3 * 64 * 1024;
+    s.nvme_dir = dir.string();
+    CHECK(jb.ask<std::string>(tm, s, 10s) == "paging 6 chunks");
+    auto r = jb.ask<tier_step_reply>(tm, tier_step{2}, 10s);
+    REQUIRE(r.losses.size() == 2);
+    auto numbers = jb.ask<std::map<std::string, double>>(tm, tier_numbers_request{}, 10s);
+    CHECK(numbers.at("tier.chunks_nvme") > 0);
+    CHECK(numbers.at("tier.nvme_write_gb") > 0);
+    job_snapshot snap;
+    const actor_state* nv = w.find(tm.name + ".nvme", snap);
+    REQUIRE(nv != nullptr);
+    CHECK(nv->role == nvme_role);
+    CHECK(nv->metrics.at("nvme.bytes_written") == Approx(numbers.at("tier.nvme_write_gb") * 1e9));
+    CHECK(nv->metrics.at("nvme.bytes_read") == Approx(numbers.at("tier.nvme_read_gb") * 1e9));
+    CHECK(nv->activity.find(dir.string()) != std::string::npos);
+    jb.stop(tm);
+  }
+  CHECK(std::filesystem::is_empty(dir));  // the store's file went with the nvme actor
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("The tier manager actor publishes its tier numbers as metrics", "[offload]") {
+  one_rank_job w(add_paging_role, "tier-actor-test");
+  {
+    job jb(*w.n);
     auto tm = jb.spawn(tier_manager_role, 0);
     tier_setup s;
     s.device_bytes = 3 * 64 * 1024;
@@ -101,8 +112,8 @@ TEST_CASE("The tier manager actor publishes its tier numbers as metrics", "[offl
     CHECK(numbers.at("tier.chunks") == 6);
     CHECK(numbers.at("tier.device_budget") == 3 * 64 * 1024);
     CHECK(numbers.at("tier.evictions") > 0);
-    auto snap = coord.snapshot(5000ms);
-    const actor_state* a = find_actor(snap, tm.name);
+    job_snapshot snap;
+    const actor_state* a = w.find(tm.name, snap);
     REQUIRE(a != nullptr);
     CHECK(a->role == tier_manager_role);
     CHECK(a->metrics.at("step") == 3);
@@ -111,5 +122,4 @@ TEST_CASE("The tier manager actor publishes its tier numbers as metrics", "[offl
       CHECK(a->metrics.at(k) == numbers.at(k));
     jb.stop(tm);
   }
-  n.shutdown();
 }

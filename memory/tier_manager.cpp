@@ -70,7 +70,7 @@ struct tier_manager::impl {
   };
 
   tier_manager_options opt;
-  std::unique_ptr<io::nvme_store> nvme;  // before the chunks: their tickets go first
+  std::shared_ptr<io::page_io> nvme;  // before the chunks: their tickets go first
   std::vector<chunk> chunks;
   cache caches[2];
   bool planned = false;
@@ -290,7 +290,9 @@ struct tier_manager::impl {
 
 tier_manager::tier_manager(const tier_manager_options& opt) : impl_(std::make_unique<impl>()) {
   impl_->opt = opt;
-  if (!opt.nvme_dir.empty()) {
+  if (opt.nvme_io) {
+    impl_->nvme = opt.nvme_io;
+  } else if (!opt.nvme_dir.empty()) {
     io::nvme_store_options o;
     o.dir = opt.nvme_dir;
     // A file of its own: two managers may share a directory.
@@ -314,7 +316,7 @@ std::int32_t tier_manager::add_chunk(std::size_t bytes, tier home, std::string_v
   TROUPE_CHECK(home != tier::pinned, "tier_manager: chunk '", label, "': home must be device, ",
                "host or nvme");
   TROUPE_CHECK(home != tier::nvme || m.nvme, "tier_manager: chunk '", label,
-               "' has its home on NVMe but no nvme_dir was given");
+               "' has its home on NVMe but no nvme_dir (nor nvme_io) was given");
   impl::chunk c;
   c.bytes = bytes;
   c.home = home;
@@ -490,6 +492,10 @@ void tier_manager::reset_stats() {
 
 std::string tier_manager::nvme_path() const {
   return impl_->nvme ? impl_->nvme->path() : std::string();
+}
+
+const io::page_io* tier_manager::nvme_io() const {
+  return impl_->nvme.get();
 }
 
 }  // namespace troupe::memory

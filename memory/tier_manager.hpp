@@ -33,6 +33,9 @@
 #include "memory/tier.hpp"
 
 namespace troupe::memory {
+namespace io {
+class page_io;
+}
 
 enum class chunk_state : std::uint8_t { resident, in_flight, evicted };
 std::string_view chunk_state_name(chunk_state s);
@@ -48,6 +51,9 @@ struct tier_manager_options {
   std::size_t host_bytes = 0;    // the host budget (0: unlimited)
   std::string nvme_dir;          // the NVMe tier's directory ("": no NVMe tier)
   int prefetch_depth = 4;        // schedule uses looked ahead after each acquire (0: none)
+  // The NVMe tier's page I/O (e.g. the NVMe actor's client, actors/nvme_actor.hpp); null: an
+  // io::nvme_store of the manager's own in nvme_dir. Given, it is the NVMe tier (nvme_dir unused).
+  std::shared_ptr<io::page_io> nvme_io = nullptr;
 };
 
 // The visible numbers (actor_state metrics of the tier-manager actor).
@@ -106,7 +112,8 @@ class tier_manager {
   // Chunks evicted from `where`'s cache, in order (for tests and traces; cleared by reset_stats).
   const std::vector<std::int32_t>& eviction_log(tier where) const;
   void reset_stats();
-  std::string nvme_path() const;  // the NVMe store's file ("" without an NVMe tier)
+  std::string nvme_path() const;       // the NVMe store's file ("" without an NVMe tier)
+  const io::page_io* nvme_io() const;  // the NVMe tier's page I/O (null without an NVMe tier)
 
  private:
   struct impl;

@@ -13,12 +13,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -75,10 +77,6 @@ struct busy_clock {
 
 }  // namespace
 
-std::string_view backend_name(io_backend b) {
-  return b == io_backend::io_uring ? "io_uring" : "pread";
-}
-
 struct page_entry {
   extent ext;
   std::size_t bytes = 0;
@@ -121,12 +119,15 @@ struct nvme_store::impl {
   std::vector<registration> regs;  // slot i = fixed buffer index i
 
   mutable std::mutex m;
+  std::condition_variable reaped;  // a blocked reaper came back (reaping went false)
+  bool reaping = false;            // a waiter is in io_uring_wait_cqe without m: only it reaps
   std::uint64_t next_id = 1;
   std::unordered_map<std::uint64_t, request> requests;
   std::unordered_map<std::uint64_t, std::deque<std::uint64_t>> key_queue;
   std::deque<std::uint64_t> ready;  // prepared, waiting for a submission slot
-  unsigned submitted = 0;           // sqes in the kernel
+  unsigned submitted = 0;           // sqes prepared and not yet reaped (in the SQ ring or kernel)
   std::size_t unfinished = 0;
+  std::uint64_t completed = 0;  // requests finished since the store opened
   std::unordered_map<std::uint64_t, page_entry> pages;
   extent_allocator alloc{header_bytes};
   std::uint64_t file_size = header_bytes;
@@ -145,7 +146,12 @@ struct nvme_store::impl {
   bool prepare_read(request& r);
   void run_sync(request& r);
   void pump();
-  std::size_t reap(bool block);
+  void flush_sq();
+  unsigned in_kernel() const;
+  std::size_t reap_ready();
+  std::size_t poll_ring();
+  template <class Done>
+  void wait_until(std::unique_lock<std::mutex>& lk, Done done);
   void on_cqe(std::uint64_t id, int res);
   void finish(request& r, std::string error);
   void wait_id(std::unique_lock<std::mutex>& lk, std::uint64_t id);
@@ -304,10 +310,10 @@ bool nvme_store::impl::prepare_write(request& r) {
   std::uint64_t limit = opt.capacity_bytes ? opt.capacity_bytes : UINT64_MAX;
   std::optional<extent> e = alloc.allocate(need, limit);
   if (!e) {
-    finish(r, "nvme_store: no space: writing page key " + std::to_string(r.key) + " (" +
-                  std::to_string(r.bytes) + " bytes) to " + path + " would exceed the capacity " +
-                  "limit of " + std::to_string(opt.capacity_bytes) + " bytes (" +
-                  std::to_string(alloc.used()) + " bytes of pages in use)");
+    finish(r, "nvme_store: no space (ENOSPC, capacity limit): writing page key " +
+                  std::to_string(r.key) + " (" + std::to_string(r.bytes) + " bytes) to " + path +
+                  " would exceed the capacity " + "limit of " + std::to_string(opt.capacity_bytes) +
+                  " bytes (" + std::to_string(alloc.used()) + " bytes of pages in use)");
     return false;
   }
   try {
@@ -401,23 +407,39 @@ void nvme_store::impl::pump() {
     ++submitted;
     any = true;
   }
-  if (!any) return;
+  if (any) flush_sq();
+}
+
+// Hands the prepared SQEs to the kernel. The kernel may take fewer than offered (io_uring_submit
+// returns how many; EAGAIN/EBUSY: none for now): the rest stay in the SQ ring, and since liburing
+// offers everything between the kernel's head and the ring's tail, the next call hands them again.
+// Every waiter calls this before it blocks, so no request is left behind in the ring.
+void nvme_store::impl::flush_sq() {
+  if (io_uring_sq_ready(&ring) == 0) return;
   int rc;
-  do rc = io_uring_submit(&ring);
-  while (rc == -EINTR);
+  do {
+    if (opt.submit_limit > 0) {  // test knob: what io_uring_submit does, with a smaller count
+      ring.sq.sqe_head = ring.sq.sqe_tail;
+      io_uring_smp_store_release(ring.sq.ktail, ring.sq.sqe_tail);
+      rc = io_uring_enter(ring.ring_fd, std::min(io_uring_sq_ready(&ring), opt.submit_limit), 0, 0,
+                          nullptr);
+    } else {
+      rc = io_uring_submit(&ring);
+    }
+  } while (rc == -EINTR);
+  if (rc == -EAGAIN || rc == -EBUSY) return;  // kernel resources short: again after completions
   if (rc < 0) TROUPE_FAIL("nvme_store: io_uring_submit on ", path, " failed: ", errno_text(-rc));
 }
 
-std::size_t nvme_store::impl::reap(bool block) {
+// SQEs the kernel has taken and not yet completed (reaped).
+unsigned nvme_store::impl::in_kernel() const {
+  return submitted - io_uring_sq_ready(&ring);
+}
+
+// Consumes the completions already posted (never blocks). Only the reaper may run it while one
+// is blocked in io_uring_wait_cqe: a completion taken from under it would leave it asleep.
+std::size_t nvme_store::impl::reap_ready() {
   std::size_t n = 0;
-  if (block && submitted > 0) {
-    io_uring_cqe* cqe = nullptr;
-    int rc;
-    do rc = io_uring_wait_cqe(&ring, &cqe);
-    while (rc == -EINTR || rc == -EAGAIN);
-    if (rc < 0)
-      TROUPE_FAIL("nvme_store: io_uring_wait_cqe on ", path, " failed: ", errno_text(-rc));
-  }
   io_uring_cqe* cqes[64];
   for (;;) {
     unsigned got = io_uring_peek_batch_cqe(&ring, cqes, 64);
@@ -433,6 +455,49 @@ std::size_t nvme_store::impl::reap(bool block) {
   }
   pump();
   return n;
+}
+
+// Progress without blocking (test, poll): hand queued SQEs, reap what is posted, unless a
+// blocked waiter is reaping (it wakes on the next completion and reaps then).
+std::size_t nvme_store::impl::poll_ring() {
+  if (!ring_ok || reaping) return 0;
+  flush_sq();
+  return reap_ready();
+}
+
+// Blocks until done() (called under m). One waiter at a time sleeps in io_uring_wait_cqe with m
+// released; the others wait on `reaped` and re-check when it comes back.
+template <class Done>
+void nvme_store::impl::wait_until(std::unique_lock<std::mutex>& lk, Done done) {
+  while (!done()) {
+    TROUPE_CHECK(ring_ok && submitted > 0, "nvme_store: internal error on ", path,
+                 ": waiting for a request that is not in flight");
+    if (reaping) {
+      reaped.wait(lk);
+      continue;
+    }
+    flush_sq();
+    if (reap_ready() > 0) continue;
+    if (in_kernel() == 0) {  // the kernel took none of the queued SQEs yet (EAGAIN): retry
+      lk.unlock();
+      std::this_thread::yield();
+      lk.lock();
+      continue;
+    }
+    reaping = true;
+    lk.unlock();
+    if (opt.on_block) opt.on_block();
+    io_uring_cqe* cqe = nullptr;
+    int rc;
+    do rc = io_uring_wait_cqe(&ring, &cqe);
+    while (rc == -EINTR || rc == -EAGAIN);
+    lk.lock();
+    reaping = false;
+    reaped.notify_all();
+    if (rc < 0)
+      TROUPE_FAIL("nvme_store: io_uring_wait_cqe on ", path, " failed: ", errno_text(-rc));
+    reap_ready();
+  }
 }
 
 void nvme_store::impl::on_cqe(std::uint64_t id, int res) {
@@ -488,6 +553,7 @@ void nvme_store::impl::finish(request& r, std::string err) {
   r.bounce.reset();
   r.finished = true;
   --unfinished;
+  ++completed;
   if (r.is_write) {
     ++st.writes;
     if (r.error.empty()) st.bytes_written += r.bytes;
@@ -511,74 +577,50 @@ void nvme_store::impl::finish(request& r, std::string err) {
   make_ready(requests.at(q.front()));
 }
 
-void nvme_store::impl::wait_id(std::unique_lock<std::mutex>&, std::uint64_t id) {
-  for (;;) {
+void nvme_store::impl::wait_id(std::unique_lock<std::mutex>& lk, std::uint64_t id) {
+  wait_until(lk, [&] {
     auto it = requests.find(id);
-    if (it == requests.end() || it->second.finished) return;
-    reap(true);
-  }
+    return it == requests.end() || it->second.finished;
+  });
 }
 
-void nvme_store::impl::drain(std::unique_lock<std::mutex>&) {
-  while (unfinished > 0) reap(true);
+void nvme_store::impl::drain(std::unique_lock<std::mutex>& lk) {
+  wait_until(lk, [&] { return unfinished == 0; });
 }
 
-// ---------------------------------------------------------------- io_ticket
+// ---------------------------------------------------------------- tickets
 
-io_ticket::io_ticket(io_ticket&& o) noexcept {
-  *this = std::move(o);
-}
-
-io_ticket& io_ticket::operator=(io_ticket&& o) noexcept {
-  if (this != &o) {
-    release();
-    store_ = o.store_;
-    id_ = o.id_;
-    o.store_ = nullptr;
-  }
-  return *this;
-}
-
-io_ticket::~io_ticket() {
-  release();
-}
-
-void io_ticket::release() noexcept {
-  if (!store_) return;
-  auto& s = *store_->impl_;
+void nvme_store::ticket_release(std::uint64_t id) noexcept {
+  auto& s = *impl_;
   std::unique_lock lk(s.m);
   try {
-    s.wait_id(lk, id_);
+    s.wait_id(lk, id);
   } catch (...) {  // the ring itself failed; the request stays detached
   }
-  auto it = s.requests.find(id_);
+  auto it = s.requests.find(id);
   if (it != s.requests.end()) {
     if (it->second.finished)
       s.requests.erase(it);
     else
       it->second.detached = true;
   }
-  store_ = nullptr;
 }
 
-void io_ticket::wait() {
-  if (!store_) return;
-  auto& s = *store_->impl_;
+void nvme_store::ticket_wait(std::uint64_t id) {
+  auto& s = *impl_;
   std::unique_lock lk(s.m);
-  s.wait_id(lk, id_);
-  auto it = s.requests.find(id_);
-  std::string err = it->second.error;
+  s.wait_id(lk, id);
+  auto it = s.requests.find(id);
+  std::string err = std::move(it->second.error);
   s.requests.erase(it);
-  store_ = nullptr;
   if (!err.empty()) throw error(err);
 }
 
-bool io_ticket::test() {
-  if (!store_) return true;
-  auto& s = *store_->impl_;
+bool nvme_store::ticket_test(std::uint64_t id) {
+  auto& s = *impl_;
   std::unique_lock lk(s.m);
-  if (s.ring_ok && s.submitted > 0) s.reap(false);
-  return s.requests.at(id_).finished;
+  s.poll_ring();
+  return s.requests.at(id).finished;
 }
 
 // ---------------------------------------------------------------- nvme_store
@@ -632,7 +674,7 @@ io_ticket nvme_store::write(std::uint64_t key, const void* p, std::size_t n) {
   r.crc.resize(r.io_len / nvme_block);
   crc32c_blocks(r.io, nvme_block, r.crc.size(), r.crc.data());  // outside the lock
   std::unique_lock lk(impl_->m);
-  return io_ticket(this, impl_->issue(std::move(r)));
+  return make_ticket(impl_->issue(std::move(r)));
 }
 
 io_ticket nvme_store::read(std::uint64_t key, void* p, std::size_t n) {
@@ -649,13 +691,13 @@ io_ticket nvme_store::read(std::uint64_t key, void* p, std::size_t n) {
     r.io = r.bounce.get();
   }
   std::unique_lock lk(impl_->m);
-  return io_ticket(this, impl_->issue(std::move(r)));
+  return make_ticket(impl_->issue(std::move(r)));
 }
 
 void nvme_store::erase(std::uint64_t key) {
   auto& s = *impl_;
   std::unique_lock lk(s.m);
-  while (s.key_queue.count(key)) s.reap(true);
+  s.wait_until(lk, [&] { return s.key_queue.count(key) == 0; });
   if (auto it = s.pages.find(key); it != s.pages.end()) {
     s.alloc.release(it->second.ext);
     s.pages.erase(it);
@@ -706,7 +748,14 @@ void nvme_store::wait_all() {
 
 std::size_t nvme_store::poll() {
   std::unique_lock lk(impl_->m);
-  return impl_->ring_ok ? impl_->reap(false) : 0;
+  return impl_->poll_ring();
+}
+
+std::uint64_t nvme_store::wait_progress(std::uint64_t seen) {
+  auto& s = *impl_;
+  std::unique_lock lk(s.m);
+  s.wait_until(lk, [&] { return s.completed > seen || s.unfinished == 0; });
+  return s.completed;
 }
 
 std::size_t nvme_store::in_flight() const {
@@ -754,10 +803,10 @@ io_backend nvme_store::backend() const {
 bool nvme_store::direct_io() const {
   return impl_->direct;
 }
-const std::string& nvme_store::backend_note() const {
+std::string nvme_store::backend_note() const {
   return impl_->note;
 }
-const std::string& nvme_store::path() const {
+std::string nvme_store::path() const {
   return impl_->path;
 }
 unsigned nvme_store::queue_depth() const {

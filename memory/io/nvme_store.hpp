@@ -26,23 +26,25 @@
 //   the store falls back to buffered I/O and says so in backend_note(); direct_io() reports it.
 // - The store is scratch space for one process: the file is created (truncated) when the store
 //   opens and removed when it closes (options.remove_on_close). The page table lives in memory.
-// - Thread safe (one internal mutex; a waiter blocks in io_uring_wait_cqe holding it). The
-//   destructor waits for all in-flight I/O; tickets must not outlive their store.
+// - Thread safe: one internal mutex, never held while blocked in the kernel. One waiter at a time
+//   blocks in io_uring_wait_cqe without the lock (the others wait on a condition variable), so
+//   other threads issue and test requests meanwhile. SQEs the kernel does not take at once
+//   (io_uring_submit may submit fewer than prepared) stay queued and are handed again before
+//   anyone waits. The destructor waits for all in-flight I/O; tickets must not outlive their
+//   store.
+// - Implements page_io (page_io.hpp): the interface memory::tier_manager and the NVMe actor use.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
+
+#include "memory/io/page_io.hpp"
 
 namespace troupe::memory::io {
-
-inline constexpr std::size_t nvme_block = 4096;  // alignment of offsets, sizes and direct buffers
-
-enum class io_backend : std::uint8_t { io_uring, pread };
-std::string_view backend_name(io_backend b);  // "io_uring" / "pread"
 
 struct nvme_store_options {
   std::string dir;                    // directory of the store's file; created if missing
@@ -52,61 +54,27 @@ struct nvme_store_options {
   std::optional<io_backend> backend;  // force a backend; unset = io_uring, else the env var
   bool direct = true;                 // O_DIRECT (falls back to buffered I/O when refused)
   bool remove_on_close = true;        // unlink the file when the store closes
+  // For tests and tracing. submit_limit: the most SQEs handed to the kernel per io_uring_enter
+  // (0: all), as a kernel that takes fewer than offered would. on_block: called, without the
+  // store's lock, each time a waiter is about to block in io_uring_wait_cqe.
+  unsigned submit_limit = 0;
+  std::function<void()> on_block;
 };
 
-struct nvme_stats {
-  std::uint64_t bytes_read = 0;     // bytes delivered to callers by successful reads
-  std::uint64_t bytes_written = 0;  // bytes of successful writes
-  std::uint64_t reads = 0;          // completed read requests (ok or failed)
-  std::uint64_t writes = 0;         // completed write requests (ok or failed)
-  std::uint64_t failed = 0;         // requests that ended in an error
-  std::uint64_t checksum_errors = 0;
-  double read_busy_s = 0;   // wall time during which at least one read was in flight
-  double write_busy_s = 0;  // wall time during which at least one write was in flight
-  double read_gbps() const { return read_busy_s > 0 ? bytes_read / read_busy_s / 1e9 : 0; }
-  double write_gbps() const { return write_busy_s > 0 ? bytes_written / write_busy_s / 1e9 : 0; }
-};
-
-class nvme_store;
-
-// A handle on one request. Move-only. wait() blocks until the request is done and throws
-// troupe::error if it failed; test() makes progress without blocking and says whether it is done
-// (it never throws for the request's own failure: wait() reports that). Destroying an unfinished
-// ticket waits for the request (a failure then shows only in stats().failed).
-class io_ticket {
- public:
-  io_ticket() = default;
-  io_ticket(io_ticket&& o) noexcept;
-  io_ticket& operator=(io_ticket&& o) noexcept;
-  io_ticket(const io_ticket&) = delete;
-  io_ticket& operator=(const io_ticket&) = delete;
-  ~io_ticket();
-
-  void wait();
-  bool test();
-  bool valid() const { return store_ != nullptr; }
-
- private:
-  friend class nvme_store;
-  io_ticket(nvme_store* s, std::uint64_t id) : store_(s), id_(id) {}
-  void release() noexcept;
-  nvme_store* store_ = nullptr;
-  std::uint64_t id_ = 0;
-};
-
-class nvme_store {
+class nvme_store final : public page_io {
  public:
   explicit nvme_store(nvme_store_options options);  // throws troupe::error naming the path
-  ~nvme_store();
+  ~nvme_store() override;
   nvme_store(const nvme_store&) = delete;
   nvme_store& operator=(const nvme_store&) = delete;
 
   // Store n bytes from p as the page `key` (replacing any earlier page of that key).
-  io_ticket write(std::uint64_t key, const void* p, std::size_t n);
+  io_ticket write(std::uint64_t key, const void* p, std::size_t n) override;
   // Read the page `key` into p; n must equal the page's size (page_bytes(key)).
-  io_ticket read(std::uint64_t key, void* p, std::size_t n);
+  io_ticket read(std::uint64_t key, void* p, std::size_t n) override;
   // Drop a page and free its extent (waits for that key's requests first).
   void erase(std::uint64_t key);
+  void remove(std::uint64_t key) override { erase(key); }
 
   // Register a caller buffer (p 4 KiB aligned, n a multiple of 4 KiB) for fixed-buffer I/O; any
   // request whose bytes lie inside it then uses it. A no-op on the pread backend. Unregister
@@ -114,30 +82,36 @@ class nvme_store {
   void register_buffer(void* p, std::size_t n);
   void unregister_buffer(void* p);
 
-  void wait_all();                // wait for every request issued so far (does not throw)
+  void wait_all() override;       // wait for every request issued so far (does not throw)
   std::size_t poll();             // reap completions and submit queued requests; returns # reaped
   std::size_t in_flight() const;  // requests issued and not yet completed
+  // Blocks until more than `seen` requests have completed since the store opened, or none is in
+  // flight; returns how many have completed. For an I/O loop that reaps on behalf of others (the
+  // NVMe actor's reaper thread): it never misses a completion between two calls.
+  std::uint64_t wait_progress(std::uint64_t seen);
 
   bool contains(std::uint64_t key) const;
   std::size_t page_bytes(std::uint64_t key) const;     // 0 if absent
   std::uint64_t page_offset(std::uint64_t key) const;  // file offset of the page (tests, tools)
   std::size_t pages() const;
-  std::uint64_t used_bytes() const;  // bytes of extents in use (4 KiB rounded)
-  std::uint64_t file_bytes() const;  // current size of the file
+  std::uint64_t used_bytes() const override;  // bytes of extents in use (4 KiB rounded)
+  std::uint64_t file_bytes() const;           // current size of the file
 
-  io_backend backend() const;
-  bool direct_io() const;
-  const std::string& backend_note() const;  // why this backend / buffered mode ("" if default)
-  const std::string& path() const;
+  io_backend backend() const override;
+  bool direct_io() const override;
+  std::string backend_note() const override;  // why this backend / buffered mode ("" if default)
+  std::string path() const override;
   unsigned queue_depth() const;
 
-  nvme_stats stats() const;
-  void reset_stats();
+  nvme_stats stats() const override;
+  void reset_stats() override;
 
   struct impl;  // private; in nvme_store.cpp
 
  private:
-  friend class io_ticket;
+  void ticket_wait(std::uint64_t id) override;
+  bool ticket_test(std::uint64_t id) override;
+  void ticket_release(std::uint64_t id) noexcept override;
   std::unique_ptr<impl> impl_;
 };
 

@@ -16,6 +16,7 @@
 #include "models/parallel/llama_stage.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/pipeline_runner.hpp"
 #include "scheduler/plan.hpp"
 #include "tensor/ops.hpp"
@@ -89,6 +90,10 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                "group has ", g.mp->size(),
                " ranks, not parallel.pp x parallel.tp = ", plan.pp * plan.tp);
   auto problems = scheduler::validate(plan, shape_of(model, cfg), world);
+  if (const auto* l = std::get_if<hf::llama_config>(&model);
+      l != nullptr && plan.tp > 1 && l->intermediate_size % plan.tp != 0)
+    problems.push_back(fmt::format("parallel.tp = {} does not divide intermediate_size = {}",
+                                   plan.tp, l->intermediate_size));
   if (plan.zero == 3 && plan.pp > 1)
     problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
   if (!problems.empty()) throw error(scheduler::join(problems));
@@ -102,8 +107,6 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   TROUPE_CHECK(cfg.resume.empty(), "checkpoint.resume: resuming a run is not available under a ",
                "parallel plan yet; start from its weights with model.hf (--model-hf)");
   const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
-  TROUPE_CHECK(is_gpt || plan.tp == 1, "parallel.tp ", plan.tp,
-               ": tensor parallelism is implemented for GPT-2 only (this is a Llama model)");
 
   const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
   auto whole = make_whole_model(model, cfg.seq);
@@ -136,8 +139,13 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     I.piece = std::make_unique<model_producer>(*I.model);
     I.description = "whole model";
   } else {
-    const gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
-    I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tp_group{g.tp, plan.sp});
+    const tp_group tg{g.tp, plan.sp};
+    if (is_gpt)
+      I.model = std::make_unique<causal_lm_of<tp_gpt>>(
+          to_gpt_config(std::get<hf::gpt2_config>(model)), dims, tg);
+    else
+      I.model = std::make_unique<causal_lm_of<tp_llama>>(
+          to_llama_config(std::get<hf::llama_config>(model)), dims, tg);
     I.piece = std::make_unique<model_producer>(
         *I.model, *g.tp, replicated_by_shape(I.model->slots(), whole->slots()));
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,

@@ -1,7 +1,6 @@
 // llama_stage: a Llama pipeline stage (see llama_stage.hpp).
 #include "models/parallel/llama_stage.hpp"
 
-#include <map>
 #include <string>
 
 #include "memory/error.hpp"
@@ -11,38 +10,29 @@ namespace troupe::models::parallel {
 
 namespace {
 
-// llama_config with n_kv_head and head_dim resolved as llama does, and the stage's own checks.
-llama_config resolved(llama_config c, tp_group tp) {
-  TROUPE_CHECK(tp.size() == 1 && !tp.sequence_parallel,
-               "llama_stage: tensor parallelism (tp = ", tp.size(),
-               (tp.sequence_parallel ? ", sp" : ""),
-               ") is not supported for Llama pipeline stages; build them with tp 1");
-  TROUPE_CHECK(!c.recompute, "llama_stage: activation recompute is not supported yet");
-  TROUPE_CHECK(c.n_layer > 0 && c.n_head > 0 && c.dim > 0,
-               "llama_stage: n_layer, n_head and dim must be > 0");
-  if (c.n_kv_head == 0) c.n_kv_head = c.n_head;
-  if (c.head_dim == 0) {
-    TROUPE_CHECK(c.dim % c.n_head == 0, "llama_stage: dim (", c.dim,
-                 ") must be a multiple of n_head (", c.n_head, ")");
-    c.head_dim = c.dim / c.n_head;
-  }
-  TROUPE_CHECK(c.n_head % c.n_kv_head == 0, "llama_stage: n_head (", c.n_head,
-               ") must be a multiple of n_kv_head (", c.n_kv_head, ")");
-  return c;
+// The stage's boundary [B, T_local, C] (T_local = T / tp with SP), after the config's checks.
+shape llama_boundary(const llama_config& cfg, batch_dims dims, const tp_group& tp) {
+  const llama_config c = resolve_tp_llama_config(cfg, tp, "llama_stage");
+  TROUPE_CHECK(dims.seq <= c.max_seq, "llama_stage: sequence length ", dims.seq,
+               " exceeds max_seq (max_position_embeddings) ", c.max_seq);
+  std::int64_t t = tp.sequence_parallel
+                       ? divide_by_tp(dims.seq, tp.size(), "llama_stage: sequence length")
+                       : dims.seq;
+  return {dims.batch, t, c.dim};
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
 }  // namespace
 
 llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stage_options& o,
                          tp_group tp)
-    : pipeline_stage("llama_stage", cfg_in.n_layer, dims, o, tp,
-                     {dims.batch, dims.seq, cfg_in.dim}),
-      cfg_(resolved(cfg_in, tp)),
-      embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}),
-      norm_({.dim = cfg_.dim, .eps = cfg_.rms_eps}),
-      lm_head_({.in = cfg_.dim, .out = cfg_.vocab, .bias = false}) {
-  TROUPE_CHECK(dims.seq <= cfg_.max_seq, "llama_stage: sequence length ", dims.seq,
-               " exceeds max_seq (max_position_embeddings) ", cfg_.max_seq);
+    : pipeline_stage("llama_stage", cfg_in.n_layer, dims, o, tp, llama_boundary(cfg_in, dims, tp)),
+      cfg_(resolve_tp_llama_config(cfg_in, tp, "llama_stage")),
+      embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
+      head_(cfg_, tp) {
   first_ = holds_first(0);
   last_ = holds_last(chunks() - 1);
   h_.resize(static_cast<std::size_t>(cfg_.n_layer));
@@ -52,72 +42,49 @@ llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stag
     open_chunk(c);
     if (holds_first(c)) embed_tokens_.declare(slots_, "embed_tokens", dims);
     for (std::int64_t i = first_block(c); i < end_block(c); ++i) {
-      h_[i] = std::make_unique<llama_block>(cfg_);
+      h_[i] = std::make_unique<tp_llama_block>(cfg_, tp);
       slots_.activation("x." + std::to_string(i), bt, x_[i]);
       h_[i]->declare(slots_, "layers." + std::to_string(i), dims);
     }
     if (holds_last(c)) {
       slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
-      norm_.declare(slots_, "norm", dims);
-      if (!cfg_.tie_embeddings) {
-        lm_head_.declare(slots_, "lm_head", dims);
-      } else if (!first_) {
-        auto sc = slots_.enter("embed_tokens");
-        slots_.param("weight", {cfg_.vocab, cfg_.dim}, head_w_, head_dw_);
-      }
-      slots_.activation("norm_out", bt, norm_out_);
-      slots_.activation("logits", {dims.rows(), cfg_.vocab}, logits_);
-      loss_.declare(slots_, "loss", dims);
+      // Tied: the head is embed_tokens' (stage 0 also) or the stage's own copy of it.
+      head_.declare(slots_, dims,
+                    !cfg_.tie_embeddings ? "lm_head" : (first_ ? "" : "embed_tokens"));
     }
     close_chunk(c);
   }
   slots_.scratch("dx_a", bt, dx_a_);
   slots_.scratch("dx_b", bt, dx_b_);
   plan_memory();
-  if (last_ && !cfg_.tie_embeddings) {
-    head_w_ = lm_head_.weight;
-    head_dw_ = lm_head_.dweight;
-  } else if (last_ && first_) {
-    head_w_ = embed_tokens_.weight;
-    head_dw_ = embed_tokens_.dweight;
+  if (last_ && first_ && cfg_.tie_embeddings) {
+    head_.weight = embed_tokens_.weight;
+    head_.dweight = embed_tokens_.dweight;
   }
   if (cfg_.tie_embeddings && stages() > 1 && (first_ || last_))
-    set_tied("embed_tokens.weight", first_ ? embed_tokens_.dweight : head_dw_);
-}
-
-void llama_stage::match(const slot_list& full, bool full_grads, bool own_grads,
-                        bool into_own) const {
-  std::map<std::string, const tensor_slot*> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  for (const auto& s : slots_.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), "llama_stage: the full model has no parameter '", s.name,
-                 "'");
-    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
-    const tensor& own = own_grads ? *s.grad : *s.field;
-    TROUPE_CHECK(f.sizes() == own.sizes(), "llama_stage: parameter '", s.name, "' is ",
-                 own.sizes().str(), " here but ", f.sizes().str(), " in the full model");
-    if (into_own)
-      ops::copy(f, own);
-    else
-      ops::copy(own, f);
-  }
+    set_tied("embed_tokens.weight", first_ ? embed_tokens_.dweight : head_.dweight);
 }
 
 void llama_stage::load_from(const slot_list& full, bool from_grads, bool to_grads) {
-  match(full, from_grads, to_grads, /*into_own=*/true);
+  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp(), "llama_stage");
 }
 
 void llama_stage::store_to(const slot_list& full, bool from_grads, bool to_grads) const {
-  match(full, to_grads, from_grads, /*into_own=*/false);
+  copy_slices_by_name(slots_, full, to_grads, from_grads, /*into_piece=*/false, tp(),
+                      "llama_stage");
 }
 
 void llama_stage::init_weights(std::uint64_t seed) {
   llama full(cfg_, {1, 1});
   full.init_weights(seed);
   load_from(full.slots());
+}
+
+bool llama_stage::replicated_over_tp(std::string_view p) const {
+  for (std::string_view sharded : {"embed_tokens.weight", "lm_head.weight", "_proj.weight",
+                                   "q_proj.bias", "k_proj.bias", "v_proj.bias"})
+    if (ends_with(p, sharded)) return false;
+  return true;  // the RMSNorms and o_proj's bias
 }
 
 double llama_stage::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {
@@ -129,10 +96,7 @@ double llama_stage::run_forward(int c, const tensor& in, const tensor& targets, 
   for (std::int64_t i = a; i < b; ++i)
     h_[i]->forward(x_[i], i + 1 == b && !holds_last(c) ? y : x_[i + 1]);
   if (!holds_last(c)) return 0.0;
-  const std::int64_t rows = dims().rows();
-  norm_.forward(x_[cfg_.n_layer], norm_out_);
-  ops::matmul(norm_out_.reshape({rows, cfg_.dim}), head_w_.transpose(0, 1), logits_);
-  return loss_.forward(logits_, targets.reshape({rows}));
+  return head_.forward(x_[cfg_.n_layer], targets);
 }
 
 void llama_stage::run_backward(int c, const tensor& dy, const tensor& dx, double weight,
@@ -142,12 +106,7 @@ void llama_stage::run_backward(int c, const tensor& dy, const tensor& dx, double
   const tensor& db = dx_b_;
   tensor g = dy;
   if (holds_last(c)) {
-    const std::int64_t rows = dims().rows();
-    loss_.backward(logits_, weight);  // the logits become their gradient
-    // Head: dW += dlogits^T norm_out; dnorm_out = dlogits W.
-    ops::matmul(logits_.transpose(0, 1), norm_out_.reshape({rows, cfg_.dim}), head_dw_, 1.0, 1.0);
-    ops::matmul(logits_, head_w_, da.reshape({rows, cfg_.dim}));
-    norm_.backward(da, db);
+    head_.backward(weight, da, db);
     g = db;
   }
   for (std::int64_t i = b - 1; i >= a; --i) {
@@ -160,13 +119,19 @@ void llama_stage::run_backward(int c, const tensor& dy, const tensor& dx, double
 }
 
 void llama_stage::save_extra(int c, std::size_t slot) {
-  if (!holds_last(c)) return;
-  if (count_saved_.size() <= slot) count_saved_.resize(slot + 1);
-  count_saved_[slot] = loss_.count;
+  if (holds_first(c)) {
+    if (embed_saved_.size() <= slot) embed_saved_.resize(slot + 1);
+    embed_saved_[slot] = embed_tokens_;
+  }
+  if (holds_last(c)) {
+    if (count_saved_.size() <= slot) count_saved_.resize(slot + 1);
+    count_saved_[slot] = head_.loss.count;
+  }
 }
 
 void llama_stage::restore_extra(int c, std::size_t slot) {
-  if (holds_last(c)) loss_.count = count_saved_[slot];
+  if (holds_first(c)) embed_tokens_ = embed_saved_[slot];
+  if (holds_last(c)) head_.loss.count = count_saved_[slot];
 }
 
 }  // namespace troupe::models::parallel

@@ -1,15 +1,17 @@
-// llama_stage: one pipeline rank's part of a Llama (models/llama.hpp), on the unsharded layers.
+// llama_stage: one pipeline rank's part of a Llama (models/llama.hpp), built on the tensor-parallel
+// Llama layers (tp_llama_layers.hpp), so a stage may also be a tensor shard (tp x pp, with or
+// without SP); with tp_group{} (no communicator) the layers are the unsharded ones.
 //
-//   virtual stage 0:     x = embed_tokens[ids]
+//   virtual stage 0:     x = embed_tokens[ids] (vocab parallel; SP: [B, T/tp, C])
 //   every chunk:         its layers layers.<first_block(c)> .. layers.<end_block(c) - 1>
-//   last virtual stage:  logits = norm(x) @ lm_head^T; loss = mean cross-entropy. With
-//                        tie_embeddings the head is embed_tokens: the last stage, when it is not
-//                        stage 0, holds its own copy "embed_tokens.weight" (the runner sums its
-//                        gradient with stage 0's).
+//                        (tp_llama_block)
+//   last virtual stage:  logits = norm(x) @ lm_head^T on the shard's vocabulary rows; loss =
+//                        vocab-parallel cross-entropy. With tie_embeddings the head is
+//                        embed_tokens: the last stage, when it is not stage 0, holds its own copy
+//                        "embed_tokens.weight" (the runner sums its gradient with stage 0's).
 //
-// Parameter names are llama's. Tensor parallelism is not supported for Llama stages: a tp_group
-// of more than one rank fails at construction. See pipeline_stage.hpp for the chunks, the memory
-// and the activation stash.
+// Parameter names and slicing are tp_llama's (parallelize_llama.hpp). See pipeline_stage.hpp for
+// the chunks, the memory and the activation stash.
 #pragma once
 
 #include <cstdint>
@@ -18,12 +20,14 @@
 
 #include "models/llama.hpp"
 #include "models/parallel/pipeline_stage.hpp"
+#include "models/parallel/tp_llama_layers.hpp"
+#include "models/parallel/tp_vocab.hpp"
 
 namespace troupe::models::parallel {
 
 class llama_stage final : public pipeline_stage {
  public:
-  // dims: the microbatch [rows, seq] every forward runs on. tp must have one rank (or none).
+  // dims: the microbatch [rows, seq] every forward runs on.
   llama_stage(const llama_config& cfg, batch_dims dims, const stage_options& o, tp_group tp = {});
 
   const llama_config& config() const { return cfg_; }  // n_kv_head and head_dim resolved
@@ -40,21 +44,18 @@ class llama_stage final : public pipeline_stage {
                     const block_hook& after_block) override;
   void save_extra(int chunk, std::size_t slot) override;
   void restore_extra(int chunk, std::size_t slot) override;
-  bool replicated_over_tp(std::string_view) const override { return true; }
-  void match(const slot_list& full, bool full_grads, bool own_grads, bool into_own) const;
+  bool replicated_over_tp(std::string_view parameter) const override;
 
   llama_config cfg_;
   bool first_ = false, last_ = false;
-  embedding embed_tokens_;                       // virtual stage 0
-  std::vector<std::unique_ptr<llama_block>> h_;  // by global index; null where not held
-  rmsnorm norm_;                                 // last virtual stage
-  linear lm_head_;                               // untied only
-  cross_entropy_loss loss_;
-  tensor head_w_, head_dw_;  // lm_head's, or (tied) embed_tokens' / the stage's own copy
-  std::vector<tensor> x_;    // x_[i]: the input of layer i [B, T, C]; x_[n_layer]: of norm
-  tensor norm_out_, logits_;
+  vocab_parallel_embedding embed_tokens_;           // virtual stage 0
+  std::vector<std::unique_ptr<tp_llama_block>> h_;  // by global index; null if not held
+  tp_llama_head head_;                              // last virtual stage
+  std::vector<tensor> x_;  // x_[i]: the input of layer i [B, T_local, C]; x_[n_layer]: of norm
   tensor dx_a_, dx_b_;
-  std::vector<std::int64_t> count_saved_;  // the loss's count per stash buffer
+  // Per stash buffer: the embedding's state (its ids' local rows) and the loss's count.
+  std::vector<vocab_parallel_embedding> embed_saved_;
+  std::vector<std::int64_t> count_saved_;
 };
 
 }  // namespace troupe::models::parallel

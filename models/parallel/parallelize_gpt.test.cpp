@@ -4,57 +4,21 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <exception>
-#include <functional>
 #include <random>
-#include <thread>
 #include <vector>
 
-#include "collective/local/local_transport.hpp"
 #include "models/causal_lm.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
+using namespace troupe::models::testing;
 
 namespace {
-
-std::vector<float> flat(const tensor& t) {
-  const float* p = t.data_as<float>();
-  return std::vector<float>(p, p + t.numel());
-}
-
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0, s = 1e-12;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    m = std::max(m, static_cast<double>(std::abs(a[i] - b[i])));
-    s = std::max(s, static_cast<double>(std::abs(b[i])));
-  }
-  return m / s;
-}
-
-// fn(rank, communicator) on one thread per rank; the first failure is rethrown.
-void run_ranks(int n, const std::function<void(int, collective::communicator&)>& fn) {
-  auto comms = collective::make_local_group(n);
-  std::vector<std::exception_ptr> err(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, *comms[r]);
-      } catch (...) {
-        err[r] = std::current_exception();
-        for (auto& c : comms) c->abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
-}
 
 gpt_config tiny() {
   gpt_config c;

@@ -332,13 +332,18 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
     schedule_kind kind;
     int m, v;
     bool tied;
+    int tp = 1;
+    bool sp = false;
   };
   for (auto c : {config{2, schedule_kind::gpipe, 4, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, false},
                  config{2, schedule_kind::interleaved, 4, 2, false},
                  config{4, schedule_kind::one_f_one_b, 6, 1, false},
-                 config{2, schedule_kind::one_f_one_b, 3, 1, true}}) {
-    auto plan = make_plan(c.pp, c.kind, c.m, c.v);
+                 config{2, schedule_kind::one_f_one_b, 3, 1, true},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, false, 2, false},
+                 config{2, schedule_kind::interleaved, 4, 2, false, 2, true},
+                 config{2, schedule_kind::one_f_one_b, 2, 1, true, 2, true}}) {
+    auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
     INFO(scheduler::describe(plan) << (c.tied ? " tied" : ""));
     batches data(c.m);
     llama full(tiny_llama(c.tied), {rows, seq});
@@ -398,12 +403,13 @@ TEST_CASE("Wrong pipeline configurations fail with a clear error", "[parallel]")
   CHECK_THROWS_WITH(llama_stage(tiny_llama(), {rows, seq},
                                 {.stage = 1, .stages = 3, .virtual_stages = 2, .first = {}}),
                     Contains("6 virtual stages"));
-  // Llama with tensor parallelism.
-  auto comms = collective::make_local_group(2);
+  // Llama with more tensor shards than key/value heads (GQA 4:2).
+  auto comms4 = collective::make_local_group(4);
   CHECK_THROWS_WITH(llama_stage(tiny_llama(), {rows, seq},
                                 {.stage = 0, .stages = 2, .virtual_stages = 1, .first = {}},
-                                tp_group{comms[0].get(), false}),
-                    Contains("tensor parallelism (tp = 2)"));
+                                tp_group{comms4[0].get(), false}),
+                    Contains("parallel.tp = 4") && Contains("n_kv_head"));
+  auto comms = collective::make_local_group(2);
   // Interleaved with microbatches not a multiple of the stages.
   auto plan = make_plan(2, schedule_kind::interleaved, 3, 2);
   gpt_stage s0(tiny_gpt(), {rows, seq}, stage_options::of(plan, 0));

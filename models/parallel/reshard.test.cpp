@@ -1,15 +1,20 @@
 // reshard: whole <-> tensor-parallel shard moves of flat per-parameter buffers, against what
-// tp_gpt::load_from slices and against the whole model's own buffer.
+// tp_gpt::load_from, tp_llama::load_from and llama_stage::load_from slice and against the whole
+// model's own buffer.
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "collective/local/local_transport.hpp"
 #include "models/gpt.hpp"
+#include "models/llama.hpp"
+#include "models/parallel/llama_stage.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/reshard.hpp"
 #include "tensor/ops.hpp"
 
@@ -24,10 +29,47 @@ std::vector<float> values(const tensor& t) {
   return std::vector<float>(p, p + t.numel());
 }
 
-shape whole_shape(const gpt& m, std::string_view name) {
-  for (const auto& s : m.slots().slots())
+shape whole_shape(const slot_list& whole, std::string_view name) {
+  for (const auto& s : whole.slots())
     if (s.name == name) return s.sizes;
   return {};
+}
+
+// Scatters `whole`'s parameters (and twice them, as AdamW moments would be) to the pieces that
+// make_pieces(group) builds for each tp shard (together they hold the whole model), compares with
+// each piece's own load_from, gathers them back.
+template <class Whole, class MakePieces>
+void check_round_trip(Whole& whole, int tp, std::int64_t n_head, const MakePieces& make_pieces) {
+  const tensor& wbase = whole.memory().params();
+  whole_layout wl{&whole.slots(), wbase};
+  auto comms = collective::make_local_group(tp);
+  owned_tensor back = zeros(wbase.sizes(), wbase.type());
+  owned_tensor twice = zeros(wbase.sizes(), wbase.type());
+  ops::copy(wbase, twice);
+  ops::scale(twice, 2.0);
+  owned_tensor back2 = zeros(wbase.sizes(), wbase.type());
+  for (int r = 0; r < tp; ++r)
+    for (auto& shard : make_pieces(tp_group{comms[r].get(), false})) {
+      shard->load_from(whole.slots());
+      const tensor& pbase = shard->memory().params();
+      piece_layout pl{&shard->slots(), pbase, r, tp, n_head, {}};
+      // Replicated parameters (whole shape on every shard) are written by shard 0 only.
+      pl.owns = [&, r](std::string_view name) {
+        for (const auto& s : shard->slots().slots())
+          if (s.name == name) return r == 0 || s.sizes != whole_shape(whole.slots(), name);
+        return false;
+      };
+      owned_tensor mine = zeros(pbase.sizes(), pbase.type());
+      scatter_to_piece(wl, wbase, pl, mine);
+      INFO("tp " << tp << " shard " << r);
+      CHECK(values(mine) == values(pbase));  // the same slices as the shard's load_from
+      gather_from_piece(pl, pbase, wl, back);
+      owned_tensor mine2 = zeros(pbase.sizes(), pbase.type());
+      scatter_to_piece(wl, twice, pl, mine2);
+      gather_from_piece(pl, mine2, wl, back2);
+    }
+  CHECK(values(back) == values(wbase));
+  CHECK(values(back2) == values(twice));
 }
 
 }  // namespace
@@ -43,39 +85,44 @@ TEST_CASE("Scattering a whole model to tensor shards and gathering them back is 
   const batch_dims dims{2, 16};
   gpt whole(c, dims);
   whole.init_weights(7);
-  const tensor& wbase = whole.memory().params();
-  whole_layout wl{&whole.slots(), wbase};
+  for (int tp : {2, 4})
+    check_round_trip(whole, tp, c.n_head, [&](tp_group g) {
+      std::vector<std::unique_ptr<tp_gpt>> pieces;
+      pieces.push_back(std::make_unique<tp_gpt>(c, dims, g));
+      return pieces;
+    });
+}
 
-  for (int tp : {2, 4}) {
-    auto comms = collective::make_local_group(tp);
-    owned_tensor back = zeros(wbase.sizes(), wbase.type());
-    // A second buffer laid out like the whole model (as AdamW moments would be): 2 x params.
-    owned_tensor twice = zeros(wbase.sizes(), wbase.type());
-    ops::copy(wbase, twice);
-    ops::scale(twice, 2.0);
-    owned_tensor back2 = zeros(wbase.sizes(), wbase.type());
-    for (int r = 0; r < tp; ++r) {
-      tp_gpt shard(c, dims, tp_group{comms[r].get(), false});
-      shard.load_from(whole);
-      const tensor& pbase = shard.memory().params();
-      piece_layout pl{&shard.slots(), pbase, r, tp, c.n_head, {}};
-      // Replicated parameters (whole shape on every shard) are written by shard 0 only.
-      pl.owns = [&, r](std::string_view name) {
-        for (const auto& s : shard.slots().slots())
-          if (s.name == name) return r == 0 || s.sizes != whole_shape(whole, name);
-        return false;
-      };
-      owned_tensor mine = zeros(pbase.sizes(), pbase.type());
-      scatter_to_piece(wl, wbase, pl, mine);
-      INFO("tp " << tp << " shard " << r);
-      CHECK(values(mine) == values(pbase));  // the same slices as tp_gpt::load_from
-      gather_from_piece(pl, pbase, wl, back);
-      owned_tensor mine2 = zeros(pbase.sizes(), pbase.type());
-      scatter_to_piece(wl, twice, pl, mine2);
-      gather_from_piece(pl, mine2, wl, back2);
-    }
-    CHECK(values(back) == values(wbase));
-    CHECK(values(back2) == values(twice));
+TEST_CASE("Scattering a whole Llama to tensor shards and gathering them back is exact",
+          "[parallel]") {
+  llama_config c;
+  c.vocab = 64;
+  c.dim = 32;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.hidden = 48;
+  c.max_seq = 16;
+  c.attention_bias = true;
+  const batch_dims dims{2, 16};
+  for (bool tied : {false, true}) {
+    INFO("tied " << tied);
+    c.tie_embeddings = tied;
+    llama whole(c, dims);
+    whole.init_weights(7);
+    check_round_trip(whole, 2, 0, [&](tp_group g) {
+      std::vector<std::unique_ptr<tp_llama>> pieces;
+      pieces.push_back(std::make_unique<tp_llama>(c, dims, g));
+      return pieces;
+    });
+    // Pipeline stages are pieces as well: tensor shards of both stages of a pp 2 plan.
+    check_round_trip(whole, 2, 0, [&](tp_group g) {
+      std::vector<std::unique_ptr<llama_stage>> pieces;
+      for (int st = 0; st < 2; ++st)
+        pieces.push_back(std::make_unique<llama_stage>(
+            c, dims, stage_options{.stage = st, .stages = 2, .virtual_stages = 1, .first = {}}, g));
+      return pieces;
+    });
   }
 }
 

@@ -2,6 +2,8 @@
 // tp_layers.hpp).
 #include "models/parallel/tp_layers.hpp"
 
+#include <type_traits>
+
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
 
@@ -280,17 +282,11 @@ void tp_attention::declare(slot_list& s, std::string_view name, batch_dims b) {
 }
 
 void tp_attention::forward(const tensor& x, const tensor& y) {
-  tensor xf = entry.forward(x);
-  tensor p = exit.partial_buffer(y);
-  local.forward(xf, p);
-  exit.forward(p, y);
+  region_forward(entry, local, exit, x, y);
 }
 
 void tp_attention::backward(const tensor& dy, const tensor& dx) {
-  tensor dyf = exit.backward(dy);
-  tensor dxr = entry.grad_buffer(dx);
-  local.backward(dyf, dxr);
-  entry.backward(dxr, dx);
+  region_backward(entry, local, exit, dy, dx);
 }
 
 void tp_attention::load_from(const attention& full) {
@@ -319,33 +315,43 @@ void tp_attention::load_from(const attention& full) {
   if (cfg.out_bias) ops::copy(full.o_proj.bias, exit.bias);
 }
 
-// ---- sp_layernorm -----------------------------------------------------------------------------
+// ---- sp_norm ----------------------------------------------------------------------------------
 
-void sp_layernorm::declare(slot_list& s, std::string_view name, batch_dims b) {
+namespace {
+template <class Norm>
+constexpr bool norm_has_bias = std::is_same_v<Norm, layernorm>;
+}  // namespace
+
+template <class Norm>
+void sp_norm<Norm>::declare(slot_list& s, std::string_view name, batch_dims b) {
   if (tp.sequence_parallel)
-    b.seq =
-        divide_by_tp(b.seq, tp.size(), "sp_layernorm '" + std::string(name) + "': sequence length");
+    b.seq = divide_by_tp(b.seq, tp.size(), "sp_norm '" + std::string(name) + "': sequence length");
   norm.declare(s, name, b);
   if (!tp.sequence_parallel) return;
   auto sc = s.enter(name);
   s.scratch("tp_dweight_part", {norm.cfg.dim}, dw_part);
-  if (norm.cfg.bias) s.scratch("tp_dbias_part", {norm.cfg.dim}, db_part);
+  if constexpr (norm_has_bias<Norm>)
+    if (norm.cfg.bias) s.scratch("tp_dbias_part", {norm.cfg.dim}, db_part);
 }
 
-void sp_layernorm::backward(const tensor& dy, const tensor& dx) {
+template <class Norm>
+void sp_norm<Norm>::backward(const tensor& dy, const tensor& dx) {
   if (!tp.sequence_parallel) {  // replicated rows: every shard computes the full gradients
     norm.backward(dy, dx);
     return;
   }
   // The shard's rows give partial weight gradients: compute them apart, sum over the group, add.
-  tensor dw = norm.dweight, db = norm.dbias;
+  tensor dw = norm.dweight, db;
   ops::fill(dw_part, 0.0);
-  if (db.defined()) ops::fill(db_part, 0.0);
   norm.dweight = dw_part;
-  norm.dbias = db_part;
+  if constexpr (norm_has_bias<Norm>) {
+    db = norm.dbias;
+    if (db.defined()) ops::fill(db_part, 0.0);
+    norm.dbias = db_part;
+  }
   norm.backward(dy, dx);
   norm.dweight = dw;
-  norm.dbias = db;
+  if constexpr (norm_has_bias<Norm>) norm.dbias = db;
   allreduce_sum(tp, dw_part);
   ops::axpy(1.0, dw_part, dw);
   if (db.defined()) {
@@ -354,10 +360,15 @@ void sp_layernorm::backward(const tensor& dy, const tensor& dx) {
   }
 }
 
-void sp_layernorm::load_from(const layernorm& full) {
+template <class Norm>
+void sp_norm<Norm>::load_from(const Norm& full) {
   ops::copy(full.weight, norm.weight);
-  if (norm.cfg.bias) ops::copy(full.bias, norm.bias);
+  if constexpr (norm_has_bias<Norm>)
+    if (norm.cfg.bias) ops::copy(full.bias, norm.bias);
 }
+
+template struct sp_norm<layernorm>;
+template struct sp_norm<rmsnorm>;
 
 // ---- tp_gpt_block -----------------------------------------------------------------------------
 
@@ -376,42 +387,15 @@ void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
   attn.declare(s, "attn", b);
   ln_2.declare(s, "ln_2", b);
   ff.declare(s, "mlp", b);
-  std::int64_t seq = tp.sequence_parallel ? b.seq / tp.size() : b.seq;
-  shape bt{b.batch, seq, ln_1.norm.cfg.dim};
-  s.activation("ln_1_out", bt, ln_1_out);
-  s.activation("attn_out", bt, attn_out);
-  s.activation("resid", bt, resid);
-  s.activation("ln_2_out", bt, ln_2_out);
-  s.activation("ff_out", bt, ff_out);
-  s.scratch("dnorm", bt, dnorm);
-  s.scratch("dresid", bt, dresid);
+  buf.declare(s, b, ln_1.norm.cfg.dim, tp);
 }
 
 void tp_gpt_block::forward(const tensor& x, const tensor& y) {
-  const shape& sz = x.sizes();
-  auto v = [&](const tensor& planned, const char* what) {
-    return planned_view(planned, sz, "tp_gpt_block", what);
-  };
-  tensor l1 = v(ln_1_out, "ln_1_out"), ao = v(attn_out, "attn_out"), r = v(resid, "resid");
-  tensor l2 = v(ln_2_out, "ln_2_out"), fo = v(ff_out, "ff_out");
-  ln_1.forward(x, l1);
-  attn.forward(l1, ao);
-  ops::add(x, ao, r);
-  ln_2.forward(r, l2);
-  ff.forward(l2, fo);
-  ops::add(r, fo, y);
+  residual_forward(ln_1, attn, ln_2, ff, buf, x, y, "tp_gpt_block");
 }
 
 void tp_gpt_block::backward(const tensor& dy, const tensor& dx) {
-  const shape& sz = dy.sizes();
-  tensor dn = planned_view(dnorm, sz, "tp_gpt_block", "dnorm");
-  tensor dr = planned_view(dresid, sz, "tp_gpt_block", "dresid");
-  ff.backward(dy, dn);
-  ln_2.backward(dn, dr);
-  ops::add(dr, dy, dr);
-  attn.backward(dr, dn);
-  ln_1.backward(dn, dx);
-  ops::add(dx, dr, dx);
+  residual_backward(ln_1, attn, ln_2, ff, buf, dy, dx, "tp_gpt_block");
 }
 
 void tp_gpt_block::load_from(const gpt_block& full) {

@@ -12,8 +12,9 @@
 //   tp_mlp                  column(fc) -> gelu -> row(proj): one entry, one exit.
 //   tp_attention            q/k/v heads split (Hq/tp query and Hkv/tp kv heads per shard, GQA
 //                           included), o_proj row parallel; one entry, one exit.
-//   sp_layernorm            a LayerNorm on the shard's rows; with SP its weight and bias gradients
-//                           are partial sums, allreduced over the group in backward.
+//   sp_layernorm            a LayerNorm (sp_rmsnorm: an RMSNorm) on the shard's rows; with SP its
+//                           weight and bias gradients are partial sums, allreduced over the group
+//                           in backward.
 //   tp_gpt_block            r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)); x and y are full [B, T,
 //                           C] (replicated) or, with SP, the shard's [B, T/tp, C].
 // Parameters: `load_from(full)` copies the shard's slice of an unsharded layer's weights (HF
@@ -31,7 +32,9 @@
 #include "models/layers/layernorm.hpp"
 #include "models/layers/linear.hpp"
 #include "models/layers/mlp.hpp"
+#include "models/layers/rmsnorm.hpp"
 #include "models/layers/slots.hpp"
+#include "models/parallel/tp_compose.hpp"
 #include "models/parallel/tp_mappings.hpp"
 
 namespace troupe::models {
@@ -148,26 +151,29 @@ struct tp_attention {
   void load_from(const attention& full);
 };
 
-struct sp_layernorm {
+// A LayerNorm or RMSNorm (Norm) on the shard's rows (sp_layernorm, sp_rmsnorm).
+template <class Norm>
+struct sp_norm {
   tp_group tp;
-  layernorm norm;
+  Norm norm;
   tensor dw_part, db_part;  // SP: scratch for the partial gradients
 
-  sp_layernorm() = default;
-  sp_layernorm(const layernorm::config& c, tp_group g) : tp(g), norm(c) {}
+  sp_norm() = default;
+  sp_norm(const typename Norm::config& c, tp_group g) : tp(g), norm(c) {}
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y) { norm.forward(x, y); }
   void backward(const tensor& dy, const tensor& dx);
-  void load_from(const layernorm& full);
+  void load_from(const Norm& full);
 };
+using sp_layernorm = sp_norm<layernorm>;
+using sp_rmsnorm = sp_norm<rmsnorm>;
 
 struct tp_gpt_block {
   tp_group tp;
   sp_layernorm ln_1, ln_2;
   tp_attention attn;
   tp_mlp ff;
-  tensor ln_1_out, attn_out, resid, ln_2_out, ff_out;  // activations, shaped like x
-  tensor dnorm, dresid;                                // backward scratch
+  residual_buffers buf;
 
   tp_gpt_block(const gpt_block::config& c, tp_group g);
   void declare(slot_list& s, std::string_view name, batch_dims b);

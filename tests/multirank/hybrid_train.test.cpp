@@ -119,6 +119,20 @@ TEST_CASE("Data and tensor parallel runs across processes match the single proce
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("Tensor parallel Llama runs across processes match the single process",
+          "[multirank][slow]") {
+  const int steps = 4;
+  auto dir = scratch("llama-tp");
+  auto want = single("llama-tiny", steps, dir);
+  SECTION("tp 2") {
+    same_losses(launched(2, "llama-tiny", steps, dir, "tp2", {"--tp", "2"}), want);
+  }
+  SECTION("tp 2 with sequence parallelism") {
+    same_losses(launched(2, "llama-tiny", steps, dir, "tp2sp", {"--tp", "2", "--sp"}), want);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("Pipeline runs across processes match the single process for each schedule",
           "[multirank][slow]") {
   const int steps = 5;
@@ -144,13 +158,16 @@ TEST_CASE("Pipeline runs across processes match the single process for each sche
 }
 
 TEST_CASE("Eight ranks as dp 2 x tp 2 x pp 2 match the single process", "[multirank][slow]") {
-  const int steps = 4;
   auto dir = scratch("dtp");
-  auto want = single("gpt2-demo", steps, dir);
-  same_losses(
-      launched(8, "gpt2-demo", steps, dir, "dp2tp2pp2",
-               {"--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"}),
-      want);
+  for (const char* model : {"gpt2-demo", "llama-tiny"}) {
+    INFO(model);
+    const int steps = std::string(model) == "gpt2-demo" ? 4 : 3;
+    auto want = single(model, steps, dir);
+    same_losses(
+        launched(8, model, steps, dir, "dp2tp2pp2",
+                 {"--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"}),
+        want);
+  }
   std::filesystem::remove_all(dir);
 }
 
@@ -162,7 +179,7 @@ TEST_CASE("A plan the model or the job cannot take is refused naming the setting
   };
   for (const auto& b : std::vector<bad_plan>{
            {"gpt2-demo", {"--dp", "4"}, "but the job has 2 ranks"},
-           {"llama-tiny", {"--tp", "2"}, "parallel.tp 2"},
+           {"llama-tiny", {"--pp", "2", "--zero", "3"}, "parallel.zero 3"},
            {"gpt2-demo", {"--pp", "2", "--zero", "3"}, "parallel.zero 3"},
        }) {
     std::vector<std::string> a = {troupe_bin, "launch",  "-n",
@@ -184,11 +201,15 @@ TEST_CASE("A checkpoint written under one plan continues under another", "[multi
   auto dir = scratch("ckpt");
   // Write under tp 2, then run one step from it under dp 2 and in one process: the first losses
   // (the loss of the saved weights on the same batch) agree.
-  launched(2, "gpt2-demo", 3, dir, "write", {"--tp", "2", "--checkpoint-dir", dir + "/ck"});
-  REQUIRE(std::filesystem::exists(dir + "/ck/config.json"));
-  auto one = single("gpt2-demo", 1, dir, {"--model-hf", dir + "/ck"});
-  auto two = launched(2, "gpt2-demo", 1, dir, "read", {"--dp", "2", "--model-hf", dir + "/ck"});
-  same_losses(two, one);
+  for (const char* model : {"gpt2-demo", "llama-tiny"}) {
+    INFO(model);
+    const std::string ck = dir + "/" + model;
+    launched(2, model, 3, dir, "write", {"--tp", "2", "--checkpoint-dir", ck});
+    REQUIRE(std::filesystem::exists(ck + "/config.json"));
+    auto one = single(model, 1, dir, {"--model-hf", ck});
+    auto two = launched(2, model, 1, dir, "read", {"--dp", "2", "--model-hf", ck});
+    same_losses(two, one);
+  }
   std::filesystem::remove_all(dir);
 }
 

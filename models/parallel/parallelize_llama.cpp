@@ -1,0 +1,100 @@
+// tp_llama: the tensor-parallel Llama and parallelize_llama (see parallelize_llama.hpp).
+#include "models/parallel/parallelize_llama.hpp"
+
+#include <string>
+
+#include "memory/error.hpp"
+
+namespace troupe::models {
+
+tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
+    : cfg_(resolve_tp_llama_config(cfg, tp, "tp_llama")),
+      dims_(dims),
+      tp_(tp),
+      embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
+      head_(cfg_, tp) {
+  TROUPE_CHECK(dims.batch > 0 && dims.seq > 0 && dims.seq <= cfg_.max_seq, "tp_llama: the planned ",
+               "batch [", dims.batch, ", ", dims.seq, "] must be positive with seq <= max_seq (",
+               cfg_.max_seq, ")");
+  const std::int64_t seq_local =
+      tp.sequence_parallel ? divide_by_tp(dims.seq, tp.size(), "tp_llama: sequence length")
+                           : dims.seq;
+  layers_.reserve(cfg_.n_layer);
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_.emplace_back(cfg_, tp);
+  x_.resize(cfg_.n_layer + 1);
+
+  shape bt{dims.batch, seq_local, cfg_.dim};
+  embed_tokens_.declare(slots_, "embed_tokens", dims);
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
+    slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    layers_[i].declare(slots_, "layers." + std::to_string(i), dims);
+  }
+  slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
+  head_.declare(slots_, dims, cfg_.tie_embeddings ? "" : "lm_head");
+  slots_.scratch("dx_a", bt, dx_a_);
+  slots_.scratch("dx_b", bt, dx_b_);
+  mem_ = layer_memory(slots_, dtype::f32, device::cpu());
+  if (cfg_.tie_embeddings) {
+    head_.weight = embed_tokens_.weight;
+    head_.dweight = embed_tokens_.dweight;
+  }
+}
+
+void tp_llama::load_from(const slot_list& full, bool from_grads, bool to_grads) {
+  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp_, "tp_llama");
+}
+
+void tp_llama::init_weights(std::uint64_t seed) {
+  llama full(cfg_, {1, 1});
+  full.init_weights(seed);
+  load_from(full);
+}
+
+double tp_llama::forward(const tensor& ids, const tensor& targets) {
+  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "tp_llama: ids must be i32 [B, T], got ",
+               ids.describe());
+  TROUPE_CHECK(targets.sizes() == ids.sizes(), "tp_llama: targets ", targets.describe(),
+               " must have the shape of ids ", ids.describe());
+  b_ = ids.size(0);
+  t_ = ids.size(1);
+  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "tp_llama: batch [", b_, ", ", t_,
+               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  std::int64_t tl =
+      tp_.sequence_parallel ? divide_by_tp(t_, tp_.size(), "tp_llama: sequence length") : t_;
+  shape bt{b_, tl, cfg_.dim};
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_llama", "x"); };
+  embed_tokens_.forward(ids, x(0));
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_[i].forward(x(i), x(i + 1));
+  return head_.forward(x(cfg_.n_layer), targets);
+}
+
+void tp_llama::backward(double loss_scale) {
+  TROUPE_CHECK(b_ > 0, "tp_llama: backward called before forward");
+  std::int64_t tl = tp_.sequence_parallel ? t_ / tp_.size() : t_;
+  shape bt{b_, tl, cfg_.dim};
+  tensor da = planned_view(dx_a_, bt, "tp_llama", "dx_a");
+  tensor db = planned_view(dx_b_, bt, "tp_llama", "dx_b");
+  head_.backward(loss_scale, da, db);
+  for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    layers_[i].backward(db, da);
+    std::swap(da, db);
+  }
+  embed_tokens_.backward(db);
+}
+
+void tp_llama::begin_generation(std::int64_t, std::int64_t) {
+  TROUPE_FAIL("tp_llama: generation is not supported on a tensor-parallel model");
+}
+
+tensor tp_llama::step_logits(const tensor&) {
+  TROUPE_FAIL("tp_llama: generation is not supported on a tensor-parallel model");
+}
+
+std::unique_ptr<tp_llama> parallelize_llama(const llama& model, batch_dims dims,
+                                            collective::communicator& tp, bool sequence_parallel) {
+  auto m = std::make_unique<tp_llama>(model.config(), dims, tp_group{&tp, sequence_parallel});
+  m->load_from(model);
+  return m;
+}
+
+}  // namespace troupe::models

@@ -1,0 +1,101 @@
+// The Llama pieces of a tensor shard, shared by tp_llama (parallelize_llama.hpp) and the pipeline's
+// llama_stage: the SwiGLU MLP, the block and the head, on the layers of tp_layers.hpp.
+//
+//   tp_swiglu_mlp   gate_proj and up_proj column parallel (the shard's hidden/tp columns),
+//                   down_proj row parallel; one entry, one exit (no bias: Llama's MLP has none).
+//   tp_llama_block  r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r))
+//                   with q/k/v split by heads (GQA: the shard's n_head/tp query and n_kv_head/tp
+//                   key/value heads; RoPE per local head at the global positions 0..T-1, as the
+//                   region sees the whole sequence), o_proj row parallel, RMSNorms replicated (SP:
+//                   on the shard's T/tp rows).
+//   tp_llama_head   logits = norm(x) @ W^T on the shard's vocabulary rows of W (lm_head's, or
+//                   embed_tokens' when tied; SP: norm's output gathered first), loss =
+//                   vocab-parallel cross-entropy (the same on every shard).
+// Parameter names and layouts are llama's (HF); a shard's slice of a parameter is the one
+// copy_gpt_slice (parallelize_gpt.hpp) gives by shape: rows of q/k/v, gate/up, embed_tokens and
+// lm_head, columns of o_proj and down_proj, the whole of the norms and of o_proj's bias.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "models/layers/swiglu_mlp.hpp"
+#include "models/llama.hpp"
+#include "models/parallel/tp_layers.hpp"
+#include "models/parallel/tp_vocab.hpp"
+
+namespace troupe::models {
+
+// cfg with n_kv_head and head_dim resolved as llama does, checked for a shard of `tp`: tp must
+// divide n_head, n_kv_head, intermediate_size and vocab_size (errors name parallel.tp and the
+// field); recompute is refused. `who` starts the messages.
+llama_config resolve_tp_llama_config(llama_config cfg, const tp_group& tp, std::string_view who);
+
+// For every parameter of `piece`: the parameter of the same name in `full` (full_grads: its
+// gradient), sliced for shard rank/tp by copy_gpt_slice, into the piece's parameter (own_grads:
+// its gradient) when into_piece, else the piece's into full's slice. Fails naming `who` and the
+// parameter when `full` lacks it.
+void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
+                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who);
+
+struct tp_swiglu_mlp {
+  swiglu_mlp::config cfg;  // the unsharded sizes
+  tp_group tp;
+  std::string label = "tp_swiglu_mlp";
+  swiglu_mlp local;  // hidden/tp columns
+  tp_entry entry;
+  tp_exit exit;  // no bias
+
+  tp_swiglu_mlp() = default;
+  tp_swiglu_mlp(const swiglu_mlp::config& c, tp_group g);
+  void declare(slot_list& s, std::string_view name, batch_dims b);
+  void forward(const tensor& x, const tensor& y);
+  void backward(const tensor& dy, const tensor& dx);
+  void load_from(const swiglu_mlp& full);
+};
+
+struct tp_llama_block {
+  tp_group tp;
+  sp_rmsnorm input_layernorm, post_attention_layernorm;
+  tp_attention self_attn;
+  tp_swiglu_mlp mlp;
+  residual_buffers buf;
+
+  // cfg resolved (resolve_tp_llama_config).
+  tp_llama_block(const llama_config& cfg, tp_group g);
+  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // x, y [B, T, C] (SP: [B, T/tp, C]).
+  void forward(const tensor& x, const tensor& y);
+  void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
+
+ private:
+  tp_llama_block(const llama_block& unsharded, tp_group g);  // its layers' configs, sharded
+};
+
+struct tp_llama_head {
+  tp_group tp;
+  std::int64_t dim = 0;
+  sp_rmsnorm norm;
+  tp_entry entry;
+  vocab_parallel_cross_entropy loss;
+  tensor weight, dweight;  // [V/tp, C]: declared by declare (weight_scope) or bound by the owner
+
+  // cfg resolved.
+  tp_llama_head(const llama_config& cfg, tp_group g);
+  std::int64_t local_vocab() const { return loss.local_vocab; }
+  // Declares "norm", "<weight_scope>.weight" (unless weight_scope is empty) and the activations.
+  void declare(slot_list& s, batch_dims b, std::string_view weight_scope);
+  // x [B, T, C] (SP: [B, T/tp, C]), targets [B, T] -> the mean loss.
+  double forward(const tensor& x, const tensor& targets);
+  tensor logits() const { return logits_cur_; }  // [B*T, V/tp]
+  // d(loss_scale * loss)/d(x) into dx (shaped like x), scratch another such buffer; accumulates
+  // the weight's and the norm's gradients.
+  void backward(double loss_scale, const tensor& scratch, const tensor& dx);
+
+ private:
+  tensor norm_out_, logits_, norm_cur_, logits_cur_;
+  std::int64_t b_ = 0, t_ = 0;
+};
+
+}  // namespace troupe::models
