@@ -5,6 +5,9 @@
 // caller's buffers registered with the store. GB/s = 1e9 bytes per second of wall time from the
 // first request to the last completion (no fsync, as fio's default). Reads are verified twice: the
 // store's CRC32C per 4 KiB block, and the block number stamped into each block on write.
+// --via actor runs the same requests through the NVMe actor (actors/nvme_actor.hpp: a CAF actor
+// owning the store, on an actor system of its own) via its page_io client; --via store (the
+// default) calls the store directly.
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
@@ -16,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "actors/nvme_actor.hpp"
 #include "apps/commands.hpp"
 #include "memory/buffer.hpp"
 #include "memory/error.hpp"
@@ -32,7 +36,8 @@ struct nvme_args {
   std::string size = "1G";
   std::string block = "1M";
   unsigned depth = 8;
-  std::string backend;  // "" = default (io_uring unless refused or TROUPE_NVME_BACKEND)
+  std::string backend;        // "" = default (io_uring unless refused or TROUPE_NVME_BACKEND)
+  std::string via = "store";  // "store" or "actor"
   bool json = false;
 };
 
@@ -80,7 +85,26 @@ int run_bench(const nvme_args& a) {
   else
     TROUPE_CHECK(a.backend.empty(), "troupe bench nvme: --backend ", a.backend,
                  " is not one of io_uring, pread");
-  io::nvme_store store(o);
+  TROUPE_CHECK(a.via == "store" || a.via == "actor", "troupe bench nvme: --via ", a.via,
+               " is not one of store, actor");
+  std::unique_ptr<io::nvme_store> own;
+  std::unique_ptr<actors::nvme_actor> actor;
+  std::shared_ptr<io::page_io> client;
+  io::page_io* store = nullptr;
+  if (a.via == "actor") {
+    actor = std::make_unique<actors::nvme_actor>(o);
+    client = actor->client();
+    store = client.get();
+  } else {
+    own = std::make_unique<io::nvme_store>(o);
+    store = own.get();
+  }
+  auto registration = [&](void* p, std::size_t bytes) {
+    if (actor)
+      bytes ? actor->register_buffer(p, bytes) : actor->unregister_buffer(p);
+    else
+      bytes ? own->register_buffer(p, bytes) : own->unregister_buffer(p);
+  };
 
   // One slot per request in flight, in one registered pinned (4 KiB aligned) buffer.
   memory::buffer slots = memory::buffer::pinned(a.depth * block);
@@ -90,7 +114,7 @@ int run_bench(const nvme_args& a) {
     std::uint64_t w = rng();
     std::memcpy(base + i, &w, 8);
   }
-  store.register_buffer(base, a.depth * block);
+  registration(base, a.depth * block);
   std::vector<io::io_ticket> tickets(a.depth);
 
   auto t0 = clock_type::now();
@@ -99,7 +123,7 @@ int run_bench(const nvme_args& a) {
     tickets[s].wait();
     unsigned char* p = base + s * block;
     std::memcpy(p, &k, sizeof k);  // stamp: the block number
-    tickets[s] = store.write(k, p, block);
+    tickets[s] = store->write(k, p, block);
   }
   for (auto& t : tickets) t.wait();
   double write_s = std::chrono::duration<double>(clock_type::now() - t0).count();
@@ -118,29 +142,30 @@ int run_bench(const nvme_args& a) {
     unsigned s = static_cast<unsigned>(k % a.depth);
     check_slot(s);
     slot_key[s] = k;
-    tickets[s] = store.read(k, base + s * block, block);
+    tickets[s] = store->read(k, base + s * block, block);
   }
   for (unsigned s = 0; s < a.depth; ++s) check_slot(s);
   double read_s = std::chrono::duration<double>(clock_type::now() - t0).count();
   TROUPE_CHECK(bad_stamps == 0, "troupe bench nvme: ", bad_stamps,
-               " blocks read back with the wrong block number from ", store.path());
-  store.unregister_buffer(base);
+               " blocks read back with the wrong block number from ", store->path());
+  registration(base, 0);
 
   const double wgb = size / write_s / 1e9, rgb = size / read_s / 1e9;
-  const auto st = store.stats();
+  const auto st = store->stats();
   if (a.json) {
     fmt::print(
-        "{{\"backend\": \"{}\", \"direct\": {}, \"size\": {}, \"block\": {}, \"depth\": {}, "
+        "{{\"via\": \"{}\", \"backend\": \"{}\", \"direct\": {}, \"size\": {}, \"block\": {}, "
+        "\"depth\": {}, "
         "\"write_s\": {:.4f}, \"read_s\": {:.4f}, \"write_gbps\": {:.4f}, \"read_gbps\": "
         "{:.4f}}}\n",
-        io::backend_name(store.backend()), store.direct_io() ? "true" : "false", size, block,
-        a.depth, write_s, read_s, wgb, rgb);
+        a.via, io::backend_name(store->backend()), store->direct_io() ? "true" : "false", size,
+        block, a.depth, write_s, read_s, wgb, rgb);
     return 0;
   }
-  fmt::print("troupe bench nvme: {} ({:.2f} GiB), block {} KiB, depth {}, backend {}{}\n",
-             store.path(), size / double(1ull << 30), block >> 10, a.depth,
-             io::backend_name(store.backend()), store.direct_io() ? ", O_DIRECT" : ", buffered");
-  if (!store.backend_note().empty()) fmt::print("  note: {}\n", store.backend_note());
+  fmt::print("troupe bench nvme: {} ({:.2f} GiB), block {} KiB, depth {}, via {}, backend {}{}\n",
+             store->path(), size / double(1ull << 30), block >> 10, a.depth, a.via,
+             io::backend_name(store->backend()), store->direct_io() ? ", O_DIRECT" : ", buffered");
+  if (!store->backend_note().empty()) fmt::print("  note: {}\n", store->backend_note());
   fmt::print("  write: {:8.3f} s  {:6.2f} GB/s  (busy {:.3f} s)\n", write_s, wgb, st.write_busy_s);
   fmt::print(
       "  read:  {:8.3f} s  {:6.2f} GB/s  (busy {:.3f} s; CRC32C and block stamps verified)\n",
@@ -159,6 +184,7 @@ command_fn add_bench_nvme_command(CLI::App& bench) {
   sub->add_option("--block", a->block, "Bytes per request (one page), e.g. 1M");
   sub->add_option("--depth", a->depth, "Requests in flight")->check(CLI::Range(1, 4096));
   sub->add_option("--backend", a->backend, "Force io_uring or pread");
+  sub->add_option("--via", a->via, "store (direct calls) or actor (through the NVMe actor)");
   sub->add_flag("--json", a->json, "Print one JSON line");
   return [sub, a]() -> int {
     if (!sub->parsed()) return -1;

@@ -21,6 +21,7 @@
 
 #include "apps/commands.hpp"
 #include "memory/error.hpp"
+#include "memory/io/page_io.hpp"
 #include "models/offload/offload_trainer.hpp"
 
 namespace troupe::apps {
@@ -98,6 +99,7 @@ struct timing {
   memory::tier_report report;
   std::size_t chunk_bytes = 0, waste = 0;
   std::int32_t chunks = 0;
+  std::string nvme;  // the NVMe tier's backend and O_DIRECT mode ("" without one)
 };
 
 timing time_steps(const offload_args& a, std::int64_t layers, std::int64_t batch, std::int64_t seq,
@@ -115,6 +117,7 @@ timing time_steps(const offload_args& a, std::int64_t layers, std::int64_t batch
   r.chunk_bytes = t.chunking().layout.chunk_bytes;
   r.waste = t.chunking().layout.wasted_bytes();
   r.chunks = t.chunk_count();
+  if (const auto* io = t.tiers().nvme_io()) r.nvme = io->describe_backend();
   return r;
 }
 
@@ -202,6 +205,7 @@ int run(const offload_args& a) {
   row("all resident", base);
   row("optimizer state on NVMe (host 8 chunks)", state);
   row("parameters and state on NVMe", both);
+  fmt::print("  NVMe store: {}\n", both.nvme);
   return 0;
 }
 

@@ -3,8 +3,11 @@
 # (docs/performance.md, "NVMe tier I/O"):
 #   1. fio --ioengine=io_uring --direct=1 --rw=write, then --rw=read of the same file;
 #   2. troupe bench nvme --json: the store's sequential write then read of a file of the same size
-#      (pages of one block, the same depth, registered buffers, CRC32C verified on read).
-# Both run in DIR and remove their files. Prints GB/s (1e9 bytes/s) and the ratio troupe / fio per
+#      (pages of one block, the same depth, registered buffers, CRC32C verified on read), called
+#      directly (--via store);
+#   3. the same through the NVMe actor (--via actor: CAF messages to the actor that owns the store,
+#      answered when the I/O completes).
+# All run in DIR and remove their files. Prints GB/s (1e9 bytes/s) and the ratio to fio per
 # direction (goal >= 0.90). The disk of a shared VM is noisy: compare within one run.
 #
 # usage: scripts/bench/nvme_vs_fio.sh [--dir DIR] [--size 1G] [--block 1M] [--depth 8]
@@ -41,15 +44,20 @@ fio_bw() {  # $1 = write|read -> GB/s
 fio_w=$(fio_bw write)
 fio_r=$(fio_bw read)
 rm -f "$file"
-tj=$(nice -n "$nice_level" "$troupe" bench nvme --dir "$dir" --size "$size" --block "$block" \
-  --depth "$depth" --json)
-python3 - "$fio_w" "$fio_r" "$tj" "$size" "$block" "$depth" <<'PY'
+bench() {  # $1 = store|actor -> the bench's JSON line
+  nice -n "$nice_level" "$troupe" bench nvme --dir "$dir" --size "$size" --block "$block" \
+    --depth "$depth" --via "$1" --json
+}
+tj=$(bench store)
+ta=$(bench actor)
+python3 - "$fio_w" "$fio_r" "$tj" "$ta" "$size" "$block" "$depth" <<'PY'
 import json, sys
-fw, fr, t = float(sys.argv[1]), float(sys.argv[2]), json.loads(sys.argv[3])
-size, block, depth = sys.argv[4:7]
+fw, fr, t, a = float(sys.argv[1]), float(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+size, block, depth = sys.argv[5:8]
 print(f"file {size}, block {block}, depth {depth}; troupe backend {t['backend']}, "
       f"direct {t['direct']}")
-print(f"{'':6} {'fio GB/s':>9} {'troupe GB/s':>12} {'ratio':>6}")
-for name, f, tr in (("write", fw, t["write_gbps"]), ("read", fr, t["read_gbps"])):
-    print(f"{name:6} {f:9.2f} {tr:12.2f} {tr / f:6.2f}")
+print(f"{'':6} {'fio GB/s':>9} {'store GB/s':>11} {'ratio':>6} {'actor GB/s':>11} {'ratio':>6}")
+for name, f, tr, ar in (("write", fw, t["write_gbps"], a["write_gbps"]),
+                        ("read", fr, t["read_gbps"], a["read_gbps"])):
+    print(f"{name:6} {f:9.2f} {tr:11.2f} {tr / f:6.2f} {ar:11.2f} {ar / f:6.2f}")
 PY
