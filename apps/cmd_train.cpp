@@ -18,6 +18,7 @@
 #include "actors/node.hpp"
 #include "actors/training.hpp"
 #include "apps/commands.hpp"
+#include "apps/train_tiers.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
@@ -180,7 +181,7 @@ int run_train(train_cli& c) {
   cfg.validate();
   if (c.threads > 0) parallel::set_num_threads(c.threads);
   // Started by a launcher (troupe launch, Slurm, torchrun): one rank of a hybrid-parallel run.
-  if (actors::join_info_from_env().has_value()) return run_hybrid(c, cfg);
+  if (actors::join_info_from_env().has_value() && !cfg.tiers()) return run_hybrid(c, cfg);
   TROUPE_CHECK(cfg.plan.world_size() == 1,
                "parallel.dp x parallel.pp x parallel.tp = ", cfg.plan.world_size(),
                " ranks: start them with `troupe launch -n ", cfg.plan.world_size(),
@@ -196,6 +197,20 @@ int run_train(train_cli& c) {
   }
   mcfg = from.empty() ? models::named_model_config(cfg.model_size, vocab_hint).value()
                       : hf::read_config(from).value();
+  if (cfg.tiers()) {  // memory tiers: apps/cmd_train_tiers.cpp
+    tiered_hooks h;
+    h.model_label = from.empty() ? cfg.model_size : from;
+    auto json = std::make_shared<decltype(open_json(c.json_path))>(open_json(c.json_path));
+    h.progress = [&cfg, json](std::int64_t first) {
+      auto bar = std::make_shared<progress>(first, cfg.steps, cfg.log_every, json->get());
+      return [bar](const models::step_result& r) { bar->report(r); };
+    };
+    h.done = [&](models::causal_lm& m) {
+      if (c.sample > 0)
+        fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", sample_text(m, c, cfg.seed));
+    };
+    return run_tiered(cfg, mcfg, h);
+  }
   const dtype compute = cfg.precision == "bf16"  ? dtype::bf16
                         : cfg.precision == "f16" ? dtype::f16
                                                  : dtype::f32;
@@ -329,6 +344,32 @@ command_fn add_train_command(CLI::App& app) {
                             "Model chunks per pipeline stage (interleaved)")
                 ->capture_default_str(),
             [pc](train_config& t) { t.plan.virtual_stages = pc->virtual_stages; });
+  // [memory] flags: sizes take suffixes (64M, 2G), so they are parsed here.
+  auto size_flag = [&](const std::string& name, std::uint64_t train_config::*field,
+                       const std::string& help) {
+    auto text = std::make_shared<std::string>();
+    plan_flag(sub->add_option(name, *text, help), [text, field, name](train_config& t) {
+      auto v = models::parse_byte_size(*text);
+      TROUPE_CHECK(v.has_value(), name, " must be a size like 64M or 2G, got '", *text, "'");
+      t.*field = *v;
+    });
+  };
+  size_flag("--device-memory", &train_config::mem_device,
+            "Train with memory tiers under this device budget (e.g. 64M; non-model memory "
+            "included)");
+  size_flag("--host-memory", &train_config::mem_host,
+            "Host budget for chunks with --device-memory (e.g. 2G; default unlimited)");
+  size_flag("--nvme-capacity", &train_config::mem_nvme_capacity,
+            "Limit on the NVMe tier's file (default: the disk's size)");
+  bind<&train_config::mem_nvme_dir>(*c, sub, "--nvme-dir",
+                                    "Directory of the NVMe tier (offloaded chunks go there)");
+  bind<&train_config::mem_offload>(*c, sub, "--offload",
+                                   "Placement with --device-memory: auto (measure the first step, "
+                                   "keep what fits resident) or fixed (the fractions)");
+  bind<&train_config::mem_offload_params>(*c, sub, "--offload-params",
+                                          "Fraction of parameter chunks offloaded (fixed)");
+  bind<&train_config::mem_offload_optimizer>(
+      *c, sub, "--offload-optimizer", "Fraction of optimizer-state chunks offloaded (fixed)");
   sub->add_option("--json", c->json_path,
                   "Write per-step loss and grad norm as JSON lines "
                   "to this file ('-': standard output)");

@@ -295,6 +295,7 @@ tier_manager::tier_manager(const tier_manager_options& opt) : impl_(std::make_un
   } else if (!opt.nvme_dir.empty()) {
     io::nvme_store_options o;
     o.dir = opt.nvme_dir;
+    o.capacity_bytes = opt.nvme_capacity_bytes;
     // A file of its own: two managers may share a directory.
     static std::atomic<std::uint64_t> stores{0};
     o.name = "troupe_tiers." + std::to_string(::getpid()) + "." + std::to_string(stores++);

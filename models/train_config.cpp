@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <cctype>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -42,6 +43,17 @@ setter set_plan(int scheduler::parallel_plan::*field) {
     auto v = n.value<std::int64_t>();
     if (!v || *v < -(1LL << 30) || *v > (1LL << 30)) throw error(where + " must be an integer");
     c.plan.*field = static_cast<int>(*v);
+  };
+}
+
+// memory.<size>: an integer (bytes) or a string with a suffix.
+setter set_size(std::uint64_t train_config::*field) {
+  return [field](train_config& c, const toml::node& n, const std::string& where) {
+    std::optional<std::uint64_t> v;
+    if (auto i = n.value_exact<std::int64_t>(); i && *i >= 0) v = static_cast<std::uint64_t>(*i);
+    if (auto t = n.value_exact<std::string>()) v = parse_byte_size(*t);
+    if (!v) throw error(where + " must be a size: bytes, or a string like \"64M\" or \"2G\"");
+    c.*field = *v;
   };
 }
 
@@ -111,11 +123,86 @@ const std::map<std::string, setter>& setters() {
          c.plan.recompute = *r;
        }},
       {"parallel.order", set_plan_order},
+      {"memory.device", set_size(&train_config::mem_device)},
+      {"memory.host", set_size(&train_config::mem_host)},
+      {"memory.nvme_dir", set(&train_config::mem_nvme_dir)},
+      {"memory.nvme_capacity", set_size(&train_config::mem_nvme_capacity)},
+      {"memory.offload", set(&train_config::mem_offload)},
+      {"memory.offload_params", set(&train_config::mem_offload_params)},
+      {"memory.offload_optimizer", set(&train_config::mem_offload_optimizer)},
+      {"memory.params_tier", set(&train_config::mem_params_tier)},
+      {"memory.optimizer_tier", set(&train_config::mem_optimizer_tier)},
   };
   return s;
 }
 
+void validate_memory(const train_config& c) {
+  auto need = [](bool ok, const char* key, const std::string& what) {
+    if (!ok) throw error(std::string(key) + " " + what);
+  };
+  const char* off = "(--device-memory): training with memory tiers";
+  if (!c.tiers()) {
+    const train_config d;
+    need(c.mem_host == 0, "memory.host (--host-memory)", std::string("needs memory.device ") + off);
+    need(c.mem_nvme_dir.empty(), "memory.nvme_dir (--nvme-dir)",
+         std::string("needs memory.device ") + off);
+    need(c.mem_nvme_capacity == 0 && c.mem_offload.empty() &&
+             c.mem_offload_params == d.mem_offload_params &&
+             c.mem_offload_optimizer == d.mem_offload_optimizer && c.mem_params_tier.empty() &&
+             c.mem_optimizer_tier.empty(),
+         "memory.*", std::string("keys need memory.device ") + off);
+    return;
+  }
+  need(c.mem_offload.empty() || c.mem_offload == "fixed" || c.mem_offload == "auto",
+       "memory.offload (--offload)", "must be \"fixed\" or \"auto\", got '" + c.mem_offload + "'");
+  auto fraction = [&](double f, const char* key) {
+    need(f == -1 || (f >= 0 && f <= 1), key, "must be in [0, 1]");
+    need(f == -1 || c.mem_offload != "auto", key,
+         "is a fixed placement: it does not go with memory.offload = \"auto\" (--offload auto)");
+  };
+  fraction(c.mem_offload_params, "memory.offload_params (--offload-params)");
+  fraction(c.mem_offload_optimizer, "memory.offload_optimizer (--offload-optimizer)");
+  for (auto [t, key] : {std::pair{&c.mem_params_tier, "memory.params_tier"},
+                        std::pair{&c.mem_optimizer_tier, "memory.optimizer_tier"}}) {
+    need(t->empty() || *t == "host" || *t == "nvme", key,
+         "must be \"host\" or \"nvme\", got '" + *t + "'");
+    need(*t != "nvme" || !c.mem_nvme_dir.empty(), key,
+         "= \"nvme\" needs memory.nvme_dir (--nvme-dir)");
+  }
+  need(c.mem_nvme_capacity == 0 || !c.mem_nvme_dir.empty(), "memory.nvme_capacity",
+       "needs memory.nvme_dir (--nvme-dir)");
+  need(c.precision == "f32", "memory.device (--device-memory)",
+       "needs train.precision = \"f32\" (the tiers train in f32), got '" + c.precision + "'");
+  need(!c.recompute, "memory.device (--device-memory)",
+       "does not go with train.recompute (--recompute)");
+  need(c.plan.world_size() == 1, "memory.device (--device-memory)",
+       "trains in one process: parallel.dp, tp and pp must be 1");
+}
+
 }  // namespace
+
+std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
+  std::size_t i = 0;
+  std::uint64_t v = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    if (v > (UINT64_MAX - 9) / 10) return std::nullopt;
+    v = v * 10 + static_cast<std::uint64_t>(text[i++] - '0');
+  }
+  if (i == 0) return std::nullopt;
+  std::string_view unit = text.substr(i);
+  int shift = 0;
+  if (!unit.empty()) {
+    const std::string_view units = "KMGT";
+    const auto k = units.find(static_cast<char>(std::toupper(static_cast<unsigned char>(unit[0]))));
+    if (k != std::string_view::npos) {
+      shift = 10 * static_cast<int>(k + 1);
+      unit.remove_prefix(1);
+    }
+  }
+  if (!(unit.empty() || unit == "B" || (shift > 0 && unit == "iB"))) return std::nullopt;
+  if (shift > 0 && v > (UINT64_MAX >> shift)) return std::nullopt;
+  return v << shift;
+}
 
 void train_config::validate() const {
   auto need = [](bool ok, const char* key, const std::string& what) {
@@ -138,6 +225,7 @@ void train_config::validate() const {
   need(warmup >= 0, "optim.warmup", "must be >= 0");
   need(ckpt_every >= 0, "checkpoint.every", "must be >= 0");
   need(ckpt_every == 0 || !ckpt_dir.empty(), "checkpoint.every", "needs checkpoint.dir");
+  validate_memory(*this);
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;
   shape.seq = seq;
@@ -229,6 +317,16 @@ std::string to_toml(const train_config& c) {
   par.insert("schedule", std::string(scheduler::name(c.plan.schedule)));
   par.insert("virtual_stages", c.plan.virtual_stages);
   par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
+  toml::table mem;
+  mem.insert("device", static_cast<std::int64_t>(c.mem_device));
+  mem.insert("host", static_cast<std::int64_t>(c.mem_host));
+  mem.insert("nvme_dir", c.mem_nvme_dir);
+  mem.insert("nvme_capacity", static_cast<std::int64_t>(c.mem_nvme_capacity));
+  mem.insert("offload", c.mem_offload);
+  mem.insert("offload_params", c.mem_offload_params);
+  mem.insert("offload_optimizer", c.mem_offload_optimizer);
+  mem.insert("params_tier", c.mem_params_tier);
+  mem.insert("optimizer_tier", c.mem_optimizer_tier);
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);
   par.insert("order", order);
@@ -239,6 +337,7 @@ std::string to_toml(const train_config& c) {
   doc.insert("optim", optim);
   doc.insert("checkpoint", ckpt);
   doc.insert("parallel", par);
+  doc.insert("memory", mem);
   std::ostringstream os;
   os << doc;
   return os.str();

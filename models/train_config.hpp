@@ -10,9 +10,15 @@
 //   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute, order
 //                 (scheduler/plan.hpp). A step still reads train.batch x train.grad_accum samples:
 //                 that global batch is split over parallel.dp ranks and parallel.microbatches.
+//   [memory]      device, host, nvme_dir, nvme_capacity, offload, offload_params,
+//                 offload_optimizer, params_tier, optimizer_tier: training with memory tiers
+//                 (models/offload). Sizes are integers (bytes) or strings with a suffix ("64M",
+//                 "2G": K, M, G, T are powers of 1024). memory.device > 0 turns the tiers on; the
+//                 other keys need it.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -48,6 +54,19 @@ struct train_config {
   // [parallel]: schedule = "gpipe" | "1f1b" | "interleaved", recompute = "none" | "selective" |
   // "full", order = ["dp", "pp", "tp"] (slowest first); the rest are integers, sp a bool.
   scheduler::parallel_plan plan;
+  // [memory]: the tiers (models/offload/offload_trainer.hpp). All but device need device > 0.
+  std::uint64_t mem_device = 0;         // device budget in bytes (0: no tiers)
+  std::uint64_t mem_host = 0;           // host budget for chunks (0: unlimited)
+  std::string mem_nvme_dir;             // the NVMe tier's directory ("": none)
+  std::uint64_t mem_nvme_capacity = 0;  // limit on the NVMe tier's file (0: the disk's size)
+  // "fixed" (the fractions below) or "auto" (measured in the first step); "": fixed when a
+  // fraction is given, else auto.
+  std::string mem_offload;
+  double mem_offload_params = -1;     // fixed: fraction of parameter chunks offloaded (-1: 0)
+  double mem_offload_optimizer = -1;  // fixed: fraction of optimizer-state chunks (-1: 1)
+  // Where offloaded chunks live: "host" or "nvme" ("": nvme when nvme_dir is given, else host).
+  std::string mem_params_tier, mem_optimizer_tier;
+  bool tiers() const { return mem_device > 0; }
 
   // Checks ranges and combinations; the message names the key as "section.key".
   void validate() const;
@@ -62,5 +81,9 @@ expected<train_config> parse_train_config(std::string_view text, const std::stri
 // Every key as TOML: parse_train_config(to_toml(c)) == c (to hand a run's settings to other ranks
 // or store them next to a checkpoint).
 std::string to_toml(const train_config& c);
+
+// "1048576", "64K", "64M", "2G", "1T" (powers of 1024, an optional trailing "B" or "iB") to
+// bytes; nullopt when it is not such a size.
+std::optional<std::uint64_t> parse_byte_size(std::string_view text);
 
 }  // namespace troupe::models

@@ -101,3 +101,64 @@ TEST_CASE("A job written as TOML text reads back equal") {
   REQUIRE(!bad.has_value());
   CHECK_THAT(bad.error_message(), Catch::Contains("from rank 0") && Catch::Contains("train.steps"));
 }
+
+TEST_CASE("The memory table turns the tiers on and reads sizes with suffixes") {
+  auto c = parse_train_config(R"(
+[memory]
+device = "64M"
+host = "2G"
+nvme_dir = "/tmp/tiers"
+nvme_capacity = 1048576
+offload_params = 0.5
+)",
+                              "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->tiers());
+  CHECK(c->mem_device == 64ull << 20);
+  CHECK(c->mem_host == 2ull << 30);
+  CHECK(c->mem_nvme_dir == "/tmp/tiers");
+  CHECK(c->mem_nvme_capacity == 1048576);
+  CHECK(c->mem_offload_params == 0.5);
+  CHECK(c->mem_offload_optimizer == -1);
+  CHECK_FALSE(train_config{}.tiers());
+  auto back = parse_train_config(to_toml(*c), "sent");
+  REQUIRE(back.has_value());
+  CHECK(*back == *c);
+  CHECK(parse_byte_size("4096") == 4096u);
+  CHECK(parse_byte_size("64K") == 65536u);
+  CHECK(parse_byte_size("3MiB") == 3u << 20);
+  CHECK(parse_byte_size("1t") == 1ull << 40);
+  for (const char* bad : {"", "M", "12Q", "1.5G", "-3", "64 M", "99999999999999999999"})
+    CHECK_FALSE(parse_byte_size(bad).has_value());
+}
+
+TEST_CASE("memory table mistakes name the key and the flag") {
+  struct bad_case {
+    const char* text;
+    const char* says;
+  };
+  for (auto [text, says] : {
+           bad_case{"[memory]\ndevic = \"1M\"\n", "unknown key 'memory.devic'"},
+           bad_case{"[memory]\ndevice = \"lots\"\n", "memory.device must be a size"},
+           bad_case{"[memory]\nhost = \"1G\"\n", "memory.host (--host-memory) needs memory.device"},
+           bad_case{"[memory]\nnvme_dir = \"/x\"\n", "memory.nvme_dir (--nvme-dir) needs"},
+           bad_case{"[memory]\ndevice = \"8M\"\noffload = \"some\"\n",
+                    "memory.offload (--offload) must be"},
+           bad_case{"[memory]\ndevice = \"8M\"\noffload_params = 1.5\n",
+                    "memory.offload_params (--offload-params) must be in [0, 1]"},
+           bad_case{"[memory]\ndevice = \"8M\"\noffload = \"auto\"\noffload_optimizer = 1\n",
+                    "memory.offload_optimizer (--offload-optimizer) is a fixed placement"},
+           bad_case{"[memory]\ndevice = \"8M\"\nparams_tier = \"nvme\"\n",
+                    "memory.params_tier = \"nvme\" needs memory.nvme_dir"},
+           bad_case{"[memory]\ndevice = \"8M\"\nnvme_capacity = \"1G\"\n",
+                    "memory.nvme_capacity needs memory.nvme_dir"},
+           bad_case{"[memory]\ndevice = \"8M\"\n[train]\nprecision = \"bf16\"\n",
+                    "needs train.precision = \"f32\""},
+           bad_case{"[memory]\ndevice = \"8M\"\n[parallel]\ndp = 2\n", "parallel.dp, tp and pp"},
+       }) {
+    auto c = parse_train_config(text, "job.toml");
+    INFO(text);
+    REQUIRE(!c.has_value());
+    CHECK_THAT(c.error_message(), Catch::Contains(says) && Catch::Contains("job.toml"));
+  }
+}

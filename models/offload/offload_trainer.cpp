@@ -6,10 +6,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include "memory/error.hpp"
+
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/training_state.hpp"
 #include "models/optim.hpp"
 #include "models/targets.hpp"
 #include "tensor/ops.hpp"
@@ -56,6 +61,7 @@ memory::tier_manager_options manager_options(const offload_options& o) {
   m.device_bytes = o.device_bytes;
   m.host_bytes = o.host_bytes;
   m.nvme_dir = o.nvme_dir;
+  m.nvme_capacity_bytes = o.nvme_capacity_bytes;
   m.prefetch_depth = o.prefetch_depth;
   return m;
 }
@@ -86,8 +92,6 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
   cfg_.validate();
   TROUPE_CHECK(cfg.precision == "f32", "offload_trainer: precision ", cfg.precision,
                " is not supported (f32 only)");
-  TROUPE_CHECK(cfg.grad_accum == 1, "offload_trainer: grad_accum ", cfg.grad_accum,
-               " is not supported (1 only)");
   for (tier t : {opt.placement.param_tier, opt.placement.optim_tier})
     TROUPE_CHECK(t == tier::host || t == tier::nvme,
                  "offload_trainer: param_tier and optim_tier must be host or nvme, got ",
@@ -113,13 +117,15 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
     const auto& s = all[param_slots_[j]];
     decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s.name, s.sizes.rank())));
   }
-  tiers_.reserve(tier::device, model_.non_model_bytes());
-  place();
-  build_schedule();
-  tiers_.set_schedule(schedule_);
+  place(tiers_, model_.non_model_bytes());
 }
 
-void offload_trainer::place() {
+tier offload_trainer::access_tier(std::int32_t id) const {
+  return tiers_.home(id) == tier::device ? tier::device : tier::host;
+}
+
+void offload_trainer::place(memory::tier_manager& into, std::size_t non_model) {
+  into.reserve(tier::device, non_model);
   const std::int32_t n = chunk_count();
   const std::size_t cb = chunks_.layout.chunk_bytes;
   const auto& pl = opt_.placement;
@@ -139,7 +145,7 @@ void offload_trainer::place() {
     // for prefetch; the rest of the budget after the non-model memory keeps chunks resident.
     std::size_t working = 0;
     for (const auto& cs : unit_chunks_) working = std::max(working, 2 * cs.size());
-    const std::size_t need = model_.non_model_bytes() + (working + 2) * cb;
+    const std::size_t need = non_model + (working + 2) * cb;
     std::size_t room = opt_.device_bytes > need ? opt_.device_bytes - need : 0;
     for (std::int32_t i = 0; i < n; ++i) {
       p_dev[i] = room >= 2 * cb;  // parameters and gradients
@@ -155,27 +161,63 @@ void offload_trainer::place() {
   for (std::int32_t i = 0; i < n; ++i)
     optim_at_[i] = p_dev[i] && o_dev[i] ? tier::device : tier::host;
   for (std::int32_t i = 0; i < n; ++i)
-    tiers_.add_chunk(cb, p_dev[i] ? tier::device : pl.param_tier, "param." + std::to_string(i));
+    into.add_chunk(cb, p_dev[i] ? tier::device : pl.param_tier, "param." + std::to_string(i));
   for (std::int32_t i = 0; i < n; ++i) {
     // Gradients live where their update runs, with the optimizer state.
     const tier g = optim_at_[i] == tier::device ? tier::device : pl.optim_tier;
-    tiers_.add_chunk(cb, g, "grad." + std::to_string(i));
+    into.add_chunk(cb, g, "grad." + std::to_string(i));
   }
   for (const char* kind : {"m.", "v."})
     for (std::int32_t i = 0; i < n; ++i)
-      tiers_.add_chunk(cb, o_dev[i] ? tier::device : pl.optim_tier, kind + std::to_string(i));
+      into.add_chunk(cb, o_dev[i] ? tier::device : pl.optim_tier, kind + std::to_string(i));
+  build_schedule();
+  into.set_schedule(schedule_);
+}
+
+void offload_trainer::place_measured(std::size_t measured) {
+  const std::int32_t n = chunk_count();
+  const std::vector<tier> before_optim = optim_at_;
+  std::vector<tier> before_homes;
+  for (std::int32_t id = 0; id < 4 * n; ++id) before_homes.push_back(tiers_.home(id));
+  memory::tier_manager fresh(manager_options(opt_));
+  place(fresh, measured);
+  bool same = true;
+  for (std::int32_t id = 0; id < 4 * n; ++id) same = same && fresh.home(id) == before_homes[id];
+  if (same) {  // nothing moves: keep the warm manager (its caches and statistics)
+    optim_at_ = before_optim;
+    build_schedule();
+    return;
+  }
+  // Parameters, m and v move; gradients are zeroed at their first touch in the next step.
+  const std::size_t cb = chunks_.layout.chunk_bytes;
+  for (std::int32_t id = 0; id < 4 * n; ++id) {
+    if (id >= n && id < 2 * n) continue;
+    const tier from = access_tier(id);
+    const tier to = fresh.home(id) == tier::device ? tier::device : tier::host;
+    std::byte* src = tiers_.acquire(id, from);
+    std::byte* dst = fresh.acquire(id, to, true);
+    std::memcpy(dst, src, cb);
+    fresh.release(id, to, true);
+    tiers_.release(id, from, false);
+  }
+  fresh.rewind();
+  tiers_ = std::move(fresh);
+  replaced_ = true;
+  laid_out_ = false;  // the next step lays out and checks the new pools
 }
 
 void offload_trainer::build_schedule() {
   const std::int32_t n = chunk_count();
   schedule_.clear();
-  for (std::int32_t u = 0; u < model_.units(); ++u)
-    for (std::int32_t c : unit_chunks_[u]) schedule_.push_back({c, tier::device});
-  for (std::int32_t u = model_.units() - 1; u >= 0; --u)
-    for (std::int32_t c : unit_chunks_[u]) {
-      schedule_.push_back({c, tier::device});
-      schedule_.push_back({n + c, tier::device});
-    }
+  for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
+    for (std::int32_t u = 0; u < model_.units(); ++u)
+      for (std::int32_t c : unit_chunks_[u]) schedule_.push_back({c, tier::device});
+    for (std::int32_t u = model_.units() - 1; u >= 0; --u)
+      for (std::int32_t c : unit_chunks_[u]) {
+        schedule_.push_back({c, tier::device});
+        schedule_.push_back({n + c, tier::device});
+      }
+  }
   for (std::int32_t i = 0; i < n; ++i)
     for (std::int32_t k = 0; k < 4; ++k) schedule_.push_back({k * n + i, optim_at_[i]});
 }
@@ -205,7 +247,7 @@ std::size_t offload_trainer::pinned_at_once(tier where) const {
 
 void offload_trainer::check_budgets() {
   // The pools are laid out on the first acquire; a parameter chunk in its home tier costs nothing.
-  const tier t = tiers_.home(0) == tier::device ? tier::device : tier::host;
+  const tier t = access_tier(0);
   tiers_.acquire(0, t);
   tiers_.release(0, t, false);
   tiers_.rewind();
@@ -215,6 +257,10 @@ void offload_trainer::check_budgets() {
                  " budget holds ", tiers_.slots(w), " chunk slots but a step pins ", need,
                  " at once (chunk size ", chunks_.layout.chunk_bytes, " bytes)");
   }
+  // The overlapped optimizer pins two chunks' groups at once.
+  // (Only host groups pin slots there: a group updated on the device has all its homes there.)
+  overlap_ = opt_.overlap_optimizer && tiers_.slots(tier::host) >= 2 * pinned_at_once(tier::host);
+  laid_out_ = true;
 }
 
 tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
@@ -223,91 +269,165 @@ tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
   return tensor(base + rec.offset, rec.bytes, dtype::f32, s.sizes, device::cpu());
 }
 
-void offload_trainer::set_weights(const slot_list& src) {
-  TROUPE_CHECK(step_ == 0, "offload_trainer: set_weights before the first step");
+void offload_trainer::copy_kind(const slot_list& s, int kind, bool out) {
+  const std::int32_t n = chunk_count();
   const auto& all = model_.slots().slots();
+  std::vector<const tensor_slot*> by_tensor(param_slots_.size(), nullptr);
   for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
-    const auto& s = all[param_slots_[j]];
-    const tensor_slot* from = nullptr;
-    for (const auto& o : src.slots())
-      if (o.kind == slot_kind::param && o.name == s.name) from = &o;
-    TROUPE_CHECK(from != nullptr, "offload_trainer: the source has no parameter '", s.name, "'");
-    const std::int32_t c = chunks_.layout.records[j].chunk;
-    const tier t = tiers_.home(c) == tier::device ? tier::device : tier::host;
-    std::byte* base = tiers_.acquire(c, t);
-    ops::copy(*from->field, view(base, j));
-    tiers_.release(c, t, true);
+    const auto& mine = all[param_slots_[j]];
+    for (const auto& o : s.slots())
+      if (o.kind == slot_kind::param && o.name == mine.name) by_tensor[j] = &o;
+    TROUPE_CHECK(out || by_tensor[j] != nullptr, "offload_trainer: the source has no parameter '",
+                 mine.name, "'");
+  }
+  for (std::int32_t c = 0; c < n; ++c) {
+    const std::int32_t id = kind * n + c;
+    const tier t = access_tier(id);
+    std::byte* base = tiers_.acquire(id, t);
+    for (std::int32_t j : chunks_.layout.members[c]) {
+      const tensor_slot* o = by_tensor[j];
+      if (o == nullptr) continue;
+      const tensor& theirs = kind == 0 ? *o->field : *o->grad;
+      if (out)
+        ops::copy(view(base, j), theirs);
+      else
+        ops::copy(theirs, view(base, j));
+    }
+    tiers_.release(id, t, !out);
   }
   tiers_.rewind();  // the acquires above were off the schedule
 }
 
+void offload_trainer::set_weights(const slot_list& src) {
+  TROUPE_CHECK(step_ == 0, "offload_trainer: set_weights before the first step");
+  copy_kind(src, 0, false);
+}
+
 void offload_trainer::copy_weights_to(const slot_list& dst) {
-  const auto& all = model_.slots().slots();
-  for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
-    const auto& s = all[param_slots_[j]];
-    for (const auto& o : dst.slots()) {
-      if (o.kind != slot_kind::param || o.name != s.name) continue;
-      const std::int32_t c = chunks_.layout.records[j].chunk;
-      const tier t = tiers_.home(c) == tier::device ? tier::device : tier::host;
-      std::byte* base = tiers_.acquire(c, t);
-      ops::copy(view(base, j), *o.field);
-      tiers_.release(c, t, false);
-    }
-  }
-  tiers_.rewind();  // off the schedule
+  copy_kind(dst, 0, true);
+}
+
+expected<std::filesystem::path> offload_trainer::save(const std::filesystem::path& folder,
+                                                      const hf::model_config& cfg,
+                                                      causal_lm& staging) {
+  using result = expected<std::filesystem::path>;
+  copy_kind(staging.slots(), 0, true);
+  auto files = hf::save_checkpoint(folder, cfg, staging.slots());
+  if (!files) return result::failure(files.error_message());
+  const tensor& g = staging.memory().grads();
+  owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
+  copy_kind(staging.slots(), 2, true);
+  ops::copy(g, m);
+  copy_kind(staging.slots(), 3, true);  // v stays in the staging gradients
+  nlohmann::json extra = {{"seed", cfg_.seed}, {"precision", cfg_.precision}, {"offload", true}};
+  hf::training_state st{.step = step_, .optimizer_steps = step_, .extra_json = extra.dump()};
+  auto ts = hf::save_training_state(folder, st, m, g);
+  if (!ts) return result::failure(ts.error_message());
+  return folder;
+}
+
+expected<std::int64_t> offload_trainer::resume(const std::filesystem::path& folder,
+                                               const hf::model_config& cfg, causal_lm& staging) {
+  using result = expected<std::int64_t>;
+  TROUPE_CHECK(step_ == 0, "offload_trainer: resume before the first step");
+  auto w = hf::load_weights(folder, cfg, staging.slots());
+  if (!w) return result::failure(w.error_message());
+  copy_kind(staging.slots(), 0, false);
+  const tensor& g = staging.memory().grads();
+  owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
+  auto st = hf::load_training_state(folder, m, g);
+  if (!st) return result::failure(st.error_message());
+  copy_kind(staging.slots(), 3, false);
+  ops::copy(m, g);
+  copy_kind(staging.slots(), 2, false);
+  TROUPE_CHECK(st->optimizer_steps == st->step, "offload_trainer: ", folder.string(),
+               ": optimizer_steps ", st->optimizer_steps, " differ from step ", st->step,
+               " (a skipped f16 step): resume it with the plain trainer");
+  step_ = st->step;
+  return step_;
 }
 
 step_result offload_trainer::step(const trainer::batch_source& data) {
+  // automatic: the first step measures the non-model memory. The pools are laid out first, so
+  // what the step allocates beyond the host's bytes in use now is activations and scratch.
+  const bool measure = opt_.placement.how == offload_placement::mode::automatic && measured_ == 0;
+  if (!laid_out_) check_budgets();
+  std::int64_t in_use = 0;
+  if (measure) {
+    in_use = memory::stats(tier::host).in_use;
+    memory::reset_peak(tier::host);
+  }
+  step_result r = run_step(data);
+  if (measure) {
+    const std::int64_t peak = memory::stats(tier::host).peak;
+    measured_ = model_.non_model_bytes() +
+                static_cast<std::size_t>(std::max<std::int64_t>(peak - in_use, 0));
+    place_measured(measured_);
+  }
+  return r;
+}
+
+step_result offload_trainer::run_step(const trainer::batch_source& data) {
   auto t0 = std::chrono::steady_clock::now();
   pin_guard pins(tiers_);
   const std::int32_t n = chunk_count();
   const auto& all = model_.slots().slots();
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
-  const std::uint64_t draw = cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_);
-  data(draw, b, t, rows_);
-  targets_.resize(rows_.size());
-  tensor ids(rows_.data(), rows_.size() * 4, dtype::i32, {b, t});
-  tensor tg(targets_.data(), targets_.size() * 4, dtype::i32, {b, t});
-  next_token_targets(ids, tg);
-  model_.begin(ids, tg);
-
-  // Forward: each unit's parameter chunks on the device.
-  for (std::int32_t u = 0; u < model_.units(); ++u) {
-    for (std::int32_t c : unit_chunks_[u]) {
-      std::byte* base = pins.acquire(c, tier::device);
-      for (std::int32_t j : unit_tensors_[u])
-        if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
-    }
-    model_.forward_unit(u);
-    for (std::int32_t c : unit_chunks_[u]) pins.release(c, tier::device, false);
-  }
-  step_result r;
-  r.loss = model_.loss();
-
-  // Backward: parameters and gradients on the device; the norm is summed as gradients finish.
+  const std::int64_t ga = cfg_.grad_accum;
   grad_touched_.assign(n, false);
-  double sumsq = 0;
-  for (std::int32_t u = model_.units() - 1; u >= 0; --u) {
-    for (std::int32_t c : unit_chunks_[u]) {
-      std::byte* p = pins.acquire(c, tier::device);
-      const bool first = !grad_touched_[c];
-      std::byte* g = pins.acquire(n + c, tier::device, first);
-      if (first) std::memset(g, 0, chunks_.layout.chunk_bytes);
-      grad_touched_[c] = true;
-      for (std::int32_t j : unit_tensors_[u])
-        if (chunks_.layout.records[j].chunk == c) {
-          *all[param_slots_[j]].field = view(p, j);
-          *all[param_slots_[j]].grad = view(g, j);
-        }
+  double sumsq = 0, loss = 0;
+  step_result r;
+  for (std::int64_t k = 0; k < ga; ++k) {
+    const bool last = k == ga - 1;
+    const std::uint64_t draw = cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_ * ga + k);
+    data(draw, b, t, rows_);
+    targets_.resize(rows_.size());
+    tensor ids(rows_.data(), rows_.size() * 4, dtype::i32, {b, t});
+    tensor tg(targets_.data(), targets_.size() * 4, dtype::i32, {b, t});
+    next_token_targets(ids, tg);
+    model_.begin(ids, tg);
+
+    // Forward: each unit's parameter chunks on the device.
+    for (std::int32_t u = 0; u < model_.units(); ++u) {
+      for (std::int32_t c : unit_chunks_[u]) {
+        std::byte* base = pins.acquire(c, tier::device);
+        for (std::int32_t j : unit_tensors_[u])
+          if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
+      }
+      model_.forward_unit(u);
+      for (std::int32_t c : unit_chunks_[u]) pins.release(c, tier::device, false);
     }
-    model_.backward_unit(u);
-    for (std::int32_t j : unit_tensors_[u])
-      if (last_backward_unit_[j] == u) sumsq += ops::sum_squares(*all[param_slots_[j]].grad);
-    for (std::int32_t c : unit_chunks_[u]) {
-      pins.release(c, tier::device, false);
-      pins.release(n + c, tier::device, true);
+    loss += model_.loss();
+
+    // Backward: parameters and gradients on the device; gradients accumulate over the
+    // micro-batches, and in the last one the norm is summed as they become final.
+    for (std::int32_t u = model_.units() - 1; u >= 0; --u) {
+      for (std::int32_t c : unit_chunks_[u]) {
+        std::byte* p = pins.acquire(c, tier::device);
+        const bool first = !grad_touched_[c];
+        std::byte* g = pins.acquire(n + c, tier::device, first);
+        if (first) std::memset(g, 0, chunks_.layout.chunk_bytes);
+        grad_touched_[c] = true;
+        for (std::int32_t j : unit_tensors_[u])
+          if (chunks_.layout.records[j].chunk == c) {
+            *all[param_slots_[j]].field = view(p, j);
+            *all[param_slots_[j]].grad = view(g, j);
+          }
+      }
+      model_.backward_unit(u);
+      for (std::int32_t j : unit_tensors_[u]) {
+        if (!last || last_backward_unit_[j] != u) continue;
+        const tensor& gj = *all[param_slots_[j]].grad;
+        if (ga > 1) ops::scale(gj, 1.0 / static_cast<double>(ga));  // the mean loss's gradient
+        sumsq += ops::sum_squares(gj);
+      }
+      for (std::int32_t c : unit_chunks_[u]) {
+        pins.release(c, tier::device, false);
+        pins.release(n + c, tier::device, true);
+      }
     }
   }
+  r.loss = loss / static_cast<double>(ga);
 
   // Clip and update chunk by chunk where each chunk's optimizer runs.
   r.grad_norm = std::sqrt(sumsq);
@@ -320,27 +440,56 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
                        .eps = cfg_.eps,
                        .weight_decay = cfg_.weight_decay,
                        .step = step_ + 1};
-  for (std::int32_t i = 0; i < n; ++i) {
-    const tier at = optim_at_[i];
-    std::byte* p = pins.acquire(i, at);
-    std::byte* g = pins.acquire(n + i, at);
-    std::byte* m = pins.acquire(2 * n + i, at);
-    std::byte* v = pins.acquire(3 * n + i, at);
-    for (std::int32_t j : chunks_.layout.members[i]) {
-      tensor gj = view(g, j);
+  // Chunk i's update runs on a worker thread while this thread brings in chunk i + 1's four
+  // chunks (NVMe reads, write-backs of evicted chunks, host <-> device copies), when the host
+  // holds both groups at once (overlap_); else one after the other. The arithmetic is the same.
+  struct group {
+    std::int32_t i = -1;
+    tier at = tier::host;
+    std::byte* b[4] = {nullptr, nullptr, nullptr, nullptr};  // p, g, m, v
+  };
+  auto bring = [&](std::int32_t i) {
+    group q{i, optim_at_[i]};
+    for (int k = 0; k < 4; ++k) q.b[k] = pins.acquire(k * n + i, q.at);
+    return q;
+  };
+  auto update = [&](const group& q) {
+    for (std::int32_t j : chunks_.layout.members[q.i]) {
+      tensor gj = view(q.b[1], j);
       if (clip != 1.0) ops::scale(gj, clip);
       ops::adamw_options oj = o;
       if (!decays_[j]) oj.weight_decay = 0.0;
-      ops::adamw(view(p, j), gj, view(m, j), view(v, j), oj);
+      ops::adamw(view(q.b[0], j), gj, view(q.b[2], j), view(q.b[3], j), oj);
     }
-    pins.release(i, at, true);
-    pins.release(n + i, at, clip != 1.0);
-    pins.release(2 * n + i, at, true);
-    pins.release(3 * n + i, at, true);
+  };
+  auto put_back = [&](const group& q) {
+    for (int k = 0; k < 4; ++k) pins.release(k * n + q.i, q.at, k != 1 || clip != 1.0);
+  };
+  if (!overlap_) {
+    for (std::int32_t i = 0; i < n; ++i) {
+      const group q = bring(i);
+      update(q);
+      put_back(q);
+    }
+  } else {
+    group cur = bring(0);
+    for (std::int32_t i = 0; i < n; ++i) {
+      auto running = std::async(std::launch::async, [&update, cur] { update(cur); });
+      group next;
+      try {
+        if (i + 1 < n) next = bring(i + 1);
+      } catch (...) {
+        running.wait();  // the update reads pinned chunks: finish it before they are released
+        throw;
+      }
+      running.get();
+      put_back(cur);
+      cur = next;
+    }
   }
   ++step_;
   r.step = step_;
-  r.tokens = cfg_.batch * cfg_.seq;
+  r.tokens = cfg_.batch * cfg_.seq * ga;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }

@@ -10,27 +10,40 @@
 // Placement (the home tier of each chunk): fixed: the first round(param_fraction * n) parameter
 // chunks (and their gradients) live in param_tier, the rest on the device; the first
 // round(optim_fraction * n) optimizer-state chunks live in optim_tier, the rest on the device.
-// automatic: takes the model's non-model memory (the planned activations and scratch: the step
-// allocates nothing else), leaves room for the chunk slots one unit needs at once, and keeps as
-// many parameter (+ gradient) chunks and then optimizer-state chunks resident on the device as
-// fit; the rest go to param_tier / optim_tier. The optimizer of chunk i runs on the device when
-// its parameters and state all live there, and otherwise on the host (the CPU AdamW, chunk by
-// chunk), where gradients of such chunks live too (in optim_tier).
+// automatic: leaves room on the device for the non-model memory (activations and scratch) and
+// the chunk slots one unit needs at once, and keeps as many parameter (+ gradient) chunks and
+// then optimizer-state chunks resident on the device as fit; the rest go to param_tier /
+// optim_tier. The non-model memory is first the model's plan (its arenas); the first step then
+// MEASURES it (the arenas plus the peak of host allocations the step made beyond the chunks and
+// pools, memory::stats) and, when the measured figure places the chunks differently, the chunks
+// move to the new placement before step 2 (the old and the new tier manager coexist during the
+// move). The optimizer of chunk i runs on the device when its parameters and state all live
+// there, and otherwise on the host (the CPU AdamW, chunk by chunk), where gradients of such
+// chunks live too (in optim_tier).
 //
-// A step (f32, grad_accum 1): forward unit by unit with each unit's parameter chunks brought into
-// the device region, backward in reverse with parameter and gradient chunks there (gradients are
-// zeroed at their first touch, and the global norm is summed as each tensor's gradient becomes
-// final), then clipping and AdamW chunk by chunk in the chunks' order. The tier manager knows
-// this schedule: it prefetches along it and evicts by Belady. The losses and weights equal
-// trainer's on gpt bit for bit (up to the grad-norm sum's order, in double).
+// A step (f32): grad_accum micro-batches, each forward unit by unit with each unit's parameter
+// chunks brought into the device region and backward in reverse with parameter and gradient
+// chunks there (gradients are zeroed at their first touch in the step and accumulate after; in
+// the last micro-batch each tensor's gradient is scaled by 1 / grad_accum and its square summed
+// for the global norm as soon as it is final), then clipping and AdamW chunk by chunk in the
+// chunks' order. The tier manager knows this schedule: it prefetches along it (NVMe reads are
+// asynchronous, so the next chunks' reads overlap the CPU AdamW of the current one) and evicts
+// by Belady. The losses and weights equal trainer's on gpt bit for bit (up to the grad-norm
+// sum's order, in double).
+//
+// Errors of the tiers (a full NVMe tier, an I/O error, a checksum mismatch) surface from step()
+// as troupe::error naming the store's path; the chunks the step pinned are released, so the
+// owner can stop cleanly (checkpoints written before are separate files and stay intact).
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "memory/chunk.hpp"
 #include "memory/tier_manager.hpp"
+#include "models/causal_lm.hpp"
 #include "models/gpt.hpp"
 #include "models/offload/streamed_gpt.hpp"
 #include "models/train_config.hpp"
@@ -48,10 +61,14 @@ struct offload_placement {
 };
 
 struct offload_options {
-  std::size_t device_bytes = 0;  // the device budget (non-model memory included)
-  std::size_t host_bytes = 0;    // the host budget for chunks (0: unlimited)
-  std::string nvme_dir;          // needed when a tier is nvme
+  std::size_t device_bytes = 0;           // the device budget (non-model memory included)
+  std::size_t host_bytes = 0;             // the host budget for chunks (0: unlimited)
+  std::string nvme_dir;                   // needed when a tier is nvme
+  std::uint64_t nvme_capacity_bytes = 0;  // limit on the NVMe tier's file (0: the disk's size)
   int prefetch_depth = 4;
+  // The CPU AdamW of chunk i overlaps bringing in chunk i + 1 (when the host and device budgets
+  // hold both chunk groups at once; otherwise the optimizer runs one chunk at a time).
+  bool overlap_optimizer = true;
   offload_placement placement;
   std::vector<std::size_t> chunk_candidates;  // empty: memory::default_chunk_candidates()
 };
@@ -68,10 +85,24 @@ class offload_trainer {
   step_result step(const trainer::batch_source& data);
   std::int64_t steps_done() const { return step_; }
 
+  // Checkpoints in the layout of trainer::save (HF weights, config.json, optimizer.safetensors
+  // with m and v flat in the model's parameter order, trainer_state.json), so either trainer can
+  // resume the other's. `staging` is a model of the same config (any batch dims): its parameters
+  // and gradients carry the chunks' values on the way.
+  expected<std::filesystem::path> save(const std::filesystem::path& folder,
+                                       const hf::model_config& cfg, causal_lm& staging);
+  expected<std::int64_t> resume(const std::filesystem::path& folder, const hf::model_config& cfg,
+                                causal_lm& staging);
+
   const memory::chunk_size_choice& chunking() const { return chunks_; }
   std::int32_t chunk_count() const { return chunks_.layout.chunks; }
   memory::tier_manager& tiers() { return tiers_; }
+  // The planned non-model memory (the model's activation and scratch arenas).
   std::size_t non_model_bytes() const { return model_.non_model_bytes(); }
+  // automatic: the non-model memory measured in the first step (0 before it, or when fixed).
+  std::size_t measured_non_model_bytes() const { return measured_; }
+  // automatic: whether the measurement moved chunks to a new placement.
+  bool replaced() const { return replaced_; }
   std::size_t model_state_bytes() const;  // parameters, gradients, m and v (chunked)
   memory::tier param_home(std::int32_t chunk) const { return tiers_.home(chunk); }
   memory::tier optim_home(std::int32_t chunk) const {
@@ -82,11 +113,21 @@ class offload_trainer {
   void check_budgets();
   // Chunks a step pins at once in `where` outside their home there (the slots it needs).
   std::size_t pinned_at_once(memory::tier where) const;
+  // Whether the optimizer overlaps (known after check_budgets or the first step).
+  bool optimizer_overlaps() const { return overlap_; }
 
  private:
   tensor view(std::byte* base, std::int32_t tensor_index) const;
-  void place();
+  // Homes for every chunk in `into` (registers them), from a non-model figure (automatic).
+  void place(memory::tier_manager& into, std::size_t non_model);
   void build_schedule();
+  step_result run_step(const trainer::batch_source& data);
+  // Copies chunk kind k (0 parameters, 2 m, 3 v) to / from the named parameter slots of `s`
+  // (parameters into their fields, m and v into their gradient fields).
+  void copy_kind(const slot_list& s, int kind, bool out);
+  // automatic, after the first step: places again with the measured non-model memory.
+  void place_measured(std::size_t measured);
+  memory::tier access_tier(std::int32_t id) const;  // device when home there, else host
 
   gpt_config gcfg_;
   train_config cfg_;
@@ -103,6 +144,10 @@ class offload_trainer {
   std::vector<memory::chunk_use> schedule_;
   std::vector<bool> grad_touched_;
   std::int64_t step_ = 0;
+  std::size_t measured_ = 0;
+  bool replaced_ = false;
+  bool laid_out_ = false;  // check_budgets ran on the current tier manager
+  bool overlap_ = false;   // the optimizer's update overlaps the next chunk's transfers
   std::vector<std::int32_t> rows_, targets_;
 };
 

@@ -243,3 +243,44 @@ TEST_CASE("A rank killed in the middle of a run stops the job with an error nami
     named = named || l.find("lost") != std::string::npos || l.find("killed") != std::string::npos;
   CHECK(named);
 }
+
+TEST_CASE("Training with memory tiers matches the plain run in one process and launched",
+          "[multirank]") {
+  auto dir = scratch("tiers");
+  const int steps = 4;
+  auto want = single("gpt2-demo", steps, dir);
+  // Every chunk offloaded, parameters and optimizer state paged through NVMe.
+  const std::vector<std::string> tiers = {
+      "--device-memory",  "24M", "--host-memory",       "8M", "--nvme-dir", dir + "/nvme",
+      "--offload-params", "1",   "--offload-optimizer", "1"};
+  auto got = single("gpt2-demo", steps, dir, tiers);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == want[i]);
+  // Launched, the trainer runs in the tier-manager actor; the automatic placement.
+  same_losses(
+      launched(1, "gpt2-demo", steps, dir, "tiers",
+               {"--device-memory", "24M", "--offload", "auto", "--nvme-dir", dir + "/nvme"}),
+      want);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("troupe ps shows the tiers of a job training with them", "[multirank]") {
+  const std::string job = "tiers-ps-" + std::to_string(::getpid());
+  std::vector<std::string> a = {troupe_bin, "launch", "-n", "1", "--job", job, "--", troupe_bin};
+  auto flags = run_flags("gpt2-demo", 100000);
+  *(std::find(flags.begin(), flags.end(), "--log-every") + 1) = "1";
+  a.insert(a.end(), flags.begin(), flags.end());
+  for (const char* f : {"--device-memory", "24M", "--offload-params", "1"}) a.push_back(f);
+  child_process p(a);
+  REQUIRE(p.wait_for("step     2/", 120s));
+  child_process ps({troupe_bin, "ps", "--job", job, "--json"});
+  auto st = ps.wait(60s);
+  INFO(ps.output());
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) == 0);
+  CHECK(!ps.lines_with("tier-manager").empty());
+  CHECK(!ps.lines_with("tier.device_bytes").empty());
+  CHECK(!ps.lines_with("tier.prefetch_hit_rate").empty());
+  p.signal(SIGTERM);
+  CHECK(p.wait(60s).has_value());
+}
