@@ -110,6 +110,13 @@ const std::map<std::string, setter>& setters() {
          if (!r) throw error(where + " must be \"none\", \"selective\" or \"full\"");
          c.plan.recompute = *r;
        }},
+      {"parallel.partition",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto k = v ? scheduler::parse_partition_kind(*v) : std::nullopt;
+         if (!k) throw error(where + " must be \"even\" or \"balanced\"");
+         c.plan.partition = *k;
+       }},
       {"parallel.order", set_plan_order},
   };
   return s;
@@ -229,6 +236,7 @@ std::string to_toml(const train_config& c) {
   par.insert("schedule", std::string(scheduler::name(c.plan.schedule)));
   par.insert("virtual_stages", c.plan.virtual_stages);
   par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
+  par.insert("partition", std::string(scheduler::name(c.plan.partition)));
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);
   par.insert("order", order);

@@ -368,8 +368,8 @@ tp_gpt_block::tp_gpt_block(const gpt_block::config& c, tp_group g)
       attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}, g),
       ff({.dim = c.dim, .hidden = c.hidden == 0 ? 4 * c.dim : c.hidden}, g) {}
 
-void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto sc = s.enter(name);
+void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto sc = recompute ? s.enter_recomputed(name) : s.enter(name);
   std::string label = "tp_gpt_block '" + s.prefix() + "'";
   check_sequence(tp, b, label);
   ln_1.declare(s, "ln_1", b);
@@ -399,7 +399,11 @@ void tp_gpt_block::forward(const tensor& x, const tensor& y) {
   ops::add(x, ao, r);
   ln_2.forward(r, l2);
   ff.forward(l2, fo);
-  ops::add(r, fo, y);
+  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
+}
+
+void tp_gpt_block::recompute(const tensor& x) {
+  forward(x, tensor{});
 }
 
 void tp_gpt_block::backward(const tensor& dy, const tensor& dx) {
