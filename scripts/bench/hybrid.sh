@@ -25,11 +25,15 @@ field() { grep -o "$1 [0-9.]*" | awk '{print $NF}'; }
 
 single=$("$T" "${common[@]}" --threads 2 | tps)
 echo "1 rank x 2 threads: $single tokens/s"
+# `troupe launch` gives its ranks its environment without TROUPE_* variables, so the knobs below
+# travel through env(1) on the ranks' command line: RANK_ENV="NAME=value ...".
 run() {  # name, flags...
   local name=$1
   shift
   local out
-  out=$("$T" launch -n 2 --job "bench-$name-$$" -- "$T" "${common[@]}" --threads 1 "$@" 2>&1)
+  # shellcheck disable=SC2086  # RANK_ENV: words on purpose
+  out=$("$T" launch -n 2 --job "bench-$name-$$" -- env $RANK_ENV "$T" "${common[@]}" --threads 1 \
+    "$@" 2>&1)
   local t
   t=$(echo "$out" | grep 'trained to step' | tps)
   echo "$out" | grep 'trained to step' | sed 's/^\[rank 0\] //' >"/tmp/troupe-bench-$name.txt"
@@ -37,9 +41,9 @@ run() {  # name, flags...
     "$(echo "$t / $single" | bc -l)"
 }
 # 256 KiB gradient buckets (about a third of a block) so that overlap has something to hide.
-export TROUPE_DP_BUCKET_BYTES=262144
-run dp2 --dp 2
-run tp2 --tp 2
+buckets=TROUPE_DP_BUCKET_BYTES=262144
+RANK_ENV=$buckets run dp2 --dp 2
+RANK_ENV= run tp2 --tp 2
 # Per stage from a trace prefix: forward / backward ms and the two bubbles, steps 2.. only.
 pipe_stats() {
   for f in "$1".stage*.txt; do
@@ -61,8 +65,9 @@ pipe_stats() {
 }
 trace=/tmp/troupe-bench-pipe-$$
 rm -f "$trace".*
-TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE="$trace-batched" run pp2-batched --pp 2 --microbatches 8
-TROUPE_PIPE_TRACE="$trace" run pp2 --pp 2 --microbatches 8
+RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
+  --microbatches 8
+RANK_ENV="TROUPE_PIPE_TRACE=$trace" run pp2 --pp 2 --microbatches 8
 printf 'pp2 1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | bc -l)"
 for v in pp2-batched pp2; do
   bubble=$(grep -o 'bubble [0-9.]*' "/tmp/troupe-bench-$v.txt" | awk '{print $2}')
@@ -71,7 +76,7 @@ for v in pp2-batched pp2; do
 done
 rm -f "$trace".* "$trace"-batched.*
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
-TROUPE_DP_OVERLAP=0 run dp2-no-overlap --dp 2 >/dev/null
+RANK_ENV="$buckets TROUPE_DP_OVERLAP=0" run dp2-no-overlap --dp 2 >/dev/null
 without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
 printf 'dp2 gradient allreduce wait after backward: %s ms per step with overlap, %s ms without: ' \
   "$with" "$without"
