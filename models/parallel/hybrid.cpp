@@ -150,6 +150,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
   }
+  if (recompute) I.description += ", recompute";
   I.layout.slots = &I.piece->slots();
   I.layout.base = I.piece->memory().params();
   I.layout.tp_rank = g.tp->rank();
