@@ -122,6 +122,13 @@ const std::map<std::string, setter>& setters() {
          if (!r) throw error(where + " must be \"none\", \"selective\" or \"full\"");
          c.plan.recompute = *r;
        }},
+      {"parallel.partition",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto k = v ? scheduler::parse_partition_kind(*v) : std::nullopt;
+         if (!k) throw error(where + " must be \"even\" or \"balanced\"");
+         c.plan.partition = *k;
+       }},
       {"parallel.order", set_plan_order},
       {"memory.device", set_size(&train_config::mem_device)},
       {"memory.host", set_size(&train_config::mem_host)},
@@ -317,6 +324,7 @@ std::string to_toml(const train_config& c) {
   par.insert("schedule", std::string(scheduler::name(c.plan.schedule)));
   par.insert("virtual_stages", c.plan.virtual_stages);
   par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
+  par.insert("partition", std::string(scheduler::name(c.plan.partition)));
   toml::table mem;
   mem.insert("device", static_cast<std::int64_t>(c.mem_device));
   mem.insert("host", static_cast<std::int64_t>(c.mem_host));

@@ -7,9 +7,11 @@
 //   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every, precision
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
-//   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute, order
-//                 (scheduler/plan.hpp). A step still reads train.batch x train.grad_accum samples:
-//                 that global batch is split over parallel.dp ranks and parallel.microbatches.
+//   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute,
+//                 partition ("even" | "balanced": blocks per pipeline stage by a FLOP estimate),
+//                 order (scheduler/plan.hpp). A step still reads train.batch x train.grad_accum
+//                 samples: that global batch is split over parallel.dp ranks and
+//                 parallel.microbatches.
 //   [memory]      device, host, nvme_dir, nvme_capacity, offload, offload_params,
 //                 offload_optimizer, params_tier, optimizer_tier: training with memory tiers
 //                 (models/offload). Sizes are integers (bytes) or strings with a suffix ("64M",

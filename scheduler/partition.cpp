@@ -87,4 +87,38 @@ partition even_partition(const layer_costs& c, int parts) {
   return costs(c, parts).make(std::move(first));
 }
 
+layer_costs transformer_costs(const model_shape& m, int tp) {
+  auto need = [](long long v, const char* field) {
+    if (v <= 0)
+      throw std::invalid_argument(std::string("transformer_costs: model_shape.") + field +
+                                  " must be > 0, got " + std::to_string(v));
+  };
+  need(m.layers, "layers");
+  need(m.heads, "heads");
+  need(m.kv_heads, "kv_heads");
+  need(m.hidden, "hidden");
+  need(m.vocab, "vocab");
+  need(m.seq, "seq");
+  need(tp, "tp");
+  const double c = static_cast<double>(m.hidden), t = static_cast<double>(m.seq);
+  const double v = static_cast<double>(m.vocab);
+  const double ffn = m.ffn > 0 ? static_cast<double>(m.ffn) : 4 * c;
+  const double kv = c * static_cast<double>(m.kv_heads) / static_cast<double>(m.heads);
+  // Weights of the block's matrix multiplications: q and o (C x C each), k and v (C x kv each),
+  // the MLP (two C x ffn; three with a gate).
+  const double mlp = (m.gated_mlp ? 3.0 : 2.0) * c * ffn;
+  const double block = 2 * (2 * c * c + 2 * c * kv + mlp) + 4 * t * c;
+  layer_costs out;
+  out.layers.assign(static_cast<std::size_t>(m.layers), 3 * block / tp);
+  out.embedding = 3 * c / tp;
+  out.head = 3 * (2 * c * v + 5 * v) / tp;
+  return out;
+}
+
+partition partition_layers(partition_kind kind, const model_shape& m, int parts, int tp) {
+  const layer_costs costs = transformer_costs(m, tp);
+  return kind == partition_kind::even ? even_partition(costs, parts)
+                                      : balanced_partition(costs, parts);
+}
+
 }  // namespace troupe::scheduler

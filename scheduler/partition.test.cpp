@@ -114,3 +114,45 @@ TEST_CASE("partitions reject impossible requests") {
   CHECK_THROWS_WITH(balanced_partition(c, 2), Catch::Contains("layer 1 is negative"));
   CHECK_THROWS_AS(balanced_partition(layer_costs{{1}, -1, 0}, 1), std::invalid_argument);
 }
+
+// The estimate against a hand count in double: GPT-2 small (C 768, 12 heads, V 50257, T 1024).
+// Forward per token: q, k, v, o 4 C^2 and the MLP 8 C^2 weights, 2 flops each, plus 4 T C for the
+// attention scores and their weighted sum; backward twice that.
+TEST_CASE("the FLOP estimate counts blocks head and embedding per token") {
+  model_shape m;
+  m.layers = 12, m.heads = 12, m.kv_heads = 12, m.hidden = 768, m.vocab = 50257, m.seq = 1024;
+  const double c = 768, t = 1024, v = 50257;
+  auto costs = transformer_costs(m);
+  REQUIRE(costs.layers.size() == 12u);
+  CHECK(costs.layers[5] == Approx(3 * (2 * 12 * c * c + 4 * t * c)));
+  CHECK(costs.head == Approx(3 * (2 * c * v + 5 * v)));
+  CHECK(costs.embedding == Approx(3 * c));
+  // A tensor shard does 1/tp of each; grouped kv heads and a gated MLP change the block.
+  CHECK(transformer_costs(m, 4).layers[0] == Approx(costs.layers[0] / 4));
+  m.kv_heads = 4, m.ffn = 2048, m.gated_mlp = true;
+  const double kv = c * 4 / 12;
+  CHECK(transformer_costs(m).layers[0] ==
+        Approx(3 * (2 * (2 * c * c + 2 * c * kv + 3 * c * 2048) + 4 * t * c)));
+  m.vocab = 0;
+  CHECK_THROWS_WITH(transformer_costs(m), Catch::Contains("model_shape.vocab must be > 0"));
+}
+
+// GPT-2 small's head costs about 4.5 blocks: the balanced split gives the last stage fewer blocks
+// and a smaller maximum than the even one; a small vocabulary (gpt2-demo) keeps the even split.
+TEST_CASE("a balanced partition gives the stage with the head fewer layers") {
+  model_shape m;
+  m.layers = 12, m.heads = 12, m.kv_heads = 12, m.hidden = 768, m.vocab = 50257, m.seq = 1024;
+  auto even = partition_layers(partition_kind::even, m, 2);
+  auto bal = partition_layers(partition_kind::balanced, m, 2);
+  CHECK(even.first == std::vector<int>{0, 6, 12});
+  CHECK(bal.first == std::vector<int>{0, 8, 12});  // 8 blocks vs 4 blocks + a 4.5-block head
+  CHECK(bal.max_cost() < 0.85 * even.max_cost());
+  CHECK(bal.max_cost() == Approx(brute_force(transformer_costs(m), 2)));
+  auto four = partition_layers(partition_kind::balanced, m, 4);
+  CHECK(four.layers(3) < four.layers(0));
+  CHECK(four.max_cost() == Approx(brute_force(transformer_costs(m), 4)));
+  model_shape demo;
+  demo.layers = 4, demo.heads = 4, demo.kv_heads = 4, demo.hidden = 128, demo.vocab = 256;
+  demo.seq = 128;
+  CHECK(partition_layers(partition_kind::balanced, demo, 2).first == std::vector<int>{0, 2, 4});
+}

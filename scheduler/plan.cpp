@@ -42,6 +42,16 @@ std::optional<recompute_policy> parse_recompute_policy(std::string_view s) {
   return std::nullopt;
 }
 
+std::string_view name(partition_kind k) {
+  return k == partition_kind::even ? "even" : "balanced";
+}
+
+std::optional<partition_kind> parse_partition_kind(std::string_view s) {
+  for (auto k : {partition_kind::even, partition_kind::balanced})
+    if (name(k) == s) return k;
+  return std::nullopt;
+}
+
 namespace {
 
 // Collects problems as sentences built from streamable pieces.

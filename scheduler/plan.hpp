@@ -30,6 +30,13 @@ enum class recompute_policy {
 std::string_view name(recompute_policy p);  // "none", "selective", "full"
 std::optional<recompute_policy> parse_recompute_policy(std::string_view s);
 
+// How the blocks are cut into pipeline stages (partition.hpp): the same number each, or the split
+// that minimises the most expensive stage under the FLOP estimate of transformer_costs (the
+// embedding on the first stage, the head and the loss on the last).
+enum class partition_kind { even, balanced };
+std::string_view name(partition_kind k);  // "even", "balanced"
+std::optional<partition_kind> parse_partition_kind(std::string_view s);
+
 struct parallel_plan {
   int dp = 1, tp = 1, pp = 1;
   bool sp = false;       // sequence parallel norms/dropout over the tp group (needs tp > 1)
@@ -38,6 +45,7 @@ struct parallel_plan {
   schedule_kind schedule = schedule_kind::one_f_one_b;
   int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only)
   recompute_policy recompute = recompute_policy::none;
+  partition_kind partition = partition_kind::balanced;
   // Grid axes, slowest first. (Initialized by a call: a braced list here makes GCC 12 crash,
   // "internal compiler error in check_noexcept_r", on `train_config{}.*field` in apps/.)
   std::vector<std::string> order = default_order();
@@ -51,8 +59,10 @@ struct parallel_plan {
 // file is checked before the model is loaded, and before the world size is known).
 struct model_shape {
   long long layers = 0, heads = 0, kv_heads = 0, hidden = 0, vocab = 0;
-  long long seq = 0;    // tokens per sample
-  long long batch = 0;  // global batch in samples per optimizer step
+  long long seq = 0;       // tokens per sample
+  long long batch = 0;     // global batch in samples per optimizer step
+  long long ffn = 0;       // MLP width (0: 4 x hidden)
+  bool gated_mlp = false;  // three MLP matrices (Llama's SwiGLU) instead of two (GPT-2)
 };
 
 // Every problem of `plan` for model `m` on `world_size` ranks (0: unknown), in field order, each a

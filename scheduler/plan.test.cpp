@@ -126,7 +126,7 @@ TEST_CASE("each rule of a plan fails on its own") {
   }
 }
 
-TEST_CASE("schedule and recompute names round trip") {
+TEST_CASE("schedule recompute and partition names round trip") {
   for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved})
     CHECK(parse_schedule_kind(name(k)) == k);
   for (auto r : {recompute_policy::none, recompute_policy::selective, recompute_policy::full})
@@ -134,6 +134,10 @@ TEST_CASE("schedule and recompute names round trip") {
   CHECK(name(schedule_kind::one_f_one_b) == "1f1b");
   CHECK(!parse_schedule_kind("1F1B"));
   CHECK(!parse_recompute_policy("all"));
+  for (auto k : {partition_kind::even, partition_kind::balanced})
+    CHECK(parse_partition_kind(name(k)) == k);
+  CHECK(!parse_partition_kind("uniform"));
+  CHECK(parallel_plan{}.partition == partition_kind::balanced);
 }
 
 TEST_CASE("describe lists the axes in grid order") {

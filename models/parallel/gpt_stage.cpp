@@ -13,7 +13,6 @@ namespace troupe::models::parallel {
 namespace {
 
 shape gpt_boundary(const gpt_config& cfg, batch_dims dims, tp_group tp) {
-  TROUPE_CHECK(!cfg.recompute, "gpt_stage: activation recompute is not supported yet");
   TROUPE_CHECK(cfg.n_layer > 0 && cfg.n_head > 0 && cfg.dim % cfg.n_head == 0,
                "gpt_stage: n_layer and n_head must be > 0 and dim (", cfg.dim,
                ") a multiple of n_head (", cfg.n_head, ")");
@@ -86,6 +85,7 @@ gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options
       slots_.scratch("dx0_gather_buf", {dims.rows() * cfg.dim}, gather_buf_);
     }
   }
+  set_recompute(cfg.recompute);
   plan_memory();
   if (first_ && last_) {
     head_w_ = wte_.weight;

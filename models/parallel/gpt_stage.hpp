@@ -9,7 +9,8 @@
 //                        loss = vocab-parallel cross-entropy
 //
 // Parameter names and slicing are tp_gpt's (copy_gpt_slice); see pipeline_stage.hpp for the
-// chunks, the memory and the activation stash.
+// chunks, the memory and the activation stash. cfg.recompute: stashes keep the stage input only
+// and a restored microbatch's chunk runs forward again before its backward (pipeline_stage.hpp).
 #pragma once
 
 #include <cstdint>

@@ -34,6 +34,7 @@ scheduler::model_shape shape_of(const hf::model_config& m, const train_config& c
     s.heads = s.kv_heads = g->n_head;
     s.hidden = g->n_embd;
     s.vocab = g->vocab_size;
+    s.ffn = g->n_inner();
   } else {
     const auto& l = std::get<hf::llama_config>(m);
     s.layers = l.num_hidden_layers;
@@ -41,6 +42,8 @@ scheduler::model_shape shape_of(const hf::model_config& m, const train_config& c
     s.kv_heads = l.num_key_value_heads;
     s.hidden = l.hidden_size;
     s.vocab = l.vocab_size;
+    s.ffn = l.intermediate_size;
+    s.gated_mlp = true;
   }
   return s;
 }
@@ -99,11 +102,11 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (!problems.empty()) throw error(scheduler::join(problems));
   TROUPE_CHECK(cfg.precision == "f32", "train.precision ", cfg.precision,
                ": parallel plans train in f32 only so far");
-  TROUPE_CHECK(!cfg.recompute, "train.recompute: activation checkpointing is not available under ",
-               "a parallel plan yet");
-  TROUPE_CHECK(plan.recompute == scheduler::recompute_policy::none, "parallel.recompute ",
-               scheduler::name(plan.recompute), ": activation checkpointing is not available ",
-               "under a parallel plan yet");
+  TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
+               "parallel.recompute selective: selective activation checkpointing is not ",
+               "available under a parallel plan yet (use full or none)");
+  // train.recompute or parallel.recompute full: every piece recomputes (gpt_config::recompute).
+  const bool recompute = cfg.recompute || plan.recompute == scheduler::recompute_policy::full;
   TROUPE_CHECK(cfg.resume.empty(), "checkpoint.resume: resuming a run is not available under a ",
                "parallel plan yet; start from its weights with model.hf (--model-hf)");
   const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
@@ -118,14 +121,17 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   whole_layout wl{&whole->slots(), whole->memory().params()};
 
   if (plan.pp > 1) {
-    const auto so = stage_options::of(plan, g.pp->rank());
+    const auto so = stage_options::of(plan, g.pp->rank(), shape_of(model, cfg));
     const tp_group tg{plan.tp > 1 ? g.tp : nullptr, plan.sp};
-    if (is_gpt)
-      I.stage = std::make_unique<gpt_stage>(to_gpt_config(std::get<hf::gpt2_config>(model)), dims,
-                                            so, tg);
-    else
-      I.stage = std::make_unique<llama_stage>(to_llama_config(std::get<hf::llama_config>(model)),
-                                              dims, so, tg);
+    if (is_gpt) {
+      gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
+      gc.recompute = recompute;
+      I.stage = std::make_unique<gpt_stage>(gc, dims, so, tg);
+    } else {
+      llama_config lc = to_llama_config(std::get<hf::llama_config>(model));
+      lc.recompute = recompute;
+      I.stage = std::make_unique<llama_stage>(lc, dims, so, tg);
+    }
     auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
     I.runner = runner.get();
     I.piece = std::move(runner);
@@ -135,22 +141,27 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
   } else if (plan.tp == 1) {
-    I.model = make_causal_lm(model, dims);
+    I.model = make_causal_lm(model, dims, dtype::f32, device::cpu(), {.recompute = recompute});
     I.piece = std::make_unique<model_producer>(*I.model);
     I.description = "whole model";
   } else {
     const tp_group tg{g.tp, plan.sp};
-    if (is_gpt)
-      I.model = std::make_unique<causal_lm_of<tp_gpt>>(
-          to_gpt_config(std::get<hf::gpt2_config>(model)), dims, tg);
-    else
+    if (is_gpt) {
+      gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
+      gc.recompute = recompute;
+      I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tg);
+    } else {
+      TROUPE_CHECK(!recompute, "parallel.recompute / train.recompute: activation recompute is not ",
+                   "available for Llama tensor shards yet (parallel.tp > 1 without pipeline stages)");
       I.model = std::make_unique<causal_lm_of<tp_llama>>(
           to_llama_config(std::get<hf::llama_config>(model)), dims, tg);
+    }
     I.piece = std::make_unique<model_producer>(
         *I.model, *g.tp, replicated_by_shape(I.model->slots(), whole->slots()));
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
   }
+  if (recompute) I.description += ", recompute";
   I.layout.slots = &I.piece->slots();
   I.layout.base = I.piece->memory().params();
   I.layout.tp_rank = g.tp->rank();

@@ -21,6 +21,12 @@ shape llama_boundary(const llama_config& cfg, batch_dims dims, const tp_group& t
   return {dims.batch, t, c.dim};
 }
 
+// A stage recomputes as a whole (pipeline_stage::set_recompute), not block by block.
+llama_config without_block_recompute(llama_config c) {
+  c.recompute = false;
+  return c;
+}
+
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
@@ -30,7 +36,7 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stage_options& o,
                          tp_group tp)
     : pipeline_stage("llama_stage", cfg_in.n_layer, dims, o, tp, llama_boundary(cfg_in, dims, tp)),
-      cfg_(resolve_tp_llama_config(cfg_in, tp, "llama_stage")),
+      cfg_(resolve_tp_llama_config(without_block_recompute(cfg_in), tp, "llama_stage")),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
       head_(cfg_, tp) {
   first_ = holds_first(0);
@@ -56,6 +62,7 @@ llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stag
   }
   slots_.scratch("dx_a", bt, dx_a_);
   slots_.scratch("dx_b", bt, dx_b_);
+  set_recompute(cfg_in.recompute);
   plan_memory();
   if (last_ && first_ && cfg_.tie_embeddings) {
     head_.weight = embed_tokens_.weight;

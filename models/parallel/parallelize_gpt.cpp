@@ -17,7 +17,6 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
       wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
       ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}, tp),
       loss_({.vocab = cfg.vocab}, tp) {
-  TROUPE_CHECK(!cfg.recompute, "tp_gpt: activation recompute is not supported yet");
   TROUPE_CHECK(cfg.dim % cfg.n_head == 0, "tp_gpt: dim (", cfg.dim,
                ") must be a multiple of n_head (", cfg.n_head, ")");
   TROUPE_CHECK(dims.seq <= cfg.max_seq, "tp_gpt: sequence length ", dims.seq, " exceeds max_seq ",
@@ -38,7 +37,7 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
   wpe_.declare(slots_, "wpe", {1, dims.seq});
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    h_[i].declare(slots_, "h." + std::to_string(i), dims);
+    h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg.recompute);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
   ln_f_.declare(slots_, "ln_f", dims);
@@ -136,8 +135,11 @@ void tp_gpt::backward(double loss_scale) {
   ops::matmul(dlogits, wte_.weight, dhf.reshape({b_ * t_, cfg_.dim}));
   head_.backward(dhf, da);
   ln_f_.backward(da, db);
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_gpt", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
+    // Every block, the last included: the head's scratch (SP) may reuse the shared bytes.
+    if (cfg_.recompute) h_[i].recompute(x(i));
     h_[i].backward(db, da);
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);

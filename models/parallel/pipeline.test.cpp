@@ -326,6 +326,82 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
   }
 }
 
+// Recompute (parallel.recompute full): stashes keep each in-flight microbatch's stage input only
+// and a restored microbatch's chunk runs forward again before its backward. The same checks as
+// without (against the storing single-process model); then against the storing pipeline: as many
+// stash buffers, each at least 4 x smaller, and a recompute wherever a microbatch was stashed.
+TEST_CASE("GPT-2 pipeline stages with activation recompute match the single process",
+          "[parallel]") {
+  struct config {
+    int pp;
+    schedule_kind kind;
+    int m, v, tp;
+    bool sp;
+  };
+  for (auto c : {config{2, schedule_kind::gpipe, 4, 1, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, 1, false},
+                 config{2, schedule_kind::interleaved, 4, 2, 1, false},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, 2, true}}) {
+    auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
+    INFO(scheduler::describe(plan));
+    batches data(c.m);
+    gpt full(tiny_gpt(), {rows, seq});
+    full.init_weights(5);
+    double want = reference(full, data);
+    auto factory = [](bool recompute) {
+      return [recompute](const scheduler::parallel_plan& p, int s, tp_group tp) {
+        gpt_config cfg = tiny_gpt();
+        cfg.recompute = recompute;
+        return std::make_unique<gpt_stage>(cfg, batch_dims{rows, seq}, stage_options::of(p, s), tp);
+      };
+    };
+    auto stored = run_pipeline(plan, factory(false), data, "h");
+    plan.recompute = scheduler::recompute_policy::full;
+    auto run = run_pipeline(plan, factory(true), data, "h");
+    check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
+    check_hook_final(run, "h");
+    for (std::size_t r = 0; r < run.stages.size(); ++r) {
+      const auto &a = *run.stages[r], &b = *stored.stages[r];
+      INFO("rank " << r << " stash " << a.stash_bytes() << " bytes vs " << b.stash_bytes());
+      CHECK(a.recomputes());
+      CHECK(a.stash_buffers() == b.stash_buffers());
+      CHECK(a.stash_bytes() * 4 <= b.stash_bytes());
+      CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
+    }
+  }
+}
+
+// parallel.partition balanced (the default): a vocabulary of 512 makes the head cost 1.3 blocks
+// of the tiny GPT-2, so of 4 blocks the first stage takes 3 and the last 1 (even: 2 and 2); the
+// uneven stages still give the single process's loss and gradients.
+TEST_CASE("Pipeline stages cut by the cost estimate match the single process", "[parallel]") {
+  gpt_config cfg = tiny_gpt();
+  cfg.vocab = 512;
+  scheduler::model_shape shape;
+  shape.layers = cfg.n_layer, shape.heads = cfg.n_head, shape.kv_heads = cfg.n_head;
+  shape.hidden = cfg.dim, shape.vocab = cfg.vocab, shape.seq = seq;
+  auto plan = make_plan(2, schedule_kind::one_f_one_b, 4);
+  REQUIRE(plan.partition == scheduler::partition_kind::balanced);
+  CHECK(stage_options::of(plan, 1, shape).first == std::vector<int>{0, 3, 4});
+  auto even = plan;
+  even.partition = scheduler::partition_kind::even;
+  CHECK(stage_options::of(even, 1, shape).first == std::vector<int>{0, 2, 4});
+  batches data(4);
+  gpt full(cfg, {rows, seq});
+  full.init_weights(5);
+  double want = reference(full, data);
+  auto run = run_pipeline(
+      plan,
+      [&](const scheduler::parallel_plan& p, int s, tp_group tp) {
+        return std::make_unique<gpt_stage>(cfg, batch_dims{rows, seq},
+                                           stage_options::of(p, s, shape), tp);
+      },
+      data, "h");
+  CHECK(run.stages[0]->end_block(0) == 3);
+  CHECK(run.stages[1]->first_block(0) == 3);
+  check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
+}
+
 TEST_CASE("Llama pipeline stages match the single process loss and gradients", "[parallel]") {
   struct config {
     int pp;
@@ -358,6 +434,47 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
         data, "layers");
     check_run(full, want, run, plan, c.tied ? "embed_tokens.weight" : "", 4, 1e-5);
     check_hook_final(run, "layers");
+  }
+}
+
+// Llama stages recompute as GPT-2's do (pipeline_stage): the same checks, tied and tp 2 + SP.
+TEST_CASE("Llama pipeline stages with activation recompute match the single process",
+          "[parallel]") {
+  struct config {
+    schedule_kind kind;
+    int m, v;
+    bool tied;
+    int tp;
+    bool sp;
+  };
+  for (auto c : {config{schedule_kind::one_f_one_b, 4, 1, false, 1, false},
+                 config{schedule_kind::interleaved, 4, 2, true, 2, true}}) {
+    auto plan = make_plan(2, c.kind, c.m, c.v, c.tp, c.sp);
+    INFO(scheduler::describe(plan) << (c.tied ? " tied" : ""));
+    batches data(c.m);
+    llama full(tiny_llama(c.tied), {rows, seq});
+    full.init_weights(5);
+    double want = reference(full, data);
+    auto factory = [tied = c.tied](bool recompute) {
+      return [tied, recompute](const scheduler::parallel_plan& p, int s, tp_group tp) {
+        llama_config cfg = tiny_llama(tied);
+        cfg.recompute = recompute;
+        return std::make_unique<llama_stage>(cfg, batch_dims{rows, seq}, stage_options::of(p, s),
+                                             tp);
+      };
+    };
+    auto stored = run_pipeline(plan, factory(false), data, "layers");
+    plan.recompute = scheduler::recompute_policy::full;
+    auto run = run_pipeline(plan, factory(true), data, "layers");
+    check_run(full, want, run, plan, c.tied ? "embed_tokens.weight" : "", 4, 1e-5);
+    check_hook_final(run, "layers");
+    for (std::size_t r = 0; r < run.stages.size(); ++r) {
+      const auto &a = *run.stages[r], &b = *stored.stages[r];
+      INFO("rank " << r);
+      CHECK(a.recomputes());
+      CHECK(a.stash_bytes() < b.stash_bytes());
+      CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
+    }
   }
 }
 
@@ -626,4 +743,47 @@ TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
     }
     std::printf("  (step %.0f ms)\n", wall[0][1] * 1e3);
   }
+}
+
+// Memory with and without recompute, not a test: gpt2-demo's shape (4 x 128, vocabulary 256), one
+// row of 128 tokens per microbatch, pp 2 with 8 microbatches; per stage the activation arena and
+// the stash after one step. Run: troupe_models_tests "[.pipe_memory]".
+TEST_CASE("Pipeline stash memory with and without recompute", "[.pipe_memory]") {
+  gpt_config cfg;
+  cfg.vocab = 256;
+  cfg.max_seq = 128;
+  cfg.dim = 128;
+  cfg.n_layer = 4;
+  cfg.n_head = 4;
+  const batch_dims dims{1, 128};
+  for (auto kind : {schedule_kind::gpipe, schedule_kind::one_f_one_b})
+    for (bool recompute : {false, true}) {
+      auto plan = make_plan(2, kind, 8);
+      if (recompute) plan.recompute = scheduler::recompute_policy::full;
+      auto comms = collective::make_local_group(2);
+      std::vector<std::string> line(2);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < 2; ++r)
+        threads.emplace_back([&, r] {
+          gpt_config c = cfg;
+          c.recompute = recompute;
+          gpt_stage st(c, dims, stage_options::of(plan, r));
+          st.init_weights(1);
+          pipeline_runner run(st, *comms[r], plan);
+          auto ids = empty({dims.batch, dims.seq}, dtype::i32);
+          for (std::int64_t i = 0; i < ids.numel(); ++i)
+            ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 31) % 256);
+          st.memory().zero_grads();
+          run.forward_backward(8, [&](int) { return microbatch_data{ids, ids, 1.0 / 8}; });
+          char buf[200];
+          std::snprintf(buf, sizeof buf, " s%d arena %.2f MB stash %zu x %.3f MB = %.2f MB", r,
+                        st.memory().activation_bytes() / 1e6, st.stash_buffers(),
+                        st.stash_buffers() ? st.stash_bytes() / 1e6 / st.stash_buffers() : 0.0,
+                        st.stash_bytes() / 1e6);
+          line[r] = buf;
+        });
+      for (auto& t : threads) t.join();
+      std::printf("%-6s recompute %-4s%s%s\n", std::string(scheduler::name(kind)).c_str(),
+                  recompute ? "full" : "none", line[0].c_str(), line[1].c_str());
+    }
 }

@@ -1,8 +1,14 @@
 // pipeline_runner: one stage's pipeline schedule over a communicator (see pipeline_runner.hpp).
 #include "models/parallel/pipeline_runner.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <string>
@@ -66,13 +72,23 @@ pipeline_runner::pipeline_runner(pipeline_stage& stage, collective::communicator
                "pipeline_runner: parallel.tp = ", plan.tp, " and parallel.sp = ", plan.sp,
                " but the stage's tensor group has ", stage.tp().size(), " ranks and sp ",
                stage.tp().sequence_parallel);
-  TROUPE_CHECK(plan.recompute == scheduler::recompute_policy::none,
-               "pipeline_runner: parallel.recompute = ", scheduler::name(plan.recompute),
-               " is not supported by pipeline stages yet (use none)");
+  TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
+               "pipeline_runner: parallel.recompute = selective is not supported by pipeline ",
+               "stages (use full or none)");
+  TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::full || stage.recomputes(),
+               "pipeline_runner: parallel.recompute = full but stage ", stage.stage(),
+               " was built without recompute (set the model config's recompute)");
   TROUPE_CHECK(norm_group == nullptr || norm_group->size() == plan.pp * plan.tp,
                "pipeline_runner: the norm group ", norm_group ? norm_group->name() : "",
                " must hold the pp x tp = ", plan.pp * plan.tp, " ranks of one replica");
   schedule(plan.microbatches);
+  // Benchmark knobs (scripts/bench/hybrid.sh): TROUPE_PIPE_P2P=batched waits for each of the
+  // list's transfer batches where it stands (the schedule as Megatron runs it).
+  if (const char* b = std::getenv("TROUPE_PIPE_P2P"); b != nullptr && std::string(b) == "batched")
+    batched_ = true;
+  if (const char* t = std::getenv("TROUPE_PIPE_TRACE"); t != nullptr && *t != 0)
+    trace_path_ = std::string(t) + ".stage" + std::to_string(stage.stage()) + "." +
+                  std::to_string(::getpid()) + ".txt";
   after_block_ = [this](std::int64_t block) {
     if (last_backward_ && hook_) hook_(block);
   };
@@ -92,6 +108,14 @@ const std::vector<action>& pipeline_runner::schedule(int microbatches) {
   check_links(all);
   actions_ = std::move(all[static_cast<std::size_t>(stage_.stage())]);
   schedule_m_ = microbatches;
+  // Before compute action i: post the receives listed up to the compute action after it.
+  post_until_.assign(actions_.size(), actions_.size());
+  std::size_t next = actions_.size();
+  for (std::size_t i = actions_.size(); i-- > 0;)
+    if (scheduler::is_compute(actions_[i].kind)) {
+      post_until_[i] = next;
+      next = i;
+    }
   return actions_;
 }
 
@@ -101,6 +125,11 @@ bool pipeline_runner::set_block_grads_hook(std::function<void(std::int64_t block
 }
 
 double pipeline_runner::bubble_fraction() const {
+  if (timing_.schedule_s <= 0) return 0.0;
+  return std::clamp(1.0 - timing_.compute_s / timing_.schedule_s, 0.0, 1.0 - 1e-12);
+}
+
+double pipeline_runner::step_bubble_fraction() const {
   if (timing_.wall_s <= 0) return 0.0;
   return std::clamp(1.0 - timing_.compute_s / timing_.wall_s, 0.0, 1.0 - 1e-12);
 }
@@ -134,49 +163,152 @@ int& pipeline_runner::table(action_kind k, int mb, int chunk) {
   }
 }
 
+double pipeline_runner::now() const {
+  return seconds_since(t0_);
+}
+
 double pipeline_runner::forward_backward(int microbatches,
                                          const std::function<microbatch_data(int k)>& fetch) {
-  const auto t0 = std::chrono::steady_clock::now();
+  t0_ = std::chrono::steady_clock::now();
   const auto& acts = schedule(microbatches);
   stage_.begin_step(microbatches);
   const auto slots = static_cast<std::size_t>(microbatches * stage_.chunks());
   for (auto* t : {&act_in_, &act_out_, &grad_in_, &grad_out_}) t->assign(slots, -1);
+  recv_work_.assign(2 * slots, collective::work{});
   backwards_done_.assign(static_cast<std::size_t>(stage_.chunks()), 0);
   free_.clear();
   for (int i = static_cast<int>(pool_.size()) - 1; i >= 0; --i) free_.push_back(i);
+  sends_.clear();
+  next_recv_ = 0;
+  trace_.clear();
   fetched_ = -1;
   loss_sum_ = 0;
   timing_ = {};
   timing_.microbatches = microbatches;
 
-  for (std::size_t i = 0; i < acts.size();) {
+  for (std::size_t i = 0; i < acts.size(); ++i) {
     const action& a = acts[i];
     if (scheduler::is_compute(a.kind)) {
-      const auto tc = std::chrono::steady_clock::now();
+      if (!batched_) post_receives(post_until_[i]);
+      wait_input(a);
+      const double tc = now();
       if (a.kind == action_kind::forward)
         forward(a, fetch);
       else
         backward(a);
-      timing_.compute_s += seconds_since(tc);
-      ++i;
-      continue;
+      const double te = now();
+      timing_.compute_s += te - tc;
+      trace_.push_back({a, tc, te});
+      reap_sends(false);
+    } else if (batched_) {  // the list's batch: post it, then wait for all of it
+      std::size_t j = i;
+      for (; j < acts.size() && !scheduler::is_compute(acts[j].kind); ++j)
+        if (scheduler::is_send(acts[j].kind)) post_send(acts[j]);
+      post_receives(j);
+      reap_sends(true);
+      for (; i < j; ++i)
+        if (scheduler::is_recv(acts[i].kind)) wait_recv(acts[i]);
+      --i;
+    } else if (scheduler::is_send(a.kind)) {
+      post_send(a);
+    } else {
+      post_receives(i + 1);
     }
-    std::size_t j = i;
-    while (j < acts.size() && !scheduler::is_compute(acts[j].kind)) ++j;
-    transfers(acts, i, j);
-    i = j;
   }
+  reap_sends(true);
+  timing_.schedule_s = now();
   for (int c = 0; c < stage_.chunks(); ++c)
     TROUPE_CHECK(backwards_done_[c] == microbatches, "pipeline_runner: stage ", stage_.stage(),
                  " ran ", backwards_done_[c], " backwards of chunk ", c, " for ", microbatches,
                  " microbatches");
 
-  const auto tw = std::chrono::steady_clock::now();
+  const double tw = now();
   exchange_tied_grad();
   share_loss();
-  timing_.wait_s += seconds_since(tw);
-  timing_.wall_s = seconds_since(t0);
+  timing_.wait_s += now() - tw;
+  timing_.wall_s = now();
+  ++steps_;
+  if (!trace_path_.empty()) write_trace();
   return loss_sum_;
+}
+
+void pipeline_runner::post_receives(std::size_t until) {
+  const auto n = static_cast<std::size_t>(stage_.boundary().numel());
+  for (; next_recv_ < until; ++next_recv_) {
+    const action& a = actions_[next_recv_];
+    if (!scheduler::is_recv(a.kind)) continue;
+    int& buf = table(a.kind, a.microbatch, a.chunk);
+    TROUPE_CHECK(buf < 0, "pipeline_runner: stage ", stage_.stage(), " would ",
+                 scheduler::describe(a), " twice");
+    buf = take_buffer();
+    const auto k = static_cast<std::size_t>(a.microbatch * stage_.chunks() + a.chunk) * 2 +
+                   (a.kind == action_kind::recv_grad ? 1 : 0);
+    recv_work_[k] = pp_.recv(pool_[buf].data(), n, dtype::f32, a.peer);
+  }
+}
+
+void pipeline_runner::wait_input(const action& a) {
+  const int p = stage_.stages(), s = stage_.stage();
+  if (a.kind == action_kind::forward && !stage_.holds_first(a.chunk))
+    wait_recv({action_kind::recv_activation, a.microbatch, a.chunk, (s - 1 + p) % p});
+  if (a.kind == action_kind::backward && !stage_.holds_last(a.chunk))
+    wait_recv({action_kind::recv_grad, a.microbatch, a.chunk, (s + 1) % p});
+}
+
+void pipeline_runner::wait_recv(const action& r) {
+  auto& w = recv_work_[static_cast<std::size_t>(r.microbatch * stage_.chunks() + r.chunk) * 2 +
+                       (r.kind == action_kind::recv_grad ? 1 : 0)];
+  if (!w.valid()) return;  // waited already, or never posted (forward / backward name it)
+  const double t = now();
+  w.wait();
+  w = collective::work{};
+  const double e = now();
+  timing_.wait_s += e - t;
+  trace_.push_back({r, t, e});
+}
+
+void pipeline_runner::post_send(const action& a) {
+  int& buf = table(a.kind, a.microbatch, a.chunk);
+  TROUPE_CHECK(buf >= 0, "pipeline_runner: stage ", stage_.stage(), " would ",
+               scheduler::describe(a), " before computing it");
+  const auto n = static_cast<std::size_t>(stage_.boundary().numel());
+  const double t = now();
+  sends_.push_back({pp_.send(pool_[buf].data(), n, dtype::f32, a.peer), buf, trace_.size()});
+  trace_.push_back({a, t, t});
+  buf = -1;
+  if (static_cast<int>(sends_.size()) > max_sends) {
+    const double tw = now();
+    sends_.front().w.wait();
+    timing_.wait_s += now() - tw;
+    reap_sends(false);
+  }
+}
+
+void pipeline_runner::reap_sends(bool all) {
+  const double tw = now();
+  std::size_t done = 0;
+  for (; done < sends_.size(); ++done) {
+    auto& s = sends_[done];
+    if (all)
+      s.w.wait();
+    else if (!s.w.test())
+      break;
+    free_.push_back(s.buffer);
+    trace_[s.event].end_s = now();
+  }
+  sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
+  if (all) timing_.wait_s += now() - tw;
+}
+
+void pipeline_runner::write_trace() {
+  std::FILE* f = std::fopen(trace_path_.c_str(), "a");
+  TROUPE_CHECK(f != nullptr, "pipeline_runner: TROUPE_PIPE_TRACE: cannot open ", trace_path_,
+               " for appending: ", std::strerror(errno));
+  for (const auto& e : trace_)
+    std::fprintf(f, "%d %s %d %d %.3f %.3f\n", steps_, std::string(name(e.what.kind)).c_str(),
+                 e.what.microbatch, e.what.chunk, e.start_s * 1e3, e.end_s * 1e3);
+  std::fprintf(f, "%d wall -1 -1 0 %.3f\n", steps_, timing_.wall_s * 1e3);
+  std::fclose(f);
 }
 
 void pipeline_runner::forward(const action& a, const std::function<microbatch_data(int k)>& fetch) {
@@ -238,33 +370,6 @@ void pipeline_runner::backward(const action& a) {
     free_.push_back(in_buf);
     in_buf = -1;
   }
-}
-
-void pipeline_runner::transfers(const std::vector<action>& acts, std::size_t begin,
-                                std::size_t end) {
-  pending_.clear();
-  release_.clear();
-  const auto n = static_cast<std::size_t>(stage_.boundary().numel());
-  for (std::size_t i = begin; i < end; ++i) {
-    const action& a = acts[i];
-    int& buf = table(a.kind, a.microbatch, a.chunk);
-    if (scheduler::is_send(a.kind)) {
-      TROUPE_CHECK(buf >= 0, "pipeline_runner: stage ", stage_.stage(), " would ",
-                   scheduler::describe(a), " before computing it");
-      pending_.push_back(pp_.send(pool_[buf].data(), n, dtype::f32, a.peer));
-      release_.push_back(buf);
-      buf = -1;
-    } else {
-      TROUPE_CHECK(buf < 0, "pipeline_runner: stage ", stage_.stage(), " would ",
-                   scheduler::describe(a), " twice");
-      buf = take_buffer();
-      pending_.push_back(pp_.recv(pool_[buf].data(), n, dtype::f32, a.peer));
-    }
-  }
-  const auto tw = std::chrono::steady_clock::now();
-  for (auto& w : pending_) w.wait();
-  timing_.wait_s += seconds_since(tw);
-  for (int b : release_) free_.push_back(b);
 }
 
 void pipeline_runner::share_loss() {

@@ -6,9 +6,18 @@
 //                     microbatch, ascending); the output goes to a send buffer
 //   backward (mb, c)  the received output gradient (the loss on the last virtual stage); the
 //                     input gradient goes to a send buffer
-//   transfers         each run of consecutive transfer actions (one Megatron batch) is posted
-//                     together with the communicator's send / recv and then waited; buffers are
-//                     f32 [rows, T_local, C] from a pool that grows to the schedule's peak
+//   transfers         sends are posted where the list has them and never waited for there: a
+//                     send's buffer returns to the pool when the send is seen complete (polled
+//                     after each compute action; at most max_sends in flight, then the oldest is
+//                     waited; all at the end of the schedule). Receives are posted ahead, in list
+//                     order: before compute action k runs, every receive the list has before
+//                     compute action k + 1 is posted, so the next microbatch's input arrives
+//                     while this one computes; a compute action waits only for its own input.
+//                     Buffers are f32 [rows, T_local, C] from a pool that grows to the peak.
+//
+// Waiting less than the list's batches (each batch of consecutive transfers posted together and
+// waited, Megatron's batch_isend_irecv) never deadlocks where the batched list does not: every
+// stage reaches each action no later than it would with batches.
 //
 // Sends and receives between two stages share one FIFO (the communicator's send/recv carry no
 // tag), so the constructor checks that on every link the k-th message sent is the k-th expected,
@@ -22,14 +31,25 @@
 // collective on it would hang, since stages issue different numbers of sends and receives and the
 // host communicator numbers collectives by the count of all ops issued (p2p_communicator.hpp).
 //
-// Timing of the last step: wall (the whole forward_backward), compute (forward and backward
-// actions, the stash copies and any tensor-parallel collectives inside them included), and the
-// time spent waiting for transfers; bubble_fraction() = 1 - compute / wall, to compare with
-// ideal_bubble_fraction() = (p - 1) / (v m + p - 1).
+// Timing of the last step: wall (the whole forward_backward), schedule (the action list: from the
+// start to the last send's completion), compute (forward and backward actions, the stash copies,
+// recompute and any tensor-parallel collectives inside them included), and the time spent waiting
+// for transfers. bubble_fraction() = 1 - compute / schedule: the idle share of the pipelined
+// forward / backward section, the quantity (p - 1) / (v m + p - 1) predicts
+// (ideal_bubble_fraction(); Narayanan et al. 2021); step_bubble_fraction() = 1 - compute / wall
+// also counts the tied-embedding gradient exchange and the loss broadcast after the schedule.
+// TROUPE_PIPE_P2P=batched (a benchmark knob) runs the list as Megatron does instead: each batch of
+// consecutive transfers posted together and waited for where it stands.
+// last_trace() holds every action of the last step with its times; with the environment variable
+// TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
+// line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
+// (compute: the run; receive: the wait for it; send: posted, and seen complete).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -42,18 +62,26 @@
 namespace troupe::models::parallel {
 
 struct pipeline_timing {
-  double wall_s = 0;     // the whole forward_backward
-  double compute_s = 0;  // forward and backward actions
-  double wait_s = 0;     // waiting for transfers (schedule, tied gradient, loss)
+  double wall_s = 0;      // the whole forward_backward
+  double schedule_s = 0;  // the action list, from the start to the last send's completion
+  double compute_s = 0;   // forward and backward actions
+  double wait_s = 0;      // waiting for transfers (schedule, tied gradient, loss)
   int microbatches = 0;
+};
+
+// One action of the last step and when it ran, in seconds from the start of forward_backward.
+struct pipeline_event {
+  scheduler::action what;
+  double start_s = 0, end_s = 0;
 };
 
 class pipeline_runner final : public grad_producer {
  public:
   // pp: ranks = stages in order (pp.rank() == stage.stage()); plan: pp, tp, sp, schedule,
   // microbatches, virtual_stages and recompute are checked against the stage and pp (recompute
-  // must be none). norm_group: the model-parallel ranks (pp x tp) of this replica, or null. The
-  // stage and the communicators must outlive the runner.
+  // full needs a stage built with recompute; selective is refused). norm_group: the model-parallel
+  // ranks (pp x tp) of this replica, or null. The stage and the communicators must outlive the
+  // runner.
   pipeline_runner(pipeline_stage& stage, collective::communicator& pp,
                   const scheduler::parallel_plan& plan,
                   collective::communicator* norm_group = nullptr);
@@ -73,8 +101,13 @@ class pipeline_runner final : public grad_producer {
   const std::vector<scheduler::action>& schedule(int microbatches);
 
   const pipeline_timing& last_timing() const { return timing_; }
-  // 1 - compute / wall of the last step (0 before the first), in [0, 1).
+  // 1 - compute / schedule of the last step (0 before the first), in [0, 1).
   double bubble_fraction() const;
+  // 1 - compute / wall of the last step: the exchanges after the schedule count as idle too.
+  double step_bubble_fraction() const;
+  const std::vector<pipeline_event>& last_trace() const { return trace_; }
+  // Sends allowed in flight before the oldest is waited for (>= 1).
+  static constexpr int max_sends = 4;
   // The schedule's idle share with equal forward and backward times and free transfers:
   // (p - 1) / (v m + p - 1).
   static double ideal_bubble_fraction(int stages, int microbatches, int virtual_stages = 1);
@@ -83,7 +116,13 @@ class pipeline_runner final : public grad_producer {
   int take_buffer();
   void forward(const scheduler::action& a, const std::function<microbatch_data(int k)>& fetch);
   void backward(const scheduler::action& a);
-  void transfers(const std::vector<scheduler::action>& acts, std::size_t begin, std::size_t end);
+  void post_receives(std::size_t until);
+  void wait_input(const scheduler::action& a);
+  void wait_recv(const scheduler::action& r);
+  void post_send(const scheduler::action& a);
+  void reap_sends(bool all);
+  void write_trace();
+  double now() const;
   void exchange_tied_grad();
   void share_loss();
   int& table(scheduler::action_kind k, int mb, int chunk);
@@ -94,6 +133,9 @@ class pipeline_runner final : public grad_producer {
   scheduler::parallel_plan plan_;
   int schedule_m_ = -1;
   std::vector<scheduler::action> actions_;
+  // post_until_[i] for a compute action i: the receives listed before this index are posted
+  // before it runs (those up to the compute action after it).
+  std::vector<std::size_t> post_until_;
   std::function<void(std::int64_t)> hook_;
   block_hook after_block_;  // calls hook_ during the last backward of a chunk
   bool last_backward_ = false;
@@ -103,9 +145,21 @@ class pipeline_runner final : public grad_producer {
   std::vector<owned_tensor> pool_;
   std::vector<int> free_;
   std::vector<int> act_in_, act_out_, grad_in_, grad_out_;
-  std::vector<int> backwards_done_;  // per chunk, this step
-  std::vector<collective::work> pending_;
-  std::vector<int> release_;
+  std::vector<int> backwards_done_;          // per chunk, this step
+  std::vector<collective::work> pending_;    // loss and tied gradient
+  std::vector<collective::work> recv_work_;  // per (microbatch, chunk, kind 0 act / 1 grad)
+  struct in_flight_send {
+    collective::work w;
+    int buffer;
+    std::size_t event;
+  };
+  std::vector<in_flight_send> sends_;  // oldest first
+  std::size_t next_recv_ = 0;          // the first action index not yet looked at for posting
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<pipeline_event> trace_;
+  std::string trace_path_;  // TROUPE_PIPE_TRACE: where each step's trace is appended
+  bool batched_ = false;    // TROUPE_PIPE_P2P=batched: wait for each transfer batch in place
+  int steps_ = 0;
   int fetched_ = -1;  // the last microbatch fetched
   microbatch_data data_;
   double loss_sum_ = 0;

@@ -14,6 +14,20 @@ stage_options stage_options::of(const scheduler::parallel_plan& plan, int stage)
   return {.stage = stage, .stages = plan.pp, .virtual_stages = plan.virtual_stages, .first = {}};
 }
 
+stage_options stage_options::of(const scheduler::parallel_plan& plan, int stage,
+                                const scheduler::model_shape& m) {
+  stage_options o = of(plan, stage);
+  try {
+    o.first = scheduler::partition_layers(plan.partition, m, plan.pp * plan.virtual_stages, plan.tp)
+                  .first;
+  } catch (const std::invalid_argument& e) {
+    TROUPE_FAIL("parallel.partition = ", scheduler::name(plan.partition),
+                " with parallel.pp = ", plan.pp,
+                " x parallel.virtual_stages = ", plan.virtual_stages, ": ", e.what());
+  }
+  return o;
+}
+
 pipeline_stage::pipeline_stage(std::string what, std::int64_t n_layer, batch_dims dims,
                                const stage_options& o, tp_group tp, shape boundary)
     : what_(std::move(what)),
@@ -72,12 +86,17 @@ void pipeline_stage::plan_memory() {
   mem_ = layer_memory(slots_, dtype::f32, device::cpu());
   const auto& all = slots_.slots();
   std::vector<char> owned(all.size(), 0);
+  if (recompute_) rerun_out_ = empty(boundary_, dtype::f32);
   for (int c = 0; c < chunks_; ++c) {
     auto& ch = chunk_[c];
     for (std::size_t i = ch.slot_begin; i < ch.slot_end; ++i) {
       owned[i] = 1;
-      if (all[i].kind != slot_kind::activation) continue;
+      if (all[i].kind != slot_kind::activation || recompute_) continue;
       ch.state.push_back(*all[i].field);
+    }
+    if (recompute_ && !holds_first(c)) {
+      ch.input = empty(boundary_, dtype::f32);
+      ch.state.push_back(ch.input);
     }
     if (holds_first(c)) ch.state.push_back(ids_);
     if (holds_last(c)) ch.state.push_back(targets_);
@@ -213,7 +232,17 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
   }
   ch.live = mb;
   pend = 1;
-  return run_forward(chunk, holds_first(chunk) ? ids_.view() : in, targets_, y);
+  if (holds_first(chunk)) return run_forward(chunk, ids_, targets_, y);
+  if (!recompute_) return run_forward(chunk, in, targets_, y);
+  std::memcpy(ch.input.data(), in.data(), ch.input.nbytes());  // the stash keeps this only
+  return run_forward(chunk, ch.input, targets_, y);
+}
+
+void pipeline_stage::rerun(int chunk) {
+  const auto& ch = chunk_[chunk];
+  run_forward(chunk, holds_first(chunk) ? ids_.view() : ch.input.view(), targets_,
+              holds_last(chunk) ? tensor{} : rerun_out_.view());
+  ++recomputed_;
 }
 
 void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor& dx,
@@ -229,6 +258,7 @@ void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor&
     if (ch.live >= 0) stash(chunk, ch.live);
     restore(chunk, mb);
     ch.live = mb;
+    if (recompute_) rerun(chunk);
   }
   run_backward(chunk, dy, dx, weight_[mb], after_block);
   ch.live = -1;  // backward may overwrite what it read (the logits hold dlogits)

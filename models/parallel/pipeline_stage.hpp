@@ -17,7 +17,13 @@
 // are first copied into a stash buffer (a pool per chunk, grown to the schedule's peak of
 // microbatches in flight and reused across steps); a backward whose microbatch is not the one in
 // the arena copies it back first. A backward right after its forward (the last stage in 1F1B)
-// copies nothing. Every microbatch must have the planned shape [dims.batch, dims.seq]: the views
+// copies nothing. With recompute (set_recompute, from the model's recompute flag) a stash holds
+// only the microbatch's stage input (the ids on virtual stage 0, else the received activation;
+// the targets on the last) and the layer state outside the arena; a backward that restores a
+// microbatch first runs the chunk's forward again from that input, so every activation is back
+// before the backward reads it (Megatron's full recompute with the stage as the checkpointed
+// unit): one extra forward per restored microbatch, none when the backward follows its forward.
+// Every microbatch must have the planned shape [dims.batch, dims.seq]: the views
 // layers save in forward point into the arena and are valid for any microbatch of that shape.
 //
 // forward / backward run one (microbatch, chunk); the tensors passed between virtual stages are
@@ -48,6 +54,10 @@ struct stage_options {
 
   // Stage `stage` of plan.pp with plan.virtual_stages chunks, even split.
   static stage_options of(const scheduler::parallel_plan& plan, int stage);
+  // The same, the blocks cut as plan.partition says (scheduler::partition_layers of m, the
+  // model's shape with seq, per tensor shard of plan.tp).
+  static stage_options of(const scheduler::parallel_plan& plan, int stage,
+                          const scheduler::model_shape& m);
 };
 
 // Called after the backward of a block (global index) has added its gradients.
@@ -95,6 +105,10 @@ class pipeline_stage {
   // Stash buffers allocated so far (all chunks) and their bytes.
   std::size_t stash_buffers() const;
   std::size_t stash_bytes() const;
+  // True when stashes keep the stage input only and restored microbatches are recomputed;
+  // recomputed(): chunk forwards run again so far (all steps).
+  bool recomputes() const { return recompute_; }
+  std::int64_t recomputed() const { return recomputed_; }
 
   // The parameter the first and the last stage both hold (the tied token embedding), "" when
   // none; its gradient on this stage (undefined when this stage does not hold it).
@@ -125,6 +139,8 @@ class pipeline_stage {
   void open_chunk(int chunk);
   void close_chunk(int chunk);
   void plan_memory();
+  // Before plan_memory(): stash the stage input only and recompute (see the top of this file).
+  void set_recompute(bool on) { recompute_ = on; }
   void set_tied(std::string name, const tensor& grad) {
     tied_name_ = std::move(name);
     tied_grad_ = grad;
@@ -164,7 +180,9 @@ class pipeline_stage {
     std::vector<std::size_t> free;   // unused pool entries
     std::vector<int> stashed;        // per microbatch: its pool entry, -1 none
     int live = -1;                   // the microbatch whose activations are in the arena
+    owned_tensor input;              // recompute, not virtual stage 0: the stage input [boundary]
   };
+  void rerun(int chunk);
   void check_mb(int mb, int chunk, const char* op) const;
   void stash(int chunk, int mb);
   void restore(int chunk, int mb);
@@ -180,6 +198,9 @@ class pipeline_stage {
   std::vector<double> weight_;  // per microbatch
   int microbatches_ = 0;
   owned_tensor ids_, targets_;  // i32 [B, T]
+  bool recompute_ = false;
+  std::int64_t recomputed_ = 0;
+  owned_tensor rerun_out_;  // recompute: where a rerun writes a chunk's output [boundary]
   std::string tied_name_;
   tensor tied_grad_;
 };

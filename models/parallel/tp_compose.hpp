@@ -67,7 +67,7 @@ void residual_forward(Norm& norm_1, Attn& attn, Norm& norm_2, Ff& ff, const resi
   ops::add(x, ao, r);
   norm_2.forward(r, l2);
   ff.forward(l2, fo);
-  ops::add(r, fo, y);
+  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
 }
 
 // dx may alias dy.

@@ -379,8 +379,8 @@ tp_gpt_block::tp_gpt_block(const gpt_block::config& c, tp_group g)
       attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}, g),
       ff({.dim = c.dim, .hidden = c.hidden == 0 ? 4 * c.dim : c.hidden}, g) {}
 
-void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto sc = s.enter(name);
+void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto sc = recompute ? s.enter_recomputed(name) : s.enter(name);
   std::string label = "tp_gpt_block '" + s.prefix() + "'";
   check_sequence(tp, b, label);
   ln_1.declare(s, "ln_1", b);
@@ -392,6 +392,10 @@ void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b) {
 
 void tp_gpt_block::forward(const tensor& x, const tensor& y) {
   residual_forward(ln_1, attn, ln_2, ff, buf, x, y, "tp_gpt_block");
+}
+
+void tp_gpt_block::recompute(const tensor& x) {
+  forward(x, tensor{});
 }
 
 void tp_gpt_block::backward(const tensor& dy, const tensor& dx) {

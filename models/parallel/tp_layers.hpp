@@ -176,8 +176,13 @@ struct tp_gpt_block {
   residual_buffers buf;
 
   tp_gpt_block(const gpt_block::config& c, tp_group g);
-  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // recompute: the activations live in a recomputed scope (slots.hpp), shared with the other
+  // recomputed blocks; call recompute(x) before backward (as gpt_block).
+  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
   void forward(const tensor& x, const tensor& y);
+  // forward again from the same x without writing y (the tensor-parallel collectives included,
+  // so every shard must recompute together): restores what backward reads.
+  void recompute(const tensor& x);
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
   void load_from(const gpt_block& full);
 };

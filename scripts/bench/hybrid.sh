@@ -5,6 +5,14 @@
 # process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
 # overlap hides behind backward (dp2 with and without overlap, 256 KiB gradient buckets).
 #
+# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run twice:
+# with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
+# batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
+# one compute action ahead). Per stage, over the steps after the first: the mean forward and
+# backward of a microbatch, and the bubble two ways: of the pipelined section (1 - compute / the
+# action list's time, what (p-1)/(m+p-1) predicts) and of forward_backward (the tied-embedding
+# gradient exchange and the loss broadcast after the schedule counted as idle too).
+#
 #   bash scripts/bench/hybrid.sh [build-dir] [steps]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,11 +25,15 @@ field() { grep -o "$1 [0-9.]*" | awk '{print $NF}'; }
 
 single=$("$T" "${common[@]}" --threads 2 | tps)
 echo "1 rank x 2 threads: $single tokens/s"
+# `troupe launch` gives its ranks its environment without TROUPE_* variables, so the knobs below
+# travel through env(1) on the ranks' command line: RANK_ENV="NAME=value ...".
 run() {  # name, flags...
   local name=$1
   shift
   local out
-  out=$("$T" launch -n 2 --job "bench-$name-$$" -- "$T" "${common[@]}" --threads 1 "$@" 2>&1)
+  # shellcheck disable=SC2086  # RANK_ENV: words on purpose
+  out=$("$T" launch -n 2 --job "bench-$name-$$" -- env $RANK_ENV "$T" "${common[@]}" --threads 1 \
+    "$@" 2>&1)
   local t
   t=$(echo "$out" | grep 'trained to step' | tps)
   echo "$out" | grep 'trained to step' | sed 's/^\[rank 0\] //' >"/tmp/troupe-bench-$name.txt"
@@ -29,15 +41,42 @@ run() {  # name, flags...
     "$(echo "$t / $single" | bc -l)"
 }
 # 256 KiB gradient buckets (about a third of a block) so that overlap has something to hide.
-export TROUPE_DP_BUCKET_BYTES=262144
-run dp2 --dp 2
-run tp2 --tp 2
-run pp2 --pp 2 --microbatches 8
-bubble=$(grep -o 'bubble [0-9.]*' /tmp/troupe-bench-pp2.txt | awk '{print $2}')
-printf 'pp2 bubble: %s%% measured, %.1f%% in theory ((p-1)/(m+p-1), p=2, m=8)\n' "$bubble" \
-  "$(echo "100 * 1 / 9" | bc -l)"
+buckets=TROUPE_DP_BUCKET_BYTES=262144
+RANK_ENV=$buckets run dp2 --dp 2
+RANK_ENV= run tp2 --tp 2
+# Per stage from a trace prefix: forward / backward ms and the two bubbles, steps 2.. only.
+pipe_stats() {
+  for f in "$1".stage*.txt; do
+    local stage=${f##*.stage}
+    awk -v stage="${stage%%.*}" '
+      $1 < 2 { next }
+      $2 == "wall" { wall += $6; next }
+      $2 == "forward" { fw += $6 - $5; nf++ }
+      $2 == "backward" { bw += $6 - $5; nb++ }
+      { if ($6 > end[$1]) end[$1] = $6 }
+      END {
+        for (s in end) sched += end[s]
+        c = fw + bw
+        printf "  stage %s: forward %.2f ms, backward %.2f ms; bubble %.1f%% of the schedule, " \
+          "%.1f%% of forward_backward\n", stage, fw / nf, bw / nb, 100 * (1 - c / sched),
+          100 * (1 - c / wall)
+      }' "$f"
+  done
+}
+trace=/tmp/troupe-bench-pipe-$$
+rm -f "$trace".*
+RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
+  --microbatches 8
+RANK_ENV="TROUPE_PIPE_TRACE=$trace" run pp2 --pp 2 --microbatches 8
+printf 'pp2 1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | bc -l)"
+for v in pp2-batched pp2; do
+  bubble=$(grep -o 'bubble [0-9.]*' "/tmp/troupe-bench-$v.txt" | awk '{print $2}')
+  echo "$v: troupe train reports bubble $bubble% (the larger stage's, steps 1..)"
+  pipe_stats "$trace$([ "$v" = pp2 ] || echo -batched)"
+done
+rm -f "$trace".* "$trace"-batched.*
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
-TROUPE_DP_OVERLAP=0 run dp2-no-overlap --dp 2 >/dev/null
+RANK_ENV="$buckets TROUPE_DP_OVERLAP=0" run dp2-no-overlap --dp 2 >/dev/null
 without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
 printf 'dp2 gradient allreduce wait after backward: %s ms per step with overlap, %s ms without: ' \
   "$with" "$without"

@@ -157,6 +157,21 @@ TEST_CASE("Pipeline runs across processes match the single process for each sche
   std::filesystem::remove_all(dir);
 }
 
+// train.recompute under a plan: pipeline stages stash only their input and run forward again,
+// tensor shards recompute each block; the losses equal the single process without recompute.
+TEST_CASE("Pipeline and tensor parallel runs with activation recompute match the single process",
+          "[multirank][slow]") {
+  const int steps = 4;
+  auto dir = scratch("recompute");
+  auto want = single("gpt2-demo", steps, dir);
+  same_losses(launched(2, "gpt2-demo", steps, dir, "pp2rc",
+                       {"--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--recompute"}),
+              want);
+  same_losses(launched(2, "gpt2-demo", steps, dir, "tp2rc", {"--tp", "2", "--sp", "--recompute"}),
+              want);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("Eight ranks as dp 2 x tp 2 x pp 2 match the single process", "[multirank][slow]") {
   auto dir = scratch("dtp");
   for (const char* model : {"gpt2-demo", "llama-tiny"}) {

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Pipeline bubble from the runner's traces (TROUPE_PIPE_TRACE, models/parallel/pipeline_runner.hpp).
+
+    python3 scripts/bench/pipe_trace.py PREFIX [FIRST_STEP]
+
+reads PREFIX.stage<s>.<pid>.txt (one file per stage; lines "step kind microbatch chunk start_ms
+end_ms", and "step wall -1 -1 0 wall_ms") and prints, over the steps from FIRST_STEP (default 2):
+
+  per stage   mean forward and backward of a microbatch (ms), and the bubble measured two ways:
+              of the pipelined section (1 - compute / the stage's action list time, the runner's
+              bubble_fraction()) and of forward_backward (1 - compute / wall: the tied-gradient
+              exchange and the loss hand-off after the schedule count as idle too)
+  replay      the same action lists replayed with each action's measured compute time and free,
+              instant transfers: the bubble the schedule alone implies for these compute times
+              (stage imbalance and compute jitter included, transfers and wake-ups excluded), as
+              sum(idle) / (stages x makespan), the definition of (p-1)/(m+p-1)
+  theory      (p-1)/(v m+p-1)
+
+The gap between measured and replay is what the runtime adds: transfer time, waiting for a
+message that arrived while the waiter was not running, and the sends' completion.
+"""
+import collections
+import glob
+import re
+import sys
+
+
+def load(prefix):
+    stages = {}
+    for path in glob.glob(prefix + ".stage*.txt"):
+        m = re.search(r"\.stage(\d+)\.\d+\.txt$", path)
+        if not m:
+            continue
+        steps = collections.defaultdict(list)
+        with open(path) as f:
+            for line in f:
+                step, kind, mb, chunk, start, end = line.split()
+                steps[int(step)].append((kind, int(mb), int(chunk), float(start), float(end)))
+        stages[int(m.group(1))] = steps
+    if not stages:
+        sys.exit(f"pipe_trace: no trace files {prefix}.stage*.txt")
+    return [stages[s] for s in sorted(stages)]
+
+
+def replay(step_lists, p):
+    """Makespan and per-stage busy time of the compute actions replayed with free transfers."""
+    v = 1 + max(c for acts in step_lists for (_, _, c, _, _) in acts)
+    done = {}  # (kind, microbatch, virtual stage) -> end time
+    lists = [[a for a in acts if a[0] in ("forward", "backward")] for acts in step_lists]
+    pos = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while pos[s] < len(lists[s]):
+                kind, mb, c, start, end = lists[s][pos[s]]
+                k = c * p + s
+                if kind == "forward":
+                    dep = ("forward", mb, k - 1) if k > 0 else None
+                else:
+                    dep = ("backward", mb, k + 1) if k < p * v - 1 else ("forward", mb, k)
+                if dep is not None and dep not in done:
+                    break
+                t0 = max(clock[s], done[dep] if dep is not None else 0.0)
+                clock[s] = t0 + (end - start)
+                busy[s] += end - start
+                done[(kind, mb, k)] = clock[s]
+                pos[s] += 1
+                progress = True
+    if any(pos[s] < len(lists[s]) for s in range(p)):
+        sys.exit("pipe_trace: the traced lists do not replay (a dependency never runs)")
+    return max(clock), busy, v
+
+
+def main():
+    prefix = sys.argv[1]
+    first = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    stages = load(prefix)
+    p = len(stages)
+    steps = sorted(set.intersection(*[set(s) for s in stages]))
+    steps = [t for t in steps if t >= first]
+    if not steps:
+        sys.exit(f"pipe_trace: no step >= {first} in every stage's trace")
+    idle = busy_total = 0.0
+    m = v = 1
+    for s, trace in enumerate(stages):
+        fw = bw = sched = wall = 0.0
+        nf = nb = 0
+        for t in steps:
+            acts = trace[t]
+            sched += max(e for (k, _, _, _, e) in acts if k != "wall")
+            wall += sum(e for (k, _, _, _, e) in acts if k == "wall")
+            for k, _, _, a, e in acts:
+                if k == "forward":
+                    fw, nf = fw + e - a, nf + 1
+                elif k == "backward":
+                    bw, nb = bw + e - a, nb + 1
+        compute = fw + bw
+        print(f"  stage {s}: forward {fw / nf:.2f} ms, backward {bw / nb:.2f} ms; bubble "
+              f"{100 * (1 - compute / sched):.1f}% of the pipelined section, "
+              f"{100 * (1 - compute / wall):.1f}% of forward_backward")
+    for t in steps:
+        span, busy, v = replay([trace[t] for trace in stages], p)
+        m = sum(1 for a in stages[0][t] if a[0] == "forward") // v
+        idle += p * span - sum(busy)
+        busy_total += p * span
+    ideal = (p - 1) / (v * m + p - 1)
+    print(f"  replay with the measured compute times and free transfers: bubble "
+          f"{100 * idle / busy_total:.1f}%; theory (p-1)/(v m+p-1) = {100 * ideal:.1f}% "
+          f"(p {p}, m {m}, v {v}; steps {steps[0]}..{steps[-1]})")
+
+
+if __name__ == "__main__":
+    main()
