@@ -275,9 +275,27 @@ void check_run(M& full, double want_loss, pipeline_run& run, const scheduler::pa
     }
   }
   for (int r = 0; r < n; ++r) {
-    double b = run.runners[r]->bubble_fraction();
+    const auto& runner = *run.runners[r];
+    double b = runner.bubble_fraction();
     CHECK(b >= 0.0);
     CHECK(b < 1.0);
+    // The pipelined section lies inside the step, so its idle share is at most the step's.
+    const auto& t = runner.last_timing();
+    CHECK(t.compute_s <= t.schedule_s);
+    CHECK(t.schedule_s <= t.wall_s);
+    CHECK(b <= runner.step_bubble_fraction() + 1e-12);
+    // The trace: every compute action and send of the schedule once, in the schedule's order,
+    // each inside the step; a receive only where a compute action waited for its input.
+    std::vector<scheduler::action> traced, listed;
+    for (const auto& e : runner.last_trace()) {
+      CHECK(e.start_s >= 0.0);
+      CHECK(e.start_s <= e.end_s);
+      CHECK(e.end_s <= t.wall_s);
+      if (!scheduler::is_recv(e.what.kind)) traced.push_back(e.what);
+    }
+    for (const auto& a : run.runners[r]->schedule(plan.microbatches))
+      if (!scheduler::is_recv(a.kind)) listed.push_back(a);
+    CHECK(traced == listed);
   }
 }
 

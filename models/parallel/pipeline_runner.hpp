@@ -43,7 +43,9 @@
 // last_trace() holds every action of the last step with its times; with the environment variable
 // TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
 // line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
-// (compute: the run; receive: the wait for it; send: posted, and seen complete).
+// (compute: the run; receive: the wait for it; send: posted, and seen complete). `troupe launch`
+// drops TROUPE_* variables from its ranks' environment: set these through env(1) on the ranks'
+// command line (scripts/bench/hybrid.sh).
 #pragma once
 
 #include <chrono>

@@ -8,10 +8,10 @@
 # The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run twice:
 # with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
 # batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
-# one compute action ahead). Per stage, over the steps after the first: the mean forward and
-# backward of a microbatch, and the bubble two ways: of the pipelined section (1 - compute / the
-# action list's time, what (p-1)/(m+p-1) predicts) and of forward_backward (the tied-embedding
-# gradient exchange and the loss broadcast after the schedule counted as idle too).
+# one compute action ahead). scripts/bench/pipe_trace.py then prints, over the steps after the
+# first: per stage the mean forward and backward of a microbatch and the bubble of the pipelined
+# section and of forward_backward, and the bubble of the same lists replayed with the measured
+# compute times and free transfers (what the schedule alone implies), next to (p-1)/(m+p-1).
 #
 #   bash scripts/bench/hybrid.sh [build-dir] [steps]
 set -euo pipefail
@@ -44,25 +44,6 @@ run() {  # name, flags...
 buckets=TROUPE_DP_BUCKET_BYTES=262144
 RANK_ENV=$buckets run dp2 --dp 2
 RANK_ENV= run tp2 --tp 2
-# Per stage from a trace prefix: forward / backward ms and the two bubbles, steps 2.. only.
-pipe_stats() {
-  for f in "$1".stage*.txt; do
-    local stage=${f##*.stage}
-    awk -v stage="${stage%%.*}" '
-      $1 < 2 { next }
-      $2 == "wall" { wall += $6; next }
-      $2 == "forward" { fw += $6 - $5; nf++ }
-      $2 == "backward" { bw += $6 - $5; nb++ }
-      { if ($6 > end[$1]) end[$1] = $6 }
-      END {
-        for (s in end) sched += end[s]
-        c = fw + bw
-        printf "  stage %s: forward %.2f ms, backward %.2f ms; bubble %.1f%% of the schedule, " \
-          "%.1f%% of forward_backward\n", stage, fw / nf, bw / nb, 100 * (1 - c / sched),
-          100 * (1 - c / wall)
-      }' "$f"
-  done
-}
 trace=/tmp/troupe-bench-pipe-$$
 rm -f "$trace".*
 RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
@@ -72,7 +53,7 @@ printf 'pp2 1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | b
 for v in pp2-batched pp2; do
   bubble=$(grep -o 'bubble [0-9.]*' "/tmp/troupe-bench-$v.txt" | awk '{print $2}')
   echo "$v: troupe train reports bubble $bubble% (the larger stage's, steps 1..)"
-  pipe_stats "$trace$([ "$v" = pp2 ] || echo -batched)"
+  python3 scripts/bench/pipe_trace.py "$trace$([ "$v" = pp2 ] || echo -batched)"
 done
 rm -f "$trace".* "$trace"-batched.*
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')

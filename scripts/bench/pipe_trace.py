@@ -85,6 +85,7 @@ def main():
         sys.exit(f"pipe_trace: no step >= {first} in every stage's trace")
     idle = busy_total = 0.0
     m = v = 1
+    all_compute = all_sched = 0.0
     for s, trace in enumerate(stages):
         fw = bw = sched = wall = 0.0
         nf = nb = 0
@@ -98,6 +99,7 @@ def main():
                 elif k == "backward":
                     bw, nb = bw + e - a, nb + 1
         compute = fw + bw
+        all_compute, all_sched = all_compute + compute, all_sched + sched
         print(f"  stage {s}: forward {fw / nf:.2f} ms, backward {bw / nb:.2f} ms; bubble "
               f"{100 * (1 - compute / sched):.1f}% of the pipelined section, "
               f"{100 * (1 - compute / wall):.1f}% of forward_backward")
@@ -107,6 +109,8 @@ def main():
         idle += p * span - sum(busy)
         busy_total += p * span
     ideal = (p - 1) / (v * m + p - 1)
+    print(f"  all stages: bubble {100 * (1 - all_compute / all_sched):.1f}% of the pipelined "
+          "section (idle over the stages' summed section time)")
     print(f"  replay with the measured compute times and free transfers: bubble "
           f"{100 * idle / busy_total:.1f}%; theory (p-1)/(v m+p-1) = {100 * ideal:.1f}% "
           f"(p {p}, m {m}, v {v}; steps {steps[0]}..{steps[-1]})")
