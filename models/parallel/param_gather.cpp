@@ -199,6 +199,7 @@ void param_gather::on_use(std::int64_t block, block_use use) {
     sample_resident();
     return;
   }
+  sample_resident();  // prefetched gathers may have landed meanwhile
   ++cursor_;
   if (!used_within(block, cursor_, depth + 1)) release(g);
 }
