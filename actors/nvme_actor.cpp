@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "actors/caf_system.hpp"
 #include "actors/node_impl.hpp"
@@ -139,23 +140,37 @@ struct server_state {
 };
 using server_t = caf::stateful_actor<server_state>;
 
-// Answers every request whose I/O is done.
+// Answers every request whose I/O is done. The metrics are published first, so a client that
+// sees its answer finds the request counted.
 void answer_done(server_t* self) {
   auto& st = self->state;
+  struct answer {
+    caf::typed_response_promise<std::uint64_t> rp;
+    std::uint64_t bytes = 0;
+    std::string error;
+  };
+  std::vector<answer> done;
   for (auto it = st.pending.begin(); it != st.pending.end();) {
     if (!it->second.ticket.test()) {
       ++it;
       continue;
     }
+    answer a{it->second.rp, it->second.bytes, {}};
     try {
       it->second.ticket.wait();
-      it->second.rp.deliver(it->second.bytes);
     } catch (const std::exception& e) {
-      it->second.rp.deliver(store_error(e.what()));
+      a.error = e.what();
     }
+    done.push_back(std::move(a));
     it = st.pending.erase(it);
   }
   st.core->publish(st.pending.size());
+  for (auto& a : done) {
+    if (a.error.empty())
+      a.rp.deliver(a.bytes);
+    else
+      a.rp.deliver(store_error(a.error));
+  }
 }
 
 template <class Issue>
@@ -198,7 +213,8 @@ caf::behavior nvme_server(server_t* self, nvme_actor::impl* core) {
         return std::uint64_t{0};
       },
       [self](reaped_atom) { answer_done(self); },
-      [self](stop_atom) {
+      [self, &store](stop_atom) {  // requests after this one are bounced by CAF
+        store.wait_all();
         answer_done(self);
         self->quit();
       },
@@ -215,10 +231,9 @@ void nvme_actor::impl::start(io::nvme_store_options o) {
 
 void nvme_actor::impl::shutdown() noexcept {
   if (!server) return;
-  store->wait_all();  // every request issued is done; the reaper has told the actor or will
   {
     caf::scoped_actor self{*sys};
-    self->send(server, stop_atom::value);  // after the reaped messages already queued
+    self->send(server, stop_atom::value);  // it answers what it has issued, then quits
     self->wait_for(server);
   }
   {

@@ -6,7 +6,8 @@
 // Contract:
 // - write(key, p, n) and read(key, p, n) return an io_ticket at once; the I/O proceeds
 //   asynchronously (io_uring, up to queue_depth requests in flight, completion driven: completions
-//   are reaped by whoever calls wait/test/poll; there is no I/O thread). The caller's buffer must
+//   are reaped by whoever calls wait/test/poll, or by the waiter asleep in the kernel when there is
+//   one; there is no I/O thread). The caller's buffer must
 //   stay valid and untouched until the ticket completes. Requests on the same key run in the order
 //   issued (a read issued after a write sees that write); requests on different keys overlap.
 // - Buffers that are 4 KiB aligned with a size that is a multiple of 4 KiB go straight to the disk
