@@ -44,11 +44,12 @@ struct chunk_use {
 };
 
 struct tier_manager_options {
-  std::size_t device_bytes = 0;           // the device budget
-  std::size_t host_bytes = 0;             // the host budget (0: unlimited)
-  std::string nvme_dir;                   // the NVMe tier's directory ("": no NVMe tier)
-  std::uint64_t nvme_capacity_bytes = 0;  // limit on the NVMe tier's file (0: the disk's size)
-  int prefetch_depth = 4;                 // schedule uses looked ahead after each acquire (0: none)
+  std::size_t device_bytes = 0;  // the device budget
+  std::size_t host_bytes = 0;    // the host budget (0: unlimited)
+  std::string nvme_dir;          // the NVMe tier's directory ("": no NVMe tier)
+  int prefetch_depth = 4;        // schedule uses looked ahead after each acquire (0: none)
+  // A limit on the NVMe tier's file (0: the disk's size); a write past it fails naming the file.
+  std::uint64_t nvme_capacity_bytes = 0;
 };
 
 // The visible numbers (actor_state metrics of the tier-manager actor).
