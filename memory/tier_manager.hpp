@@ -47,11 +47,12 @@ struct chunk_use {
 };
 
 struct tier_manager_options {
-  std::size_t device_bytes = 0;           // the device budget
-  std::size_t host_bytes = 0;             // the host budget (0: unlimited)
-  std::string nvme_dir;                   // the NVMe tier's directory ("": no NVMe tier)
-  std::uint64_t nvme_capacity_bytes = 0;  // limit on the NVMe tier's file (0: the disk's size)
-  int prefetch_depth = 4;                 // schedule uses looked ahead after each acquire (0: none)
+  std::size_t device_bytes = 0;  // the device budget
+  std::size_t host_bytes = 0;    // the host budget (0: unlimited)
+  std::string nvme_dir;          // the NVMe tier's directory ("": no NVMe tier)
+  int prefetch_depth = 4;        // schedule uses looked ahead after each acquire (0: none)
+  // A limit on the NVMe tier's file (0: the disk's size); a write past it fails naming the file.
+  std::uint64_t nvme_capacity_bytes = 0;
   // The NVMe tier's page I/O (e.g. the NVMe actor's client, actors/nvme_actor.hpp); null: an
   // io::nvme_store of the manager's own in nvme_dir. Given, it is the NVMe tier (nvme_dir unused).
   std::shared_ptr<io::page_io> nvme_io = nullptr;

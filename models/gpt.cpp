@@ -75,14 +75,74 @@ void gpt_block::backward(const tensor& dy, const tensor& dx) {
   ops::add(dx, dr, dx);
 }
 
+gpt_ends::gpt_ends(const gpt_config& c)
+    : dim(c.dim),
+      vocab(c.vocab),
+      wte({.vocab = c.vocab, .dim = c.dim}),
+      wpe({.vocab = c.max_seq, .dim = c.dim}),
+      ln_f({.dim = c.dim, .eps = c.ln_eps}) {}
+
+void gpt_ends::declare_front(slot_list& s, batch_dims d) {
+  wte.declare(s, "wte", d);
+  wpe.declare(s, "wpe", {1, d.seq});
+}
+
+void gpt_ends::declare_back(slot_list& s, batch_dims d) {
+  shape bt{d.batch, d.seq, dim};
+  ln_f.declare(s, "ln_f", d);
+  s.activation("pos_emb", {d.seq, dim}, pos_emb);
+  s.activation("ln_f_out", bt, ln_f_out);
+  s.activation("logits", {d.rows(), vocab}, logits);
+  loss.declare(s, "loss", d);
+  s.scratch("dx_a", bt, dx_a);
+  s.scratch("dx_b", bt, dx_b);
+  s.scratch("dpos", {d.seq, dim}, dpos);
+}
+
+void gpt_ends::embed(const tensor& ids, const tensor& positions, const tensor& x0) {
+  const std::int64_t b = ids.size(0), t = ids.size(1);
+  tensor pos = planned_view(pos_emb, {t, dim}, "gpt", "pos_emb");
+  wte.forward(ids, x0);
+  wpe.forward(positions, pos);
+  for (std::int64_t r = 0; r < b; ++r) {
+    tensor xr = x0.select(0, r);
+    ops::add(xr, pos, xr);
+  }
+}
+
+double gpt_ends::head(const tensor& x, const tensor& targets) {
+  const std::int64_t b = x.size(0), t = x.size(1);
+  ln_f_cur = planned_view(ln_f_out, x.sizes(), "gpt", "ln_f_out");
+  ln_f.forward(x, ln_f_cur);
+  logits_cur = planned_view(logits, {b * t, vocab}, "gpt", "logits");
+  ops::matmul(ln_f_cur.reshape({b * t, dim}), wte.weight.transpose(0, 1), logits_cur);
+  return loss.forward(logits_cur, targets.reshape({b * t}));
+}
+
+void gpt_ends::head_backward(double loss_scale, tensor& dx, tensor& spare) {
+  const shape& bt = ln_f_cur.sizes();
+  const std::int64_t rows = bt[0] * bt[1];
+  tensor dlogits = logits_cur;  // overwritten in place
+  loss.backward(dlogits, loss_scale);
+  spare = planned_view(dx_a, bt, "gpt", "dx_a");
+  dx = planned_view(dx_b, bt, "gpt", "dx_b");
+  tensor hf = ln_f_cur.reshape({rows, dim});
+  // Tied head: dwte += dlogits^T ln_f_out; dln_f_out = dlogits wte.
+  ops::matmul(dlogits.transpose(0, 1), hf, wte.dweight, 1.0, 1.0);
+  ops::matmul(dlogits, wte.weight, spare.reshape({rows, dim}));
+  ln_f.backward(spare, dx);
+}
+
+void gpt_ends::embed_backward(const tensor& dx0) {
+  wte.backward(dx0);
+  tensor d = planned_view(dpos, {dx0.size(1), dim}, "gpt", "dpos");
+  ops::fill(d, 0.0);
+  for (std::int64_t r = 0; r < dx0.size(0); ++r) ops::add(d, dx0.select(0, r), d);
+  wpe.backward(d);
+}
+
 gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
-    : cfg_(cfg),
-      dims_(dims),
-      wte_({.vocab = cfg.vocab, .dim = cfg.dim}),
-      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
-      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}),
-      dtype_(t),
-      dev_(dev) {
+    : cfg_(cfg), dims_(dims), ends_(cfg), dtype_(t), dev_(dev) {
   TROUPE_CHECK(cfg.vocab > 0 && cfg.dim > 0 && cfg.n_layer > 0 && cfg.n_head > 0 && cfg.max_seq > 0,
                "gpt: vocab, dim, n_layer, n_head and max_seq must be positive");
   TROUPE_CHECK(cfg.hidden >= 0 && cfg.init_std >= 0 && cfg.ln_eps > 0,
@@ -99,21 +159,13 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   x_.resize(cfg.n_layer + 1);
 
   shape bt{dims.batch, dims.seq, cfg.dim};
-  wte_.declare(slots_, "wte", dims);
-  wpe_.declare(slots_, "wpe", {1, dims.seq});
+  ends_.declare_front(slots_, dims);
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
     h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
-  ln_f_.declare(slots_, "ln_f", dims);
-  slots_.activation("pos_emb", {dims.seq, cfg.dim}, pos_emb_);
-  slots_.activation("ln_f_out", bt, ln_f_out_);
-  slots_.activation("logits", {dims.rows(), cfg.vocab}, logits_);
-  loss_.declare(slots_, "loss", dims);
-  slots_.scratch("dx_a", bt, dx_a_);
-  slots_.scratch("dx_b", bt, dx_b_);
-  slots_.scratch("dpos", {dims.seq, cfg.dim}, dpos_);
+  ends_.declare_back(slots_, dims);
   mem_ = layer_memory(slots_, t, dev);
 
   auto pos = empty({cfg.max_seq}, dtype::i32);
@@ -167,36 +219,20 @@ double gpt::forward(const tensor& ids, const tensor& targets) {
                "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
   shape bt{b_, t_, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
-  tensor pos = planned_view(pos_emb_, {t_, cfg_.dim}, "gpt", "pos_emb");
-  wte_.forward(ids, x(0));
-  wpe_.forward(pos_ids_.narrow(0, 0, t_), pos);
-  for (std::int64_t b = 0; b < b_; ++b) {
-    tensor xb = x(0).select(0, b);
-    ops::add(xb, pos, xb);
-  }
+  ends_.embed(ids, pos_ids_.narrow(0, 0, t_), x(0));
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     notify(on_block_use, i, block_use::before_forward);
     h_[i].forward(x(i), x(i + 1));
     notify(on_block_use, i, block_use::after_forward);
   }
-  ln_f_cur_ = planned_view(ln_f_out_, bt, "gpt", "ln_f_out");
-  ln_f_.forward(x(cfg_.n_layer), ln_f_cur_);
-  logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "gpt", "logits");
-  ops::matmul(ln_f_cur_.reshape({b_ * t_, cfg_.dim}), wte_.weight.transpose(0, 1), logits_cur_);
-  return loss_.forward(logits_cur_, targets.reshape({b_ * t_}));
+  return ends_.head(x(cfg_.n_layer), targets);
 }
 
 void gpt::backward(double loss_scale) {
   TROUPE_CHECK(b_ > 0, "gpt: backward called before forward");
   shape bt{b_, t_, cfg_.dim};
-  tensor dlogits = logits_cur_;  // overwritten in place
-  loss_.backward(dlogits, loss_scale);
-  tensor da = planned_view(dx_a_, bt, "gpt", "dx_a"), db = planned_view(dx_b_, bt, "gpt", "dx_b");
-  tensor hf = ln_f_cur_.reshape({b_ * t_, cfg_.dim});
-  // Tied head: dwte += dlogits^T ln_f_out; dln_f_out = dlogits wte.
-  ops::matmul(dlogits.transpose(0, 1), hf, wte_.dweight, 1.0, 1.0);
-  ops::matmul(dlogits, wte_.weight, da.reshape({b_ * t_, cfg_.dim}));
-  ln_f_.backward(da, db);
+  tensor da, db;
+  ends_.head_backward(loss_scale, db, da);
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
@@ -207,12 +243,7 @@ void gpt::backward(double loss_scale) {
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);
   }
-  // db holds d(x0) now: tokens and positions.
-  wte_.backward(db);
-  tensor dpos = planned_view(dpos_, {t_, cfg_.dim}, "gpt", "dpos");
-  ops::fill(dpos, 0.0);
-  for (std::int64_t b = 0; b < b_; ++b) ops::add(dpos, db.select(0, b), dpos);
-  wpe_.backward(dpos);
+  ends_.embed_backward(db);  // db holds d(x0) now: tokens and positions
 }
 
 void gpt::begin_generation(std::int64_t batch, std::int64_t capacity) {
@@ -243,19 +274,13 @@ tensor gpt::step_logits(const tensor& ids) {
   cache_->check_room(t, "gpt");
   shape bt{b, t, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
-  tensor pos = planned_view(pos_emb_, {t, cfg_.dim}, "gpt", "pos_emb");
-  wte_.forward(ids, x(0));
-  wpe_.forward(pos_ids_.narrow(0, start, t), pos);
-  for (std::int64_t r = 0; r < b; ++r) {
-    tensor xb = x(0).select(0, r);
-    ops::add(xb, pos, xb);
-  }
+  ends_.embed(ids, pos_ids_.narrow(0, start, t), x(0));
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
     h_[i].forward_step(x(i), x(i + 1), cache_->layer(i), start);
-  tensor hf = planned_view(ln_f_out_, bt, "gpt", "ln_f_out");
-  ln_f_.forward(x(cfg_.n_layer), hf);
-  tensor out = planned_view(logits_, {b, cfg_.vocab}, "gpt", "logits");
-  ops::matmul(hf.select(1, t - 1), wte_.weight.transpose(0, 1), out);
+  tensor hf = planned_view(ends_.ln_f_out, bt, "gpt", "ln_f_out");
+  ends_.ln_f.forward(x(cfg_.n_layer), hf);
+  tensor out = planned_view(ends_.logits, {b, cfg_.vocab}, "gpt", "logits");
+  ops::matmul(hf.select(1, t - 1), ends_.wte.weight.transpose(0, 1), out);
   cache_->advance(t);
   return out;
 }

@@ -83,6 +83,33 @@ struct gpt_block {
   void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
 };
 
+// The two ends of GPT-2 around its blocks: the token and position embeddings in front; the final
+// norm, the tied head and the loss behind; their activations and backward scratch. gpt runs them
+// around its blocks, models/offload's streamed_gpt one unit at a time. The slots are gpt's:
+// declare_front adds wte and wpe, declare_back ln_f, pos_emb, ln_f_out, logits, loss and the
+// scratch dx_a, dx_b, dpos.
+struct gpt_ends {
+  explicit gpt_ends(const gpt_config& c);
+  void declare_front(slot_list& s, batch_dims d);
+  void declare_back(slot_list& s, batch_dims d);
+  // x0 = wte[ids] + wpe[positions]; ids i32 [B, t], positions i32 [t], x0 [B, t, C].
+  void embed(const tensor& ids, const tensor& positions, const tensor& x0);
+  // ln_f, the tied head and the mean loss of x [B, T, C] (the last block's output) on targets.
+  double head(const tensor& x, const tensor& targets);
+  // The head's backward: dx gets d(x) (views of the planned scratch; spare is the other one).
+  void head_backward(double loss_scale, tensor& dx, tensor& spare);
+  // The embeddings' backward from d(x0) [B, T, C].
+  void embed_backward(const tensor& dx0);
+
+  std::int64_t dim, vocab;
+  embedding wte, wpe;
+  layernorm ln_f;
+  cross_entropy_loss loss;
+  tensor pos_emb, ln_f_out, logits;  // activations
+  tensor dx_a, dx_b, dpos;           // backward scratch [B, T, C]
+  tensor logits_cur, ln_f_cur;       // views of the last head()
+};
+
 class gpt {
  public:
   gpt(const gpt_config& cfg, batch_dims dims, dtype t = dtype::f32, device dev = device::cpu());
@@ -102,7 +129,7 @@ class gpt {
   // Returns the mean loss; keeps what backward needs.
   double forward(const tensor& ids, const tensor& targets);
   // Logits of the last forward, [B*T, V] (overwritten by backward).
-  tensor logits() const { return logits_cur_; }
+  tensor logits() const { return ends_.logits_cur; }
   // Accumulates d(loss_scale * loss)/d(params) into the gradients (zero them first with
   // memory().zero_grads()); once per forward. With config().recompute, each block but the last
   // runs its forward again first.
@@ -126,15 +153,10 @@ class gpt {
  private:
   gpt_config cfg_;
   batch_dims dims_;
-  embedding wte_, wpe_;
+  gpt_ends ends_;
   std::vector<gpt_block> h_;
-  layernorm ln_f_;
-  cross_entropy_loss loss_;
-  owned_tensor pos_ids_;                // i32 [max_seq]: 0..max_seq-1
-  std::vector<tensor> x_;               // residual stream: x_[i] is the input of block i; [B, T, C]
-  tensor pos_emb_, ln_f_out_, logits_;  // activations
-  tensor dx_a_, dx_b_, dpos_;           // backward scratch [B, T, C]
-  tensor logits_cur_, ln_f_cur_;
+  owned_tensor pos_ids_;   // i32 [max_seq]: 0..max_seq-1
+  std::vector<tensor> x_;  // residual stream: x_[i] is the input of block i; [B, T, C]
   std::int64_t b_ = 0, t_ = 0;
   slot_list slots_;
   layer_memory mem_;

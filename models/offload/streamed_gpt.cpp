@@ -31,11 +31,7 @@ bool starts_with(const std::string& s, std::string_view p) {
 }  // namespace
 
 streamed_gpt::streamed_gpt(const gpt_config& cfg, batch_dims dims)
-    : cfg_(cfg),
-      dims_(dims),
-      wte_({.vocab = cfg.vocab, .dim = cfg.dim}),
-      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
-      ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}) {
+    : cfg_(cfg), dims_(dims), ends_(cfg) {
   TROUPE_CHECK(cfg.vocab > 0 && cfg.dim > 0 && cfg.n_layer > 0 && cfg.n_head > 0 &&
                    cfg.dim % cfg.n_head == 0 && dims.seq <= cfg.max_seq,
                "streamed_gpt: bad config (vocab, dim, n_layer, n_head > 0, dim % n_head == 0, ",
@@ -48,21 +44,13 @@ streamed_gpt::streamed_gpt(const gpt_config& cfg, batch_dims dims)
   x_.resize(cfg.n_layer + 1);
   // The same declarations, in the same order, as gpt's constructor.
   shape bt{dims.batch, dims.seq, cfg.dim};
-  wte_.declare(slots_, "wte", dims);
-  wpe_.declare(slots_, "wpe", {1, dims.seq});
+  ends_.declare_front(slots_, dims);
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
     h_[i].declare(slots_, "h." + std::to_string(i), dims, false);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
-  ln_f_.declare(slots_, "ln_f", dims);
-  slots_.activation("pos_emb", {dims.seq, cfg.dim}, pos_emb_);
-  slots_.activation("ln_f_out", bt, ln_f_out_);
-  slots_.activation("logits", {dims.rows(), cfg.vocab}, logits_);
-  loss_.declare(slots_, "loss", dims);
-  slots_.scratch("dx_a", bt, dx_a_);
-  slots_.scratch("dx_b", bt, dx_b_);
-  slots_.scratch("dpos", {dims.seq, cfg.dim}, dpos_);
+  ends_.declare_back(slots_, dims);
   activations_ = plan_and_bind(slots_, slot_kind::activation);
   scratch_ = plan_and_bind(slots_, slot_kind::scratch);
 
@@ -111,46 +99,23 @@ void streamed_gpt::forward_unit(std::int32_t u) {
   shape bt{b_, t_, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "streamed_gpt", "x"); };
   const std::int64_t n = cfg_.n_layer;
-  if (u == 0) {
-    tensor pos = planned_view(pos_emb_, {t_, cfg_.dim}, "streamed_gpt", "pos_emb");
-    wte_.forward(ids_, x(0));
-    wpe_.forward(pos_ids_.narrow(0, 0, t_), pos);
-    for (std::int64_t b = 0; b < b_; ++b) {
-      tensor xb = x(0).select(0, b);
-      ops::add(xb, pos, xb);
-    }
-  } else if (u <= n) {
+  if (u == 0)
+    ends_.embed(ids_, pos_ids_.narrow(0, 0, t_), x(0));
+  else if (u <= n)
     h_[u - 1].forward(x(u - 1), x(u));
-  } else {
-    ln_f_cur_ = planned_view(ln_f_out_, bt, "streamed_gpt", "ln_f_out");
-    ln_f_.forward(x(n), ln_f_cur_);
-    logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "streamed_gpt", "logits");
-    ops::matmul(ln_f_cur_.reshape({b_ * t_, cfg_.dim}), wte_.weight.transpose(0, 1), logits_cur_);
-    loss_value_ = loss_.forward(logits_cur_, targets_.reshape({b_ * t_}));
-  }
+  else
+    loss_value_ = ends_.head(x(n), targets_);
 }
 
 void streamed_gpt::backward_unit(std::int32_t u, double loss_scale) {
-  shape bt{b_, t_, cfg_.dim};
   const std::int64_t n = cfg_.n_layer;
   if (u == n + 1) {
-    tensor dlogits = logits_cur_;  // overwritten in place
-    loss_.backward(dlogits, loss_scale);
-    da_ = planned_view(dx_a_, bt, "streamed_gpt", "dx_a");
-    db_ = planned_view(dx_b_, bt, "streamed_gpt", "dx_b");
-    tensor hf = ln_f_cur_.reshape({b_ * t_, cfg_.dim});
-    ops::matmul(dlogits.transpose(0, 1), hf, wte_.dweight, 1.0, 1.0);
-    ops::matmul(dlogits, wte_.weight, da_.reshape({b_ * t_, cfg_.dim}));
-    ln_f_.backward(da_, db_);
+    ends_.head_backward(loss_scale, db_, da_);
   } else if (u >= 1) {
     h_[u - 1].backward(db_, da_);
     std::swap(da_, db_);
   } else {
-    wte_.backward(db_);
-    tensor dpos = planned_view(dpos_, {t_, cfg_.dim}, "streamed_gpt", "dpos");
-    ops::fill(dpos, 0.0);
-    for (std::int64_t b = 0; b < b_; ++b) ops::add(dpos, db_.select(0, b), dpos);
-    wpe_.backward(dpos);
+    ends_.embed_backward(db_);
   }
 }
 

@@ -9,7 +9,8 @@
 // the fields of that unit's parameter slots (and, for backward, their gradient fields) to memory
 // it holds, e.g. chunks of a memory::tier_manager. The gradients accumulate (+=) as in gpt.
 //
-// The result equals gpt's bit for bit: the same kernels run on the same values in the same order.
+// The code is gpt's own: its blocks (gpt_block) and its two ends (gpt_ends: the embeddings, the
+// final norm, the tied head and the loss), so the result equals gpt's bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -45,15 +46,11 @@ class streamed_gpt {
  private:
   gpt_config cfg_;
   batch_dims dims_;
-  embedding wte_, wpe_;
+  gpt_ends ends_;  // gpt's embeddings and head
   std::vector<gpt_block> h_;
-  layernorm ln_f_;
-  cross_entropy_loss loss_;
   owned_tensor pos_ids_;
   std::vector<tensor> x_;
-  tensor pos_emb_, ln_f_out_, logits_;
-  tensor dx_a_, dx_b_, dpos_;
-  tensor ids_, targets_, logits_cur_, ln_f_cur_, da_, db_;
+  tensor ids_, targets_, da_, db_;
   std::int64_t b_ = 0, t_ = 0;
   double loss_value_ = 0;
   slot_list slots_;
