@@ -55,7 +55,9 @@ struct coll_args {
   bool csv = false;
   bool pin = true;
   bool progress_thread = false;
+  bool single_copy = true;
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
+  int window = 0;
 };
 
 std::size_t parse_size(const std::string& s) {
@@ -160,6 +162,7 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
     if (a.ring_min) tu.allreduce_ring_min = a.ring_min;
     if (a.chain_min) tu.broadcast_chain_min = a.chain_min;
     if (a.chunk) tu.chunk_bytes = a.chunk;
+    if (a.window) tu.window = a.window;
     p->set_tuning(tu);
   }
   const std::size_t lo = parse_size(a.min_size), hi = parse_size(a.max_size);
@@ -296,6 +299,7 @@ int run_bench(const coll_args& a) {
   local_ranks_options lo;
   lo.pin_cpus = a.pin;
   lo.progress_thread = a.progress_thread;
+  lo.single_copy = a.single_copy;
   lo.timeout = std::chrono::hours(1);
   return run_local_ranks(
       a.ranks,
@@ -341,9 +345,12 @@ command_fn add_bench_collective_command(CLI::App& bench) {
   c->add_flag("!--no-pin", a->pin, "Do not pin ranks to CPUs");
   c->add_flag("--progress-thread", a->progress_thread,
               "Give each rank's UCX worker its background progress thread");
+  c->add_flag("!--no-single-copy", a->single_copy,
+              "Large messages by shared-memory fragments, not cma (without UCX_TLS set)");
   c->add_option("--ring-min", a->ring_min, "Override: allreduce ring from this many bytes");
   c->add_option("--chain-min", a->chain_min, "Override: broadcast chain from this many bytes");
   c->add_option("--chunk", a->chunk, "Override: pipeline chunk bytes");
+  c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
   return [c, a]() -> int {
     if (!c->parsed()) return -1;
     return run_bench(*a);

@@ -67,125 +67,133 @@ inline const char* at(const void* p, std::size_t elems, std::size_t esize) {
   return static_cast<const char*>(p) + elems * esize;
 }
 
-// Reduce-scatter of `src` (blocks by L, type t). Partial sums go to `acc` (laid out like src, in t
-// for f32/f64, in f32 for 16-bit; acc may equal src for an in-place f32/f64 allreduce); block me
-// ends in `out` (len[me] elements of t), divided by `divisor` (avg).
-void ring_reduce_scatter(op_context& c, const void* src, void* acc, void* out, const layout& L,
-                         dtype t, reduce_op op, double divisor) {
+// What one ring pass does. Reduce-scatter (rs) of `src` (blocks by L, type t): partial sums go to
+// `acc` (laid out like src, in t for f32/f64, in f32 for 16-bit; acc may equal src for an in-place
+// f32/f64 allreduce); block me ends in `out` (len[me] elements of t), divided by `divisor` (avg).
+// All-gather (ag) in place over `buf` (blocks by L, type t), block me already in buf. With both,
+// `out` must be block me of `buf` (the allreduce), and the all-gather starts chunk by chunk as the
+// reduce-scatter finishes them: chunk k of block me is sent on as soon as it is reduced.
+struct ring_pass {
+  const void* src = nullptr;
+  void* acc = nullptr;
+  void* out = nullptr;
+  void* buf = nullptr;
+  bool rs = false, ag = false;
+  double divisor = 1.0;
+};
+
+// n == 1: the reduce-scatter is a copy (and the division of avg).
+void ring_single(op_context& c, const ring_pass& p, const layout& L, dtype t) {
+  const bool same = t == dtype::f32 || t == dtype::f64;
+  const std::size_t tsz = dtype_size(t), len = L.len[0];
+  if (!p.rs) return;
+  if (p.out != p.src) std::memmove(p.out, at(p.src, L.off[0], tsz), len * tsz);
+  if (p.divisor == 1.0) return;
+  if (same) {
+    divide(p.out, len, t, p.divisor);
+  } else {
+    float* f = static_cast<float*>(c.scratch->get(2, len * 4));
+    widen(f, static_cast<const std::uint16_t*>(p.out), len, t);
+    narrow(static_cast<std::uint16_t*>(p.out), f, len, t, static_cast<float>(p.divisor));
+  }
+}
+
+// The ring pass: messages i = step * K + chunk run in that order on both sides (the transport's
+// per-pair FIFO matching needs it), reduce-scatter steps first, then all-gather steps. Message i's
+// send (i >= K) is posted as soon as message i - K has been received (and reduced): the data it
+// carries is exactly what that receive completed.
+void ring_run(op_context& c, const ring_pass& p, const layout& L, dtype t, reduce_op op) {
   const int n = c.n, me = c.me;
+  if (n == 1) return ring_single(c, p, L, t);
   const bool same = t == dtype::f32 || t == dtype::f64;
   const std::size_t tsz = dtype_size(t), asz = same ? tsz : 4;
-  if (n == 1) {
-    const std::size_t len = L.len[0];
-    if (out != src) std::memmove(out, at(src, L.off[0], tsz), len * tsz);
-    if (divisor != 1.0) {
-      if (same) {
-        divide(out, len, t, divisor);
-      } else {
-        float* f = static_cast<float*>(c.scratch->get(2, len * 4));
-        widen(f, static_cast<const std::uint16_t*>(out), len, t);
-        narrow(static_cast<std::uint16_t*>(out), f, len, t, static_cast<float>(divisor));
-      }
-    }
-    return;
-  }
   const int right = mod(me + 1, n), left = mod(me - 1, n);
-  const std::size_t K = chunks_for(L, asz, c.tune);
-  const std::size_t M = static_cast<std::size_t>(n - 1) * K;
+  const std::size_t K = chunks_for(L, p.rs ? asz : tsz, c.tune);
+  const std::size_t S1 = static_cast<std::size_t>(n - 1);  // steps per phase
+  const std::size_t rs_steps = p.rs ? S1 : 0;
+  const std::size_t M = (rs_steps + (p.ag ? S1 : 0)) * K;  // messages each way
   const std::size_t W = static_cast<std::size_t>(std::max(c.tune.window, 1));
   const std::size_t slot_elems = (L.max_len + K - 1) / K + 1;
-  char* slots = static_cast<char*>(c.scratch->get(1, W * slot_elems * asz));
+  char* slots = p.rs ? static_cast<char*>(c.scratch->get(1, W * slot_elems * asz)) : nullptr;
   auto slot = [&](std::size_t i) { return slots + (i % W) * slot_elems * asz; };
-  auto recv_block = [&](std::size_t s) { return mod(me - static_cast<int>(s) - 2, n); };
-  auto send_block = [&](std::size_t s) { return mod(me - static_cast<int>(s) - 1, n); };
+  // Block received / sent by message i (reduce-scatter: me-s-2 / me-s-1; all-gather: me-s-1 /
+  // me-s, with s the step within the phase).
+  auto recv_block = [&](std::size_t i) {
+    const std::size_t g = i / K;
+    return g < rs_steps ? mod(me - static_cast<int>(g) - 2, n)
+                        : mod(me - static_cast<int>(g - rs_steps) - 1, n);
+  };
+  auto send_block = [&](std::size_t i) {
+    const std::size_t g = i / K;
+    return g < rs_steps ? mod(me - static_cast<int>(g) - 1, n)
+                        : mod(me - static_cast<int>(g - rs_steps), n);
+  };
 
   std::vector<p2p_request> recvs(W), sends;
   sends.reserve(M);
   auto post_recv = [&](std::size_t i) {
     if (i >= M) return;
-    auto [lo, hi] = chunk_of(L, recv_block(i / K), i % K, K);
-    recvs[i % W] = hi > lo ? c.irecv(left, slot(i), (hi - lo) * asz) : p2p_request{};
+    auto [lo, hi] = chunk_of(L, recv_block(i), i % K, K);
+    if (hi == lo) {
+      recvs[i % W] = p2p_request{};
+    } else if (i / K < rs_steps) {
+      recvs[i % W] = c.irecv(left, slot(i), (hi - lo) * asz);
+    } else {
+      recvs[i % W] = c.irecv(left, at(p.buf, lo, tsz), (hi - lo) * tsz);
+    }
   };
   auto post_send = [&](std::size_t i) {
-    const std::size_t s = i / K;
-    auto [lo, hi] = chunk_of(L, send_block(s), i % K, K);
+    if (i >= M) return;
+    const std::size_t g = i / K;
+    auto [lo, hi] = chunk_of(L, send_block(i), i % K, K);
     if (hi == lo) return;
-    const void* p =
-        (s == 0 && same) ? at(src, lo, tsz) : at(static_cast<const void*>(acc), lo, asz);
-    sends.push_back(c.isend(right, p, (hi - lo) * asz));
+    if (g >= rs_steps)
+      sends.push_back(c.isend(right, at(p.buf, lo, tsz), (hi - lo) * tsz));
+    else if (g == 0 && same)
+      sends.push_back(c.isend(right, at(p.src, lo, tsz), (hi - lo) * asz));
+    else
+      sends.push_back(
+          c.isend(right, at(static_cast<const void*>(p.acc), lo, asz), (hi - lo) * asz));
   };
 
   for (std::size_t i = 0; i < std::min(W, M); ++i) post_recv(i);
-  if (!same) {  // step 0 sends the own block widened to f32
+  if (p.rs && !same) {  // step 0 sends the own block widened to f32
     const int b = send_block(0);
-    widen(reinterpret_cast<float*>(at(acc, L.off[b], 4)),
-          reinterpret_cast<const std::uint16_t*>(at(src, L.off[b], tsz)), L.len[b], t);
+    widen(reinterpret_cast<float*>(at(p.acc, L.off[b], 4)),
+          reinterpret_cast<const std::uint16_t*>(at(p.src, L.off[b], tsz)), L.len[b], t);
   }
   for (std::size_t k = 0; k < K; ++k) post_send(k);
 
   for (std::size_t i = 0; i < M; ++i) {
-    const std::size_t s = i / K;
-    auto [lo, hi] = chunk_of(L, recv_block(s), i % K, K);
+    const std::size_t g = i / K;
+    auto [lo, hi] = chunk_of(L, recv_block(i), i % K, K);
     if (hi > lo) {
       c.wait(recvs[i % W]);
-      const std::size_t len = hi - lo;
-      const void* own = at(src, lo, tsz);
-      if (s + 2 < static_cast<std::size_t>(n)) {  // a partial sum, passed on at the next step
-        if (same)
-          reduce_same(at(acc, lo, asz), slot(i), own, len, t, op);
-        else
-          reduce_widen(reinterpret_cast<float*>(at(acc, lo, 4)),
-                       reinterpret_cast<const float*>(slot(i)),
-                       static_cast<const std::uint16_t*>(own), len, t, op);
-      } else {  // the last step: block me is complete
-        void* dst = at(out, lo - L.off[me], tsz);
-        if (same) {
-          reduce_same(dst, slot(i), own, len, t, op);
-          if (divisor != 1.0) divide(dst, len, t, divisor);
-        } else {
-          reduce_narrow(static_cast<std::uint16_t*>(dst), reinterpret_cast<const float*>(slot(i)),
-                        static_cast<const std::uint16_t*>(own), len, t, op,
-                        static_cast<float>(divisor));
+      if (g < rs_steps) {
+        const std::size_t len = hi - lo;
+        const void* own = at(p.src, lo, tsz);
+        if (g + 1 < rs_steps) {  // a partial sum, passed on at the next step
+          if (same)
+            reduce_same(at(p.acc, lo, asz), slot(i), own, len, t, op);
+          else
+            reduce_widen(reinterpret_cast<float*>(at(p.acc, lo, 4)),
+                         reinterpret_cast<const float*>(slot(i)),
+                         static_cast<const std::uint16_t*>(own), len, t, op);
+        } else {  // the last step: this chunk of block me is complete
+          void* dst = at(p.out, lo - L.off[me], tsz);
+          if (same) {
+            reduce_same(dst, slot(i), own, len, t, op);
+            if (p.divisor != 1.0) divide(dst, len, t, p.divisor);
+          } else {
+            reduce_narrow(static_cast<std::uint16_t*>(dst), reinterpret_cast<const float*>(slot(i)),
+                          static_cast<const std::uint16_t*>(own), len, t, op,
+                          static_cast<float>(p.divisor));
+          }
         }
       }
     }
     post_recv(i + W);
-    if (s + 2 < static_cast<std::size_t>(n)) post_send(i + K);
-  }
-  c.wait_all(sends);
-}
-
-// All-gather in place over `buf` (blocks by L, element size esize). Block me is taken from
-// `own` when given (and copied into buf), else it is already in buf.
-void ring_all_gather(op_context& c, void* buf, const void* own, const layout& L,
-                     std::size_t esize) {
-  const int n = c.n, me = c.me;
-  if (own != nullptr && own != at(buf, L.off[me], esize))
-    std::memcpy(at(buf, L.off[me], esize), own, L.len[me] * esize);
-  if (n == 1) return;
-  const int right = mod(me + 1, n), left = mod(me - 1, n);
-  const std::size_t K = chunks_for(L, esize, c.tune);
-  const std::size_t M = static_cast<std::size_t>(n - 1) * K;
-  const std::size_t W = static_cast<std::size_t>(std::max(c.tune.window, 1)) * 2;
-  auto recv_block = [&](std::size_t s) { return mod(me - static_cast<int>(s) - 1, n); };
-  auto send_block = [&](std::size_t s) { return mod(me - static_cast<int>(s), n); };
-  std::vector<p2p_request> recvs(W), sends;
-  sends.reserve(M);
-  auto post_recv = [&](std::size_t i) {
-    if (i >= M) return;
-    auto [lo, hi] = chunk_of(L, recv_block(i / K), i % K, K);
-    recvs[i % W] = hi > lo ? c.irecv(left, at(buf, lo, esize), (hi - lo) * esize) : p2p_request{};
-  };
-  auto post_send = [&](std::size_t i) {
-    auto [lo, hi] = chunk_of(L, send_block(i / K), i % K, K);
-    if (hi > lo) sends.push_back(c.isend(right, at(buf, lo, esize), (hi - lo) * esize));
-  };
-  for (std::size_t i = 0; i < std::min(W, M); ++i) post_recv(i);
-  for (std::size_t k = 0; k < K; ++k) post_send(k);
-  for (std::size_t i = 0; i < M; ++i) {
-    if (recvs[i % W].valid()) c.wait(recvs[i % W]);
-    post_recv(i + W);
-    if (i / K + 2 < static_cast<std::size_t>(n)) post_send(i + K);
+    post_send(i + K);
   }
   c.wait_all(sends);
 }
@@ -195,25 +203,37 @@ void ring_all_gather(op_context& c, void* buf, const void* own, const layout& L,
 void allreduce_ring(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {
   const layout L = even_split(count, c.n);
   const bool same = t == dtype::f32 || t == dtype::f64;
-  const std::size_t tsz = dtype_size(t);
-  const double divisor = op == reduce_op::avg ? c.n : 1.0;
-  void* acc = same ? data : c.scratch->get(0, count * 4);
-  ring_reduce_scatter(c, data, acc, at(data, L.off[c.me], tsz), L, t, op, divisor);
-  ring_all_gather(c, data, nullptr, L, tsz);
+  ring_pass p;
+  p.src = data;
+  p.acc = same ? data : c.scratch->get(0, count * 4);
+  p.out = at(data, L.off[c.me], dtype_size(t));
+  p.buf = data;
+  p.rs = p.ag = true;
+  p.divisor = op == reduce_op::avg ? c.n : 1.0;
+  ring_run(c, p, L, t, op);
 }
 
 void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count, dtype t,
                     reduce_op op) {
-  const layout L = uniform_blocks(count, c.n);
   const bool same = t == dtype::f32 || t == dtype::f64;
   const std::size_t asz = same ? dtype_size(t) : 4;
-  const double divisor = op == reduce_op::avg ? c.n : 1.0;
-  void* acc = c.n > 1 ? c.scratch->get(0, count * c.n * asz) : nullptr;
-  ring_reduce_scatter(c, in, acc, out, L, t, op, divisor);
+  ring_pass p;
+  p.src = in;
+  p.acc = c.n > 1 ? c.scratch->get(0, count * c.n * asz) : nullptr;
+  p.out = out;
+  p.rs = true;
+  p.divisor = op == reduce_op::avg ? c.n : 1.0;
+  ring_run(c, p, uniform_blocks(count, c.n), t, op);
 }
 
 void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t) {
-  ring_all_gather(c, out, in, uniform_blocks(count, c.n), dtype_size(t));
+  const std::size_t esize = dtype_size(t);
+  void* own = at(out, count * c.me, esize);
+  if (own != in) std::memcpy(own, in, count * esize);
+  ring_pass p;
+  p.buf = out;
+  p.ag = true;
+  ring_run(c, p, uniform_blocks(count, c.n), t, reduce_op::sum);
 }
 
 }  // namespace troupe::collective::detail

@@ -109,7 +109,7 @@ std::string exit_text(int status) {
 
 int child_main(int rank, int n, int fd, const std::function<int(ucx_transport&)>& body,
                const local_ranks_options& opt) {
-  ucx_transport t({rank, n, opt.net_device, opt.progress_thread, opt.error_mode});
+  ucx_transport t({rank, n, opt.net_device, opt.progress_thread, opt.error_mode, opt.single_copy});
   auto addr = t.address();
   TROUPE_CHECK(send_frame(fd, 'A', addr.data(), addr.size()), "local rank ", rank,
                ": sending the UCX address to the parent failed");

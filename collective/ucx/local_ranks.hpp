@@ -38,6 +38,7 @@ struct local_ranks_options {
   bool progress_thread = true;                            // ucx_transport_options::progress_thread
   std::string net_device = "lo";                          // ucx_transport_options::net_device
   ucx_error_mode error_mode = ucx_error_mode::automatic;  // ucx_transport_options::error_mode
+  bool single_copy = true;                                // ucx_transport_options::single_copy
   // Where to write every rank's outcome (optional).
   std::vector<rank_outcome>* outcomes = nullptr;
 };

@@ -18,6 +18,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -40,11 +41,13 @@ namespace {
 using clock = std::chrono::steady_clock;
 
 // Shared memory between processes of one host (sysv preferred, posix as fallback), tcp for other
-// hosts. Measured (collective/ucx/README.md): cma and tcp rendezvous lanes cost 30-50% of the
-// bandwidth at 4-64 MiB between two local processes, so no rendezvous rails: large messages move
-// as pipelined shared-memory fragments (tcp fragments across hosts) into the posted buffer.
-constexpr const char* default_tls = "self,sysv,posix,tcp";
-constexpr const char* default_rndv_rails = "0";
+// hosts, and for large messages between local ranks one rendezvous rail: cma (the receiver copies
+// straight from the sender's buffer with process_vm_readv, one copy instead of the two of the
+// shared-memory fragments). Where cma cannot work (ptrace restricted) that one rail would be tcp
+// loopback, at half the bandwidth, so then no rails: large messages move as pipelined shared-memory
+// fragments. Measured in collective/ucx/README.md.
+constexpr const char* default_tls = "self,sysv,posix,cma,tcp";
+constexpr const char* fragment_tls = "self,sysv,posix,tcp";
 // address() = magic, host identity length (2 bytes), host identity, UCX worker address.
 constexpr char address_magic[4] = {'t', 'r', 'x', '1'};
 
@@ -65,6 +68,21 @@ std::string host_identity() {
   if (n > 0) id += "|" + std::string(ns, static_cast<std::size_t>(n));
   return id;
 }
+// Whether process_vm_readv may read another process of this user here (what UCX's cma needs):
+// Yama's ptrace_scope must be 0 (or absent), and the syscall must exist (seccomp may deny it).
+bool cma_usable() {
+  int fd = open("/proc/sys/kernel/yama/ptrace_scope", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    char c = '0';
+    ssize_t n = read(fd, &c, 1);
+    close(fd);
+    if (n == 1 && c != '0') return false;
+  }
+  char src = 1, dst = 0;
+  iovec local{&dst, 1}, remote{&src, 1};
+  return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == 1 && dst == 1;
+}
+
 constexpr int tag_shift = 48;
 constexpr ucp_tag_t full_mask = ~ucp_tag_t{0};
 
@@ -480,15 +498,17 @@ ucx_transport::ucx_transport(ucx_transport_options options)
   TROUPE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), "rank ", m.opt.rank);
   const char* env_tls = std::getenv("UCX_TLS");
   const char* env_rails = std::getenv("UCX_MAX_RNDV_RAILS");
-  m.tls = std::string("UCX_TLS=") + (env_tls != nullptr ? env_tls : default_tls) +
-          " UCX_MAX_RNDV_RAILS=" + (env_rails != nullptr ? env_rails : default_rndv_rails);
+  // Our own default TLS with cma gets one rail (cma's); any other list none (see default_tls).
+  const bool single_copy = env_tls == nullptr && m.opt.single_copy && cma_usable();
+  const char* tls = env_tls != nullptr ? env_tls : single_copy ? default_tls : fragment_tls;
+  const char* rails = env_rails != nullptr ? env_rails : single_copy ? "1" : "0";
+  m.tls = std::string("UCX_TLS=") + tls + " UCX_MAX_RNDV_RAILS=" + rails;
   try {
     if (env_tls == nullptr) {
-      TROUPE_UCX_CHECK(ucp_config_modify(config, "TLS", default_tls), "rank ", m.opt.rank);
+      TROUPE_UCX_CHECK(ucp_config_modify(config, "TLS", tls), "rank ", m.opt.rank);
     }
     if (env_rails == nullptr) {
-      TROUPE_UCX_CHECK(ucp_config_modify(config, "MAX_RNDV_RAILS", default_rndv_rails), "rank ",
-                       m.opt.rank);
+      TROUPE_UCX_CHECK(ucp_config_modify(config, "MAX_RNDV_RAILS", rails), "rank ", m.opt.rank);
     }
     if (std::getenv("UCX_NET_DEVICES") == nullptr && !m.opt.net_device.empty()) {
       TROUPE_UCX_CHECK(ucp_config_modify(config, "NET_DEVICES", m.opt.net_device.c_str()), "rank ",

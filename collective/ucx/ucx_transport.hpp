@@ -52,14 +52,20 @@ struct ucx_transport_options {
   // A background thread that progresses the worker when no thread waits (event fd, no spinning).
   bool progress_thread = true;
   ucx_error_mode error_mode = ucx_error_mode::automatic;
+  // Large messages between local ranks by cma (one copy, by the receiver) where the kernel allows
+  // it; false: by shared-memory fragments (two copies, one on each side). Ignored when UCX_TLS is
+  // set. One copy wins whenever both sides are busy (every collective: 1.5-2x at 16-256 MiB
+  // allreduce); fragments win a one-way stream of single messages of tens of MiB, where sender and
+  // receiver copy in parallel (collective/ucx/README.md).
+  bool single_copy = true;
 };
 
 class ucx_transport : public transport {
  public:
   // Creates the ucp context and worker. Honours every UCX_* environment variable; where the user
-  // sets none, UCX_TLS defaults to shared memory for local peers and tcp for remote ones, and
-  // UCX_MAX_RNDV_RAILS to 0 (rendezvous through the shared-memory fragments, never tcp or cma;
-  // see collective/ucx/README.md for the measurements behind the choice).
+  // sets none, UCX_TLS defaults to shared memory (and cma, see single_copy) for local peers and tcp
+  // for remote ones, and UCX_MAX_RNDV_RAILS to 1 with cma (its rail), else 0 (rendezvous through
+  // the shared-memory fragments, never tcp loopback; collective/ucx/README.md has the numbers).
   explicit ucx_transport(ucx_transport_options options);
   ~ucx_transport() override;
   ucx_transport(const ucx_transport&) = delete;
