@@ -192,7 +192,7 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
     // Launched: the trainer runs in the tier-manager role actor, visible to troupe ps / top.
     train_session* session = nullptr;
     actors::role_registry roles;
-    actors::add_tier_manager_role(roles, [&](const actors::tier_setup&) {
+    actors::add_tier_manager_role(roles, [&](const actors::tier_setup&, const actors::tier_resources&) {
       auto s = std::make_unique<train_session>(tr, data.rows);
       session = s.get();
       return std::unique_ptr<actors::tier_session>(std::move(s));
