@@ -40,7 +40,7 @@ namespace fs = std::filesystem;
 namespace {
 
 fs::path fixture_dir(const std::string& name) {
-  return fs::path(__FILE__).parent_path().parent_path() / "tests" / "fixtures" / "models" / name;
+  return fs::path(TROUPE_SOURCE_DIR) / "tests" / "fixtures" / "models" / name;
 }
 
 // A minimal safetensors reader for the fixtures (F32, F64, I64 only), as doubles.

@@ -43,9 +43,9 @@ class temp_dir {
   fs::path path_;
 };
 
-// tests/fixtures/hf/ of the source tree (this header lives in models/hf/).
+// tests/fixtures/hf/ of the source tree (TROUPE_SOURCE_DIR: set for test binaries by CMake).
 inline fs::path fixture_dir() {
-  return fs::path(__FILE__).parent_path().parent_path().parent_path() / "tests" / "fixtures" / "hf";
+  return fs::path(TROUPE_SOURCE_DIR) / "tests" / "fixtures" / "hf";
 }
 
 inline std::string read_bytes(const fs::path& p) {

@@ -10,21 +10,21 @@ namespace troupe::models::parallel {
 
 namespace {
 
+// A stage recomputes as a whole (pipeline_stage::set_recompute), not block by block.
+llama_config without_block_recompute(llama_config c) {
+  c.recompute = false;
+  return c;
+}
+
 // The stage's boundary [B, T_local, C] (T_local = T / tp with SP), after the config's checks.
 shape llama_boundary(const llama_config& cfg, batch_dims dims, const tp_group& tp) {
-  const llama_config c = resolve_tp_llama_config(cfg, tp, "llama_stage");
+  const llama_config c = resolve_tp_llama_config(without_block_recompute(cfg), tp, "llama_stage");
   TROUPE_CHECK(dims.seq <= c.max_seq, "llama_stage: sequence length ", dims.seq,
                " exceeds max_seq (max_position_embeddings) ", c.max_seq);
   std::int64_t t = tp.sequence_parallel
                        ? divide_by_tp(dims.seq, tp.size(), "llama_stage: sequence length")
                        : dims.seq;
   return {dims.batch, t, c.dim};
-}
-
-// A stage recomputes as a whole (pipeline_stage::set_recompute), not block by block.
-llama_config without_block_recompute(llama_config c) {
-  c.recompute = false;
-  return c;
 }
 
 bool ends_with(std::string_view s, std::string_view suffix) {

@@ -488,9 +488,10 @@ TEST_CASE("Llama pipeline stages with activation recompute match the single proc
     check_hook_final(run, "layers");
     for (std::size_t r = 0; r < run.stages.size(); ++r) {
       const auto &a = *run.stages[r], &b = *stored.stages[r];
-      INFO("rank " << r);
+      INFO("rank " << r << " stash " << a.stash_bytes() << " bytes vs " << b.stash_bytes());
       CHECK(a.recomputes());
-      CHECK(a.stash_bytes() < b.stash_bytes());
+      CHECK(a.stash_buffers() == b.stash_buffers());
+      CHECK(a.stash_bytes() * 4 <= b.stash_bytes());
       CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
     }
   }

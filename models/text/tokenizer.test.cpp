@@ -19,7 +19,7 @@ using namespace troupe::models;
 namespace {
 
 fs::path fixtures() {
-  return fs::path(__FILE__).parent_path().parent_path().parent_path() / "tests" / "fixtures" /
+  return fs::path(TROUPE_SOURCE_DIR) / "tests" / "fixtures" /
          "tokenizers";
 }
 
