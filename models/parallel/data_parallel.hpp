@@ -118,7 +118,7 @@ class dp_trainer {
   // group: every rank calls it), e.g. before evaluating or saving. Other stages: nothing to do.
   void gather_full_parameters();
 
-  // Parameter bytes the engine held gathered at most during the last step (zero 3: the outside
+  // Parameter bytes the engine held gathered at most since the last step began (zero 3: the outside
   // group and the blocks in use or prefetched, in-flight gathers included; else the whole buffer);
   // with dp_options::measure_resident, the parameter buffer's resident bytes at most (mincore;
   // zero 3 samples at every block use, else at the start of the step).

@@ -81,14 +81,15 @@ std::size_t param_gather::group_of(std::int64_t block) const {
   return of_block_[static_cast<std::size_t>(block)];
 }
 
+void param_gather::issue(std::size_t i) {
+  const dp_bucket& b = buckets_[i];
+  float* out = pad_at_[i] >= 0 ? f32_at(pad_, pad_at_[i]) : f32_at(mem_.params(), b.begin);
+  works_[i] = comm_.all_gather(f32_at(shard_, b.shard_offset), out, b.chunk, dtype::f32);
+}
+
 void param_gather::gather(std::size_t g) {
   if (state_[g] != state::released) return;
-  const tensor& p = mem_.params();
-  for (std::size_t i : groups_[g].buckets) {
-    const dp_bucket& b = buckets_[i];
-    float* out = pad_at_[i] >= 0 ? f32_at(pad_, pad_at_[i]) : f32_at(p, b.begin);
-    works_[i] = comm_.all_gather(f32_at(shard_, b.shard_offset), out, b.chunk, dtype::f32);
-  }
+  for (std::size_t i : groups_[g].buckets) issue(i);
   state_[g] = state::gathering;
   gathered_ += groups_[g].elements;
   peak_ = std::max(peak_, gathered_);
@@ -102,7 +103,7 @@ void param_gather::wait(std::size_t g) {
     works_[i].wait();
     works_[i] = {};
     const dp_bucket& b = buckets_[i];
-    if (pad_at_[i] >= 0)
+    if (pad_at_[i] >= 0)  // the staged bucket, without its padding
       std::memcpy(f32_at(p, b.begin), f32_at(pad_, pad_at_[i]),
                   static_cast<std::size_t>(b.length) * 4);
   }
@@ -132,12 +133,7 @@ void param_gather::gather_all() {
   // In forward order: the buckets from the start of the buffer first (they are listed from the
   // end), whatever was gathered before gathered again.
   for (std::size_t g = 0; g < groups_.size(); ++g) wait(g);
-  const tensor& p = mem_.params();
-  for (auto i = buckets_.size(); i-- > 0;) {
-    const dp_bucket& b = buckets_[i];
-    float* out = pad_at_[i] >= 0 ? f32_at(pad_, pad_at_[i]) : f32_at(p, b.begin);
-    works_[i] = comm_.all_gather(f32_at(shard_, b.shard_offset), out, b.chunk, dtype::f32);
-  }
+  for (auto i = buckets_.size(); i-- > 0;) issue(i);
   std::fill(state_.begin(), state_.end(), state::gathering);
   for (auto g = groups_.size(); g-- > 0;) wait(g);
   gathered_ = 0;

@@ -74,6 +74,7 @@ class param_gather {
 
  private:
   enum class state : std::uint8_t { released, gathering, gathered };
+  void issue(std::size_t bucket);  // its all_gather, into the buffer or its staging
   void gather(std::size_t g);
   void wait(std::size_t g);
   void release(std::size_t g);
