@@ -372,14 +372,14 @@ class actor_page_io final : public io::page_io {
 
   std::uint64_t used_bytes() const override { return store().used_bytes(); }
   io::nvme_stats stats() const override { return store().stats(); }
-  void reset_stats() override { core_->store->reset_stats(); }
+  void reset_stats() override { store().reset_stats(); }
   io::io_backend backend() const override { return store().backend(); }
   bool direct_io() const override { return store().direct_io(); }
   std::string path() const override { return path_; }
   std::string backend_note() const override { return store().backend_note(); }
 
  private:
-  const io::nvme_store& store() const {
+  io::nvme_store& store() const {
     TROUPE_CHECK(core_->store, "nvme actor client of ", path_, ": the actor is stopped");
     return *core_->store;
   }
