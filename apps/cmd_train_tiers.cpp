@@ -155,7 +155,19 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
   auto data =
       models::open_data_source(cfg.data_tokens, cfg.data_text, staging->vocab(), cfg.seed).value();
   models::offload_trainer tr(models::hf::to_gpt_config(*g), cfg, options_of(cfg));
-  tr.check_budgets();
+  try {
+    tr.check_budgets();
+  } catch (const error& e) {
+    throw error(fmt::format(
+        "--device-memory {:.1f} MiB / --host-memory {} (memory.device / memory.host) do not hold "
+        "a step: {}; the step's activations and scratch alone take {:.1f} MiB of the device, and "
+        "a chunk is {} KiB",
+        mib(static_cast<double>(cfg.mem_device)),
+        cfg.mem_host ? fmt::format("{:.1f} MiB", mib(static_cast<double>(cfg.mem_host)))
+                     : std::string("unlimited"),
+        e.what(), mib(static_cast<double>(tr.non_model_bytes())),
+        tr.chunking().layout.chunk_bytes >> 10));
+  }
   if (!cfg.resume.empty()) {
     auto step = tr.resume(cfg.resume, mcfg, *staging).value();
     fmt::print("resumed {} at step {}\n", cfg.resume, step);

@@ -51,6 +51,17 @@ struct outcome {
 
 constexpr int steps = 4;
 
+std::vector<float> values(const tensor& t) {
+  return {static_cast<const float*>(t.data()), static_cast<const float*>(t.data()) + t.numel()};
+}
+
+// The gpt parameters an offloaded trainer holds now, flat.
+std::vector<float> weights_of(offload_trainer& off) {
+  causal_lm_of<gpt> out(tiny_gpt(), batch_dims{2, 16});
+  off.copy_weights_to(out.slots());
+  return values(out.memory().params());
+}
+
 // The plain trainer's run; `moments`: its AdamW m and v at the end, flat.
 outcome reference_run(const train_config& cfg = tiny_train(), int n = steps,
                       std::vector<float>* moments = nullptr) {
@@ -69,9 +80,7 @@ outcome reference_run(const train_config& cfg = tiny_train(), int n = steps,
     for (const tensor* t : {&tr.optimizer().m(), &tr.optimizer().v()})
       moments->insert(moments->end(), static_cast<const float*>(t->data()),
                       static_cast<const float*>(t->data()) + t->numel());
-  const tensor& p = m.memory().params();
-  o.weights.assign(static_cast<const float*>(p.data()),
-                   static_cast<const float*>(p.data()) + p.numel());
+  o.weights = values(m.memory().params());
   return o;
 }
 
@@ -84,11 +93,7 @@ outcome offloaded_run(const offload_options& opt, memory::tier_report* rep = nul
   outcome o;
   for (int s = 0; s < steps; ++s) o.losses.push_back(off.step(random_rows).loss);
   if (rep) *rep = off.tiers().report();
-  causal_lm_of<gpt> out(tiny_gpt(), batch_dims{2, 16});
-  off.copy_weights_to(out.slots());
-  const tensor& p = out.memory().params();
-  o.weights.assign(static_cast<const float*>(p.data()),
-                   static_cast<const float*>(p.data()) + p.numel());
+  o.weights = weights_of(off);
   (void)keep;
   return o;
 }
@@ -285,11 +290,7 @@ TEST_CASE("automatic placement measures the first step and places the rest", "[o
     CHECK(t.measured_non_model_bytes() >= t.non_model_bytes() + 8 * cb);
     CHECK(t.replaced());
     CHECK(after < before);
-    causal_lm_of<gpt> out(tiny_gpt(), batch_dims{2, 16});
-    t.copy_weights_to(out.slots());
-    const tensor& p = out.memory().params();
-    got.weights.assign(static_cast<const float*>(p.data()),
-                       static_cast<const float*>(p.data()) + p.numel());
+    got.weights = weights_of(t);
     require_same(reference_run(), got);  // the move kept every value
   }
 }
@@ -370,11 +371,8 @@ TEST_CASE("an nvme failure in a later step leaves the last checkpoint intact", "
   const outcome ref = reference_run(tiny_train(), 2, &moments);
   causal_lm_of<gpt> back(tiny_gpt(), batch_dims{1, 16});
   hf::load_weights(ckpt, mcfg, back.slots()).value();
-  const tensor& p = back.memory().params();
-  const std::vector<float> w(static_cast<const float*>(p.data()),
-                             static_cast<const float*>(p.data()) + p.numel());
-  CHECK(w == ref.weights);
-  const std::int64_t n = p.numel();
+  CHECK(values(back.memory().params()) == ref.weights);
+  const std::int64_t n = back.memory().params().numel();
   owned_tensor m = empty({n}, dtype::f32), v = empty({n}, dtype::f32);
   auto st = hf::load_training_state(ckpt, m, v);
   REQUIRE(st.has_value());
