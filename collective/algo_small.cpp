@@ -160,8 +160,9 @@ void allreduce_recursive_doubling(op_context& c, void* data, std::size_t count, 
   }
 }
 
-// Small: binomial tree rooted at `root`. Large: a chain root -> root+1 -> ... in chunks, each
-// rank forwarding chunk k as soon as it has it (the receives of later chunks already posted).
+// Small, or two ranks: binomial tree rooted at `root` (with two ranks, one message: chunks would
+// only add rendezvous handshakes, there is nobody to forward to). Large: a chain root -> root+1 ->
+// ... in chunks, each rank forwarding chunk k as soon as it has it (later receives posted).
 void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root) {
   const int n = c.n;
   const std::size_t esize = dtype_size(t), bytes = count * esize;
@@ -169,7 +170,7 @@ void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root) 
   const int vr = mod(c.me - root, n);
   auto real = [&](int v) { return mod(v + root, n); };
   std::vector<p2p_request> sends;
-  if (bytes < c.tune.broadcast_chain_min) {
+  if (bytes < c.tune.broadcast_chain_min || n == 2) {
     int mask = 1;
     while (mask < n) {
       if (vr & mask) {

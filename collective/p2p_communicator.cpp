@@ -355,6 +355,7 @@ struct comm_core {
       TROUPE_CHECK(!stopping.load(), op_kind_name(w->kind), " on ", name,
                    ": the communicator is being destroyed");
       w->seq = next_seq++;
+      w->spin = may_spin;
       record_issue(*w, type, count, peer);
       if (broken.load()) {
         // Fail fast, below, outside the lock.

@@ -57,7 +57,7 @@ void work_state::wait() {
     auto t0 = clock::now();
     int spins = 0;
     while (!finished()) {
-      if (++spins < 2000) {
+      if (spin && ++spins < 2000) {
         cpu_relax();
         continue;
       }

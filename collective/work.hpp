@@ -43,6 +43,9 @@ struct work_state {
   bool fail(std::string message);
 
   bool finished() const { return status.load(std::memory_order_acquire) != pending; }
+  // Whether wait() may spin before it yields: false when the process may run on one CPU only,
+  // where spinning keeps the thread that would finish the op (the executor) off that CPU.
+  bool spin = true;
   // Throws troupe::error with `error` when the op failed.
   void throw_if_failed() const;
 
