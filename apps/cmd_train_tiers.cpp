@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -82,20 +83,24 @@ std::string tiers_line(models::offload_trainer& tr) {
 }
 
 // What the tier-manager actor drives: the app's trainer, one step per tier_step.
+// The launched run's session: owns the trainer, so the actor destroys it before the NVMe actor
+// its tier pages through.
 class train_session : public actors::tier_session {
  public:
-  train_session(models::offload_trainer& tr, const models::trainer::batch_source& data)
-      : tr_(tr), data_(data) {}
-  std::string describe() override { return placement_line(tr_); }
+  train_session(std::unique_ptr<models::offload_trainer> tr,
+                const models::trainer::batch_source& data)
+      : tr_(std::move(tr)), data_(data) {}
+  std::string describe() override { return placement_line(*tr_); }
   double step() override {
-    last_ = tr_.step(data_);
+    last_ = tr_->step(data_);
     return last_.loss;
   }
-  memory::tier_report report() override { return tr_.tiers().report(); }
+  memory::tier_report report() override { return tr_->tiers().report(); }
   const models::step_result& last() const { return last_; }
+  models::offload_trainer& trainer() { return *tr_; }
 
  private:
-  models::offload_trainer& tr_;
+  std::unique_ptr<models::offload_trainer> tr_;
   const models::trainer::batch_source& data_;
   models::step_result last_;
 };
@@ -154,66 +159,79 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
                staging->max_seq(), " positions");
   auto data =
       models::open_data_source(cfg.data_tokens, cfg.data_text, staging->vocab(), cfg.seed).value();
-  models::offload_trainer tr(models::hf::to_gpt_config(*g), cfg, options_of(cfg));
-  try {
-    tr.check_budgets();
-  } catch (const error& e) {
-    throw error(fmt::format(
-        "--device-memory {:.1f} MiB / --host-memory {} (memory.device / memory.host) do not hold "
-        "a step: {}; the step's activations and scratch alone take {:.1f} MiB of the device, and "
-        "a chunk is {} KiB",
+  // The trainer: its NVMe tier through `nvme_io` (the NVMe actor's client in a launched run) or
+  // a store of its own (null).
+  std::unique_ptr<models::offload_trainer> trainer;
+  auto make_trainer = [&](std::shared_ptr<memory::io::page_io> nvme_io) {
+    auto opt = options_of(cfg);
+    opt.nvme_io = std::move(nvme_io);
+    trainer = std::make_unique<models::offload_trainer>(models::hf::to_gpt_config(*g), cfg, opt);
+    auto& tr = *trainer;
+    try {
+      tr.check_budgets();
+    } catch (const error& e) {
+      throw error(fmt::format(
+          "--device-memory {:.1f} MiB / --host-memory {} (memory.device / memory.host) do not hold "
+          "a step: {}; the step's activations and scratch alone take {:.1f} MiB of the device, and "
+          "a chunk is {} KiB",
+          mib(static_cast<double>(cfg.mem_device)),
+          cfg.mem_host ? fmt::format("{:.1f} MiB", mib(static_cast<double>(cfg.mem_host)))
+                       : std::string("unlimited"),
+          e.what(), mib(static_cast<double>(tr.non_model_bytes())),
+          tr.chunking().layout.chunk_bytes >> 10));
+    }
+    if (!cfg.resume.empty()) {
+      auto step = tr.resume(cfg.resume, mcfg, *staging).value();
+      fmt::print("resumed {} at step {}\n", cfg.resume, step);
+    } else {
+      if (!cfg.model_hf.empty())
+        models::hf::load_weights(cfg.model_hf, mcfg, staging->slots()).value();
+      else
+        staging->init_weights(cfg.seed);
+      tr.set_weights(staging->slots());
+    }
+    const auto& l = tr.chunking().layout;
+    fmt::print("troupe train: {} (GPT-2), {:.2f} M parameters; B={} T={} grad_accum={}\n",
+               hooks.model_label, static_cast<double>(staging->slots().param_count()) / 1e6,
+               cfg.batch, cfg.seq, cfg.grad_accum);
+    fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
+    fmt::print(
+        "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "
+        "of {} KiB; {} placement: {}\n",
         mib(static_cast<double>(cfg.mem_device)),
         cfg.mem_host ? fmt::format("{:.1f} MiB", mib(static_cast<double>(cfg.mem_host)))
                      : std::string("unlimited"),
-        e.what(), mib(static_cast<double>(tr.non_model_bytes())),
-        tr.chunking().layout.chunk_bytes >> 10));
-  }
-  if (!cfg.resume.empty()) {
-    auto step = tr.resume(cfg.resume, mcfg, *staging).value();
-    fmt::print("resumed {} at step {}\n", cfg.resume, step);
-  } else {
-    if (!cfg.model_hf.empty())
-      models::hf::load_weights(cfg.model_hf, mcfg, staging->slots()).value();
-    else
-      staging->init_weights(cfg.seed);
-    tr.set_weights(staging->slots());
-  }
-  const auto& l = tr.chunking().layout;
-  fmt::print("troupe train: {} (GPT-2), {:.2f} M parameters; B={} T={} grad_accum={}\n",
-             hooks.model_label, static_cast<double>(staging->slots().param_count()) / 1e6,
-             cfg.batch, cfg.seq, cfg.grad_accum);
-  fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
-  fmt::print(
-      "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "
-      "of {} KiB; {} placement: {}\n",
-      mib(static_cast<double>(cfg.mem_device)),
-      cfg.mem_host ? fmt::format("{:.1f} MiB", mib(static_cast<double>(cfg.mem_host)))
-                   : std::string("unlimited"),
-      cfg.mem_nvme_dir.empty() ? std::string("none") : cfg.mem_nvme_dir,
-      mib(static_cast<double>(tr.model_state_bytes())), l.chunks, l.chunk_bytes >> 10,
-      options_of(cfg).placement.how == models::offload_placement::mode::automatic ? "automatic"
-                                                                                  : "fixed",
-      placement_line(tr));
-  std::fflush(stdout);
+        cfg.mem_nvme_dir.empty() ? std::string("none") : cfg.mem_nvme_dir,
+        mib(static_cast<double>(tr.model_state_bytes())), l.chunks, l.chunk_bytes >> 10,
+        options_of(cfg).placement.how == models::offload_placement::mode::automatic ? "automatic"
+                                                                                    : "fixed",
+        placement_line(tr));
+    std::fflush(stdout);
+  };
 
   int rc = 0;
   if (!actors::join_info_from_env().has_value()) {
+    make_trainer(nullptr);
+    auto& tr = *trainer;
     rc = train_loop(
         cfg, mcfg, tr, *staging, [&] { return tr.step(data.rows); }, hooks);
   } else {
     // Launched: the trainer runs in the tier-manager role actor, visible to troupe ps / top.
     train_session* session = nullptr;
     actors::role_registry roles;
-    actors::add_tier_manager_role(roles, [&](const actors::tier_setup&, const actors::tier_resources&) {
-      auto s = std::make_unique<train_session>(tr, data.rows);
-      session = s.get();
-      return std::unique_ptr<actors::tier_session>(std::move(s));
-    });
+    actors::add_tier_manager_role(
+        roles, [&](const actors::tier_setup&, const actors::tier_resources& res) {
+          make_trainer(res.nvme);  // the NVMe tier pages through the role's NVMe actor
+          auto s = std::make_unique<train_session>(std::move(trainer), data.rows);
+          session = s.get();
+          return std::unique_ptr<actors::tier_session>(std::move(s));
+        });
     actors::node_options o;
     o.roles = &roles;
     actors::node n(o);
     TROUPE_CHECK(n.world_size() == 1, "--device-memory: training with memory tiers runs on one ",
                  "rank; launched with ", n.world_size(), " (troupe launch -n 1)");
+    std::exception_ptr failed;
     {
       actors::job jb(n);
       auto tm = jb.spawn(actors::tier_manager_role, 0, "tiers");
@@ -222,25 +240,28 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
       setup.device_bytes = cfg.mem_device;
       setup.host_bytes = cfg.mem_host;
       setup.nvme_dir = cfg.mem_nvme_dir;
-      fmt::print("tier-manager actor {}: {}\n", tm.name,
-                 jb.ask<std::string>(tm, setup, std::chrono::minutes(10)));
-      auto one = [&] {
-        jb.ask<actors::tier_step_reply>(tm, actors::tier_step{1}, std::chrono::hours(24));
-        return session->last();
-      };
       try {
+        fmt::print("tier-manager actor {}: {}\n", tm.name,
+                   jb.ask<std::string>(tm, setup, std::chrono::minutes(10)));
+        auto& tr = session->trainer();
+        auto one = [&] {
+          jb.ask<actors::tier_step_reply>(tm, actors::tier_step{1}, std::chrono::hours(24));
+          return session->last();
+        };
         rc = train_loop(cfg, mcfg, tr, *staging, one, hooks);
+        // While the NVMe actor still serves its pages.
+        if (hooks.done) tr.copy_weights_to(staging->slots());
       } catch (...) {
-        jb.stop(tm);
-        n.shutdown();
-        throw;
+        failed = std::current_exception();  // rethrown once the job and the node are down
+        trainer.reset();  // a trainer made by a failed setup holds the NVMe actor's client
       }
       jb.stop(tm);
     }
     n.shutdown();
+    if (failed) std::rethrow_exception(failed);
   }
   if (hooks.done) {
-    tr.copy_weights_to(staging->slots());
+    if (trainer) trainer->copy_weights_to(staging->slots());
     hooks.done(*staging);
   }
   return rc;

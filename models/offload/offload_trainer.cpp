@@ -62,6 +62,7 @@ memory::tier_manager_options manager_options(const offload_options& o) {
   m.host_bytes = o.host_bytes;
   m.nvme_dir = o.nvme_dir;
   m.nvme_capacity_bytes = o.nvme_capacity_bytes;
+  m.nvme_io = o.nvme_io;
   m.prefetch_depth = o.prefetch_depth;
   return m;
 }

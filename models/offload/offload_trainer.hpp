@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,9 @@ struct offload_options {
   std::size_t host_bytes = 0;             // the host budget for chunks (0: unlimited)
   std::string nvme_dir;                   // needed when a tier is nvme
   std::uint64_t nvme_capacity_bytes = 0;  // limit on the NVMe tier's file (0: the disk's size)
+  // The NVMe tier's page I/O (e.g. the NVMe actor's client, actors/nvme_actor.hpp); null: a store
+  // of the tier manager's own in nvme_dir (memory::tier_manager_options::nvme_io).
+  std::shared_ptr<memory::io::page_io> nvme_io;
   int prefetch_depth = 4;
   // The CPU AdamW of chunk i overlaps bringing in chunk i + 1 (when the host and device budgets
   // hold both chunk groups at once; otherwise the optimizer runs one chunk at a time).

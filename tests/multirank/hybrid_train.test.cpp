@@ -271,11 +271,32 @@ TEST_CASE("Training with memory tiers matches the plain run in one process and l
   auto got = single("gpt2-demo", steps, dir, tiers);
   REQUIRE(got.size() == want.size());
   for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == want[i]);
-  // Launched, the trainer runs in the tier-manager actor; the automatic placement.
+  // Launched, the trainer runs in the tier-manager actor and pages through its NVMe actor; then
+  // the automatic placement.
+  same_losses(launched(1, "gpt2-demo", steps, dir, "tiers", tiers), want);
   same_losses(
       launched(1, "gpt2-demo", steps, dir, "tiers",
                {"--device-memory", "24M", "--offload", "auto", "--nvme-dir", dir + "/nvme"}),
       want);
+  std::filesystem::remove_all(dir);
+}
+
+// A budget that cannot hold a step, found while the tier-manager actor sets up (after it spawned
+// its NVMe actor): the run ends at once with the error naming the flag, not in a hang at shutdown.
+TEST_CASE("A launched run with memory tiers too small for a step fails naming the budget",
+          "[multirank]") {
+  auto dir = scratch("tiers-small");
+  std::vector<std::string> a = {troupe_bin, "launch", "-n", "1", "--", troupe_bin};
+  auto flags = run_flags("gpt2-demo", 2);
+  a.insert(a.end(), flags.begin(), flags.end());
+  for (const std::string f : {"--device-memory", "64K", "--nvme-dir", "", "--offload-params", "1"})
+    a.push_back(f.empty() ? dir + "/nvme" : f);
+  child_process p(a);
+  auto st = p.wait(60s);
+  INFO(p.output());
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) != 0);
+  CHECK(!p.lines_with("--device-memory").empty());
   std::filesystem::remove_all(dir);
 }
 
