@@ -185,6 +185,15 @@ struct ucx_transport::impl {
   std::unique_ptr<peer_state[]> peers;
 
   mutable std::mutex mu_;
+  // Held around every ucp_worker_progress and ucp_request_cancel: UCX 1.13's cancel reads a
+  // request's COMPLETED flag before it takes the worker lock, so a completion by another thread's
+  // progress in between (a rendezvous receive failed by a lost endpoint) trips an assertion in
+  // tag_match.c. Recursive: callbacks run inside progress may cancel (mark_failed).
+  std::recursive_mutex progress_mu_;
+  unsigned progress_once() {
+    std::lock_guard lk(progress_mu_);
+    return ucp_worker_progress(worker);
+  }
   std::mutex connect_mu_;  // serializes connect and endpoint close
   std::atomic<bool> any_close_pending{false};
 
@@ -342,7 +351,10 @@ struct ucx_transport::impl {
 
   // Cancels requests whose cancel_holds the caller raised; frees handles completed meanwhile.
   void cancel_held(const std::vector<std::pair<std::shared_ptr<ucx_request>, void*>>& held) {
-    for (auto& [r, h] : held) ucp_request_cancel(worker, h);
+    {
+      std::lock_guard lk(progress_mu_);
+      for (auto& [r, h] : held) ucp_request_cancel(worker, h);
+    }
     std::vector<void*> to_free;
     {
       std::lock_guard lk(mu_);
@@ -403,7 +415,7 @@ struct ucx_transport::impl {
         // A forced close needs no answer from the peer; bound the wait anyway.
         auto give_up = clock::now() + std::chrono::seconds(5);
         while (ucp_request_check_status(sp) == UCS_INPROGRESS && clock::now() < give_up) {
-          ucp_worker_progress(worker);
+          progress_once();
         }
         if (ucp_request_check_status(sp) != UCS_INPROGRESS) ucp_request_free(sp);
       }
@@ -444,7 +456,7 @@ struct ucx_transport::impl {
         nanosleep(&ts, nullptr);
         continue;
       }
-      while (ucp_worker_progress(worker) != 0) {
+      while (progress_once() != 0) {
       }
       reap();
       ucs_status_t st = ucp_worker_arm(worker);
@@ -606,7 +618,7 @@ ucx_transport::~ucx_transport() {
     m.mark_failed(p, "transport destroyed", false);
     m.close_endpoint(p, "ucx_transport on rank " + std::to_string(m.opt.rank) + " destroyed");
   }
-  while (ucp_worker_progress(m.worker) != 0) {
+  while (m.progress_once() != 0) {
   }
   {
     std::lock_guard lk(m.mu_);
@@ -738,7 +750,7 @@ bool ucx_transport::test(p2p_request& r) {
   impl& m = *impl_;
   ucx_request* u = as_ucx(r, m.opt.rank);
   if (u->status.load(std::memory_order_acquire) == detail::p2p_state::pending) {
-    ucp_worker_progress(m.worker);
+    m.progress_once();
     m.reap();
   }
   throw_if_failed(*u);
@@ -771,7 +783,7 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
     auto last_progress = start;
     bool progressed = false;
     for (unsigned polls = 1; !done(); ++polls) {
-      progressed |= ucp_worker_progress(m.worker) != 0;
+      progressed |= m.progress_once() != 0;
       if (done() || polls % 32 != 0) continue;
       auto now = clock::now();
       check_deadline(now);
@@ -802,12 +814,12 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
         m.sleepers.fetch_add(1, std::memory_order_seq_cst);
         if (!done()) futex_wait(&m.completions, seq, 1000000L);
         m.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-        if (!done() && ucp_worker_progress(m.worker) == 0) m.reap();
+        if (!done() && m.progress_once() == 0) m.reap();
       } else {
         timespec ts{0, nap_ns};
         nanosleep(&ts, nullptr);
         nap_ns = std::min(nap_ns * 2, 500000L);
-        while (ucp_worker_progress(m.worker) != 0) {
+        while (m.progress_once() != 0) {
         }
         m.reap();
       }
