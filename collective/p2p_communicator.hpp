@@ -32,12 +32,13 @@ namespace troupe::collective {
 // ring from 128 KiB (318 vs 358 us at 256 KiB); the binomial tree beats the chain at 4 ranks up
 // to 1 MiB and they tie at 2 MiB. Chunks: with cma moving large messages (one rendezvous per
 // chunk), 1 MiB chunks beat 256 KiB ones at 2 ranks (allreduce busbw 1 MiB: 3.6 vs 3.3 GB/s, 256
-// MiB: 0.48 vs 0.27, medians of 3 under load 13; 64 KiB was slower still).
+// MiB: 0.48 vs 0.27, medians of 3 under load 13; 64 KiB was slower still), and 2 MiB ones beat
+// 1 MiB at 4 and 16 MiB (best of 4, load 2: 5.7 vs 4.8 and 6.1 vs 5.4 GB/s; 4 ranks: a tie).
 // Tests lower the thresholds to cover every path at every size.
 struct algo_tuning {
   std::size_t allreduce_ring_min = 128 * 1024;  // below: recursive doubling, from here: ring
   std::size_t broadcast_chain_min = 2 << 20;    // below: binomial tree, from here: chain
-  std::size_t chunk_bytes = 1 << 20;            // pipeline chunk of ring and chain steps
+  std::size_t chunk_bytes = 2 << 20;            // pipeline chunk of ring and chain steps
   int window = 4;                               // receives posted ahead in pipelined loops
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
