@@ -151,8 +151,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       gc.recompute = recompute;
       I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tg);
     } else {
-      TROUPE_CHECK(!recompute, "parallel.recompute / train.recompute: activation recompute is not ",
-                   "available for Llama tensor shards yet (parallel.tp > 1 without pipeline stages)");
+      TROUPE_CHECK(
+          !recompute, "parallel.recompute / train.recompute: activation recompute is not ",
+          "available for Llama tensor shards yet (parallel.tp > 1 without pipeline stages)");
       I.model = std::make_unique<causal_lm_of<tp_llama>>(
           to_llama_config(std::get<hf::llama_config>(model)), dims, tg);
     }

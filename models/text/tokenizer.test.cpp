@@ -19,8 +19,7 @@ using namespace troupe::models;
 namespace {
 
 fs::path fixtures() {
-  return fs::path(TROUPE_SOURCE_DIR) / "tests" / "fixtures" /
-         "tokenizers";
+  return fs::path(TROUPE_SOURCE_DIR) / "tests" / "fixtures" / "tokenizers";
 }
 
 nlohmann::json read_json(const fs::path& p) {
