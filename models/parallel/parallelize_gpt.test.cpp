@@ -83,40 +83,7 @@ TEST_CASE("A tensor parallel GPT-2 matches the unsharded loss and gradients", "[
 // the single-process run within 1e-4 relative over 10 AdamW steps.
 TEST_CASE("Training a tiny GPT-2 in tp2 for 10 steps matches the single process trainer",
           "[parallel]") {
-  gpt_config cfg = tiny();
-  train_config tc;
-  tc.steps = 10;
-  tc.batch = 2;
-  tc.seq = 8;
-  tc.lr = 1e-2;
-  tc.min_lr = 1e-3;
-  tc.warmup = 2;
-  tc.clip = 0;
-  tc.fixed_batch = true;  // one batch, so the loss must fall
-  batch_dims dims{tc.batch, tc.seq};
-  std::vector<double> ref;
-  {
-    causal_lm_of<gpt> model(cfg, dims);
-    model.init_weights(3);
-    trainer t(model, tc);
-    for (int s = 0; s < 10; ++s) ref.push_back(t.step(synthetic_rows).loss);
-  }
-  for (bool sp : {false, true}) {
-    INFO("sp " << sp);
-    std::vector<std::vector<double>> got(2);
-    run_ranks(2, [&](int r, collective::communicator& comm) {
-      causal_lm_of<tp_gpt> model(cfg, dims, tp_group{&comm, sp});
-      model.init_weights(3);
-      trainer t(model, tc);
-      for (int s = 0; s < 10; ++s) got[r].push_back(t.step(synthetic_rows).loss);
-    });
-    for (int r = 0; r < 2; ++r)
-      for (int s = 0; s < 10; ++s) {
-        INFO("rank " << r << " step " << s << " loss " << got[r][s] << " vs " << ref[s]);
-        CHECK(std::abs(got[r][s] - ref[s]) <= 1e-4 * ref[s]);
-      }
-    CHECK(ref.back() < 0.8 * ref.front());  // it did train
-  }
+  testing::check_tp2_training<gpt, tp_gpt>(tiny(), 10, synthetic_rows);
 }
 
 // Activation recompute on a shard: the blocks share one set of activation bytes and run forward

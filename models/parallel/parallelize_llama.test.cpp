@@ -119,38 +119,5 @@ TEST_CASE("A tensor parallel Llama refuses what it cannot split naming the field
 // relative over 8 AdamW steps.
 TEST_CASE("Training a tiny Llama in tp2 for 8 steps matches the single process trainer",
           "[parallel]") {
-  llama_config cfg = tiny();
-  train_config tc;
-  tc.steps = 8;
-  tc.batch = 2;
-  tc.seq = 8;
-  tc.lr = 1e-2;
-  tc.min_lr = 1e-3;
-  tc.warmup = 2;
-  tc.clip = 0;
-  tc.fixed_batch = true;  // one batch, so the loss must fall
-  batch_dims dims{tc.batch, tc.seq};
-  std::vector<double> ref;
-  {
-    causal_lm_of<llama> model(cfg, dims);
-    model.init_weights(3);
-    trainer t(model, tc);
-    for (int s = 0; s < 8; ++s) ref.push_back(t.step(synthetic_rows).loss);
-  }
-  for (bool sp : {false, true}) {
-    INFO("sp " << sp);
-    std::vector<std::vector<double>> got(2);
-    run_ranks(2, [&](int r, collective::communicator& comm) {
-      causal_lm_of<tp_llama> model(cfg, dims, tp_group{&comm, sp});
-      model.init_weights(3);
-      trainer t(model, tc);
-      for (int s = 0; s < 8; ++s) got[r].push_back(t.step(synthetic_rows).loss);
-    });
-    for (int r = 0; r < 2; ++r)
-      for (int s = 0; s < 8; ++s) {
-        INFO("rank " << r << " step " << s << " loss " << got[r][s] << " vs " << ref[s]);
-        CHECK(std::abs(got[r][s] - ref[s]) <= 1e-4 * ref[s]);
-      }
-    CHECK(ref.back() < 0.8 * ref.front());  // it did train
-  }
+  testing::check_tp2_training<llama, tp_llama>(tiny(), 8, synthetic_rows);
 }

@@ -344,6 +344,19 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
   }
 }
 
+// A recomputing pipeline against the storing one: as many stash buffers, each at least 4 x
+// smaller, and a recompute wherever a microbatch was stashed.
+void check_recompute_stash(const pipeline_run& run, const pipeline_run& stored) {
+  for (std::size_t r = 0; r < run.stages.size(); ++r) {
+    const auto &a = *run.stages[r], &b = *stored.stages[r];
+    INFO("rank " << r << " stash " << a.stash_bytes() << " bytes vs " << b.stash_bytes());
+    CHECK(a.recomputes());
+    CHECK(a.stash_buffers() == b.stash_buffers());
+    CHECK(a.stash_bytes() * 4 <= b.stash_bytes());
+    CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
+  }
+}
+
 // Recompute (parallel.recompute full): stashes keep each in-flight microbatch's stage input only
 // and a restored microbatch's chunk runs forward again before its backward. The same checks as
 // without (against the storing single-process model); then against the storing pipeline: as many
@@ -378,14 +391,7 @@ TEST_CASE("GPT-2 pipeline stages with activation recompute match the single proc
     auto run = run_pipeline(plan, factory(true), data, "h");
     check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
     check_hook_final(run, "h");
-    for (std::size_t r = 0; r < run.stages.size(); ++r) {
-      const auto &a = *run.stages[r], &b = *stored.stages[r];
-      INFO("rank " << r << " stash " << a.stash_bytes() << " bytes vs " << b.stash_bytes());
-      CHECK(a.recomputes());
-      CHECK(a.stash_buffers() == b.stash_buffers());
-      CHECK(a.stash_bytes() * 4 <= b.stash_bytes());
-      CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
-    }
+    check_recompute_stash(run, stored);
   }
 }
 
@@ -486,14 +492,7 @@ TEST_CASE("Llama pipeline stages with activation recompute match the single proc
     auto run = run_pipeline(plan, factory(true), data, "layers");
     check_run(full, want, run, plan, c.tied ? "embed_tokens.weight" : "", 4, 1e-5);
     check_hook_final(run, "layers");
-    for (std::size_t r = 0; r < run.stages.size(); ++r) {
-      const auto &a = *run.stages[r], &b = *stored.stages[r];
-      INFO("rank " << r << " stash " << a.stash_bytes() << " bytes vs " << b.stash_bytes());
-      CHECK(a.recomputes());
-      CHECK(a.stash_buffers() == b.stash_buffers());
-      CHECK(a.stash_bytes() * 4 <= b.stash_bytes());
-      CHECK((a.recomputed() > 0) == (b.stash_buffers() > 0));
-    }
+    check_recompute_stash(run, stored);
   }
 }
 
