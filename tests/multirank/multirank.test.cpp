@@ -55,8 +55,10 @@ double seconds_between(child_process::clock::time_point a, child_process::clock:
   return std::chrono::duration<double>(b - a).count();
 }
 
-// SIGKILL or SIGSTOP one rank of four; every survivor must see it within `bound_s`.
-void loss_test(int sig, double heartbeat_s, double bound_s, const std::string& reason) {
+// SIGKILL or SIGSTOP one rank of four; every survivor must see it within `bound_s`, for one of
+// `reasons` (whichever detection comes first).
+void loss_test(int sig, double heartbeat_s, double bound_s,
+               const std::vector<std::string>& reasons) {
   const int victim = 2;
   child_process launcher({troupe_bin, "launch", "-n", "4", "--heartbeat-timeout",
                           std::to_string(heartbeat_s), "--grace", "20", "--job",
@@ -84,7 +86,11 @@ void loss_test(int sig, double heartbeat_s, double bound_s, const std::string& r
     auto lines = launcher.lines_with("pending receive failed: " + who);
     REQUIRE(!lines.empty());
     CHECK(lines.front().find("rank 2 lost") != std::string::npos);
-    CHECK(lines.front().find(reason) != std::string::npos);
+    bool named = false;
+    for (const auto& reason : reasons)
+      named = named || lines.front().find(reason) != std::string::npos;
+    INFO(lines.front());
+    CHECK(named);
     auto raw = launcher.lines_with("pending transport receive failed: " + who);
     REQUIRE(!raw.empty());
     CHECK(raw.front().find("rank 2") != std::string::npos);
@@ -175,13 +181,14 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[
 
 TEST_CASE("A killed rank is detected by every other rank and its pending receives fail",
           "[multirank]") {
-  loss_test(SIGKILL, 3.0, 2.5, "connection lost");
+  // The connection drops, or the launcher reports the signal to the coordinator first.
+  loss_test(SIGKILL, 3.0, 2.5, {"connection lost", "killed by signal 9"});
 }
 
 TEST_CASE("A stopped rank is detected by heartbeat although its connection stays open",
           "[multirank]") {
   // Heartbeat timeout 1 s: lost after 1 s of silence, checked every 0.25 s.
-  loss_test(SIGSTOP, 1.0, 3.0, "no heartbeat");
+  loss_test(SIGSTOP, 1.0, 3.0, {"no heartbeat"});
 }
 
 TEST_CASE("The example actor script runs and troupe ps lists every actor", "[multirank]") {
