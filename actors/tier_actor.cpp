@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 
@@ -50,7 +51,10 @@ struct nvme_tier {
     try {
       nvme_open open;
       open.dir = dir;
-      open.name = "troupe_tiers." + std::to_string(::getpid()) + "." + c.name();
+      // A name of its own per session: a replaced session's store may still be closing.
+      static std::atomic<std::uint64_t> sessions{0};
+      open.name = "troupe_tiers." + std::to_string(::getpid()) + "." + c.name() + "." +
+                  std::to_string(sessions++);
       j.ask<std::string>(handle, open);
       resources.nvme = nvme_client(c.node(), handle);
       resources.nvme_actor = handle.name;

@@ -189,11 +189,18 @@ save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
   save_reply out;
   if (ctx.node().rank() == 0) {
     ctx.set_activity("writing " + r.dir);
-    models::hf::save_checkpoint(r.dir, st.model, st.whole->slots()).value();
-    std::ofstream f(std::filesystem::path(r.dir) / "troupe_parallel.json");
-    f << fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.hybrid->steps_done(),
-                     scheduler::describe(st.cfg.plan));
-    TROUPE_CHECK(f.good(), "writing ", r.dir, "/troupe_parallel.json failed");
+    using result = expected<std::filesystem::path>;
+    models::hf::save_folder_atomically(r.dir, [&](const std::filesystem::path& dir) -> result {
+      auto files = models::hf::save_checkpoint(dir, st.model, st.whole->slots());
+      if (!files) return result::failure(files.error_message());
+      std::ofstream f(dir / "troupe_parallel.json");
+      f << fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.hybrid->steps_done(),
+                       scheduler::describe(st.cfg.plan));
+      f.close();
+      if (!f)
+        return result::failure("writing " + (dir / "troupe_parallel.json").string() + " failed");
+      return dir;
+    }).value();
     out.written = r.dir;
   }
   ctx.set_activity("idle");

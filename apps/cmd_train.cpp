@@ -149,7 +149,8 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
     auto sum = actors::drive_training(n, cfg, d);
     fmt::print(
         "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; pipeline "
-        "bubble {:.1f}% of the pipelined section; waiting for gradient collectives {:.2f} ms per step\n",
+        "bubble {:.1f}% of the pipelined section; waiting for gradient collectives {:.2f} ms per "
+        "step\n",
         sum.steps, sum.seconds, sum.tokens / std::max(sum.seconds, 1e-9), sum.first_loss,
         sum.last_loss, sum.steps > 0 ? 100.0 * bubble / sum.steps : 0.0,
         sum.steps > 0 ? 1e3 * wait / sum.steps : 0.0);

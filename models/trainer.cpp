@@ -126,17 +126,20 @@ step_result trainer::step(const batch_source& data) {
 
 expected<std::filesystem::path> trainer::save(const std::filesystem::path& folder,
                                               const hf::model_config& cfg) const {
-  auto files = hf::save_checkpoint(folder, cfg, mixed() ? master_slots_ : model_.slots());
-  if (!files) return expected<std::filesystem::path>::failure(files.error_message());
-  nlohmann::json extra = {{"seed", cfg_.seed},
-                          {"precision", cfg_.precision},
-                          {"loss_scale", loss_scale_},
-                          {"good_steps", good_steps_}};
-  hf::training_state st{
-      .step = step_, .optimizer_steps = opt_.steps_taken(), .extra_json = extra.dump()};
-  auto ts = hf::save_training_state(folder, st, opt_.m(), opt_.v());
-  if (!ts) return expected<std::filesystem::path>::failure(ts.error_message());
-  return folder;
+  using result = expected<std::filesystem::path>;
+  return hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
+    auto files = hf::save_checkpoint(dir, cfg, mixed() ? master_slots_ : model_.slots());
+    if (!files) return result::failure(files.error_message());
+    nlohmann::json extra = {{"seed", cfg_.seed},
+                            {"precision", cfg_.precision},
+                            {"loss_scale", loss_scale_},
+                            {"good_steps", good_steps_}};
+    hf::training_state st{
+        .step = step_, .optimizer_steps = opt_.steps_taken(), .extra_json = extra.dump()};
+    auto ts = hf::save_training_state(dir, st, opt_.m(), opt_.v());
+    if (!ts) return result::failure(ts.error_message());
+    return dir;
+  });
 }
 
 expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,

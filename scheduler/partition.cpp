@@ -99,7 +99,9 @@ layer_costs transformer_costs(const model_shape& m, int tp) {
   need(m.hidden, "hidden");
   need(m.vocab, "vocab");
   need(m.seq, "seq");
-  need(tp, "tp");
+  if (tp <= 0)
+    throw std::invalid_argument("transformer_costs: parallel.tp must be > 0, got " +
+                                std::to_string(tp));
   const double c = static_cast<double>(m.hidden), t = static_cast<double>(m.seq);
   const double v = static_cast<double>(m.vocab);
   const double ffn = m.ffn > 0 ? static_cast<double>(m.ffn) : 4 * c;

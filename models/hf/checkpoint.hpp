@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <vector>
 
 #include "memory/error.hpp"
@@ -60,6 +61,15 @@ expected<std::vector<std::filesystem::path>> save_checkpoint(const std::filesyst
                                                              const model_config& cfg,
                                                              const slot_list& slots,
                                                              const save_options& opt = {});
+
+// Writes a checkpoint folder as one unit: write(staging) fills `<folder>.partial` (emptied
+// first); only when it succeeds does the new folder replace `folder` (the old one is renamed to
+// `<folder>.old` and removed after). A failed write (a full disk, an I/O error) leaves `folder`
+// exactly as it was and removes the partial one; the error says so. Returns `folder`.
+expected<std::filesystem::path> save_folder_atomically(
+    const std::filesystem::path& folder,
+    const std::function<expected<std::filesystem::path>(const std::filesystem::path& staging)>&
+        write);
 
 // The shard file name HF uses: "model-00002-of-00005.safetensors".
 std::string shard_file_name(int index, int count);

@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
 
 #include "memory/gpu.hpp"
@@ -458,4 +460,39 @@ TEST_CASE("A model on the GPU loads and saves the same bytes as on the CPU", "[g
   REQUIRE(save_checkpoint(a.path(), g, cpu.slots()).has_value());
   REQUIRE(save_checkpoint(b.path(), g, gpu.slots()).has_value());
   CHECK(read_bytes(a / "model.safetensors") == read_bytes(b / "model.safetensors"));
+}
+
+// A checkpoint folder is replaced as one unit: a writer that fails half way (a full disk) leaves
+// the previous checkpoint byte for byte and no partial folder; a writer that succeeds replaces it.
+TEST_CASE("A failed save leaves the previous checkpoint folder as it was", "[cpu]") {
+  temp_dir tmp;
+  const fs::path ck = tmp.path() / "ck";
+  auto write_files = [](const std::string& text) {
+    return [text](const fs::path& dir) -> expected<fs::path> {
+      fs::create_directories(dir);
+      std::ofstream(dir / "model.safetensors") << text;
+      std::ofstream(dir / "optimizer.safetensors") << text;
+      return dir;
+    };
+  };
+  auto read = [](const fs::path& f) {
+    std::ifstream in(f);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  REQUIRE(save_folder_atomically(ck, write_files("step 1")).has_value());
+  CHECK(read(ck / "optimizer.safetensors") == "step 1");
+  auto failed = save_folder_atomically(ck, [](const fs::path& dir) -> expected<fs::path> {
+    fs::create_directories(dir);
+    std::ofstream(dir / "model.safetensors") << "step 2";
+    return expected<fs::path>::failure("writing optimizer.safetensors: No space left on device");
+  });
+  REQUIRE_FALSE(failed.has_value());
+  CHECK_THAT(failed.error_message(),
+             Catch::Contains("No space left") && Catch::Contains("unchanged"));
+  CHECK(read(ck / "model.safetensors") == "step 1");
+  CHECK(read(ck / "optimizer.safetensors") == "step 1");
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
+  REQUIRE(save_folder_atomically(ck / "", write_files("step 3")).has_value());
+  CHECK(read(ck / "model.safetensors") == "step 3");
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.old"));
 }

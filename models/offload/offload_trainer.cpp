@@ -312,19 +312,21 @@ expected<std::filesystem::path> offload_trainer::save(const std::filesystem::pat
                                                       const hf::model_config& cfg,
                                                       causal_lm& staging) {
   using result = expected<std::filesystem::path>;
-  copy_kind(staging.slots(), 0, true);
-  auto files = hf::save_checkpoint(folder, cfg, staging.slots());
-  if (!files) return result::failure(files.error_message());
-  const tensor& g = staging.memory().grads();
-  owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
-  copy_kind(staging.slots(), 2, true);
-  ops::copy(g, m);
-  copy_kind(staging.slots(), 3, true);  // v stays in the staging gradients
-  nlohmann::json extra = {{"seed", cfg_.seed}, {"precision", cfg_.precision}, {"offload", true}};
-  hf::training_state st{.step = step_, .optimizer_steps = step_, .extra_json = extra.dump()};
-  auto ts = hf::save_training_state(folder, st, m, g);
-  if (!ts) return result::failure(ts.error_message());
-  return folder;
+  return hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
+    copy_kind(staging.slots(), 0, true);
+    auto files = hf::save_checkpoint(dir, cfg, staging.slots());
+    if (!files) return result::failure(files.error_message());
+    const tensor& g = staging.memory().grads();
+    owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
+    copy_kind(staging.slots(), 2, true);
+    ops::copy(g, m);
+    copy_kind(staging.slots(), 3, true);  // v stays in the staging gradients
+    nlohmann::json extra = {{"seed", cfg_.seed}, {"precision", cfg_.precision}, {"offload", true}};
+    hf::training_state st{.step = step_, .optimizer_steps = step_, .extra_json = extra.dump()};
+    auto ts = hf::save_training_state(dir, st, m, g);
+    if (!ts) return result::failure(ts.error_message());
+    return dir;
+  });
 }
 
 expected<std::int64_t> offload_trainer::resume(const std::filesystem::path& folder,

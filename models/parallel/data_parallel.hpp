@@ -121,7 +121,7 @@ class dp_trainer {
   // Parameter bytes the engine held gathered at most since the last step began (zero 3: the outside
   // group and the blocks in use or prefetched, in-flight gathers included; else the whole buffer);
   // with dp_options::measure_resident, the parameter buffer's resident bytes at most (mincore;
-  // zero 3 samples at every block use, else at the start of the step).
+  // zero 3 samples at every block use, else after forward_backward).
   std::int64_t peak_gathered_bytes() const;
   std::size_t peak_resident_param_bytes() const;
 
