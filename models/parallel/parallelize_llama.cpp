@@ -64,7 +64,11 @@ double tp_llama::forward(const tensor& ids, const tensor& targets) {
   shape bt{b_, tl, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_llama", "x"); };
   embed_tokens_.forward(ids, x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_[i].forward(x(i), x(i + 1));
+  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
+    notify(on_block_use, i, block_use::before_forward);
+    layers_[i].forward(x(i), x(i + 1));
+    notify(on_block_use, i, block_use::after_forward);
+  }
   return head_.forward(x(cfg_.n_layer), targets);
 }
 
@@ -76,7 +80,9 @@ void tp_llama::backward(double loss_scale) {
   tensor db = planned_view(dx_b_, bt, "tp_llama", "dx_b");
   head_.backward(loss_scale, da, db);
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
+    notify(on_block_use, i, block_use::before_backward);
     layers_[i].backward(db, da);
+    notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);
   }
   embed_tokens_.backward(db);

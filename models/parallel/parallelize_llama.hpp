@@ -20,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "models/block_use.hpp"
 #include "models/llama.hpp"
 #include "models/parallel/tp_llama_layers.hpp"
 #include "models/parallel/tp_vocab.hpp"
@@ -48,6 +49,8 @@ class tp_llama {
   double forward(const tensor& ids, const tensor& targets);
   tensor logits() const { return head_.logits(); }  // the shard's columns [B*T, V/tp]
   void backward(double loss_scale = 1.0);
+  // Called around every use of block i's parameters (models/block_use.hpp). Empty: not called.
+  block_use_hook on_block_use;
 
   void begin_generation(std::int64_t batch, std::int64_t capacity);  // fails: not supported
   tensor step_logits(const tensor& ids);                             // fails: not supported

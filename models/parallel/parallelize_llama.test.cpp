@@ -121,3 +121,36 @@ TEST_CASE("Training a tiny Llama in tp2 for 8 steps matches the single process t
           "[parallel]") {
   testing::check_tp2_training<llama, tp_llama>(tiny(), 8, synthetic_rows);
 }
+
+// The block-use hook (what ZeRO 3 gathers and releases by): every block's forward between its
+// before/after_forward calls in order, then its backward between before/after_backward in reverse.
+TEST_CASE("A tensor parallel Llama reports each block's use in order", "[parallel]") {
+  const llama_config cfg = tiny();
+  batch_dims dims{2, 8};
+  std::vector<std::vector<std::pair<std::int64_t, block_use>>> seen(2);
+  run_ranks(2, [&](int r, collective::communicator& comm) {
+    causal_lm_of<tp_llama> m(cfg, dims, tp_group{&comm, false});
+    m.init_weights(3);
+    REQUIRE(m.set_block_use_hook([&, r](std::int64_t i, block_use u) {
+      seen[r].push_back({i, u});
+    }));
+    std::vector<std::int32_t> rows;
+    synthetic_rows(0, 2, 9, rows);
+    auto ids = empty({2, 8}, dtype::i32), targets = empty({2, 8}, dtype::i32);
+    for (int b = 0; b < 2; ++b)
+      for (int t = 0; t < 8; ++t) {
+        ids.data_as<std::int32_t>()[b * 8 + t] = rows[b * 9 + t];
+        targets.data_as<std::int32_t>()[b * 8 + t] = rows[b * 9 + t + 1];
+      }
+    m.memory().zero_grads();
+    m.forward(ids, targets);
+    m.backward(1.0);
+  });
+  std::vector<std::pair<std::int64_t, block_use>> want;
+  for (std::int64_t i = 0; i < cfg.n_layer; ++i)
+    for (auto u : {block_use::before_forward, block_use::after_forward}) want.push_back({i, u});
+  for (std::int64_t i = cfg.n_layer - 1; i >= 0; --i)
+    for (auto u : {block_use::before_backward, block_use::after_backward}) want.push_back({i, u});
+  CHECK(seen[0] == want);
+  CHECK(seen[1] == want);
+}

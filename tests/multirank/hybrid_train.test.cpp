@@ -130,6 +130,11 @@ TEST_CASE("Tensor parallel Llama runs across processes match the single process"
   SECTION("tp 2 with sequence parallelism") {
     same_losses(launched(2, "llama-tiny", steps, dir, "tp2sp", {"--tp", "2", "--sp"}), want);
   }
+  SECTION("dp 2 x tp 2 with ZeRO 3 gathering each block of the shards") {
+    same_losses(launched(4, "llama-tiny", steps, dir, "dp2tp2z3",
+                         {"--dp", "2", "--tp", "2", "--zero", "3"}),
+                want);
+  }
   std::filesystem::remove_all(dir);
 }
 
