@@ -10,15 +10,9 @@ namespace troupe::models::parallel {
 
 namespace {
 
-// A stage recomputes as a whole (pipeline_stage::set_recompute), not block by block.
-llama_config without_block_recompute(llama_config c) {
-  c.recompute = false;
-  return c;
-}
-
 // The stage's boundary [B, T_local, C] (T_local = T / tp with SP), after the config's checks.
 shape llama_boundary(const llama_config& cfg, batch_dims dims, const tp_group& tp) {
-  const llama_config c = resolve_tp_llama_config(without_block_recompute(cfg), tp, "llama_stage");
+  const llama_config c = resolve_tp_llama_config(cfg, tp, "llama_stage");
   TROUPE_CHECK(dims.seq <= c.max_seq, "llama_stage: sequence length ", dims.seq,
                " exceeds max_seq (max_position_embeddings) ", c.max_seq);
   std::int64_t t = tp.sequence_parallel
@@ -36,7 +30,7 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stage_options& o,
                          tp_group tp)
     : pipeline_stage("llama_stage", cfg_in.n_layer, dims, o, tp, llama_boundary(cfg_in, dims, tp)),
-      cfg_(resolve_tp_llama_config(without_block_recompute(cfg_in), tp, "llama_stage")),
+      cfg_(resolve_tp_llama_config(cfg_in, tp, "llama_stage")),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
       head_(cfg_, tp) {
   first_ = holds_first(0);
@@ -62,7 +56,7 @@ llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stag
   }
   slots_.scratch("dx_a", bt, dx_a_);
   slots_.scratch("dx_b", bt, dx_b_);
-  set_recompute(cfg_in.recompute);
+  set_recompute(cfg_.recompute);  // the stage recomputes as a whole, not block by block
   plan_memory();
   if (last_ && first_ && cfg_.tie_embeddings) {
     head_.weight = embed_tokens_.weight;

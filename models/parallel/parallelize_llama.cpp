@@ -13,6 +13,8 @@ tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
       tp_(tp),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
       head_(cfg_, tp) {
+  // Pipeline stages recompute as a whole (pipeline_stage); a shard has no block recompute yet.
+  TROUPE_CHECK(!cfg.recompute, "tp_llama: activation recompute is not supported yet");
   TROUPE_CHECK(dims.batch > 0 && dims.seq > 0 && dims.seq <= cfg_.max_seq, "tp_llama: the planned ",
                "batch [", dims.batch, ", ", dims.seq, "] must be positive with seq <= max_seq (",
                cfg_.max_seq, ")");

@@ -134,14 +134,10 @@ TEST_CASE("A tensor parallel Llama reports each block's use in order", "[paralle
     REQUIRE(m.set_block_use_hook([&, r](std::int64_t i, block_use u) {
       seen[r].push_back({i, u});
     }));
-    std::vector<std::int32_t> rows;
-    synthetic_rows(0, 2, 9, rows);
     auto ids = empty({2, 8}, dtype::i32), targets = empty({2, 8}, dtype::i32);
-    for (int b = 0; b < 2; ++b)
-      for (int t = 0; t < 8; ++t) {
-        ids.data_as<std::int32_t>()[b * 8 + t] = rows[b * 9 + t];
-        targets.data_as<std::int32_t>()[b * 8 + t] = rows[b * 9 + t + 1];
-      }
+    for (std::int64_t i = 0; i < ids.numel(); ++i)
+      ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i * 7 % cfg.vocab);
+    next_token_targets(ids, targets);
     m.memory().zero_grads();
     m.forward(ids, targets);
     m.backward(1.0);

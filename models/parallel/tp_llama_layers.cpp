@@ -11,7 +11,6 @@
 namespace troupe::models {
 
 llama_config resolve_tp_llama_config(llama_config c, const tp_group& tp, std::string_view who) {
-  TROUPE_CHECK(!c.recompute, who, ": activation recompute is not supported yet");
   TROUPE_CHECK(c.n_layer > 0 && c.n_head > 0 && c.dim > 0 && c.vocab > 0 && c.hidden > 0, who,
                ": n_layer, n_head, dim, vocab and hidden (intermediate_size) must be > 0");
   if (c.n_kv_head == 0) c.n_kv_head = c.n_head;

@@ -29,7 +29,7 @@ namespace troupe::models {
 
 // cfg with n_kv_head and head_dim resolved as llama does, checked for a shard of `tp`: tp must
 // divide n_head, n_kv_head, intermediate_size and vocab_size (errors name parallel.tp and the
-// field); recompute is refused. `who` starts the messages.
+// field). `who` starts the messages.
 llama_config resolve_tp_llama_config(llama_config cfg, const tp_group& tp, std::string_view who);
 
 // For every parameter of `piece`: the parameter of the same name in `full` (full_grads: its
