@@ -29,8 +29,9 @@ struct setup_request {
   auto fields() { return std::tie(config); }
 };
 struct setup_reply {
-  std::string line;  // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
-  auto fields() { return std::tie(line); }
+  std::string line;       // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
+  std::int64_t step = 0;  // steps done: checkpoint.resume's step, else 0
+  auto fields() { return std::tie(line, step); }
 };
 struct step_request {
   std::int64_t step = 0;  // 0-based: the step about to run
@@ -65,6 +66,7 @@ struct trainer_state {
 };
 
 models::hf::model_config model_of(const models::train_config& cfg) {
+  if (!cfg.resume.empty()) return models::hf::read_config(cfg.resume).value();
   if (!cfg.model_hf.empty()) return models::hf::read_config(cfg.model_hf).value();
   std::int64_t vocab = 0;
   if (!cfg.data_tokens.empty())
@@ -129,7 +131,7 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   if (me == 0 && !st.cfg.ckpt_dir.empty()) probe_folder(st.cfg.ckpt_dir);
   st.whole = mp::make_whole_model(st.model, st.cfg.seq);
   std::unique_ptr<mp::whole_layout> weights;
-  if (!st.cfg.model_hf.empty()) {
+  if (!st.cfg.model_hf.empty() && st.cfg.resume.empty()) {
     models::hf::load_weights(st.cfg.model_hf, st.model, st.whole->slots()).value();
     weights = std::make_unique<mp::whole_layout>(
         mp::whole_layout{&st.whole->slots(), st.whole->memory().params()});
@@ -140,8 +142,12 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
                 .value();
   ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
   ctx.set_activity("ready");
-  return {fmt::format("rank {}: dp {} pp {} tp {}, {}, {:.2f} M parameters", me, dpc, ppc, tpc,
-                      st.hybrid->describe(), st.hybrid->parameters() / 1e6)};
+  return {fmt::format("rank {}: dp {} pp {} tp {}, {}, {:.2f} M parameters{}", me, dpc, ppc, tpc,
+                      st.hybrid->describe(), st.hybrid->parameters() / 1e6,
+                      st.cfg.resume.empty() ? std::string()
+                                            : fmt::format(", resumed {} at step {}", st.cfg.resume,
+                                                          st.hybrid->steps_done())),
+          st.hybrid->steps_done()};
 }
 
 step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r) {
@@ -182,27 +188,10 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
 save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": save before setup");
-  ctx.set_activity("assembling the whole model");
-  mp::whole_layout wl{&st.whole->slots(), st.whole->memory().params()};
-  // Every replica assembles (ZeRO 3 gathers over dp first); only rank 0 writes.
-  st.hybrid->gather_whole(wl, wl.base);
+  ctx.set_activity("assembling the whole model and optimizer state");
+  // The weights and AdamW's moments are gathered from every rank; one rank writes the folder.
   save_reply out;
-  if (ctx.node().rank() == 0) {
-    ctx.set_activity("writing " + r.dir);
-    using result = expected<std::filesystem::path>;
-    models::hf::save_folder_atomically(r.dir, [&](const std::filesystem::path& dir) -> result {
-      auto files = models::hf::save_checkpoint(dir, st.model, st.whole->slots());
-      if (!files) return result::failure(files.error_message());
-      std::ofstream f(dir / "troupe_parallel.json");
-      f << fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.hybrid->steps_done(),
-                       scheduler::describe(st.cfg.plan));
-      f.close();
-      if (!f)
-        return result::failure("writing " + (dir / "troupe_parallel.json").string() + " failed");
-      return dir;
-    }).value();
-    out.written = r.dir;
-  }
+  out.written = st.hybrid->save(r.dir, *st.whole);
   ctx.set_activity("idle");
   return out;
 }
@@ -229,6 +218,10 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   auto lines = j.ask_all<setup_reply>(trainers, setup_request{models::to_toml(cfg)},
                                       std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
+  const std::int64_t resumed = lines.front().step;  // checkpoint.resume: the step to go on from
+  for (auto& l : lines)
+    TROUPE_CHECK(l.step == resumed, "drive_training: the trainers resumed at different steps (",
+                 resumed, " and ", l.step, ")");
   if (o.on_setup) o.on_setup(sum.ranks);
   auto save = [&] {
     auto saved =
@@ -236,7 +229,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (auto& sv : saved)
       if (!sv.written.empty()) sum.checkpoint = sv.written;
   };
-  for (std::int64_t s = 0; s < cfg.steps; ++s) {
+  for (std::int64_t s = resumed; s < cfg.steps; ++s) {
     std::vector<step_reply> replies;
     try {
       replies = j.ask_all<step_reply>(trainers, step_request{s}, o.step_timeout);
@@ -256,7 +249,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       rep.bubble = std::max(rep.bubble, r.bubble);
       rep.comm_wait = std::max(rep.comm_wait, r.comm_wait);
     }
-    if (s == 0) sum.first_loss = rep.result.loss;
+    if (s == resumed) sum.first_loss = rep.result.loss;
     sum.last_loss = rep.result.loss;
     sum.seconds += rep.result.seconds;
     sum.tokens += rep.result.tokens;

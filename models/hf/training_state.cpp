@@ -35,23 +35,24 @@ std::int64_t count_field(const json& j, const char* key, const std::string& wher
   return j[key].get<std::int64_t>();
 }
 
-// Checks one moment of the file against the model's and against trainer_state.json, then loads it.
-void load_moment(const safetensors_file& f, const char* name, const tensor& dst, const json& state,
-                 const std::string& state_where) {
+// Checks one moment of the file against the model's (shape `want`) and trainer_state.json.
+const safetensors_entry& check_moment(const safetensors_file& f, const char* name,
+                                      const shape& want, const json& state,
+                                      const std::string& state_where) {
   const safetensors_entry* e = f.find(name);
   const std::string where = in_quotes(f.path().string()) + ", tensor " + in_quotes(name);
   if (e == nullptr) fail("'", f.path().string(), "' has no tensor '", name, "'");
   if (!is_floating(e->type))
     fail(where, ": dtype ", safetensors_dtype_name(e->type), " cannot hold optimizer moments");
-  if (!(e->sizes == dst.sizes()))
-    fail(where, ": shape ", e->sizes.str(), " but the model's optimizer state is ",
-         dst.sizes().str(), " (a checkpoint of another model?)");
+  if (!(e->sizes == want))
+    fail(where, ": shape ", e->sizes.str(), " but the model's optimizer state is ", want.str(),
+         " (a checkpoint of another model?)");
   if (!state.contains(name) || !state[name].is_object() || !state[name].contains("shape"))
     fail(state_where, ": field '", name, "' must describe the moment (dtype, shape)");
   if (state[name]["shape"] != shape_json(e->sizes))
     fail(state_where, ": field '", name, "' gives shape ", state[name]["shape"].dump(), " but '",
          f.path().string(), "' holds ", e->sizes.str());
-  read_into(*e, dst);
+  return *e;
 }
 
 }  // namespace
@@ -93,11 +94,19 @@ expected<std::vector<fs::path>> save_training_state(const fs::path& folder,
   });
 }
 
-expected<training_state> load_training_state(const fs::path& folder, const tensor& m,
-                                             const tensor& v) {
+training_state_file::training_state_file(training_state s, safetensors_file f)
+    : state_(std::move(s)), file_(std::move(f)) {}
+
+expected<training_state_file> training_state_file::open(const fs::path& folder,
+                                                        const shape& moments) {
   return as_expected([&] {
     const fs::path state_path = folder / state_file;
     const std::string where = in_quotes(state_path.string());
+    for (const char* name : {optimizer_file, state_file})
+      if (!fs::exists(folder / name))
+        fail(in_quotes((folder / name).string()), ": cannot open it (no such file): not a ",
+             "checkpoint to resume from; a folder of weights only starts a run with model.hf ",
+             "(--model-hf)");
     json j;
     try {
       j = json::parse(read_text_file(state_path));
@@ -120,18 +129,41 @@ expected<training_state> load_training_state(const fs::path& folder, const tenso
 
     auto opened = safetensors_file::open(folder / optimizer_file);
     if (!opened) fail(opened.error_message());
-    const safetensors_file& f = *opened;
+    training_state_file out(std::move(s), std::move(*opened));
+    const safetensors_file& f = out.file_;
+    const training_state& st = out.state_;
     auto saved_step = f.metadata().find("step");
-    if (saved_step == f.metadata().end() || saved_step->second != std::to_string(s.step))
+    if (saved_step == f.metadata().end() || saved_step->second != std::to_string(st.step))
       fail("'", f.path().string(), "' is from step ",
            saved_step == f.metadata().end() ? std::string("?") : saved_step->second, " but ", where,
-           " is from step ", s.step, " (an interrupted save?)");
+           " is from step ", st.step, " (an interrupted save?)");
     for (const auto& e : f.tensors())
       if (e.name != "m" && e.name != "v")
         fail("'", f.path().string(), "' holds an unexpected tensor '", e.name, "'");
-    load_moment(f, "m", m, j, where);
-    load_moment(f, "v", v, j, where);
-    return s;
+    out.m_ = &check_moment(f, "m", moments, j, where);
+    out.v_ = &check_moment(f, "v", moments, j, where);
+    return out;
+  });
+}
+
+tensor training_state_file::f32_view(const safetensors_entry& moment) const {
+  if (moment.type != dtype::f32 || !moment.aligned())
+    fail(in_quotes(file_.path().string()), ", tensor ", in_quotes(moment.name), ": dtype ",
+         safetensors_dtype_name(moment.type),
+         ": a parallel plan reads optimizer moments stored as F32 only");
+  return moment.view();
+}
+
+expected<training_state> load_training_state(const fs::path& folder, const tensor& m,
+                                             const tensor& v) {
+  return as_expected([&] {
+    TROUPE_CHECK(m.sizes() == v.sizes(), "load_training_state: m ", m.describe(), " and v ",
+                 v.describe(), " differ");
+    auto f = training_state_file::open(folder, m.sizes());
+    if (!f) fail(f.error_message());
+    read_into(f->m(), m);
+    read_into(f->v(), v);
+    return f->state();
   });
 }
 

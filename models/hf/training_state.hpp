@@ -11,6 +11,9 @@
 // Both files are written atomically, optimizer.safetensors first; its metadata repeats the step,
 // so loading detects a pair torn by a crash between the two renames. Loading checks the moments
 // against the model's (the tensors m and v passed in) and reports the file at fault.
+//
+// A parallel plan's ranks each read only their parts of the moments: training_state_file opens
+// and checks the pair the same way and hands out the moments as read-only views of the mapped file.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "memory/error.hpp"
+#include "models/hf/safetensors.hpp"
 #include "tensor/tensor.hpp"
 
 namespace troupe::models::hf {
@@ -40,5 +44,28 @@ expected<std::vector<std::filesystem::path>> save_training_state(
 // the model's moments), fills m and v, and returns the state.
 expected<training_state> load_training_state(const std::filesystem::path& folder, const tensor& m,
                                              const tensor& v);
+
+// The pair of `folder`, opened and checked as load_training_state checks it, against moments of
+// shape `moments`. Move-only; m() and v() are valid while it lives.
+class training_state_file {
+ public:
+  // A folder without optimizer.safetensors or trainer_state.json (weights only) fails naming it.
+  static expected<training_state_file> open(const std::filesystem::path& folder,
+                                            const shape& moments);
+
+  const training_state& state() const { return state_; }
+  const safetensors_entry& m() const { return *m_; }
+  const safetensors_entry& v() const { return *v_; }
+  // A moment as a read-only host tensor over the mapped bytes (never write through it); fails
+  // naming the file and tensor unless it is stored as F32.
+  tensor f32_view(const safetensors_entry& moment) const;
+
+ private:
+  training_state_file(training_state s, safetensors_file f);
+  training_state state_;
+  safetensors_file file_;
+  const safetensors_entry* m_ = nullptr;
+  const safetensors_entry* v_ = nullptr;
+};
 
 }  // namespace troupe::models::hf

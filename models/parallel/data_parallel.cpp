@@ -175,6 +175,7 @@ struct dp_trainer::shard_optimizer {
     std::int64_t grad = 0;               // in the gradient tensor step() is given
     std::int64_t state = 0;              // in m and v
     bool decay = true;
+    std::int64_t flat = 0;  // in the piece's flat buffer
   };
   ops::adamw_options opt;
   std::vector<piece> pieces;
@@ -195,7 +196,7 @@ struct dp_trainer::shard_optimizer {
         while (j < end && exempt[j] == exempt[i]) ++j;
         std::int64_t in_shard = b.shard_offset + (i - begin);
         pieces.push_back({param_in_shard ? in_shard : i, j - i, grad_in_shard ? in_shard : i, state,
-                          !exempt[i]});
+                          !exempt[i], i});
         state += j - i;
         i = j;
       }
@@ -397,6 +398,34 @@ void dp_trainer::on_use(std::int64_t block, block_use use) {
 
 std::int64_t dp_trainer::optimizer_elements() const {
   return full_opt_ ? full_opt_->m().numel() : shard_opt_->elements;
+}
+
+dp_trainer::optimizer_view dp_trainer::optimizer_state() const {
+  optimizer_view out;
+  if (full_opt_) {
+    out.m = full_opt_->m();
+    out.v = full_opt_->v();
+    out.runs.push_back({0, 0, full_opt_->m().numel()});
+    out.steps = full_opt_->steps_taken();
+    out.whole = true;
+    return out;
+  }
+  out.m = shard_opt_->m;
+  out.v = shard_opt_->v;
+  for (const auto& p : shard_opt_->pieces) out.runs.push_back({p.flat, p.state, p.length});
+  out.steps = shard_opt_->steps;
+  return out;
+}
+
+void dp_trainer::set_progress(std::int64_t steps_done, std::int64_t optimizer_steps) {
+  TROUPE_CHECK(steps_done >= 0 && optimizer_steps >= 0 && optimizer_steps <= steps_done,
+               "dp_trainer: cannot resume at step ", steps_done, " with ", optimizer_steps,
+               " optimizer steps");
+  step_ = steps_done;
+  if (full_opt_)
+    full_opt_->set_steps_taken(optimizer_steps);
+  else
+    shard_opt_->steps = optimizer_steps;
 }
 
 void dp_trainer::read_rows(std::int64_t begin, std::int64_t end,

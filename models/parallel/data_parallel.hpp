@@ -114,6 +114,23 @@ class dp_trainer {
   std::int64_t optimizer_elements() const;
   // Rows in the largest microbatch of any rank: the batch the model must be planned for.
   static std::int64_t microbatch_rows(const train_config& cfg);
+  // Checkpoints: the AdamW state this rank holds. m and v are views of the optimizer's own
+  // buffers (writing them changes the state); run i of them, [state, state + length), belongs to
+  // [flat, flat + length) of the piece's flat parameter buffer. `whole`: zero 0, every dp rank
+  // holds the state of the whole buffer; else the runs are this rank's ZeRO shard.
+  struct optimizer_run {
+    std::int64_t flat = 0, state = 0, length = 0;
+  };
+  struct optimizer_view {
+    tensor m, v;
+    std::vector<optimizer_run> runs;
+    std::int64_t steps = 0;  // AdamW updates applied
+    bool whole = false;
+  };
+  optimizer_view optimizer_state() const;
+  // Resuming: the steps done (the data position and the learning-rate schedule) and AdamW's update
+  // count (its bias correction).
+  void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
   // Zero 3: all-gathers the current parameters into the piece's buffer (collective over the dp
   // group: every rank calls it), e.g. before evaluating or saving. Other stages: nothing to do.
   void gather_full_parameters();

@@ -10,6 +10,9 @@
 
 #include "memory/error.hpp"
 #include "models/gpt.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/file_io.hpp"
+#include "models/hf/training_state.hpp"
 #include "models/llama.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
@@ -18,6 +21,7 @@
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/pipeline_runner.hpp"
+#include "models/parallel/plan_checkpoint.hpp"
 #include "scheduler/plan.hpp"
 #include "tensor/ops.hpp"
 
@@ -107,13 +111,13 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                "available under a parallel plan yet (use full or none)");
   // train.recompute or parallel.recompute full: every piece recomputes (gpt_config::recompute).
   const bool recompute = cfg.recompute || plan.recompute == scheduler::recompute_policy::full;
-  TROUPE_CHECK(cfg.resume.empty(), "checkpoint.resume: resuming a run is not available under a ",
-               "parallel plan yet; start from its weights with model.hf (--model-hf)");
   const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
 
   const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
   auto whole = make_whole_model(model, cfg.seq);
-  if (weights != nullptr) {
+  if (!cfg.resume.empty()) {
+    hf::load_weights(cfg.resume, model, whole->slots()).value();
+  } else if (weights != nullptr) {
     ops::copy(weights->base, whole->memory().params());
   } else {
     whole->init_weights(cfg.seed);
@@ -183,6 +187,68 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (const char* v = std::getenv("TROUPE_DP_BUCKET_BYTES"); v != nullptr && std::atoll(v) > 0)
     dpo.bucket_bytes = static_cast<std::size_t>(std::atoll(v));
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dpo);
+  if (!cfg.resume.empty()) resume(cfg.resume, wl);
+}
+
+void hybrid_trainer::resume(const std::filesystem::path& folder, const whole_layout& whole) {
+  auto& I = *impl_;
+  auto file = hf::training_state_file::open(folder, whole.base.sizes()).value();
+  check_data_position(file.state().extra_json, I.cfg, (folder / "trainer_state.json").string());
+  scatter_moments(whole, file.f32_view(file.m()), file.f32_view(file.v()));
+  I.dp->set_progress(file.state().step, file.state().optimizer_steps);
+}
+
+void hybrid_trainer::gather_moments(const whole_layout& whole, const tensor& m, const tensor& v) {
+  auto& I = *impl_;
+  parallel::gather_moments(I.layout, I.dp->optimizer_state(), whole, *I.g.dp, *I.g.mp, m, v);
+}
+
+void hybrid_trainer::scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v) {
+  auto& I = *impl_;
+  // Read into copies first: the optimizer's state changes only once every part was read.
+  const auto mine = I.dp->optimizer_state();
+  owned_tensor sm = zeros(mine.m.sizes()), sv = zeros(mine.v.sizes());
+  auto staged = mine;
+  staged.m = sm;
+  staged.v = sv;
+  parallel::scatter_moments(whole, m, v, I.layout, staged);
+  ops::copy(sm, mine.m);
+  ops::copy(sv, mine.v);
+}
+
+std::int64_t hybrid_trainer::optimizer_steps() const {
+  return impl_->dp->optimizer_state().steps;
+}
+
+std::string hybrid_trainer::save(const std::filesystem::path& folder, causal_lm& whole) {
+  auto& I = *impl_;
+  const whole_layout wl{&whole.slots(), whole.memory().params()};
+  gather_whole(wl, wl.base);
+  const bool writer = I.g.dp->rank() == 0 && I.g.mp->rank() == 0;
+  owned_tensor m, v;
+  if (writer) {
+    m = zeros(wl.base.sizes());
+    v = zeros(wl.base.sizes());
+  }
+  gather_moments(wl, m, v);
+  if (!writer) return {};
+  const hf::training_state st{.step = steps_done(),
+                              .optimizer_steps = optimizer_steps(),
+                              .extra_json = run_extra_json(I.cfg)};
+  using result = expected<std::filesystem::path>;
+  hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
+    auto files = hf::save_checkpoint(dir, model_, whole.slots());
+    if (!files) return result::failure(files.error_message());
+    auto ts = hf::save_training_state(dir, st, m, v);
+    if (!ts) return result::failure(ts.error_message());
+    return hf::as_expected([&] {
+      hf::write_text_file_atomically(dir / "troupe_parallel.json",
+                                     fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.step,
+                                                 scheduler::describe(I.cfg.plan)));
+      return dir;
+    });
+  }).value();
+  return folder.string();
 }
 
 hybrid_trainer::~hybrid_trainer() = default;

@@ -8,11 +8,15 @@
 // equals the single-process trainer's (models/trainer.hpp) at the same tokens per step.
 //
 // Checkpoints are whole: gather_whole() assembles the whole model's parameters in HF order on every
-// model-parallel rank (an allreduce of disjoint parts), load_whole() takes each rank's part of a
-// whole model, whatever plan wrote it.
+// model-parallel rank (an allreduce of disjoint parts), the constructor takes each rank's part of a
+// whole model, whatever plan wrote it. save() writes the folder the single-process trainer writes
+// (weights in HF layout, config.json, optimizer.safetensors with the moments in its layout,
+// trainer_state.json), so with checkpoint.resume a run continues under any plan, or in one
+// process, exactly where it stopped (plan_checkpoint.hpp).
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -38,7 +42,10 @@ class hybrid_trainer {
   // cfg.plan gives the degrees (their product is the world size), ZeRO stage, microbatches and
   // schedule; it is validated against the model first (errors name the "parallel.<key>"). The
   // weights: this rank's part of `weights` (a whole model's parameters, e.g. a loaded checkpoint),
-  // or without it the single-process model's init_weights(cfg.seed).
+  // or without it the single-process model's init_weights(cfg.seed). With cfg.resume (a folder
+  // written by save() or by the single-process trainer) the weights, AdamW's moments and the step
+  // count come from there instead (`weights` is ignored): every rank reads its own parts, checked
+  // before anything is kept; errors name the file and the tensor or setting.
   hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g,
                  const whole_layout* weights = nullptr);
   ~hybrid_trainer();
@@ -47,6 +54,19 @@ class hybrid_trainer {
 
   step_result step(const trainer::batch_source& data);
   std::int64_t steps_done() const;
+
+  // Collective over every rank of the job: writes `folder` atomically (hf::save_folder_atomically)
+  // from the rank that is rank 0 of its dp and mp groups, and returns it there ("" elsewhere).
+  // `whole` (make_whole_model) receives the gathered weights on every model-parallel rank.
+  std::string save(const std::filesystem::path& folder, causal_lm& whole);
+
+  // AdamW's moments in the whole layout (the single-process trainer's flat m and v, laid out like
+  // whole.base): gathered into m and v on the rank that is rank 0 of its dp and mp groups
+  // (collective over every rank; elsewhere m and v are not touched), or this rank's parts of them
+  // taken into its optimizer state (local).
+  void gather_moments(const whole_layout& whole, const tensor& m, const tensor& v);
+  void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v);
+  std::int64_t optimizer_steps() const;  // AdamW updates applied
 
   // The whole model's parameters into `to` (laid out like whole.base) on every rank of the
   // model-parallel group. Collective over mp (and, with ZeRO 3, over dp first).
@@ -60,6 +80,7 @@ class hybrid_trainer {
 
  private:
   struct impl;
+  void resume(const std::filesystem::path& folder, const whole_layout& whole);
   std::unique_ptr<impl> impl_;
   hf::model_config model_;
 };

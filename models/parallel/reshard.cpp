@@ -12,10 +12,7 @@ namespace {
 
 // The view of `flat` (laid out like `base`) where `field` lives in `base`.
 tensor same_place(const tensor& field, const tensor& base, const tensor& flat) {
-  auto off = (static_cast<const char*>(field.data()) - static_cast<const char*>(base.data())) /
-             static_cast<std::ptrdiff_t>(base.element_size());
-  TROUPE_CHECK(off >= 0 && off + field.numel() <= base.numel(), "reshard: a parameter (",
-               field.describe(), ") lies outside its flat buffer ", base.describe());
+  const auto off = offset_in(field, base);
   TROUPE_CHECK(flat.numel() >= base.numel() && flat.type() == base.type(), "reshard: buffer ",
                flat.describe(), " is not laid out like ", base.describe());
   return flat.narrow(0, off, field.numel()).reshape(field.sizes());
@@ -41,6 +38,14 @@ void move_parts(const whole_layout& w, const tensor& wflat, const piece_layout& 
 }
 
 }  // namespace
+
+std::int64_t offset_in(const tensor& field, const tensor& base) {
+  auto off = (static_cast<const char*>(field.data()) - static_cast<const char*>(base.data())) /
+             static_cast<std::ptrdiff_t>(base.element_size());
+  TROUPE_CHECK(off >= 0 && off + field.numel() <= base.numel(), "reshard: a parameter (",
+               field.describe(), ") lies outside its flat buffer ", base.describe());
+  return off;
+}
 
 void scatter_to_piece(const whole_layout& whole, const tensor& from, const piece_layout& piece,
                       const tensor& to) {

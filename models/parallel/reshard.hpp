@@ -34,6 +34,10 @@ struct whole_layout {
   tensor base;                       // its flat parameter buffer
 };
 
+// Where `field` (a view into the flat buffer `base`) starts in it, in elements; fails naming both
+// when it lies outside.
+std::int64_t offset_in(const tensor& field, const tensor& base);
+
 // For every parameter of the piece: its part of `from` (laid out like whole.base) into `to` (laid
 // out like piece.base). Fails naming the parameter when the whole model lacks it or no rule fits.
 void scatter_to_piece(const whole_layout& whole, const tensor& from, const piece_layout& piece,

@@ -1,0 +1,210 @@
+// plan_checkpoint (see plan_checkpoint.hpp): moments between the ranks' runs and the whole layout.
+#include "models/parallel/plan_checkpoint.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "memory/error.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "scheduler/plan.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models::parallel {
+namespace {
+
+using run_list = std::vector<dp_trainer::optimizer_run>;
+
+// One of the piece's parameters and its whole counterpart.
+struct place {
+  const tensor_slot* piece = nullptr;
+  const tensor_slot* whole = nullptr;
+  std::int64_t piece_at = 0, whole_at = 0;  // offsets in the flat buffers
+  bool owned = true;
+};
+
+// The piece's parameters, by their offset in the whole layout.
+std::vector<place> places_of(const piece_layout& p, const whole_layout& w, const char* what) {
+  TROUPE_CHECK(w.slots != nullptr && p.slots != nullptr, what, ": a layout has no slot list");
+  std::map<std::string, const tensor_slot*> by_name;
+  for (const auto& s : w.slots->slots())
+    if (s.kind == slot_kind::param) by_name[s.name] = &s;
+  std::vector<place> out;
+  for (const auto& s : p.slots->slots()) {
+    if (s.kind != slot_kind::param) continue;
+    auto it = by_name.find(s.name);
+    TROUPE_CHECK(it != by_name.end(), what, ": the whole model has no parameter '", s.name, "'");
+    out.push_back({&s, it->second, offset_in(*s.field, p.base),
+                   offset_in(*it->second->field, w.base), !p.owns || p.owns(s.name)});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const place& a, const place& b) { return a.whole_at < b.whole_at; });
+  return out;
+}
+
+run_list by_flat(run_list runs) {
+  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.flat < b.flat; });
+  return runs;
+}
+
+// Between [begin, begin + part.numel()) of the piece's flat buffer (`part`, contiguous f32) and the
+// state (laid out by `runs`, sorted by flat): the elements the runs hold.
+void copy_runs(const run_list& runs, const tensor& state, std::int64_t begin, const tensor& part,
+               bool into_state) {
+  const std::int64_t end = begin + part.numel();
+  auto r = std::upper_bound(runs.begin(), runs.end(), begin,
+                            [](std::int64_t x, const auto& run) { return x < run.flat; });
+  if (r != runs.begin()) --r;
+  float* s = static_cast<float*>(state.data());
+  float* p = static_cast<float*>(part.data());
+  for (; r != runs.end() && r->flat < end; ++r) {
+    const std::int64_t lo = std::max(begin, r->flat), hi = std::min(end, r->flat + r->length);
+    if (lo >= hi) continue;
+    float* at_state = s + r->state + (lo - r->flat);
+    float* at_part = p + (lo - begin);
+    const auto bytes = static_cast<std::size_t>(hi - lo) * sizeof(float);
+    if (into_state)
+      std::memcpy(at_state, at_part, bytes);
+    else
+      std::memcpy(at_part, at_state, bytes);
+  }
+}
+
+tensor view_of(const tensor& flat, std::int64_t at, const tensor_slot& s) {
+  return flat.narrow(0, at, s.field->numel()).reshape(s.sizes);
+}
+
+void check_state(const dp_trainer::optimizer_view& mine, const char* what) {
+  TROUPE_CHECK(mine.m.type() == dtype::f32 && mine.v.type() == dtype::f32 &&
+                   mine.m.numel() == mine.v.numel(),
+               what, ": the optimizer state must be two f32 buffers of one size, got ",
+               mine.m.describe(), " and ", mine.v.describe());
+}
+
+}  // namespace
+
+void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
+                    const whole_layout& whole, collective::communicator& dp,
+                    collective::communicator& mp, const tensor& m, const tensor& v,
+                    std::int64_t window_elems) {
+  check_state(mine, "gather_moments");
+  const auto places = places_of(piece, whole, "gather_moments");
+  const auto runs = by_flat(mine.runs);
+  const std::int64_t n = whole.base.numel();
+  const bool root = dp.rank() == 0 && mp.rank() == 0;
+  if (root)
+    TROUPE_CHECK(
+        m.numel() == n && v.numel() == n && m.type() == dtype::f32 && v.type() == dtype::f32,
+        "gather_moments: m ", m.describe(), " and v ", v.describe(),
+        " are not laid out like the whole model's ", n, " parameters");
+  // Windows: [starts[k], starts[k + 1]) cut at whole parameters' starts, the same on every rank.
+  std::vector<std::pair<std::int64_t, std::int64_t>> whole_params;  // offset, numel
+  for (const auto& s : whole.slots->slots())
+    if (s.kind == slot_kind::param)
+      whole_params.emplace_back(offset_in(*s.field, whole.base), s.field->numel());
+  std::sort(whole_params.begin(), whole_params.end());
+  std::vector<std::int64_t> starts{0};
+  for (const auto& [at, len] : whole_params)
+    if (at > starts.back() && at + len - starts.back() > window_elems) starts.push_back(at);
+  starts.push_back(n);
+  std::int64_t widest = 1, scratch_elems = 1;
+  for (std::size_t k = 0; k + 1 < starts.size(); ++k)
+    widest = std::max(widest, starts[k + 1] - starts[k]);
+  for (const auto& p : places) scratch_elems = std::max(scratch_elems, p.piece->field->numel());
+  owned_tensor buf = zeros({2 * widest}, dtype::f32, device::cpu());
+  owned_tensor scratch = zeros({scratch_elems}, dtype::f32, device::cpu());
+  const bool writes = !mine.whole || dp.rank() == 0;  // ZeRO 0: the replicas hold the same state
+
+  auto next = places.begin();
+  for (std::size_t k = 0; k + 1 < starts.size(); ++k) {
+    const std::int64_t a = starts[k], len = starts[k + 1] - a;
+    const tensor both = buf.narrow(0, 0, 2 * len);
+    const tensor wm = both.narrow(0, 0, len), wv = both.narrow(0, len, len);
+    ops::fill(both, 0.0);
+    for (; next != places.end() && next->whole_at < a + len; ++next) {
+      if (!writes || !next->owned) continue;
+      const auto& p = *next;
+      const std::int64_t pn = p.piece->field->numel();
+      const tensor part = scratch.narrow(0, 0, pn);
+      for (auto [state, window] : {std::pair{mine.m, wm}, std::pair{mine.v, wv}}) {
+        ops::fill(part, 0.0);
+        copy_runs(runs, state, p.piece_at, part, false);
+        copy_gpt_slice(p.piece->name, view_of(window, p.whole_at - a, *p.whole),
+                       part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, false,
+                       "gather_moments");
+      }
+    }
+    collective::options sum;
+    sum.op = collective::reduce_op::sum;
+    if (dp.size() > 1)
+      dp.allreduce(both.data(), static_cast<std::size_t>(2 * len), dtype::f32, sum).wait();
+    if (mp.size() > 1)
+      mp.allreduce(both.data(), static_cast<std::size_t>(2 * len), dtype::f32, sum).wait();
+    if (root) {
+      ops::copy(wm, m.narrow(0, a, len));
+      ops::copy(wv, v.narrow(0, a, len));
+    }
+  }
+}
+
+void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v,
+                     const piece_layout& piece, const dp_trainer::optimizer_view& mine) {
+  check_state(mine, "scatter_moments");
+  const std::int64_t n = whole.base.numel();
+  TROUPE_CHECK(m.numel() == n && v.numel() == n && m.type() == dtype::f32 && v.type() == dtype::f32,
+               "scatter_moments: m ", m.describe(), " and v ", v.describe(),
+               " are not laid out like the whole model's ", n, " parameters");
+  const auto places = places_of(piece, whole, "scatter_moments");
+  const auto runs = by_flat(mine.runs);
+  std::int64_t scratch_elems = 1;
+  for (const auto& p : places) scratch_elems = std::max(scratch_elems, p.piece->field->numel());
+  owned_tensor scratch = zeros({scratch_elems}, dtype::f32, device::cpu());
+  for (const auto& p : places) {
+    const tensor part = scratch.narrow(0, 0, p.piece->field->numel());
+    for (auto [from, state] : {std::pair{m, mine.m}, std::pair{v, mine.v}}) {
+      copy_gpt_slice(p.piece->name, view_of(from, p.whole_at, *p.whole),
+                     part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, true,
+                     "scatter_moments");
+      copy_runs(runs, state, p.piece_at, part, true);
+    }
+  }
+}
+
+std::string run_extra_json(const train_config& cfg) {
+  nlohmann::json j = {{"seed", cfg.seed},
+                      {"precision", cfg.precision},
+                      {"loss_scale", 1.0},
+                      {"good_steps", 0},
+                      {"batch", cfg.batch},
+                      {"grad_accum", cfg.grad_accum},
+                      {"seq", cfg.seq},
+                      {"fixed_batch", cfg.fixed_batch},
+                      {"lr", cfg.lr},
+                      {"min_lr", cfg.min_lr},
+                      {"warmup", cfg.warmup},
+                      {"steps", cfg.steps},
+                      {"plan", scheduler::describe(cfg.plan)}};
+  return j.dump();
+}
+
+void check_data_position(const std::string& extra_json, const train_config& cfg,
+                         const std::string& file) {
+  auto j = nlohmann::json::parse(extra_json, nullptr, false);
+  if (!j.is_object()) return;
+  auto same = [&](const char* key, const char* setting, const auto& now) {
+    if (!j.contains(key)) return;
+    TROUPE_CHECK(j[key] == nlohmann::json(now), "checkpoint.resume: '", file,
+                 "' was written by a run with ", setting, " = ", j[key].dump(),
+                 " but this run has ", nlohmann::json(now).dump(),
+                 ": its steps would not read the batches the saved run was to read next");
+  };
+  same("batch", "train.batch", cfg.batch);
+  same("grad_accum", "train.grad_accum", cfg.grad_accum);
+  same("seq", "train.seq", cfg.seq);
+  same("fixed_batch", "train.fixed_batch", cfg.fixed_batch);
+}
+
+}  // namespace troupe::models::parallel

@@ -1,0 +1,54 @@
+// plan_checkpoint: AdamW's moments between a parallel plan's ranks and the whole model's flat
+// layout - the layout of the single-process trainer's optimizer.safetensors (models/trainer.hpp),
+// so a run saved under one plan (or in one process) resumes under any other.
+//
+// A rank's state (dp_trainer::optimizer_view) is the moments of its piece (the whole model, a
+// tensor shard, a pipeline stage, a shard of a stage), all of it (ZeRO 0) or its ZeRO shard: runs
+// of the piece's flat buffer. Moving a moment between the two layouts is reshard.hpp's rule per
+// parameter (copy_gpt_slice), composed with the runs:
+//   gather  every rank writes the parameters it owns (replicated ones once, as gather_from_piece)
+//           restricted to its runs (ZeRO 0: dp rank 0 only) into a zeroed window of the whole
+//           layout; the window is summed over dp, then over mp (each element has exactly one
+//           writer, so the sum is exact), and rank 0 of both groups keeps it. Windows are runs of
+//           whole parameters of about window_elems elements, so a rank holds two windows and one
+//           parameter of scratch, never the whole moments - except the writer, which returns them.
+//   scatter local: each rank reads its parameters' slices from the whole moments (e.g. read-only
+//           views of a mapped optimizer.safetensors) and keeps what falls in its runs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "collective/communicator.hpp"
+#include "models/parallel/data_parallel.hpp"
+#include "models/parallel/reshard.hpp"
+#include "models/train_config.hpp"
+
+namespace troupe::models::parallel {
+
+// Collective over dp and mp (every rank of the job calls it with the same whole layout): the whole
+// moments into m and v (f32, laid out like whole.base) on the rank that is rank 0 of both groups;
+// elsewhere m and v are not touched (they may be empty tensors).
+void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
+                    const whole_layout& whole, collective::communicator& dp,
+                    collective::communicator& mp, const tensor& m, const tensor& v,
+                    std::int64_t window_elems = std::int64_t{1} << 22);
+
+// This rank's part of the whole moments m and v (f32, laid out like whole.base) into mine.m and
+// mine.v (their runs only; the rest is left as it is). Fails naming the parameter when the whole
+// model lacks one of the piece's.
+void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v,
+                     const piece_layout& piece, const dp_trainer::optimizer_view& mine);
+
+// trainer_state.json's "extra" for a run of cfg: the single-process trainer's keys (seed,
+// precision, loss_scale, good_steps) and what positions the data and the learning-rate schedule
+// (train.batch, grad_accum, seq, fixed_batch; lr, min_lr, warmup, steps) and the plan it ran.
+std::string run_extra_json(const train_config& cfg);
+
+// Fails naming `file` and the setting when the saved run (its extra_json) read its data
+// differently from cfg, so step s would not read the batch it read there. Keys the file lacks (a
+// checkpoint of an older build) are not checked.
+void check_data_position(const std::string& extra_json, const train_config& cfg,
+                         const std::string& file);
+
+}  // namespace troupe::models::parallel

@@ -1,0 +1,262 @@
+// Resuming across plans on threads (ranks of local groups over one local_world): AdamW's moments go
+// from the whole layout to every rank's pieces (tp slices, pipeline stages, ZeRO shards) and back
+// bit for bit, GPT-2 and Llama; a run saved under one plan continues under another - and in one
+// process, and from one process - with the losses and weights of the uninterrupted single-process
+// trainer; a folder without optimizer state, with moments of another shape or written for other
+// batches is refused naming the file.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "collective/grid.hpp"
+#include "collective/local/local_transport.hpp"
+#include "collective/p2p_communicator.hpp"
+#include "models/causal_lm.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/testing.hpp"
+#include "models/parallel/hybrid.hpp"
+#include "models/trainer.hpp"
+#include "tensor/ops.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::parallel;
+using troupe::models::hf::testing::temp_dir;
+
+namespace {
+
+void rows_of(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
+  rows.resize(static_cast<std::size_t>(batch) * seq);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3) % 64);
+}
+
+hf::model_config model_of(bool llama) {
+  return named_model_config(llama ? "llama-tiny" : "gpt2-demo", 64).value();
+}
+
+// 6 steps in all, of which the tests run 3 and 3: the schedule (warmup, cosine) spans the 6.
+train_config run_config() {
+  train_config c;
+  c.steps = 6;
+  c.batch = 4;
+  c.seq = 16;
+  c.lr = 1e-2;
+  c.min_lr = 1e-3;
+  c.warmup = 2;
+  c.clip = 0.5;
+  c.seed = 3;
+  return c;
+}
+
+scheduler::parallel_plan plan_of(int dp, int pp, int tp, int zero) {
+  scheduler::parallel_plan p;
+  p.dp = dp;
+  p.pp = pp;
+  p.tp = tp;
+  p.zero = zero;
+  p.microbatches = pp > 1 ? 2 : 1;
+  return p;
+}
+
+// fn(rank, groups) on one thread per rank of the plan's dp x pp x tp grid; the first failure is
+// rethrown after every thread ended.
+void run_plan(const scheduler::parallel_plan& plan,
+              const std::function<void(int, const hybrid_groups&)>& fn) {
+  const int n = plan.world_size();
+  auto world = std::make_shared<collective::local_world>(n);
+  collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
+  std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
+  for (int r = 0; r < n; ++r)
+    for (const auto& axes :
+         std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
+      comms[r].push_back(
+          collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
+  std::vector<std::exception_ptr> err(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto& c = comms[r];
+        fn(r, hybrid_groups{c[0].get(), c[1].get(), c[2].get(), c[3].get()});
+      } catch (...) {
+        err[r] = std::current_exception();
+        for (auto& rc : comms)
+          for (auto& c : rc) c->abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : err)
+    if (e) std::rethrow_exception(e);
+}
+
+// Losses of steps [first, last) of the single-process trainer from its init; saves after step
+// `save_at` (if > 0) into `dir`; resumes from `from` when given.
+std::vector<double> single(bool llama, int first, int last, const std::string& from = "",
+                           int save_at = 0, const std::string& dir = "") {
+  auto cfg = run_config();
+  cfg.resume = from;
+  const auto model = model_of(llama);
+  auto m = make_causal_lm(model, {cfg.batch, cfg.seq});
+  m->init_weights(cfg.seed);
+  trainer t(*m, cfg);
+  if (!from.empty()) REQUIRE(t.resume(from, model).value() == first);
+  std::vector<double> out;
+  for (int s = first; s < last; ++s) {
+    out.push_back(t.step(rows_of).loss);
+    if (s + 1 == save_at) t.save(dir, model).value();
+  }
+  return out;
+}
+
+// Losses of steps [resumed or 0, last) under `plan` (rank 0's), saving at the end into `dir`.
+std::vector<double> planned(bool llama, const scheduler::parallel_plan& plan, int last,
+                            const std::string& from, const std::string& dir) {
+  auto cfg = run_config();
+  cfg.plan = plan;
+  cfg.resume = from;
+  const auto model = model_of(llama);
+  std::vector<std::vector<double>> got(plan.world_size());
+  run_plan(plan, [&](int r, const hybrid_groups& g) {
+    hybrid_trainer t(model, cfg, g);
+    while (t.steps_done() < last) got[r].push_back(t.step(rows_of).loss);
+    auto whole = make_whole_model(model, cfg.seq);
+    auto written = t.save(dir, *whole);
+    CHECK(written.empty() == (r != 0));
+  });
+  for (int r = 1; r < plan.world_size(); ++r) CHECK(got[r] == got[0]);
+  return got[0];
+}
+
+void same_losses(const std::vector<double>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("step " << i << ": " << got[i] << " vs " << want[i]);
+    CHECK(std::abs(got[i] - want[i]) <= 1e-4 * std::abs(want[i]));
+  }
+}
+
+// The largest |a - b| over the two checkpoints' weights (and that they hold the same names).
+double weight_diff(const hf::model_config& model, const std::string& a, const std::string& b) {
+  auto ma = make_whole_model(model, 16), mb = make_whole_model(model, 16);
+  hf::load_weights(a, model, ma->slots()).value();
+  hf::load_weights(b, model, mb->slots()).value();
+  const tensor& pa = ma->memory().params();
+  const tensor& pb = mb->memory().params();
+  double d = 0;
+  for (std::int64_t i = 0; i < pa.numel(); ++i)
+    d = std::max(d, std::abs(static_cast<double>(pa.data_as<float>()[i]) - pb.data_as<float>()[i]));
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("AdamW moments go from the whole layout to every rank and back bit for bit",
+          "[parallel]") {
+  struct one_case {
+    bool llama;
+    scheduler::parallel_plan plan;
+  };
+  for (const auto& [llama, plan] : std::vector<one_case>{{false, plan_of(2, 2, 2, 1)},
+                                                         {false, plan_of(2, 1, 2, 0)},
+                                                         {true, plan_of(2, 1, 2, 3)},
+                                                         {true, plan_of(2, 2, 1, 2)}}) {
+    INFO((llama ? "llama " : "gpt-2 ") << scheduler::describe(plan));
+    auto cfg = run_config();
+    cfg.plan = plan;
+    const auto model = model_of(llama);
+    auto whole = make_whole_model(model, cfg.seq);
+    const whole_layout wl{&whole->slots(), whole->memory().params()};
+    const std::int64_t n = wl.base.numel();
+    // Distinct values over many exponents; v positive, as AdamW's is.
+    owned_tensor m = zeros({n}), v = zeros({n});
+    for (std::int64_t i = 0; i < n; ++i) {
+      m.data_as<float>()[i] = std::ldexp(static_cast<float>((i * 2654435761u) % 1000) - 499.5f,
+                                         -static_cast<int>(i % 23));
+      v.data_as<float>()[i] =
+          std::ldexp(1.0f + static_cast<float>(i % 977), -static_cast<int>(i % 31));
+    }
+    owned_tensor m2 = zeros({n}), v2 = zeros({n});
+    run_plan(plan, [&](int r, const hybrid_groups& g) {
+      hybrid_trainer t(model, cfg, g);
+      t.scatter_moments(wl, m, v);
+      t.gather_moments(wl, r == 0 ? m2.view() : tensor(), r == 0 ? v2.view() : tensor());
+    });
+    CHECK(std::memcmp(m.data(), m2.data(), m.nbytes()) == 0);
+    CHECK(std::memcmp(v.data(), v2.data(), v.nbytes()) == 0);
+  }
+}
+
+TEST_CASE(
+    "A run saved under one plan continues under another like the uninterrupted single "
+    "process",
+    "[parallel]") {
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama" : "gpt-2"));
+    temp_dir dir;
+    const auto straight = dir / "straight", first = dir / "first", second = dir / "second";
+    auto want = single(llama, 0, 6, "", 6, straight.string());
+    // dp 2 with ZeRO 1 for 3 steps, then tp 2 x pp 2 for 3 more.
+    same_losses(planned(llama, plan_of(2, 1, 1, 1), 3, "", first.string()),
+                {want.begin(), want.begin() + 3});
+    same_losses(planned(llama, plan_of(1, 2, 2, 0), 6, first.string(), second.string()),
+                {want.begin() + 3, want.end()});
+    CHECK(weight_diff(model_of(llama), second.string(), straight.string()) < 2e-4);
+    // The plan's checkpoint in one process, and one process's under dp 2 x pp 2 with ZeRO 2.
+    same_losses(single(llama, 3, 6, first.string()), {want.begin() + 3, want.end()});
+    const auto mine = dir / "mine", third = dir / "third";
+    single(llama, 0, 3, "", 3, mine.string());
+    same_losses(planned(llama, plan_of(2, 2, 1, 2), 6, mine.string(), third.string()),
+                {want.begin() + 3, want.end()});
+    CHECK(weight_diff(model_of(llama), third.string(), straight.string()) < 2e-4);
+  }
+}
+
+TEST_CASE("Resuming under a plan from a folder that does not fit is refused naming the file",
+          "[parallel]") {
+  temp_dir dir;
+  const auto ck = dir / "ck";
+  auto cfg = run_config();
+  cfg.plan = plan_of(2, 1, 1, 1);
+  planned(false, cfg.plan, 1, "", ck.string());
+  auto resume_error = [&](const train_config& c, const hf::model_config& model) {
+    std::vector<std::string> what(2);
+    run_plan(c.plan, [&](int r, const hybrid_groups& g) {
+      try {
+        hybrid_trainer t(model, c, g);
+      } catch (const std::exception& e) {
+        what[r] = e.what();
+      }
+    });
+    CHECK(what[0] == what[1]);
+    return what[0];
+  };
+  cfg.resume = ck.string();
+  SECTION("other batches") {
+    cfg.batch = 2;
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains("trainer_state.json") && Catch::Contains("train.batch"));
+  }
+  SECTION("moments of another model") {
+    const auto other = dir / "other";
+    single(true, 0, 1, "", 1, other.string());
+    std::filesystem::copy_file(other / "optimizer.safetensors", ck / "optimizer.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains("optimizer.safetensors") && Catch::Contains("tensor 'm'"));
+  }
+  SECTION("weights of another model") {
+    CHECK_THAT(resume_error(cfg, model_of(true)), Catch::Contains(ck.string()));
+  }
+  SECTION("no optimizer state") {
+    std::filesystem::remove(ck / "optimizer.safetensors");
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains("optimizer.safetensors") && Catch::Contains("--model-hf"));
+  }
+}
