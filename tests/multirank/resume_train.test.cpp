@@ -1,0 +1,84 @@
+// Resuming across plans with real processes: a run of `troupe train` saved under one plan (or in
+// one process) continues under another plan (or in one process) with checkpoint.resume, and its
+// steps 4-6 give the losses of the single process trained 6 steps straight (1e-4 relative) and,
+// at the end, its weights. The learning rate is constant after the warmup (min-lr = lr), so a
+// 3-step run and its resumed 6-step run follow the straight run's schedule.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "models/causal_lm.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/config.hpp"
+#include "tests/multirank/train_runs.hpp"
+
+using namespace troupe;
+using namespace troupe::tests;
+
+namespace {
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  a.insert(a.end(), {"--lr", "1e-3", "--min-lr", "1e-3"});
+  return a;
+}
+
+std::vector<double> tail3(const std::vector<double>& six) {
+  REQUIRE(six.size() == 6);
+  return {six.begin() + 3, six.end()};
+}
+
+// The largest |a - b| of two checkpoints' weights.
+double weight_diff(const std::string& a, const std::string& b) {
+  auto cfg = models::hf::read_config(a).value();
+  auto ma = models::make_causal_lm(cfg, {1, 32}), mb = models::make_causal_lm(cfg, {1, 32});
+  models::hf::load_weights(a, cfg, ma->slots()).value();
+  models::hf::load_weights(b, cfg, mb->slots()).value();
+  const tensor& pa = ma->memory().params();
+  const tensor& pb = mb->memory().params();
+  double d = 0;
+  for (std::int64_t i = 0; i < pa.numel(); ++i)
+    d = std::max(d, std::abs(static_cast<double>(pa.data_as<float>()[i]) - pb.data_as<float>()[i]));
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("A run saved under one plan resumes under another and in one process",
+          "[multirank][slow]") {
+  auto dir = scratch("resume");
+  const std::string straight = dir + "/straight", dp2 = dir + "/dp2", tp2pp2 = dir + "/tp2pp2",
+                    one = dir + "/one", dp2pp2 = dir + "/dp2pp2";
+  // GPT-2: dp 2 (ZeRO 1) -> tp 2 x pp 2, dp 2 -> one process, one process -> dp 2 x pp 2 (ZeRO 2).
+  auto want = single("gpt2-demo", 6, dir, with({"--checkpoint-dir", straight}, {}));
+  same_losses(launched(2, "gpt2-demo", 3, dir, "dp2",
+                       with({"--dp", "2", "--zero", "1"}, {"--checkpoint-dir", dp2})),
+              {want.begin(), want.begin() + 3});
+  same_losses(launched(4, "gpt2-demo", 6, dir, "tp2pp2",
+                       with({"--tp", "2", "--pp", "2", "--microbatches", "2"},
+                            {"--resume", dp2, "--checkpoint-dir", tp2pp2})),
+              tail3(want));
+  CHECK(weight_diff(tp2pp2, straight) < 2e-4);
+  same_losses(single("gpt2-demo", 6, dir, with({"--resume", dp2}, {})), tail3(want));
+  single("gpt2-demo", 3, dir, with({"--checkpoint-dir", one}, {}));
+  same_losses(launched(4, "gpt2-demo", 6, dir, "dp2pp2",
+                       with({"--dp", "2", "--pp", "2", "--zero", "2", "--microbatches", "2"},
+                            {"--resume", one, "--checkpoint-dir", dp2pp2})),
+              tail3(want));
+  CHECK(weight_diff(dp2pp2, straight) < 2e-4);
+
+  // Llama: tp 2 -> dp 2 with ZeRO 3.
+  const std::string lstraight = dir + "/lstraight", ltp2 = dir + "/ltp2", ldp2 = dir + "/ldp2";
+  auto lwant = single("llama-tiny", 6, dir, with({"--checkpoint-dir", lstraight}, {}));
+  launched(2, "llama-tiny", 3, dir, "ltp2", with({"--tp", "2"}, {"--checkpoint-dir", ltp2}));
+  same_losses(
+      launched(2, "llama-tiny", 6, dir, "ldp2",
+               with({"--dp", "2", "--zero", "3"}, {"--resume", ltp2, "--checkpoint-dir", ldp2})),
+      tail3(lwant));
+  CHECK(weight_diff(ldp2, lstraight) < 2e-4);
+  std::filesystem::remove_all(dir);
+}
