@@ -155,8 +155,10 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
         sum.last_loss, sum.steps > 0 ? 100.0 * bubble / sum.steps : 0.0,
         sum.steps > 0 ? 1e3 * wait / sum.steps : 0.0);
     if (!sum.checkpoint.empty()) {
-      fmt::print("checkpoint: {} (the whole model in HF layout, loadable under any plan)\n",
-                 sum.checkpoint);
+      fmt::print(
+          "checkpoint: {} (HF layout + optimizer state; --resume or --model-hf under any "
+          "plan)\n",
+          sum.checkpoint);
       if (c.sample > 0) {
         auto mcfg = hf::read_config(sum.checkpoint).value();
         auto model = models::make_causal_lm(mcfg, {1, cfg.seq});
