@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -80,5 +81,27 @@ TEST_CASE("A run saved under one plan resumes under another and in one process",
                with({"--dp", "2", "--zero", "3"}, {"--resume", ltp2, "--checkpoint-dir", ldp2})),
       tail3(lwant));
   CHECK(weight_diff(ldp2, lstraight) < 2e-4);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("A launched run resuming from a folder of weights only fails naming the file",
+          "[multirank]") {
+  using namespace std::chrono_literals;
+  auto dir = scratch("resume-bad");
+  const std::string weights = dir + "/weights";
+  single("gpt2-demo", 1, dir, {"--checkpoint-dir", weights});
+  std::filesystem::remove(weights + "/optimizer.safetensors");
+  std::vector<std::string> a = {troupe_bin, "launch", "-n", "2", "--", troupe_bin};
+  auto flags = run_flags("gpt2-demo", 2);
+  a.insert(a.end(), flags.begin(), flags.end());
+  for (const std::string f : {"--dp", "2", "--resume"}) a.push_back(f);
+  a.push_back(weights);
+  child_process p(a);
+  auto st = p.wait(120s);
+  INFO(p.output());
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) != 0);
+  CHECK(!p.lines_with(weights + "/optimizer.safetensors").empty());
+  CHECK(!p.lines_with("--model-hf").empty());
   std::filesystem::remove_all(dir);
 }
