@@ -193,6 +193,8 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
 void hybrid_trainer::resume(const std::filesystem::path& folder, const whole_layout& whole) {
   auto& I = *impl_;
   auto file = hf::training_state_file::open(folder, whole.base.sizes()).value();
+  // Every rank reads the same file, so every rank fails these checks alike (before any collective).
+  check_steps_left(file.state().step, I.cfg, folder.string());
   check_data_position(file.state().extra_json, I.cfg, (folder / "trainer_state.json").string());
   scatter_moments(whole, file.f32_view(file.m()), file.f32_view(file.v()));
   I.dp->set_progress(file.state().step, file.state().optimizer_steps);

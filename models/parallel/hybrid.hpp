@@ -45,7 +45,9 @@ class hybrid_trainer {
   // or without it the single-process model's init_weights(cfg.seed). With cfg.resume (a folder
   // written by save() or by the single-process trainer) the weights, AdamW's moments and the step
   // count come from there instead (`weights` is ignored): every rank reads its own parts, checked
-  // before anything is kept; errors name the file and the tensor or setting.
+  // before anything is kept; errors name the file and the tensor or setting. A folder saved at or
+  // past cfg.steps, or by a run with another seed, data or batch layout, is refused on every rank
+  // (plan_checkpoint.hpp: check_steps_left, check_data_position).
   hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g,
                  const whole_layout* weights = nullptr);
   ~hybrid_trainer();

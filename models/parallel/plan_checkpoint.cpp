@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <filesystem>
 #include <map>
 #include <vector>
 
+#include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
 #include "memory/error.hpp"
@@ -90,16 +93,34 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
                     const whole_layout& whole, collective::communicator& dp,
                     collective::communicator& mp, const tensor& m, const tensor& v,
                     std::int64_t window_elems) {
-  check_state(mine, "gather_moments");
-  const auto places = places_of(piece, whole, "gather_moments");
-  const auto runs = by_flat(mine.runs);
   const std::int64_t n = whole.base.numel();
   const bool root = dp.rank() == 0 && mp.rank() == 0;
-  if (root)
-    TROUPE_CHECK(
-        m.numel() == n && v.numel() == n && m.type() == dtype::f32 && v.type() == dtype::f32,
-        "gather_moments: m ", m.describe(), " and v ", v.describe(),
-        " are not laid out like the whole model's ", n, " parameters");
+  // Every rank checks what it was given (only the root is given m and v), then learns whether
+  // any rank failed (a sum over dp, then over mp, reaches every rank) before the windows'
+  // collectives: a bad argument fails every rank instead of leaving the others waiting.
+  std::vector<place> places;
+  run_list runs;
+  std::exception_ptr failed;
+  try {
+    check_state(mine, "gather_moments");
+    places = places_of(piece, whole, "gather_moments");
+    runs = by_flat(mine.runs);
+    TROUPE_CHECK(!root || (m.numel() == n && v.numel() == n && m.type() == dtype::f32 &&
+                           v.type() == dtype::f32),
+                 "gather_moments: m ", m.describe(), " and v ", v.describe(),
+                 " are not laid out like the whole model's ", n, " parameters");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  float failures = failed ? 1.0f : 0.0f;
+  collective::options sum;
+  sum.op = collective::reduce_op::sum;
+  if (dp.size() > 1) dp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  if (mp.size() > 1) mp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  if (failed) std::rethrow_exception(failed);
+  TROUPE_CHECK(failures == 0.0f, "gather_moments: rank ", dp.rank(), " of dp and ", mp.rank(),
+               " of mp: ", failures, " other rank(s) failed their checks (see their errors); ",
+               "nothing was gathered");
   // Windows: [starts[k], starts[k + 1]) cut at whole parameters' starts, the same on every rank.
   std::vector<std::pair<std::int64_t, std::int64_t>> whole_params;  // offset, numel
   for (const auto& s : whole.slots->slots())
@@ -137,8 +158,6 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
                        "gather_moments");
       }
     }
-    collective::options sum;
-    sum.op = collective::reduce_op::sum;
     if (dp.size() > 1)
       dp.allreduce(both.data(), static_cast<std::size_t>(2 * len), dtype::f32, sum).wait();
     if (mp.size() > 1)
@@ -173,11 +192,21 @@ void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v
   }
 }
 
+std::string data_identity(const train_config& cfg) {
+  const bool tokens = !cfg.data_tokens.empty();
+  const std::filesystem::path path = tokens ? cfg.data_tokens : cfg.data_text;
+  std::error_code ec;
+  auto absolute = std::filesystem::weakly_canonical(path, ec);
+  return fmt::format("{} {}", tokens ? "data.tokens" : "data.text",
+                     ec ? path.string() : absolute.string());
+}
+
 std::string run_extra_json(const train_config& cfg) {
   nlohmann::json j = {{"seed", cfg.seed},
                       {"precision", cfg.precision},
                       {"loss_scale", 1.0},
                       {"good_steps", 0},
+                      {"data", data_identity(cfg)},
                       {"batch", cfg.batch},
                       {"grad_accum", cfg.grad_accum},
                       {"seq", cfg.seq},
@@ -201,10 +230,19 @@ void check_data_position(const std::string& extra_json, const train_config& cfg,
                  " but this run has ", nlohmann::json(now).dump(),
                  ": its steps would not read the batches the saved run was to read next");
   };
-  same("batch", "train.batch", cfg.batch);
-  same("grad_accum", "train.grad_accum", cfg.grad_accum);
-  same("seq", "train.seq", cfg.seq);
-  same("fixed_batch", "train.fixed_batch", cfg.fixed_batch);
+  same("seed", "train.seed (--seed)", cfg.seed);
+  same("data", "the data (data.tokens / data.text, --tokens / --text)", data_identity(cfg));
+  same("batch", "train.batch (--batch)", cfg.batch);
+  same("grad_accum", "train.grad_accum (--grad-accum)", cfg.grad_accum);
+  same("seq", "train.seq (--seq)", cfg.seq);
+  same("fixed_batch", "train.fixed_batch (--fixed-batch)", cfg.fixed_batch);
+}
+
+void check_steps_left(std::int64_t saved_step, const train_config& cfg, const std::string& folder) {
+  TROUPE_CHECK(saved_step < cfg.steps, "checkpoint.resume: '", folder, "' is at step ", saved_step,
+               " but train.steps (--steps) is ", cfg.steps,
+               ": nothing is left to train; give train.steps (--steps) above ", saved_step,
+               " to go on (the learning-rate schedule spans train.steps)");
 }
 
 }  // namespace troupe::models::parallel

@@ -28,7 +28,10 @@ namespace troupe::models::parallel {
 
 // Collective over dp and mp (every rank of the job calls it with the same whole layout): the whole
 // moments into m and v (f32, laid out like whole.base) on the rank that is rank 0 of both groups;
-// elsewhere m and v are not touched (they may be empty tensors).
+// elsewhere m and v are not touched (they may be empty tensors). Every rank checks its arguments
+// and the ranks agree on the outcome before the windows move: when one rank's check fails (e.g.
+// the writer's m and v do not fit) every rank throws (that one its own error, the others naming
+// the count of failed ranks) and none waits on a collective the failed rank never joins.
 void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
                     const whole_layout& whole, collective::communicator& dp,
                     collective::communicator& mp, const tensor& m, const tensor& v,
@@ -40,15 +43,25 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
 void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v,
                      const piece_layout& piece, const dp_trainer::optimizer_view& mine);
 
+// What a run of cfg reads its data from, as the saved run's "data": "data.tokens <path>" or
+// "data.text <path>", the path made absolute and canonical where it exists.
+std::string data_identity(const train_config& cfg);
+
 // trainer_state.json's "extra" for a run of cfg: the single-process trainer's keys (seed,
 // precision, loss_scale, good_steps) and what positions the data and the learning-rate schedule
-// (train.batch, grad_accum, seq, fixed_batch; lr, min_lr, warmup, steps) and the plan it ran.
+// (data_identity, train.batch, grad_accum, seq, fixed_batch; lr, min_lr, warmup, steps) and the
+// plan it ran.
 std::string run_extra_json(const train_config& cfg);
 
-// Fails naming `file` and the setting when the saved run (its extra_json) read its data
-// differently from cfg, so step s would not read the batch it read there. Keys the file lacks (a
-// checkpoint of an older build) are not checked.
+// Fails naming `file`, the setting (train.seed, the data, train.batch, grad_accum, seq,
+// fixed_batch) and both values when the saved run (its extra_json) read its data differently from
+// cfg, so step s would not read the batch it read there. Keys the file lacks (a checkpoint of an
+// older build, or of the single-process trainer, which records the seed only) are not checked.
 void check_data_position(const std::string& extra_json, const train_config& cfg,
                          const std::string& file);
+
+// Fails naming train.steps (--steps), `folder` and the saved step unless saved_step < cfg.steps:
+// a run resumed at or past its last step would train nothing and save nothing.
+void check_steps_left(std::int64_t saved_step, const train_config& cfg, const std::string& folder);
 
 }  // namespace troupe::models::parallel

@@ -6,11 +6,14 @@
 // batches is refused naming the file.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -66,9 +69,11 @@ scheduler::parallel_plan plan_of(int dp, int pp, int tp, int zero) {
 }
 
 // fn(rank, groups) on one thread per rank of the plan's dp x pp x tp grid; the first failure is
-// rethrown after every thread ended.
+// rethrown after every thread ended. A failing rank aborts the others' communicators - unless
+// `on_their_own`: then each rank must fail by itself, and ranks still running after 30 s (left
+// waiting in a collective) are aborted and the run fails naming the hang.
 void run_plan(const scheduler::parallel_plan& plan,
-              const std::function<void(int, const hybrid_groups&)>& fn) {
+              const std::function<void(int, const hybrid_groups&)>& fn, bool on_their_own = false) {
   const int n = plan.world_size();
   auto world = std::make_shared<collective::local_world>(n);
   collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
@@ -78,7 +83,14 @@ void run_plan(const scheduler::parallel_plan& plan,
          std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
       comms[r].push_back(
           collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
+  auto abort_all = [&](const std::string& why) {
+    for (auto& rc : comms)
+      for (auto& c : rc) c->abort(why);
+  };
   std::vector<std::exception_ptr> err(n);
+  std::mutex mu;
+  std::condition_variable cv;
+  int ended = 0;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
@@ -87,11 +99,23 @@ void run_plan(const scheduler::parallel_plan& plan,
         fn(r, hybrid_groups{c[0].get(), c[1].get(), c[2].get(), c[3].get()});
       } catch (...) {
         err[r] = std::current_exception();
-        for (auto& rc : comms)
-          for (auto& c : rc) c->abort("rank " + std::to_string(r) + " failed");
+        if (!on_their_own) abort_all("rank " + std::to_string(r) + " failed");
       }
+      std::lock_guard lk(mu);
+      ++ended;
+      cv.notify_all();
     });
+  bool hung = false;
+  {
+    std::unique_lock lk(mu);
+    if (on_their_own && !cv.wait_for(lk, std::chrono::seconds(30), [&] { return ended == n; })) {
+      hung = true;
+      lk.unlock();
+      abort_all("the test's deadline");
+    }
+  }
   for (auto& t : threads) t.join();
+  if (hung) FAIL("ranks still waited in a collective 30 s after the others ended");
   for (auto& e : err)
     if (e) std::rethrow_exception(e);
 }
@@ -193,6 +217,39 @@ TEST_CASE("AdamW moments go from the whole layout to every rank and back bit for
   }
 }
 
+TEST_CASE("Gathering moments into a buffer that does not fit fails on every rank without a hang",
+          "[parallel]") {
+  for (const auto& plan : {plan_of(2, 1, 1, 1), plan_of(1, 2, 2, 0), plan_of(2, 1, 2, 0)}) {
+    INFO(scheduler::describe(plan));
+    auto cfg = run_config();
+    cfg.plan = plan;
+    const auto model = model_of(false);
+    auto whole = make_whole_model(model, cfg.seq);
+    const whole_layout wl{&whole->slots(), whole->memory().params()};
+    owned_tensor small = zeros({wl.base.numel() - 1});  // one element short
+    std::vector<std::string> what(plan.world_size());
+    run_plan(
+        plan,
+        [&](int r, const hybrid_groups& g) {
+          hybrid_trainer t(model, cfg, g);
+          try {
+            t.gather_moments(wl, r == 0 ? small.view() : tensor(),
+                             r == 0 ? small.view() : tensor());
+          } catch (const std::exception& e) {
+            what[r] = e.what();
+          }
+        },
+        true);
+    CHECK_THAT(what[0], Catch::Contains("gather_moments") &&
+                            Catch::Contains("not laid out like the whole model"));
+    for (int r = 1; r < plan.world_size(); ++r) {
+      INFO("rank " << r);
+      CHECK_THAT(what[r], Catch::Contains("gather_moments") &&
+                              Catch::Contains("1 other rank(s) failed their checks"));
+    }
+  }
+}
+
 TEST_CASE(
     "A run saved under one plan continues under another like the uninterrupted single "
     "process",
@@ -242,6 +299,31 @@ TEST_CASE("Resuming under a plan from a folder that does not fit is refused nami
     cfg.batch = 2;
     CHECK_THAT(resume_error(cfg, model_of(false)),
                Catch::Contains("trainer_state.json") && Catch::Contains("train.batch"));
+  }
+  SECTION("another seed") {
+    cfg.seed = 4;  // the saved run's is run_config's 3
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains("trainer_state.json") && Catch::Contains("train.seed") &&
+                   Catch::Contains("--seed") && Catch::Contains("= 3 but this run has 4"));
+  }
+  SECTION("other data") {
+    cfg.data_text = (dir / "other.txt").string();
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains("trainer_state.json") && Catch::Contains("data.text") &&
+                   Catch::Contains(cfg.data_text) &&
+                   Catch::Contains(std::filesystem::weakly_canonical(train_config{}.data_text)));
+  }
+  SECTION("the same data named another way") {
+    const std::filesystem::path text = train_config{}.data_text;
+    cfg.data_text =
+        (text.parent_path() / ".." / text.parent_path().filename() / text.filename()).string();
+    CHECK(resume_error(cfg, model_of(false)).empty());
+  }
+  SECTION("no steps left") {
+    cfg.steps = 1;  // the folder is at step 1
+    CHECK_THAT(resume_error(cfg, model_of(false)),
+               Catch::Contains(ck.string()) && Catch::Contains("at step 1") &&
+                   Catch::Contains("train.steps (--steps) is 1"));
   }
   SECTION("moments of another model") {
     const auto other = dir / "other";
