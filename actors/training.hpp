@@ -40,6 +40,8 @@ struct step_report {
 };
 
 struct training_summary {
+  // steps: the step reached (a resumed run counts its checkpoint's steps too); tokens, seconds and
+  // first_loss: of the steps run here (first_loss: the first of them).
   std::int64_t steps = 0, tokens = 0;
   double seconds = 0, first_loss = 0, last_loss = 0;
   std::vector<std::string> ranks;  // one line per rank: "rank 1: dp 0 pp 1 tp 0, stage 1 of 2 ..."

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "models/data_source.hpp"
 #include "models/generation.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/parallel/plan_checkpoint.hpp"
 #include "models/text/token_file.hpp"
 #include "models/text/tokenizer.hpp"
 #include "models/trainer.hpp"
@@ -134,17 +136,20 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
                cfg.model_hf.empty() ? cfg.model_size : cfg.model_hf, n.world_size(),
                scheduler::describe(cfg.plan));
     auto json = open_json(c.json_path);
-    progress bar(0, cfg.steps, cfg.log_every, json.get());
+    std::optional<progress> bar;  // from the first step run: a resumed run starts past 0
     actors::drive_options d;
     d.on_setup = [](const std::vector<std::string>& ranks) {
       for (const auto& r : ranks) fmt::print("  {}\n", r);
       std::fflush(stdout);
     };
     double bubble = 0, wait = 0;
+    std::int64_t ran = 0;  // steps run here (sum.steps is the step reached, resumed ones included)
     d.on_step = [&](const actors::step_report& r) {
-      bar.report(r.result);
+      if (!bar) bar.emplace(r.result.step - 1, cfg.steps, cfg.log_every, json.get());
+      bar->report(r.result);
       bubble += r.bubble;
       wait += r.comm_wait;
+      ++ran;
     };
     auto sum = actors::drive_training(n, cfg, d);
     fmt::print(
@@ -152,8 +157,8 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
         "bubble {:.1f}% of the pipelined section; waiting for gradient collectives {:.2f} ms per "
         "step\n",
         sum.steps, sum.seconds, sum.tokens / std::max(sum.seconds, 1e-9), sum.first_loss,
-        sum.last_loss, sum.steps > 0 ? 100.0 * bubble / sum.steps : 0.0,
-        sum.steps > 0 ? 1e3 * wait / sum.steps : 0.0);
+        sum.last_loss, ran > 0 ? 100.0 * bubble / static_cast<double>(ran) : 0.0,
+        ran > 0 ? 1e3 * wait / static_cast<double>(ran) : 0.0);
     if (!sum.checkpoint.empty()) {
       fmt::print(
           "checkpoint: {} (HF layout + optimizer state; --resume or --model-hf under any "
@@ -231,6 +236,7 @@ int run_train(train_cli& c) {
   models::trainer tr(*model, cfg);
   if (!cfg.resume.empty()) {
     auto step = tr.resume(cfg.resume, mcfg).value();
+    models::parallel::check_steps_left(step, cfg, cfg.resume);
     fmt::print("resumed {} at step {}\n", cfg.resume, step);
   }
   auto& mem = model->memory();
