@@ -2,7 +2,10 @@
 // one process) continues under another plan (or in one process) with checkpoint.resume, and its
 // steps 4-6 give the losses of the single process trained 6 steps straight (1e-4 relative) and,
 // at the end, its weights. The learning rate is constant after the warmup (min-lr = lr), so a
-// 3-step run and its resumed 6-step run follow the straight run's schedule.
+// 3-step run and its resumed 6-step run follow the straight run's schedule - except in the case
+// where it moves across the resume (a 4-step warmup, then the cosine), whose resumed steps must
+// take the 6-step schedule's rates. A resume with nothing left to train, or from weights only,
+// fails naming the flag or file, on every rank.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -47,6 +50,17 @@ double weight_diff(const std::string& a, const std::string& b) {
   return d;
 }
 
+// A launched run that must fail (within 120 s: no rank may be left waiting): its output.
+std::string failing(const std::vector<std::string>& argv) {
+  using namespace std::chrono_literals;
+  child_process p(argv);
+  auto st = p.wait(120s);
+  INFO(p.output());
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) != 0);
+  return p.output();
+}
+
 }  // namespace
 
 TEST_CASE("A run saved under one plan resumes under another and in one process",
@@ -84,24 +98,58 @@ TEST_CASE("A run saved under one plan resumes under another and in one process",
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("A run saved under tp 2 x pp 2 resumes under dp 2 with ZeRO 2 as the learning rate moves",
+          "[multirank][slow]") {
+  auto dir = scratch("resume-lr");
+  // Warmup over 4 steps, then a cosine to 1e-4 over the last 2: the 3-step run's steps are all
+  // in the warmup (which does not depend on --steps), the resumed steps 4-6 take 1e-3, 1e-3 and
+  // 5.5e-4 from the 6-step schedule.
+  auto lr = [](std::vector<std::string> a) {
+    a.insert(a.end(), {"--warmup", "4", "--lr", "1e-3", "--min-lr", "1e-4"});
+    return a;
+  };
+  const std::string straight = dir + "/straight", tp2pp2 = dir + "/tp2pp2", dp2 = dir + "/dp2";
+  auto want = single("gpt2-demo", 6, dir, lr({"--checkpoint-dir", straight}));
+  // GPT-2 under tp 2 x pp 2: wte tied to the head across the stages, qkv fused and split over tp.
+  same_losses(
+      launched(4, "gpt2-demo", 3, dir, "tp2pp2",
+               lr({"--tp", "2", "--pp", "2", "--microbatches", "2", "--checkpoint-dir", tp2pp2})),
+      {want.begin(), want.begin() + 3});
+  // Nothing left to train: refused naming --steps and the saved step, launched (every rank
+  // ending) and in one process.
+  auto no_steps_left = [&](const std::string& out) {
+    CHECK_THAT(out, Catch::Contains("train.steps (--steps) is 3") &&
+                        Catch::Contains(tp2pp2 + "' is at step 3"));
+  };
+  no_steps_left(
+      failing(launch_argv(2, "gpt2-demo", 3, dir, "done", lr({"--dp", "2", "--resume", tp2pp2}))));
+  auto one = flags_with("gpt2-demo", 3, lr({"--resume", tp2pp2}));
+  one.insert(one.begin(), troupe_bin);
+  no_steps_left(failing(one));
+  std::string log;
+  same_losses(
+      launched(2, "gpt2-demo", 6, dir, "dp2",
+               lr({"--dp", "2", "--zero", "2", "--resume", tp2pp2, "--checkpoint-dir", dp2}), &log),
+      tail3(want));
+  CHECK(weight_diff(dp2, straight) < 2e-4);
+  const auto lrs = json_values(dir + "/dp2.json", "lr");
+  const std::vector<double> want_lr = {1e-3, 1e-3, 1e-4 + 0.5 * (1e-3 - 1e-4)};
+  REQUIRE(lrs.size() == want_lr.size());
+  for (std::size_t i = 0; i < lrs.size(); ++i) CHECK(lrs[i] == Approx(want_lr[i]).epsilon(1e-5));
+  // The progress starts at the resumed step: its first line is step 4's.
+  CHECK_THAT(log, Catch::Contains("step     4/6"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("A launched run resuming from a folder of weights only fails naming the file",
           "[multirank]") {
-  using namespace std::chrono_literals;
   auto dir = scratch("resume-bad");
   const std::string weights = dir + "/weights";
   single("gpt2-demo", 1, dir, {"--checkpoint-dir", weights});
   std::filesystem::remove(weights + "/optimizer.safetensors");
-  std::vector<std::string> a = {troupe_bin, "launch", "-n", "2", "--", troupe_bin};
-  auto flags = run_flags("gpt2-demo", 2);
-  a.insert(a.end(), flags.begin(), flags.end());
-  for (const std::string f : {"--dp", "2", "--resume"}) a.push_back(f);
-  a.push_back(weights);
-  child_process p(a);
-  auto st = p.wait(120s);
-  INFO(p.output());
-  REQUIRE(st.has_value());
-  CHECK(child_process::code(*st) != 0);
-  CHECK(!p.lines_with(weights + "/optimizer.safetensors").empty());
-  CHECK(!p.lines_with("--model-hf").empty());
+  const auto out =
+      failing(launch_argv(2, "gpt2-demo", 2, dir, "weights", {"--dp", "2", "--resume", weights}));
+  CHECK_THAT(out,
+             Catch::Contains(weights + "/optimizer.safetensors") && Catch::Contains("--model-hf"));
   std::filesystem::remove_all(dir);
 }

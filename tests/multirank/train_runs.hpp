@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -30,16 +31,22 @@ inline std::string scratch(const std::string& what) {
   return p.string();
 }
 
-// The per-step losses of a --json file.
-inline std::vector<double> losses(const std::string& path) {
+// The per-step values of `key` ("loss", "lr") of a --json file.
+inline std::vector<double> json_values(const std::string& path, const std::string& key) {
   std::ifstream f(path);
   std::vector<double> out;
   std::string line;
+  const std::string needle = "\"" + key + "\": ";
   while (std::getline(f, line)) {
-    auto k = line.find("\"loss\": ");
-    if (k != std::string::npos) out.push_back(std::stod(line.substr(k + 8)));
+    auto k = line.find(needle);
+    if (k != std::string::npos) out.push_back(std::stod(line.substr(k + needle.size())));
   }
   return out;
+}
+
+// The per-step losses of a --json file.
+inline std::vector<double> losses(const std::string& path) {
+  return json_values(path, "loss");
 }
 
 // The run's flags: a tiny model, short sequences, 8 samples per step, clipping active.
@@ -50,13 +57,25 @@ inline std::vector<std::string> run_flags(const std::string& model, int steps) {
           "--threads", "1",       "--log-every", "100"};
 }
 
+// run_flags then `extra`; a flag of run_flags that `extra` gives too ("--warmup", "4") is left out
+// of run_flags (troupe train takes each flag once).
+inline std::vector<std::string> flags_with(const std::string& model, int steps,
+                                           const std::vector<std::string>& extra) {
+  const auto defaults = run_flags(model, steps);
+  std::vector<std::string> out = {defaults.front()};  // "train"; then flag-value pairs
+  for (std::size_t i = 1; i + 1 < defaults.size(); i += 2)
+    if (std::find(extra.begin(), extra.end(), defaults[i]) == extra.end())
+      out.insert(out.end(), {defaults[i], defaults[i + 1]});
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
 // The single-process `troupe train` (its --json in dir/single.json): the per-step losses.
 inline std::vector<double> single(const std::string& model, int steps, const std::string& dir,
                                   std::vector<std::string> extra = {}) {
   using namespace std::chrono_literals;
-  auto argv = run_flags(model, steps);
+  auto argv = flags_with(model, steps, extra);
   argv.insert(argv.begin(), troupe_bin);
-  argv.insert(argv.end(), extra.begin(), extra.end());
   argv.push_back("--json");
   argv.push_back(dir + "/single.json");
   child_process p(argv);
@@ -67,25 +86,32 @@ inline std::vector<double> single(const std::string& model, int steps, const std
   return losses(dir + "/single.json");
 }
 
-// `troupe launch -n n -- troupe train ... <plan>` (its --json in dir/<name>.json): the losses.
-inline std::vector<double> launched(int n, const std::string& model, int steps,
-                                    const std::string& dir, const std::string& name,
-                                    std::vector<std::string> plan) {
-  using namespace std::chrono_literals;
+// `troupe launch -n n -- troupe train ... <plan>` with its --json in dir/<name>.json.
+inline std::vector<std::string> launch_argv(int n, const std::string& model, int steps,
+                                            const std::string& dir, const std::string& name,
+                                            const std::vector<std::string>& plan) {
   std::vector<std::string> argv = {troupe_bin, "launch",
                                    "-n",       std::to_string(n),
                                    "--job",    "hybrid-" + name + "-" + std::to_string(::getpid()),
                                    "--",       troupe_bin};
-  auto flags = run_flags(model, steps);
+  auto flags = flags_with(model, steps, plan);
   argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.insert(argv.end(), plan.begin(), plan.end());
   argv.push_back("--json");
   argv.push_back(dir + "/" + name + ".json");
-  child_process p(argv);
+  return argv;
+}
+
+// launch_argv's run, which must succeed: the losses (and its output into *output when given).
+inline std::vector<double> launched(int n, const std::string& model, int steps,
+                                    const std::string& dir, const std::string& name,
+                                    std::vector<std::string> plan, std::string* output = nullptr) {
+  using namespace std::chrono_literals;
+  child_process p(launch_argv(n, model, steps, dir, name, plan));
   auto st = p.wait(300s);
   INFO(p.output());
   REQUIRE(st.has_value());
   REQUIRE(child_process::code(*st) == 0);
+  if (output != nullptr) *output = p.output();
   return losses(dir + "/" + name + ".json");
 }
 
