@@ -358,15 +358,14 @@ TEST_CASE("Tied embeddings stay identical on both pipeline stages at dp 3", "[pa
     c.plan.schedule = scheduler::schedule_kind::one_f_one_b;
     auto world = std::make_shared<collective::local_world>(n);
     collective::rank_grid grid({{"dp", dp}, {"pp", pp}});
-    std::vector<std::unique_ptr<collective::communicator>> dpc(n), ppc(n), mpc(n);
-    for (int r = 0; r < n; ++r) {
-      dpc[r] = collective::make_communicator(world->transport(r), grid.group(r, {"dp"}), "local:dp",
-                                             world);
-      ppc[r] = collective::make_communicator(world->transport(r), grid.group(r, {"pp"}), "local:pp",
-                                             world);
-      mpc[r] = collective::make_communicator(world->transport(r), grid.group(r, {"pp"}), "local:mp",
-                                             world);
-    }
+    // Per rank: its dp group, its pp group (send/recv only) and a second pp-axis group for the
+    // norm.
+    std::vector<std::vector<std::unique_ptr<collective::communicator>>> groups(n);
+    for (int r = 0; r < n; ++r)
+      for (const char* axis : {"dp", "pp", "pp"})
+        groups[r].push_back(collective::make_communicator(
+            world->transport(r), grid.group(r, {axis}),
+            "local:" + std::to_string(groups[r].size()) + axis, world));
     std::vector<std::vector<step_result>> got(n);
     std::vector<std::vector<float>> wte(n);
     std::vector<char> released(n, 0);
@@ -374,25 +373,26 @@ TEST_CASE("Tied embeddings stay identical on both pipeline stages at dp 3", "[pa
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r)
       threads.emplace_back([&, r] {
+        auto& g = groups[r];
         try {
           gpt_stage stage(cfg, batch_dims{rows, seq},
                           stage_options::of(c.plan, grid.coord(r, "pp")));
           stage.init_weights(5);
-          pipeline_runner run(stage, *ppc[r], c.plan, mpc[r].get());
-          dp_trainer t(run, c, *dpc[r], {.bucket_bytes = 4 * 1001, .release_grads = release});
+          pipeline_runner run(stage, *g[1], c.plan, g[2].get());
+          dp_trainer t(run, c, *g[0], {.bucket_bytes = 4 * 1001, .release_grads = release});
           for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));
           released[r] = t.releases_grads() ? 1 : 0;
-          for (const auto& x : stage.slots().slots())
-            if (x.kind == slot_kind::param && x.name == "wte.weight")
-              wte[r].assign(x.field->data_as<float>(),
-                            x.field->data_as<float>() + x.field->numel());
+          const auto& slots = stage.slots().slots();
+          auto it = std::find_if(slots.begin(), slots.end(), [](const tensor_slot& x) {
+            return x.kind == slot_kind::param && x.name == "wte.weight";
+          });
+          if (it != slots.end())
+            wte[r].assign(it->field->data_as<float>(),
+                          it->field->data_as<float>() + it->field->numel());
         } catch (...) {
           err[r] = std::current_exception();
-          for (int q = 0; q < n; ++q) {
-            dpc[q]->abort("rank " + std::to_string(r) + " failed");
-            ppc[q]->abort("rank " + std::to_string(r) + " failed");
-            mpc[q]->abort("rank " + std::to_string(r) + " failed");
-          }
+          for (auto& rank : groups)
+            for (auto& comm : rank) comm->abort("rank " + std::to_string(r) + " failed");
         }
       });
     for (auto& t : threads) t.join();
