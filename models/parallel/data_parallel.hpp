@@ -10,11 +10,12 @@
 // size / global batch), so the sum over the group is the gradient of the step's mean loss.
 //
 // The flat buffers are cut into groups: one per block (its parameters "<scope>.<i>.*" are one
-// range, layer_memory laying them out in declaration order) and one for everything else; each
-// group into buckets of about bucket_bytes from its end (the last layers' gradients are final
-// first), each padded to a multiple of dp (a remainder that is not is split into its unpadded
-// part and a tail of fewer than dp elements). Rank r owns the r-th 1/dp chunk of every bucket;
-// its "shard" is the union of those chunks.
+// range, layer_memory laying them out in declaration order) and one for everything else, whose
+// ranges are cut at each parameter (so a tied embedding held by two pipeline stages is bucketed,
+// and summed, the same way on both); each range into buckets of about bucket_bytes from its end
+// (the last layers' gradients are final first), each padded to a multiple of dp (a remainder that
+// is not is split into its unpadded part and a tail of fewer than dp elements). Rank r owns the
+// r-th 1/dp chunk of every bucket; its "shard" is the union of those chunks.
 //   zero 0: each bucket is allreduced; every rank clips and runs AdamW on the whole buffer.
 //   zero 1: each bucket is allreduced; each rank keeps AdamW moments only for its shard, updates
 //           its shard of the parameters, then the parameters are all-gathered bucket by bucket.
@@ -23,29 +24,29 @@
 //           gradient buffer (backward writes it) holds only what is not reduced yet: with the
 //           piece's grads hook (below) and dp_options::release_grads, a bucket's pages are given
 //           back (layer_memory::release_grads: they read as zeros, which replaces zeroing the
-//           buffer) as soon as its reduce-scatter has consumed them. With the microbatch hook
+//           buffer) as soon as its reduce-scatter has consumed them, and at most
+//           grads_in_flight_bytes of buckets are in flight. With the microbatch hook
 //           (grad_producer::set_microbatch_grads_hook: a model_producer of a gpt or llama) the
 //           block buckets are reduce-scattered after every microbatch's backward through their
-//           blocks and added into the shard (the first one lands in it directly; later ones go
-//           through a staging ring of about grads_in_flight_bytes / dp), so a rank
-//           holds its shard(s), the parameters outside the blocks' gradients (embeddings, final
-//           norm, head: reduced once after forward_backward, so a tied embedding written at both
-//           ends of the model is complete) and the blocks whose backward runs or whose
-//           reduce-scatter is in flight. With only the final-gradients hook (a pipeline_runner)
-//           buckets go during the last microbatch's backward and are released after it; without
-//           either hook (or with release_grads off) the whole buffer stays, zeroed each step.
+//           blocks and added into the shard (the first one lands in it directly, later ones go
+//           through a staging ring of about grads_in_flight_bytes / dp), so a rank holds its
+//           shard, the gradients outside the blocks (embeddings, final norm, head: reduced once
+//           after forward_backward, so a tied embedding written at both ends of the model is
+//           complete), the block whose backward runs and the buckets in flight. With only the
+//           final-gradients hook (a pipeline_runner) buckets go during the last microbatch's
+//           backward and are released when reduced; without either hook (or with release_grads
+//           off) the whole buffer stays resident, zeroed each step.
 //   zero 3: as zero 2 (gradients included), and the rank's f32 parameters live in its shard (the
-//   master copy, updated
-//           by AdamW there). The piece's buffer is a full-size range whose pages are given back
-//           when released (param_gather.hpp): the group outside the blocks is all-gathered at the
-//           start of the step, each block's right before its forward and again before its
-//           backward (the next dp_options::prefetch blocks' gathers issued while it computes),
-//           released after each use; so at most the outside group and prefetch + 1 blocks are
-//           gathered at once. A piece without the block use hook (grad_producer.hpp) gets every
-//           bucket before forward_backward instead. After the step nothing is gathered; with
-//           dp_options::poison_released released ranges are filled with NaN instead of given
-//           back, so any parameter a step used without gathering it turns the loss into NaN.
-//           The caller rejects zero 3 with pipeline parallelism (pp > 1).
+//           master copy, updated by AdamW there). The piece's buffer is a full-size range whose
+//           pages are given back when released (param_gather.hpp): the group outside the blocks
+//           is all-gathered at the start of the step, each block's right before its forward and
+//           again before its backward (the next dp_options::prefetch blocks' gathers issued while
+//           it computes), released after each use; so at most the outside group and prefetch + 1
+//           blocks are gathered at once. A piece without the block use hook (grad_producer.hpp)
+//           gets every bucket before forward_backward instead. After the step nothing is
+//           gathered; with dp_options::poison_released released ranges are filled with NaN
+//           instead of given back, so any parameter a step used without gathering it turns the
+//           loss into NaN. The caller rejects zero 3 with pipeline parallelism (pp > 1).
 // Gradient norm (clipping): the sum of squares of the gradients of the parameters the piece
 // counts (counts_in_norm), summed over the dp shards (zero 2, 3) and over piece.norm_group().
 // Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
