@@ -1,6 +1,9 @@
 // Slot lists and the layer_memory that binds them (see slots.hpp).
 #include "models/layers/slots.hpp"
 
+#include <unistd.h>
+
+#include <cstring>
 #include <limits>
 
 #include "memory/error.hpp"
@@ -190,6 +193,35 @@ std::size_t layer_memory::release_params(std::int64_t first, std::int64_t count)
 
 std::size_t layer_memory::resident_param_bytes() const {
   return params_.capacity() == 0 ? 0 : params_.resident_bytes();
+}
+
+std::size_t layer_memory::release_grads(std::int64_t first, std::int64_t count) {
+  TROUPE_CHECK(first >= 0 && count >= 0 && first + count <= grads_flat_.numel(),
+               "layer_memory::release_grads: elements [", first, ", +", count, ") are outside the ",
+               grads_flat_.numel(), " gradient elements");
+  if (count == 0) return 0;
+  const std::size_t elem = grads_flat_.element_size();
+  const std::size_t begin = static_cast<std::size_t>(first) * elem;
+  const std::size_t end = begin + static_cast<std::size_t>(count) * elem;
+  const std::size_t given = grads_.release_pages(begin, end - begin);
+  if (!grads_flat_.is_cpu() || given == 0) {
+    ops::fill(grads_flat_.narrow(0, first, count), 0.0);
+    return given;
+  }
+  // The whole pages given back start at the first page boundary at or after `begin` (the
+  // buffer's base is page-aligned); zero what lies before and after them.
+  const std::size_t page = ::sysconf(_SC_PAGESIZE) > 0
+                               ? static_cast<std::size_t>(::sysconf(_SC_PAGESIZE))
+                               : std::size_t{4096};
+  const std::size_t lo = (begin + page - 1) / page * page, hi = lo + given;
+  char* base = static_cast<char*>(grads_flat_.data());
+  std::memset(base + begin, 0, lo - begin);
+  std::memset(base + hi, 0, end - hi);
+  return given;
+}
+
+std::size_t layer_memory::resident_grad_bytes() const {
+  return grads_.capacity() == 0 ? 0 : grads_.resident_bytes();
 }
 
 void layer_memory::zero_grads() const {

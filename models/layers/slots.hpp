@@ -14,8 +14,8 @@
 // Parameters and gradients live in two arenas with the same layout, so an optimizer or an
 // allreduce may treat each as one flat buffer (the padding between tensors stays zero). Parameters
 // lie in declaration order (a block's parameters are one range of the flat buffer); on the host
-// their buffer is mapped in whole pages and ranges of it can be given back (release_params, for
-// ZeRO 3: models/parallel/data_parallel.hpp).
+// both buffers are mapped in whole pages and ranges of them can be given back (release_params for
+// ZeRO 3, release_grads for ZeRO 2 and 3: models/parallel/data_parallel.hpp).
 // Activations are live for the whole step. Scratch declared inside a scope is live only while
 // that scope's layer runs, so sibling layers share the same scratch bytes.
 //
@@ -133,6 +133,12 @@ class layer_memory {
   std::size_t release_params(std::int64_t first, std::int64_t count);
   // Bytes of the parameter buffer resident in memory now (mincore; param_bytes() on a device).
   std::size_t resident_param_bytes() const;
+  // The same for grads() (ZeRO 2 and 3 give a bucket's gradients back once they are reduced),
+  // except that the whole range reads as zeros afterwards: the whole pages are given back (host),
+  // the partial pages' bytes inside the range are zero-filled (on a device: all of it). Returns
+  // the bytes given back.
+  std::size_t release_grads(std::int64_t first, std::int64_t count);
+  std::size_t resident_grad_bytes() const;
 
   std::size_t param_bytes() const { return params_.capacity(); }
   std::size_t activation_bytes() const { return activations_.capacity(); }

@@ -27,11 +27,6 @@ float* f32_at(const tensor& t, std::int64_t offset) {
   return static_cast<float*>(t.data()) + offset;
 }
 
-void wait_all(std::vector<collective::work>& works) {
-  for (auto& w : works) w.wait();
-  works.clear();
-}
-
 // This rank's part of bucket b: [begin, end) of the flat buffer (may be empty).
 std::pair<std::int64_t, std::int64_t> own_range(const dp_bucket& b, int rank) {
   std::int64_t begin = std::min(b.begin + rank * b.chunk, b.begin + b.length);
@@ -166,6 +161,40 @@ std::vector<param_gather::group> make_groups(const slot_list& slots, const tenso
   return groups;
 }
 
+// The bucket ranges: the blocks' group ranges as they are; the group outside the blocks cut at its
+// parameters (each one's [offset, numel) on its own, the padding between them apart), so that a
+// parameter's buckets are cut the same way wherever it lies in the buffer. A tied embedding held
+// by two pipeline stages then has its elements summed in the same order on both (a ring
+// reduce-scatter's order depends on which rank owns the chunk), and the two copies stay equal.
+range_list bucket_ranges(const std::vector<param_gather::group>& groups, const slot_list& slots,
+                         const tensor& p) {
+  range_list outside;
+  for (const auto& s : slots.slots())
+    if (s.kind == slot_kind::param && block_of(s.name) < 0 && s.field->numel() > 0)
+      outside.emplace_back(flat_offset(s, p), s.field->numel());
+  std::sort(outside.begin(), outside.end());
+  range_list out;
+  for (const auto& g : groups) {
+    if (g.block >= 0) {
+      out.insert(out.end(), g.ranges.begin(), g.ranges.end());
+      continue;
+    }
+    for (const auto& [begin, length] : g.ranges) {
+      std::int64_t at = begin;
+      const std::int64_t end = begin + length;
+      for (const auto& [b, n] : outside) {
+        if (b < at || b + n > end) continue;
+        if (b > at) out.emplace_back(at, b - at);
+        out.emplace_back(b, n);
+        at = b + n;
+      }
+      if (at < end) out.emplace_back(at, end - at);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 }  // namespace
 
 // AdamW over the chunks this rank owns: moments only for them, cut into runs of equal decay.
@@ -263,11 +292,8 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
                p.numel());
   const auto& slots = piece_.slots();
   auto groups = make_groups(slots, p);
-  range_list ranges;
-  for (const auto& g : groups) ranges.insert(ranges.end(), g.ranges.begin(), g.ranges.end());
-  std::sort(ranges.begin(), ranges.end());
-  buckets_ =
-      make_buckets(ranges, dp, static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
+  buckets_ = make_buckets(bucket_ranges(groups, slots, p), dp,
+                          static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
   for (std::size_t i = 0; i < buckets_.size(); ++i) {
     for (auto& g : groups) {
       for (const auto& [gb, gn] : g.ranges)
@@ -315,8 +341,17 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
 
   // Overlap: the blocks each bucket holds (parameters "<scope>.<i>.*"); a bucket with anything
   // else (embeddings, final norm, head, padding only) waits for the end of forward_backward.
+  // ZeRO 2, 3 releasing gradients prefer the microbatch hook (each microbatch reduced).
+  if (opts.overlap && zero >= 2 && opts.release_grads)
+    per_mb_ = piece_.set_microbatch_grads_hook(
+        [this](int k, std::int64_t block) { on_microbatch(k, block); });
   overlap_ =
-      opts.overlap && piece_.set_block_grads_hook([this](std::int64_t block) { on_block(block); });
+      opts.overlap &&
+      (per_mb_ || piece_.set_block_grads_hook([this](std::int64_t block) { on_block(block); }));
+  release_ = zero >= 2 && opts.release_grads && overlap_;
+  in_flight_limit_ = static_cast<std::int64_t>(
+      (opts.grads_in_flight_bytes > 0 ? opts.grads_in_flight_bytes : 2 * opts.bucket_bytes) /
+      p.element_size());
   bucket_blocks_.assign(buckets_.size(), {});
   if (overlap_) {
     std::vector<char> outside(buckets_.size(), 0), any(buckets_.size(), 0);
@@ -345,6 +380,8 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
     }
   }
   issued_.assign(buckets_.size(), 0);
+  reduced_.assign(buckets_.size(), 0);
+  released_.assign(buckets_.size(), 0);
 
   pad_at_.assign(buckets_.size(), -1);
   std::int64_t pad = 0;
@@ -358,6 +395,13 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
     shard_params_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
   if (zero >= 2)
     shard_grads_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
+  if (per_mb_ && plan_.microbatches() > 1) {
+    std::int64_t most = 1;
+    for (const auto& b : buckets_) most = std::max(most, b.chunk);
+    shard_in_ = zeros({in_flight_limit_ / dp + most + 1}, dtype::f32, device::cpu());
+  }
+  // Released gradients read as zeros: the buffer starts given back (layer_memory zeroed it).
+  if (release_) piece_.memory().release_grads(0, piece_.memory().grads().numel());
   if (zero >= 1)
     params_ = std::make_unique<param_gather>(
         comm, piece_.memory(), buckets_, shard_params_.view(), std::move(groups),
@@ -379,7 +423,10 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
 }
 
 dp_trainer::~dp_trainer() {
-  if (overlap_) piece_.set_block_grads_hook({});
+  if (per_mb_)
+    piece_.set_microbatch_grads_hook({});
+  else if (overlap_)
+    piece_.set_block_grads_hook({});
   if (use_hook_) piece_.set_block_use_hook({});
 }
 
@@ -390,6 +437,11 @@ std::int64_t dp_trainer::peak_gathered_bytes() const {
 
 std::size_t dp_trainer::peak_resident_param_bytes() const {
   return cfg_.plan.zero == 3 ? params_->peak_resident_bytes() : resident_peak_;
+}
+
+std::int64_t dp_trainer::reduced_grad_bytes() const {
+  return (shard_grads_.view().defined() ? shard_grads_.view().numel() * 4 : 0) +
+         (shard_in_.view().defined() ? shard_in_.view().numel() * 4 : 0);
 }
 
 void dp_trainer::on_use(std::int64_t block, block_use use) {
@@ -469,7 +521,33 @@ microbatch_data dp_trainer::fetch(int k, const trainer::batch_source& data) {
 
 void dp_trainer::on_block(std::int64_t block) {
   if (!running_ || block < 0 || block >= static_cast<std::int64_t>(final_.size())) return;
+  sample_grads();  // block's gradients are written, not issued yet
   final_[static_cast<std::size_t>(block)] = 1;
+  issue_ready();
+  if (release_) poll();
+  sample_grads();
+}
+
+void dp_trainer::on_microbatch(int k, std::int64_t block) {
+  if (!running_) return;
+  if (block >= 0) return on_block(block);
+  // Microbatch k's backward is complete. Its block buckets must be reduced (and their ranges
+  // given back) before the next microbatch's backward writes them again.
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    TROUPE_CHECK(bucket_blocks_[i].empty() || issued_[i], "dp_trainer: rank ", comm_.rank(), " of ",
+                 comm_.name(), ": microbatch ", k, "'s backward ended before the piece ",
+                 "reported block ", bucket_blocks_[i].front(), " final");
+  if (k + 1 >= plan_.microbatches()) return;
+  wait_pending();
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    if (bucket_blocks_[i].empty()) continue;
+    issued_[i] = 0;
+    released_[i] = 0;
+  }
+  std::fill(final_.begin(), final_.end(), 0);
+}
+
+void dp_trainer::issue_ready() {
   for (std::size_t i = 0; i < buckets_.size(); ++i) {
     const auto& bl = bucket_blocks_[i];
     if (issued_[i] || bl.empty()) continue;
@@ -487,18 +565,106 @@ void dp_trainer::issue_bucket(std::size_t i) {
   const tensor& g = piece_.memory().grads();
   const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
-    works_.push_back(comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32));
+    pending_.push_back({i, comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32), false});
     return;
   }
   const float* in = f32_at(g, b.begin);
+  bool staged = false;
   if (b.padded(dp)) {
     float* stage = f32_at(pad_in_, pad_at_[i]);
     std::memcpy(stage, in, static_cast<std::size_t>(b.length) * 4);
     std::fill(stage + b.length, stage + b.chunk * dp, 0.0f);
     in = stage;
+    staged = true;
   }
-  works_.push_back(
-      comm_.reduce_scatter(in, f32_at(shard_grads_, b.shard_offset), b.chunk, dtype::f32));
+  if (release_)  // back-pressure: wait for the oldest until this one fits
+    while (!pending_.empty() && in_flight_ + b.length > in_flight_limit_) wait_oldest();
+  // The first reduction of the step lands in the shard; later ones (microbatches) are added.
+  const std::int64_t at = reduced_[i] != 0 ? staging_for(b.chunk) : -1;
+  reduced_[i] = 1;
+  float* out = at >= 0 ? f32_at(shard_in_, at) : f32_at(shard_grads_, b.shard_offset);
+  pending_.push_back({i, comm_.reduce_scatter(in, out, b.chunk, dtype::f32), at});
+  in_flight_ += b.length;
+  in_flight_peak_ = std::max(in_flight_peak_, in_flight_);
+  if (release_ && staged) release_run(i);  // the op reads the staging copy
+}
+
+void dp_trainer::finish(pending_op& op) {
+  op.work.wait();
+  if (cfg_.plan.zero < 2) return;
+  const dp_bucket& b = buckets_[op.bucket];
+  if (op.at >= 0) {
+    auto acc = shard_grads_.view().narrow(0, b.shard_offset, b.chunk);
+    ops::add(acc, shard_in_.view().narrow(0, op.at, b.chunk), acc);
+  }
+  in_flight_ -= b.length;
+  if (release_ && !released_[op.bucket]) release_run(op.bucket);
+}
+
+void dp_trainer::poll() {  // oldest first (the staging ring frees in issue order)
+  std::size_t done = 0;
+  while (done < pending_.size() && pending_[done].work.test()) finish(pending_[done++]);
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+void dp_trainer::wait_pending() {
+  auto t0 = clock_type::now();
+  for (auto& op : pending_) finish(op);
+  pending_.clear();
+  comm_wait_ += seconds_since(t0);
+}
+
+void dp_trainer::wait_oldest() {
+  auto t0 = clock_type::now();
+  finish(pending_.front());
+  pending_.erase(pending_.begin());
+  comm_wait_ += seconds_since(t0);
+}
+
+std::int64_t dp_trainer::staging_for(std::int64_t chunk) {
+  const std::int64_t size = shard_in_.numel();
+  for (;;) {
+    std::int64_t tail = -1;  // the oldest staged op's place: [tail, ring_head_) is in use
+    for (const auto& op : pending_)
+      if (op.at >= 0) {
+        tail = op.at;
+        break;
+      }
+    if (tail < 0) ring_head_ = 0;
+    std::int64_t at = -1;
+    if (tail < 0 || ring_head_ > tail) {  // free: [ring_head_, size) and [0, tail)
+      if (ring_head_ + chunk <= size)
+        at = ring_head_;
+      else if (chunk < tail)
+        at = 0;
+    } else if (ring_head_ + chunk < tail) {  // wrapped: free [ring_head_, tail)
+      at = ring_head_;
+    }
+    if (at >= 0) {
+      ring_head_ = at + chunk;
+      return at;
+    }
+    TROUPE_CHECK(!pending_.empty(), "dp_trainer: a chunk of ", chunk,
+                 " elements does not fit the staging ring of ", size);
+    wait_oldest();
+  }
+}
+
+void dp_trainer::release_run(std::size_t i) {
+  // Buckets are listed from the end of the buffer, each just below the one before: the run of
+  // released buckets around i is one range, whose whole pages can go (those shared with a bucket
+  // still in use stay until it is released too).
+  released_[i] = 1;
+  std::size_t hi = i, lo = i;  // hi: the lowest index (highest addresses)
+  while (hi > 0 && released_[hi - 1]) --hi;
+  while (lo + 1 < buckets_.size() && released_[lo + 1]) ++lo;
+  const std::int64_t begin = buckets_[lo].begin;
+  piece_.memory().release_grads(begin, buckets_[hi].begin + buckets_[hi].length - begin);
+}
+
+void dp_trainer::sample_grads() {
+  if (opts_.measure_resident)
+    grad_resident_peak_ = std::max(grad_resident_peak_, piece_.memory().resident_grad_bytes());
 }
 
 double dp_trainer::sum_squares(const tensor& t, const range_list& ranges) const {
@@ -509,8 +675,8 @@ double dp_trainer::sum_squares(const tensor& t, const range_list& ranges) const 
 }
 
 double dp_trainer::reduce_gradients() {
+  wait_pending();
   auto t0 = clock_type::now();
-  wait_all(works_);
   // zero 0, 1: the full gradient, the same on every dp rank; zero 2, 3: the shards (the padding
   // of the short bucket reduces to zeros, so the shard's squares are exactly its elements').
   const bool sharded = cfg_.plan.zero >= 2;
@@ -551,8 +717,14 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   const int zero = cfg_.plan.zero;
   auto& mem = piece_.memory();
   if (zero == 3) params_->begin_step(plan_.microbatches(), use_hook_);
-  mem.zero_grads();
+  // Released gradients read as zeros: after a complete step every bucket was given back.
+  if (!release_ || grads_dirty_) mem.zero_grads();
+  grads_dirty_ = release_;
+  grad_resident_peak_ = 0;
+  in_flight_peak_ = 0;
   std::fill(issued_.begin(), issued_.end(), 0);
+  std::fill(reduced_.begin(), reduced_.end(), 0);
+  std::fill(released_.begin(), released_.end(), 0);
   std::fill(final_.begin(), final_.end(), 0);
   next_fetch_ = 0;
   running_ = true;
@@ -576,6 +748,7 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   } else if (opts_.measure_resident) {
     resident_peak_ = std::max(resident_peak_, mem.resident_param_bytes());
   }
+  sample_grads();
   // Every microbatch, or none: a middle pipeline stage reads no data (its inputs come from the
   // previous stage).
   TROUPE_CHECK(next_fetch_ == plan_.microbatches() || next_fetch_ == 0, "dp_trainer: rank ",
@@ -598,6 +771,7 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     throw;
   }
   loss_work.wait();
+  grads_dirty_ = false;  // every bucket was reduced and, when releasing, given back
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);

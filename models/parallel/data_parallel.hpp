@@ -10,28 +10,43 @@
 // size / global batch), so the sum over the group is the gradient of the step's mean loss.
 //
 // The flat buffers are cut into groups: one per block (its parameters "<scope>.<i>.*" are one
-// range, layer_memory laying them out in declaration order) and one for everything else; each
-// group into buckets of about bucket_bytes from its end (the last layers' gradients are final
-// first), each padded to a multiple of dp (a remainder that is not is split into its unpadded
-// part and a tail of fewer than dp elements). Rank r owns the r-th 1/dp chunk of every bucket;
-// its "shard" is the union of those chunks.
+// range, layer_memory laying them out in declaration order) and one for everything else, whose
+// ranges are cut at each parameter (so a tied embedding held by two pipeline stages is bucketed,
+// and summed, the same way on both); each range into buckets of about bucket_bytes from its end
+// (the last layers' gradients are final first), each padded to a multiple of dp (a remainder that
+// is not is split into its unpadded part and a tail of fewer than dp elements). Rank r owns the
+// r-th 1/dp chunk of every bucket; its "shard" is the union of those chunks.
 //   zero 0: each bucket is allreduced; every rank clips and runs AdamW on the whole buffer.
 //   zero 1: each bucket is allreduced; each rank keeps AdamW moments only for its shard, updates
 //           its shard of the parameters, then the parameters are all-gathered bucket by bucket.
-//   zero 2: each bucket is reduce-scattered into a shard-sized gradient buffer (the piece's own
-//           full gradient buffer still exists: backward writes it); the global norm is the
-//           allreduced sum of the shards' squares; then as zero 1.
-//   zero 3: as zero 2, and the rank's f32 parameters live in its shard (the master copy, updated
-//           by AdamW there). The piece's buffer is a full-size range whose pages are given back
-//           when released (param_gather.hpp): the group outside the blocks is all-gathered at the
-//           start of the step, each block's right before its forward and again before its
-//           backward (the next dp_options::prefetch blocks' gathers issued while it computes),
-//           released after each use; so at most the outside group and prefetch + 1 blocks are
-//           gathered at once. A piece without the block use hook (grad_producer.hpp) gets every
-//           bucket before forward_backward instead. After the step nothing is gathered; with
-//           dp_options::poison_released released ranges are filled with NaN instead of given
-//           back, so any parameter a step used without gathering it turns the loss into NaN.
-//           The caller rejects zero 3 with pipeline parallelism (pp > 1).
+//   zero 2: each bucket is reduce-scattered into a shard-sized gradient buffer; the global norm
+//           is the allreduced sum of the shards' squares; then as zero 1. The piece's full-size
+//           gradient buffer (backward writes it) holds only what is not reduced yet: with the
+//           piece's grads hook (below) and dp_options::release_grads, a bucket's pages are given
+//           back (layer_memory::release_grads: they read as zeros, which replaces zeroing the
+//           buffer) as soon as its reduce-scatter has consumed them, and at most
+//           grads_in_flight_bytes of buckets are in flight. With the microbatch hook
+//           (grad_producer::set_microbatch_grads_hook: a model_producer of a gpt or llama) the
+//           block buckets are reduce-scattered after every microbatch's backward through their
+//           blocks and added into the shard (the first one lands in it directly, later ones go
+//           through a staging ring of about grads_in_flight_bytes / dp), so a rank holds its
+//           shard, the gradients outside the blocks (embeddings, final norm, head: reduced once
+//           after forward_backward, so a tied embedding written at both ends of the model is
+//           complete), the block whose backward runs and the buckets in flight. With only the
+//           final-gradients hook (a pipeline_runner) buckets go during the last microbatch's
+//           backward and are released when reduced; without either hook (or with release_grads
+//           off) the whole buffer stays resident, zeroed each step.
+//   zero 3: as zero 2 (gradients included), and the rank's f32 parameters live in its shard (the
+//           master copy, updated by AdamW there). The piece's buffer is a full-size range whose
+//           pages are given back when released (param_gather.hpp): the group outside the blocks
+//           is all-gathered at the start of the step, each block's right before its forward and
+//           again before its backward (the next dp_options::prefetch blocks' gathers issued while
+//           it computes), released after each use; so at most the outside group and prefetch + 1
+//           blocks are gathered at once. A piece without the block use hook (grad_producer.hpp)
+//           gets every bucket before forward_backward instead. After the step nothing is
+//           gathered; with dp_options::poison_released released ranges are filled with NaN
+//           instead of given back, so any parameter a step used without gathering it turns the
+//           loss into NaN. The caller rejects zero 3 with pipeline parallelism (pp > 1).
 // Gradient norm (clipping): the sum of squares of the gradients of the parameters the piece
 // counts (counts_in_norm), summed over the dp shards (zero 2, 3) and over piece.norm_group().
 // Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
@@ -67,8 +82,16 @@ struct dp_options {
   // gathered when its use begins).
   int prefetch = 1;
   // ZeRO 3: sample the resident bytes of the parameter buffer (mincore) at every block use, for
-  // peak_resident_param_bytes().
+  // peak_resident_param_bytes(); all stages: the gradient buffer's at every grads hook call and
+  // after forward_backward, for peak_resident_grad_bytes().
   bool measure_resident = false;
+  // ZeRO 2, 3 with the piece's grads hook: give a bucket's gradient pages back once it is reduced
+  // (off: the full gradient buffer stays resident and is zeroed every step).
+  bool release_grads = true;
+  // With release_grads: at most this many bucket bytes issued and not reduced yet; a bucket that
+  // would exceed it first waits for the oldest (back-pressure: a rank running ahead of the group
+  // holds no more than this). 0: 2 x bucket_bytes. One bucket may always be in flight.
+  std::size_t grads_in_flight_bytes = 0;
 };
 
 // One bucket of the flat buffers: [begin, begin + length) with chunk = ceil(length / dp) elements
@@ -141,6 +164,14 @@ class dp_trainer {
   // zero 3 samples at every block use, else after forward_backward).
   std::int64_t peak_gathered_bytes() const;
   std::size_t peak_resident_param_bytes() const;
+  // Gradients (last step): whether buckets are given back after their reduce-scatter; the bytes of
+  // the reduced shard buffers (the shard, and the accumulation staging with several microbatches);
+  // the bucket bytes issued but not reduced yet at most; with measure_resident, the full-size
+  // gradient buffer's resident bytes at most (mincore).
+  bool releases_grads() const { return release_; }
+  std::int64_t reduced_grad_bytes() const;
+  std::int64_t peak_grads_in_flight_bytes() const { return in_flight_peak_ * 4; }
+  std::size_t peak_resident_grad_bytes() const { return grad_resident_peak_; }
 
   // Seconds of the last step spent waiting for the gradient and parameter collectives (after
   // backward: what overlap did not hide; zero 3: and the parameter gathers before forward).
@@ -156,8 +187,22 @@ class dp_trainer {
              collective::communicator& dp, const dp_options& opts);
   void read_rows(std::int64_t begin, std::int64_t end, const trainer::batch_source& data);
   microbatch_data fetch(int k, const trainer::batch_source& data);
-  void on_block(std::int64_t block);  // the piece's hook
+  void on_block(std::int64_t block);              // the piece's final-gradients hook
+  void on_microbatch(int k, std::int64_t block);  // its microbatch grads hook
+  void issue_ready();                             // the buckets whose blocks are all final
   void issue_bucket(std::size_t i);
+  struct pending_op {
+    std::size_t bucket = 0;
+    collective::work work;
+    std::int64_t at = -1;  // >= 0: reduced into shard_in_ there, added into the shard when done
+  };
+  void finish(pending_op& op);  // after its wait: accumulate, release
+  void poll();                  // finishes the ops that are done, keeps the rest
+  void wait_pending();
+  void wait_oldest();
+  std::int64_t staging_for(std::int64_t chunk);  // a place in shard_in_ (waits while full)
+  void release_run(std::size_t i);               // the run of released buckets around bucket i
+  void sample_grads();
   double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
   double sum_squares(const tensor& t,
                      const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const;
@@ -192,7 +237,19 @@ class dp_trainer {
   std::int64_t early_ = 0;
   bool running_ = false;  // inside forward_backward: the hook may issue
   int next_fetch_ = 0;
-  std::vector<collective::work> works_;  // the bucket ops of this step
+  std::vector<pending_op> pending_;  // the bucket ops of this step not waited yet
+  bool release_ = false;             // zero 2, 3: buckets are given back once reduced
+  bool per_mb_ = false;              // the piece calls the microbatch grads hook
+  bool grads_dirty_ = false;         // a step failed: zero the gradient buffer first
+  std::vector<char> reduced_;        // per bucket: its shard chunk holds a value this step
+  std::vector<char> released_;       // per bucket: its range is given back (this microbatch)
+  // A ring of the reductions in flight that are added into the shard (microbatches after the
+  // first), about grads_in_flight_bytes / dp.
+  owned_tensor shard_in_;
+  std::int64_t ring_head_ = 0;
+  std::int64_t in_flight_ = 0, in_flight_peak_ = 0;  // elements of buckets issued, not reduced
+  std::int64_t in_flight_limit_ = 0;                 // elements (grads_in_flight_bytes)
+  std::size_t grad_resident_peak_ = 0;
   std::vector<std::int32_t> rows_, draw_rows_, targets_;
   std::uint64_t cached_draw_ = ~std::uint64_t{0};
 };

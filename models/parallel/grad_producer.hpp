@@ -51,6 +51,18 @@ class grad_producer {
     return false;
   }
 
+  // Makes forward_backward call f(k, i) right after microbatch k's backward through block i, and
+  // f(k, -1) once microbatch k's backward is complete (every gradient it adds is written), for
+  // every microbatch k. Lets the engine reduce a block's gradients microbatch by microbatch and
+  // give their memory back (ZeRO 2, 3); the gradients of a block must then be written by that
+  // block's backward only (parameters outside the blocks, e.g. a tied embedding, may be written
+  // anywhere: the engine reduces them after forward_backward). False when the piece has no such
+  // points. An empty f stops the calls.
+  virtual bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) {
+    (void)f;
+    return false;
+  }
+
   // Makes forward_backward call f around every use of a block's parameters, in every microbatch
   // (models/block_use.hpp: before and after each block's forward, and its backward with any
   // recomputed forward inside), on the thread that called forward_backward. False when the piece

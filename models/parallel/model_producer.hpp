@@ -1,8 +1,8 @@
 // model_producer: a grad_producer (grad_producer.hpp) over a whole causal_lm, or over a
 // tensor-parallel shard of one (causal_lm_of<tp_gpt>): the step's microbatches run one after the
 // other, forward then backward of weight_k * loss_k, and the model's block hook reaches the engine
-// during the last microbatch's backward only (when a block's gradients are final); the block use
-// hook reaches it in every microbatch.
+// during the last microbatch's backward only (when a block's gradients are final); the microbatch
+// grads hook and the block use hook reach it in every microbatch.
 //
 // Gradient norm of a tensor-parallel shard: the norm group is the tp communicator and a parameter
 // is counted on every shard when it is sharded (each shard holds a disjoint slice) but on tp rank 0
@@ -42,6 +42,7 @@ class model_producer final : public grad_producer {
   double forward_backward(int microbatches,
                           const std::function<microbatch_data(int k)>& fetch) override;
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override;
+  bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) override;
   bool set_block_use_hook(block_use_hook f) override {
     return model_.set_block_use_hook(std::move(f));
   }
@@ -52,7 +53,10 @@ class model_producer final : public grad_producer {
   causal_lm& model_;
   collective::communicator* tp_ = nullptr;
   std::function<bool(std::string_view)> replicated_;
+  bool install_grads_hook();  // the model's hook, serving hook_ and mb_hook_
   std::function<void(std::int64_t)> hook_;
+  std::function<void(int, std::int64_t)> mb_hook_;
+  int k_ = 0;          // the microbatch whose backward is running
   bool last_ = false;  // the last microbatch's backward is running
 };
 
