@@ -13,8 +13,6 @@ tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
       tp_(tp),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
       head_(cfg_, tp) {
-  // Pipeline stages recompute as a whole (pipeline_stage); a shard has no block recompute yet.
-  TROUPE_CHECK(!cfg.recompute, "tp_llama: activation recompute is not supported yet");
   TROUPE_CHECK(dims.batch > 0 && dims.seq > 0 && dims.seq <= cfg_.max_seq, "tp_llama: the planned ",
                "batch [", dims.batch, ", ", dims.seq, "] must be positive with seq <= max_seq (",
                cfg_.max_seq, ")");
@@ -29,7 +27,7 @@ tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
   embed_tokens_.declare(slots_, "embed_tokens", dims);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    layers_[i].declare(slots_, "layers." + std::to_string(i), dims);
+    layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
   head_.declare(slots_, dims, cfg_.tie_embeddings ? "" : "lm_head");
@@ -78,11 +76,14 @@ void tp_llama::backward(double loss_scale) {
   TROUPE_CHECK(b_ > 0, "tp_llama: backward called before forward");
   std::int64_t tl = tp_.sequence_parallel ? t_ / tp_.size() : t_;
   shape bt{b_, tl, cfg_.dim};
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_llama", "x"); };
   tensor da = planned_view(dx_a_, bt, "tp_llama", "dx_a");
   tensor db = planned_view(dx_b_, bt, "tp_llama", "dx_b");
   head_.backward(loss_scale, da, db);
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
+    // Every block, the last included (as tp_gpt): the head's scratch may reuse the shared bytes.
+    if (cfg_.recompute) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);

@@ -99,8 +99,8 @@ tp_llama_block::tp_llama_block(const llama_block& unsharded, tp_group g)
       self_attn(unsharded.self_attn.cfg, g),
       mlp(unsharded.mlp.cfg, g) {}
 
-void tp_llama_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto sc = s.enter(name);
+void tp_llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto sc = recompute ? s.enter_recomputed(name) : s.enter(name);
   std::string label = "tp_llama_block '" + s.prefix() + "'";
   if (tp.sequence_parallel) divide_by_tp(b.seq, tp.size(), label + ": sequence length");
   input_layernorm.declare(s, "input_layernorm", b);

@@ -64,9 +64,14 @@ struct tp_llama_block {
 
   // cfg resolved (resolve_tp_llama_config).
   tp_llama_block(const llama_config& cfg, tp_group g);
-  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // recompute: the activations live in a recomputed scope (slots.hpp), shared with the other
+  // recomputed blocks; call recompute(x) before backward (as llama_block).
+  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
   // x, y [B, T, C] (SP: [B, T/tp, C]).
   void forward(const tensor& x, const tensor& y);
+  // forward again from the same x without writing y (the tensor-parallel collectives included,
+  // so every shard must recompute together): restores what backward reads.
+  void recompute(const tensor& x) { forward(x, tensor{}); }
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
 
  private:

@@ -16,86 +16,10 @@
 #include <vector>
 
 #include "tests/multirank/process.hpp"
+#include "tests/multirank/train_runs.hpp"
 
 using namespace troupe::tests;
 using namespace std::chrono_literals;
-
-namespace {
-
-const std::string troupe_bin = TROUPE_BIN;
-
-std::string scratch(const std::string& what) {
-  auto p = std::filesystem::temp_directory_path() /
-           ("troupe-hybrid-" + what + "-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(p);
-  std::filesystem::create_directories(p);
-  return p.string();
-}
-
-// The per-step losses of a --json file.
-std::vector<double> losses(const std::string& path) {
-  std::ifstream f(path);
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(f, line)) {
-    auto k = line.find("\"loss\": ");
-    if (k != std::string::npos) out.push_back(std::stod(line.substr(k + 8)));
-  }
-  return out;
-}
-
-// The run's flags: a tiny model, short sequences, 8 samples per step, clipping active.
-std::vector<std::string> run_flags(const std::string& model, int steps) {
-  return {"train",     "--model", model,         "--steps",  std::to_string(steps),
-          "--batch",   "8",       "--seq",       "32",       "--warmup",
-          "2",         "--clip",  "0.5",         "--sample", "0",
-          "--threads", "1",       "--log-every", "100"};
-}
-
-std::vector<double> single(const std::string& model, int steps, const std::string& dir,
-                           std::vector<std::string> extra = {}) {
-  auto argv = run_flags(model, steps);
-  argv.insert(argv.begin(), troupe_bin);
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  argv.push_back("--json");
-  argv.push_back(dir + "/single.json");
-  child_process p(argv);
-  auto st = p.wait(300s);
-  INFO(p.output());
-  REQUIRE(st.has_value());
-  REQUIRE(child_process::code(*st) == 0);
-  return losses(dir + "/single.json");
-}
-
-std::vector<double> launched(int n, const std::string& model, int steps, const std::string& dir,
-                             const std::string& name, std::vector<std::string> plan) {
-  std::vector<std::string> argv = {troupe_bin, "launch",
-                                   "-n",       std::to_string(n),
-                                   "--job",    "hybrid-" + name + "-" + std::to_string(::getpid()),
-                                   "--",       troupe_bin};
-  auto flags = run_flags(model, steps);
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.insert(argv.end(), plan.begin(), plan.end());
-  argv.push_back("--json");
-  argv.push_back(dir + "/" + name + ".json");
-  child_process p(argv);
-  auto st = p.wait(300s);
-  INFO(p.output());
-  REQUIRE(st.has_value());
-  REQUIRE(child_process::code(*st) == 0);
-  return losses(dir + "/" + name + ".json");
-}
-
-void same_losses(const std::vector<double>& got, const std::vector<double>& want) {
-  REQUIRE(got.size() == want.size());
-  REQUIRE(!want.empty());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got[i] << " vs " << want[i]);
-    CHECK(std::abs(got[i] - want[i]) <= 1e-4 * std::abs(want[i]));
-  }
-}
-
-}  // namespace
 
 TEST_CASE("Data and tensor parallel runs across processes match the single process",
           "[multirank][slow]") {
