@@ -5,6 +5,7 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -85,14 +86,9 @@ void tp_gpt::init_weights(std::uint64_t seed) {
 }
 
 double tp_gpt::forward(const tensor& ids, const tensor& targets) {
-  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "tp_gpt: ids must be i32 [B, T], got ",
-               ids.describe());
-  TROUPE_CHECK(targets.sizes() == ids.sizes(), "tp_gpt: targets ", targets.describe(),
-               " must have the shape of ids ", ids.describe());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "tp_gpt: batch [", b_, ", ", t_,
-               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  const batch_dims got = checked_batch(ids, targets, dims_, "tp_gpt");
+  b_ = got.batch;
+  t_ = got.seq;
   std::int64_t tl =
       tp_.sequence_parallel ? divide_by_tp(t_, tp_.size(), "tp_gpt: sequence length") : t_;
   std::int64_t first = tp_.sequence_parallel ? tp_.rank() * tl : 0;

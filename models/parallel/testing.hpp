@@ -43,7 +43,8 @@ inline double rel_err(const std::vector<float>& a, const std::vector<float>& b) 
 }
 
 // fn(rank) on one thread per rank 0..n-1; a failing rank aborts every communicator of `comms`
-// (so the others do not wait for it) and the first failure is rethrown after every thread ended.
+// (null entries skipped, so the others do not wait for it) and the first failure is rethrown
+// after every thread ended.
 inline void run_threads(int n, const std::function<void(int)>& fn,
                         const std::vector<collective::communicator*>& comms) {
   std::vector<std::exception_ptr> err(n);
@@ -54,7 +55,8 @@ inline void run_threads(int n, const std::function<void(int)>& fn,
         fn(r);
       } catch (...) {
         err[r] = std::current_exception();
-        for (auto* c : comms) c->abort("rank " + std::to_string(r) + " failed");
+        for (auto* c : comms)
+          if (c != nullptr) c->abort("rank " + std::to_string(r) + " failed");
       }
     });
   for (auto& t : threads) t.join();

@@ -101,13 +101,13 @@ tp_llama_block::tp_llama_block(const llama_block& unsharded, tp_group g)
 
 void tp_llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
   auto sc = recompute ? s.enter_recomputed(name) : s.enter(name);
-  std::string label = "tp_llama_block '" + s.prefix() + "'";
-  if (tp.sequence_parallel) divide_by_tp(b.seq, tp.size(), label + ": sequence length");
+  const shape rows =
+      shard_rows(b, input_layernorm.norm.cfg.dim, tp, "tp_llama_block '" + s.prefix() + "'");
   input_layernorm.declare(s, "input_layernorm", b);
   self_attn.declare(s, "self_attn", b);
   post_attention_layernorm.declare(s, "post_attention_layernorm", b);
   mlp.declare(s, "mlp", b);
-  buf.declare(s, b, input_layernorm.norm.cfg.dim, tp);
+  buf.declare(s, rows);
 }
 
 void tp_llama_block::forward(const tensor& x, const tensor& y) {
