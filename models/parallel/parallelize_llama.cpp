@@ -4,6 +4,7 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/tp_compose.hpp"
 #include "models/targets.hpp"
 

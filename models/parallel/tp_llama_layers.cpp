@@ -1,8 +1,6 @@
 // The Llama pieces of a tensor shard (see tp_llama_layers.hpp).
 #include "models/parallel/tp_llama_layers.hpp"
 
-#include <map>
-
 #include "memory/error.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/tp_compose.hpp"
@@ -31,22 +29,6 @@ llama_config resolve_tp_llama_config(llama_config c, const tp_group& tp, std::st
   divides(c.hidden, "hidden (intermediate_size)");
   divides(c.vocab, "vocab (vocab_size)");
   return c;
-}
-
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp,
-                         std::string_view who) {
-  std::map<std::string, const tensor_slot*, std::less<>> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  for (const auto& s : piece.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), who, ": the unsharded model has no parameter '", s.name, "'");
-    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
-    const tensor& own = own_grads ? *s.grad : *s.field;
-    copy_gpt_slice(s.name, f, own, /*n_head=*/0, tp.rank(), tp.size(), into_piece, who);
-  }
 }
 
 // ---- tp_swiglu_mlp ----------------------------------------------------------------------------

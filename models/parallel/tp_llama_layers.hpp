@@ -32,13 +32,6 @@ namespace troupe::models {
 // field). `who` starts the messages.
 llama_config resolve_tp_llama_config(llama_config cfg, const tp_group& tp, std::string_view who);
 
-// For every parameter of `piece`: the parameter of the same name in `full` (full_grads: its
-// gradient), sliced for shard rank/tp by copy_gpt_slice, into the piece's parameter (own_grads:
-// its gradient) when into_piece, else the piece's into full's slice. Fails naming `who` and the
-// parameter when `full` lacks it.
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who);
-
 struct tp_swiglu_mlp {
   swiglu_mlp::config cfg;  // the unsharded sizes
   tp_group tp;
