@@ -23,6 +23,7 @@
 
 #include "actors/bootstrap.hpp"
 #include "actors/coordinator.hpp"
+#include "actors/shutdown_watch.hpp"
 #include "memory/error.hpp"
 
 extern char** environ;
@@ -362,6 +363,10 @@ int launch(const launch_options& given) {
   // Relay output and reap ranks until every rank is gone and its pipes are drained.
   std::vector<int> failures;  // local indices, in the order they failed
   steady::time_point first_failure{}, term_sent{};
+  // After a rank ended well, every 10 s the ranks still running are named: a rank that hangs in
+  // its shutdown shows in the output (with its own "shutdown still ..." lines).
+  steady::time_point first_end{}, last_lingering_report{};
+  constexpr auto lingering_every = std::chrono::seconds(10);
   bool terminating = false, killed = false;
   int signals_seen = 0;
   char buf[65536];
@@ -412,6 +417,7 @@ int launch(const launch_options& given) {
       if (r == c.pid) {
         c.running = false;
         c.status = status;
+        if (first_end == steady::time_point{}) first_end = last_lingering_report = steady::now();
         if (coord) coord->process_ended(c.rank, static_cast<int>(c.pid), describe_status(status));
         if (failed(status)) {
           if (failures.empty()) first_failure = steady::now();
@@ -437,6 +443,19 @@ int launch(const launch_options& given) {
     }
     // After a failure the others get the grace period, then SIGTERM, then SIGKILL.
     const auto now = steady::now();
+    if (first_end != steady::time_point{} && now - last_lingering_report >= lingering_every) {
+      std::string running;
+      for (const auto& c : children)
+        if (c.pid > 0 && c.running)
+          running += (running.empty() ? "" : ", ") +
+                     ("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ")");
+      if (!running.empty())
+        say("still running " +
+            std::to_string(
+                std::chrono::duration_cast<std::chrono::seconds>(now - first_end).count()) +
+            " s after the first rank ended: " + running);
+      last_lingering_report = now;
+    }
     if (!failures.empty() && !terminating &&
         now - first_failure > std::chrono::duration<double>(o.grace_s)) {
       bool any = false;
@@ -463,7 +482,11 @@ int launch(const launch_options& given) {
   ::close(g_wake[0]);
   ::close(g_wake[1]);
   g_wake[0] = g_wake[1] = -1;
-  coord.reset();
+  if (coord) {
+    detail::shutdown_watch watch("troupe launch", std::chrono::seconds(10));
+    watch.stage("stopping the coordinator (its introspection endpoint and CAF actor system)");
+    coord.reset();
+  }
 
   std::string report;
   int bad = 0;

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "actors/node_impl.hpp"
+#include "actors/shutdown_watch.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::actors {
@@ -556,8 +557,12 @@ caf::actor node::impl::peer(int r) {
 
 namespace {
 
-// Stops everything the impl started, in an order that never waits on a dead peer.
-void teardown(node::impl& I) {
+// Stops everything the impl started, in an order that never waits on a dead peer. Each step is
+// named to `watch` (when given), which reports a step that takes long.
+void teardown(node::impl& I, detail::shutdown_watch* watch = nullptr) {
+  auto stage = [&](const std::string& what) {
+    if (watch != nullptr) watch->stage(what);
+  };
   {
     std::lock_guard<std::mutex> lock(I.mu);
     I.shut_down = true;
@@ -575,6 +580,7 @@ void teardown(node::impl& I) {
     I.local_sends.clear();
   }
   if (I.node_actor) caf::send_as(I.node_actor, I.node_actor, msg::shutdown_atom::value);
+  stage("waiting for the role actors to stop");
   {
     // Role actors finish the message at hand (a blocked transfer fails above), then stop.
     std::unique_lock<std::mutex> lock(I.roles_mu);
@@ -603,9 +609,15 @@ void teardown(node::impl& I) {
     I.cb_stop = true;
   }
   I.cb_cv.notify_all();
+  stage("joining the membership callback thread (a callback has not returned)");
   if (I.dispatcher.joinable()) I.dispatcher.join();
+  stage("closing the UCX transport");
   I.ucx.reset();
+  if (I.sys)
+    stage("stopping the CAF actor system (" + std::to_string(I.sys->registry().running()) +
+          " actors were running; it waits for every actor and detached actor thread to end)");
   I.sys.reset();
+  stage("stopping the hosted coordinator");
   I.cfg.reset();
   I.hosted.reset();
 }
@@ -1123,6 +1135,8 @@ void node::shutdown() {
   if (I.live_jobs.load() > 0)
     std::fprintf(stderr, "troupe: rank %d: shutdown while %d job objects are alive\n", I.rank,
                  I.live_jobs.load());
+  detail::shutdown_watch watch("troupe: rank " + std::to_string(I.rank), I.opts.shutdown_report);
+  watch.stage("leaving the job (waiting up to 3 s for the coordinator)");
   if (I.coordinator_actor && !expelled) {
     caf::scoped_actor self{*I.sys};
     self->request(I.coordinator_actor, ms(3000), msg::leave_request{I.rank})
@@ -1130,11 +1144,13 @@ void node::shutdown() {
   }
   if (I.hosted) {
     // The other ranks still need the coordinator: wait for them to leave (or be lost).
+    watch.stage("hosting the coordinator until every rank left");
     if (!I.hosted->wait_finished(std::chrono::minutes(10)))
       std::fprintf(stderr, "troupe: rank %d: stopping the coordinator before every rank left\n",
                    I.rank);
   }
-  teardown(I);
+  watch.stage("failing the transfers in flight");
+  teardown(I, &watch);
 }
 
 }  // namespace troupe::actors

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -22,14 +23,7 @@ void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bool 
   attn.declare(s, "attn", b);
   ln_2.declare(s, "ln_2", b);
   ff.declare(s, "mlp", b);
-  shape bt{b.batch, b.seq, ln_1.cfg.dim};
-  s.activation("ln_1_out", bt, ln_1_out);
-  s.activation("attn_out", bt, attn_out);
-  s.activation("resid", bt, resid);
-  s.activation("ln_2_out", bt, ln_2_out);
-  s.activation("ff_out", bt, ff_out);
-  s.scratch("dnorm", bt, dnorm);
-  s.scratch("dresid", bt, dresid);
+  buf.declare(s, {b.batch, b.seq, ln_1.cfg.dim});
 }
 
 void gpt_block::forward(const tensor& x, const tensor& y) {
@@ -46,33 +40,16 @@ void gpt_block::forward_step(const tensor& x, const tensor& y, const kv_layer& c
 }
 
 void gpt_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
-  const shape& sz = x.sizes();
-  auto v = [&](const tensor& planned, const char* what) {
-    return planned_view(planned, sz, "gpt_block", what);
-  };
-  tensor l1 = v(ln_1_out, "ln_1_out"), ao = v(attn_out, "attn_out"), r = v(resid, "resid");
-  tensor l2 = v(ln_2_out, "ln_2_out"), fo = v(ff_out, "ff_out");
-  ln_1.forward(x, l1);
-  if (cache != nullptr)
-    attention_step(attn, l1, ao, *cache, start);
-  else
-    attn.forward(l1, ao);
-  ops::add(x, ao, r);
-  ln_2.forward(r, l2);
-  ff.forward(l2, fo);
-  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
+  if (cache != nullptr) {
+    cached_attention step{attn, *cache, start};
+    residual_forward(ln_1, step, ln_2, ff, buf, x, y, "gpt_block");
+  } else {
+    residual_forward(ln_1, attn, ln_2, ff, buf, x, y, "gpt_block");
+  }
 }
 
 void gpt_block::backward(const tensor& dy, const tensor& dx) {
-  const shape& sz = dy.sizes();
-  tensor dn = planned_view(dnorm, sz, "gpt_block", "dnorm");
-  tensor dr = planned_view(dresid, sz, "gpt_block", "dresid");
-  ff.backward(dy, dn);
-  ln_2.backward(dn, dr);
-  ops::add(dr, dy, dr);  // the residual path
-  attn.backward(dr, dn);
-  ln_1.backward(dn, dx);
-  ops::add(dx, dr, dx);
+  residual_backward(ln_1, attn, ln_2, ff, buf, dy, dx, "gpt_block");
 }
 
 gpt_ends::gpt_ends(const gpt_config& c)
@@ -209,14 +186,9 @@ void gpt::init_weights(std::uint64_t seed) {
 }
 
 double gpt::forward(const tensor& ids, const tensor& targets) {
-  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "gpt: ids must be i32 [B, T], got ",
-               ids.describe());
-  TROUPE_CHECK(targets.sizes() == ids.sizes(), "gpt: targets ", targets.describe(),
-               " must have the shape of ids ", ids.describe());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "gpt: batch [", b_, ", ", t_,
-               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  const batch_dims got = checked_batch(ids, targets, dims_, "gpt");
+  b_ = got.batch;
+  t_ = got.seq;
   shape bt{b_, t_, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
   ends_.embed(ids, pos_ids_.narrow(0, 0, t_), x(0));

@@ -34,6 +34,7 @@
 #include "models/layers/embedding.hpp"
 #include "models/layers/layernorm.hpp"
 #include "models/layers/mlp.hpp"
+#include "models/layers/residual.hpp"
 #include "models/layers/slots.hpp"
 
 namespace troupe::models {
@@ -65,8 +66,7 @@ struct gpt_block {
   layernorm ln_1, ln_2;
   attention attn;
   mlp ff;
-  tensor ln_1_out, attn_out, resid, ln_2_out, ff_out;  // activations [B, T, C]
-  tensor dnorm, dresid;                                // backward scratch [B, T, C]
+  residual_buffers buf;  // activations and backward scratch [B, T, C]
 
   explicit gpt_block(const config& c);
   // recompute: the block's activations live in a recomputed scope (see slots.hpp), shared with

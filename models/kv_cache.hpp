@@ -65,4 +65,12 @@ class kv_cache {
 void attention_step(attention& attn, const tensor& x, const tensor& y, const kv_layer& cache,
                     std::int64_t start);
 
+// attention_step as a layer (forward only), for a block's composition (models/layers/residual.hpp).
+struct cached_attention {
+  attention& attn;
+  const kv_layer& cache;
+  std::int64_t start;
+  void forward(const tensor& x, const tensor& y) const { attention_step(attn, x, y, cache, start); }
+};
+
 }  // namespace troupe::models

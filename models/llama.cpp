@@ -6,6 +6,7 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -56,14 +57,7 @@ void llama_block::declare(slot_list& s, std::string_view name, batch_dims b, boo
   self_attn.declare(s, "self_attn", b);
   post_attention_layernorm.declare(s, "post_attention_layernorm", b);
   mlp.declare(s, "mlp", b);
-  shape bt{b.batch, b.seq, input_layernorm.cfg.dim};
-  s.activation("ln_1_out", bt, ln_1_out);
-  s.activation("attn_out", bt, attn_out);
-  s.activation("resid", bt, resid);
-  s.activation("ln_2_out", bt, ln_2_out);
-  s.activation("ff_out", bt, ff_out);
-  s.scratch("dnorm", bt, dnorm);
-  s.scratch("dresid", bt, dresid);
+  buf.declare(s, {b.batch, b.seq, input_layernorm.cfg.dim});
 }
 
 void llama_block::forward(const tensor& x, const tensor& y) {
@@ -80,33 +74,19 @@ void llama_block::forward_step(const tensor& x, const tensor& y, const kv_layer&
 }
 
 void llama_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
-  const shape& sz = x.sizes();
-  auto v = [&](const tensor& planned, const char* what) {
-    return planned_view(planned, sz, "llama_block", what);
-  };
-  tensor l1 = v(ln_1_out, "ln_1_out"), ao = v(attn_out, "attn_out"), r = v(resid, "resid");
-  tensor l2 = v(ln_2_out, "ln_2_out"), fo = v(ff_out, "ff_out");
-  input_layernorm.forward(x, l1);
-  if (cache != nullptr)
-    attention_step(self_attn, l1, ao, *cache, start);
-  else
-    self_attn.forward(l1, ao);
-  ops::add(x, ao, r);
-  post_attention_layernorm.forward(r, l2);
-  mlp.forward(l2, fo);
-  if (y.defined()) ops::add(r, fo, y);  // recompute needs the activations only
+  if (cache != nullptr) {
+    cached_attention step{self_attn, *cache, start};
+    residual_forward(input_layernorm, step, post_attention_layernorm, mlp, buf, x, y,
+                     "llama_block");
+  } else {
+    residual_forward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, x, y,
+                     "llama_block");
+  }
 }
 
 void llama_block::backward(const tensor& dy, const tensor& dx) {
-  const shape& sz = dy.sizes();
-  tensor dn = planned_view(dnorm, sz, "llama_block", "dnorm");
-  tensor dr = planned_view(dresid, sz, "llama_block", "dresid");
-  mlp.backward(dy, dn);
-  post_attention_layernorm.backward(dn, dr);
-  ops::add(dr, dy, dr);  // the residual path
-  self_attn.backward(dr, dn);
-  input_layernorm.backward(dn, dx);
-  ops::add(dx, dr, dx);
+  residual_backward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, dy, dx,
+                    "llama_block");
 }
 
 llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
@@ -179,13 +159,9 @@ void llama::check_ids(const tensor& ids, const char* what) const {
 }
 
 double llama::forward(const tensor& ids, const tensor& targets) {
-  check_ids(ids, "ids");
-  TROUPE_CHECK(targets.defined() && targets.sizes() == ids.sizes(), "llama: targets ",
-               describe(targets), " must have the shape of ids ", ids.describe());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "llama: batch [", b_, ", ", t_,
-               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  const batch_dims got = checked_batch(ids, targets, dims_, "llama");
+  b_ = got.batch;
+  t_ = got.seq;
   shape bt{b_, t_, cfg_.dim};
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
   embed_tokens_.forward(ids, x(0));

@@ -34,6 +34,7 @@
 #include "models/layers/cross_entropy.hpp"
 #include "models/layers/embedding.hpp"
 #include "models/layers/linear.hpp"
+#include "models/layers/residual.hpp"
 #include "models/layers/rmsnorm.hpp"
 #include "models/layers/slots.hpp"
 #include "models/layers/swiglu_mlp.hpp"
@@ -65,8 +66,7 @@ struct llama_block {
   rmsnorm input_layernorm, post_attention_layernorm;
   attention self_attn;
   swiglu_mlp mlp;
-  tensor ln_1_out, attn_out, resid, ln_2_out, ff_out;  // activations [B, T, C]
-  tensor dnorm, dresid;                                // backward scratch [B, T, C]
+  residual_buffers buf;  // activations and backward scratch [B, T, C]
 
   explicit llama_block(const llama_config& c);
   // recompute: the block's activations live in a recomputed scope (see slots.hpp), shared with

@@ -24,4 +24,16 @@ void next_token_targets(const tensor& ids, const tensor& targets, std::int32_t i
   }
 }
 
+batch_dims checked_batch(const tensor& ids, const tensor& targets, batch_dims planned,
+                         std::string_view who) {
+  TROUPE_CHECK(ids.defined() && ids.dim() == 2 && ids.type() == dtype::i32, who,
+               ": ids must be i32 [B, T], got ", describe(ids));
+  TROUPE_CHECK(targets.defined() && targets.sizes() == ids.sizes(), who, ": targets ",
+               describe(targets), " must have the shape of ids ", ids.describe());
+  const batch_dims b{ids.size(0), ids.size(1)};
+  TROUPE_CHECK(b.batch <= planned.batch && b.seq <= planned.seq, who, ": batch [", b.batch, ", ",
+               b.seq, "] exceeds the planned [", planned.batch, ", ", planned.seq, "]");
+  return b;
+}
+
 }  // namespace troupe::models

@@ -155,7 +155,9 @@ int main(int argc, char** argv) {
       fmt::print("job {}: {} ranks, coordinator {}\n", n.job(), n.world_size(), n.coordinator());
     int rc = 0;
     if (n.rank() == 0) rc = drive(n, hold_s);
-    n.barrier("done");  // the other ranks serve their workers until the driver is done
+    // The other ranks serve their workers until the driver is done (bounded: a driver that never
+    // comes fails the barrier instead of holding every rank forever).
+    n.barrier("done", std::chrono::seconds(120 + static_cast<int>(hold_s)));
     n.shutdown();
     return rc;
   } catch (const std::exception& e) {

@@ -155,11 +155,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       gc.recompute = recompute;
       I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tg);
     } else {
-      TROUPE_CHECK(
-          !recompute, "parallel.recompute / train.recompute: activation recompute is not ",
-          "available for Llama tensor shards yet (parallel.tp > 1 without pipeline stages)");
-      I.model = std::make_unique<causal_lm_of<tp_llama>>(
-          to_llama_config(std::get<hf::llama_config>(model)), dims, tg);
+      llama_config lc = to_llama_config(std::get<hf::llama_config>(model));
+      lc.recompute = recompute;
+      I.model = std::make_unique<causal_lm_of<tp_llama>>(lc, dims, tg);
     }
     I.piece = std::make_unique<model_producer>(
         *I.model, *g.tp, replicated_by_shape(I.model->slots(), whole->slots()));

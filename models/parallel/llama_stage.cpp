@@ -4,6 +4,8 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/tp_compose.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models::parallel {
@@ -15,14 +17,7 @@ shape llama_boundary(const llama_config& cfg, batch_dims dims, const tp_group& t
   const llama_config c = resolve_tp_llama_config(cfg, tp, "llama_stage");
   TROUPE_CHECK(dims.seq <= c.max_seq, "llama_stage: sequence length ", dims.seq,
                " exceeds max_seq (max_position_embeddings) ", c.max_seq);
-  std::int64_t t = tp.sequence_parallel
-                       ? divide_by_tp(dims.seq, tp.size(), "llama_stage: sequence length")
-                       : dims.seq;
-  return {dims.batch, t, c.dim};
-}
-
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+  return shard_rows(dims, c.dim, tp, "llama_stage");
 }
 
 }  // namespace
@@ -84,7 +79,7 @@ void llama_stage::init_weights(std::uint64_t seed) {
 bool llama_stage::replicated_over_tp(std::string_view p) const {
   for (std::string_view sharded : {"embed_tokens.weight", "lm_head.weight", "_proj.weight",
                                    "q_proj.bias", "k_proj.bias", "v_proj.bias"})
-    if (ends_with(p, sharded)) return false;
+    if (p.ends_with(sharded)) return false;
   return true;  // the RMSNorms and o_proj's bias
 }
 

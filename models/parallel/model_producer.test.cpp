@@ -17,6 +17,7 @@
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
 
 using namespace troupe;
@@ -53,26 +54,6 @@ train_config tiny_run() {
   return c;
 }
 
-// fn(rank) on one thread per rank; the first failure is rethrown (after aborting `comms`).
-void run_threads(int n, const std::function<void(int)>& fn,
-                 const std::vector<collective::communicator*>& comms) {
-  std::vector<std::exception_ptr> err(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        err[r] = std::current_exception();
-        for (auto* c : comms)
-          if (c != nullptr) c->abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
-}
-
 struct grid_run {
   std::vector<std::vector<step_result>> steps;  // per world rank
   std::vector<double> weight_diff;              // per world rank: against the reference's slice
@@ -103,7 +84,7 @@ grid_run dp_tp(const train_config& base, int zero, bool sp, bool tp_norm, int st
   grid_run out;
   out.steps.resize(4);
   out.weight_diff.resize(4);
-  run_threads(
+  testing::run_threads(
       4,
       [&](int r) {
         batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
@@ -279,15 +260,15 @@ TEST_CASE("dp_trainer hands a custom grad producer the rows of its microbatches"
   for (int r = 0; r < dp; ++r) producers.push_back(std::make_unique<recording_producer>());
   std::vector<std::vector<double>> losses(dp);
   std::vector<std::int64_t> early(dp);
-  run_threads(dp,
-              [&](int r) {
-                dp_trainer t(*producers[r], c, *comms[r], {.bucket_bytes = 4 * 2});
-                for (int s = 0; s < steps; ++s) {
-                  losses[r].push_back(t.step(synthetic_rows).loss);
-                  early[r] += t.buckets_issued_in_backward();
-                }
-              },
-              {comms[0].get(), comms[1].get()});
+  testing::run_threads(dp,
+                       [&](int r) {
+                         dp_trainer t(*producers[r], c, *comms[r], {.bucket_bytes = 4 * 2});
+                         for (int s = 0; s < steps; ++s) {
+                           losses[r].push_back(t.step(synthetic_rows).loss);
+                           early[r] += t.buckets_issued_in_backward();
+                         }
+                       },
+                       {comms[0].get(), comms[1].get()});
   std::vector<std::int32_t> draw;
   for (int s = 0; s < steps; ++s) {
     double want_loss = 0;

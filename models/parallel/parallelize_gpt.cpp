@@ -5,6 +5,7 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -63,19 +64,8 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
 }
 
 void tp_gpt::load_from(const slot_list& full, bool from_grads, bool to_grads) {
-  std::map<std::string, const tensor_slot*> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  int r = tp_.rank(), n = tp_.size();
-  for (const auto& s : slots_.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), "tp_gpt: the unsharded model has no parameter '", s.name,
-                 "'");
-    const tensor& src = from_grads ? *it->second->grad : *it->second->field;
-    const tensor& dst = to_grads ? *s.grad : *s.field;
-    copy_gpt_slice(s.name, src, dst, cfg_.n_head, r, n, /*into_shard=*/true, "tp_gpt");
-  }
+  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp_, "tp_gpt",
+                      cfg_.n_head);
 }
 
 void tp_gpt::init_weights(std::uint64_t seed) {
@@ -85,14 +75,9 @@ void tp_gpt::init_weights(std::uint64_t seed) {
 }
 
 double tp_gpt::forward(const tensor& ids, const tensor& targets) {
-  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "tp_gpt: ids must be i32 [B, T], got ",
-               ids.describe());
-  TROUPE_CHECK(targets.sizes() == ids.sizes(), "tp_gpt: targets ", targets.describe(),
-               " must have the shape of ids ", ids.describe());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "tp_gpt: batch [", b_, ", ", t_,
-               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
+  const batch_dims got = checked_batch(ids, targets, dims_, "tp_gpt");
+  b_ = got.batch;
+  t_ = got.seq;
   std::int64_t tl =
       tp_.sequence_parallel ? divide_by_tp(t_, tp_.size(), "tp_gpt: sequence length") : t_;
   std::int64_t first = tp_.sequence_parallel ? tp_.rank() * tl : 0;
@@ -197,6 +182,22 @@ void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& s
   } else {
     TROUPE_FAIL(what, ": parameter '", name, "' is ", ls.str(), " on shard ", rank, " of ", tp,
                 " but ", fs.str(), " in the unsharded model: no slicing matches");
+  }
+}
+
+void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
+                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who,
+                         std::int64_t n_head) {
+  std::map<std::string, const tensor_slot*, std::less<>> by_name;
+  for (const auto& s : full.slots())
+    if (s.kind == slot_kind::param) by_name[s.name] = &s;
+  for (const auto& s : piece.slots()) {
+    if (s.kind != slot_kind::param) continue;
+    auto it = by_name.find(s.name);
+    TROUPE_CHECK(it != by_name.end(), who, ": the unsharded model has no parameter '", s.name, "'");
+    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
+    const tensor& own = own_grads ? *s.grad : *s.field;
+    copy_gpt_slice(s.name, f, own, n_head, tp.rank(), tp.size(), into_piece, who);
   }
 }
 

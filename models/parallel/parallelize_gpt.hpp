@@ -88,6 +88,15 @@ class tp_gpt {
 void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& shard,
                     std::int64_t n_head, int rank, int tp, bool into_shard, std::string_view what);
 
+// For every parameter of `piece` (a tp shard or a pipeline stage of GPT-2 or Llama): the parameter
+// of the same name in `full` (full_grads: its gradient), sliced for shard rank/tp by
+// copy_gpt_slice (n_head: GPT-2's, for its fused qkv_proj; 0 for Llama's separate projections),
+// into the piece's parameter (own_grads: its gradient) when into_piece, else the piece's into
+// full's slice. Fails naming `who` and the parameter when `full` lacks it.
+void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
+                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who,
+                         std::int64_t n_head = 0);
+
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,
                                         collective::communicator& tp, bool sequence_parallel);

@@ -4,6 +4,9 @@
 #include <string>
 
 #include "memory/error.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/tp_compose.hpp"
+#include "models/targets.hpp"
 
 namespace troupe::models {
 
@@ -13,23 +16,18 @@ tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
       tp_(tp),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}, tp),
       head_(cfg_, tp) {
-  // Pipeline stages recompute as a whole (pipeline_stage); a shard has no block recompute yet.
-  TROUPE_CHECK(!cfg.recompute, "tp_llama: activation recompute is not supported yet");
   TROUPE_CHECK(dims.batch > 0 && dims.seq > 0 && dims.seq <= cfg_.max_seq, "tp_llama: the planned ",
                "batch [", dims.batch, ", ", dims.seq, "] must be positive with seq <= max_seq (",
                cfg_.max_seq, ")");
-  const std::int64_t seq_local =
-      tp.sequence_parallel ? divide_by_tp(dims.seq, tp.size(), "tp_llama: sequence length")
-                           : dims.seq;
+  const shape bt = shard_rows(dims, cfg_.dim, tp, "tp_llama");
   layers_.reserve(cfg_.n_layer);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_.emplace_back(cfg_, tp);
   x_.resize(cfg_.n_layer + 1);
 
-  shape bt{dims.batch, seq_local, cfg_.dim};
   embed_tokens_.declare(slots_, "embed_tokens", dims);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    layers_[i].declare(slots_, "layers." + std::to_string(i), dims);
+    layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
   head_.declare(slots_, dims, cfg_.tie_embeddings ? "" : "lm_head");
@@ -53,17 +51,10 @@ void tp_llama::init_weights(std::uint64_t seed) {
 }
 
 double tp_llama::forward(const tensor& ids, const tensor& targets) {
-  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "tp_llama: ids must be i32 [B, T], got ",
-               ids.describe());
-  TROUPE_CHECK(targets.sizes() == ids.sizes(), "tp_llama: targets ", targets.describe(),
-               " must have the shape of ids ", ids.describe());
-  b_ = ids.size(0);
-  t_ = ids.size(1);
-  TROUPE_CHECK(b_ <= dims_.batch && t_ <= dims_.seq, "tp_llama: batch [", b_, ", ", t_,
-               "] exceeds the planned [", dims_.batch, ", ", dims_.seq, "]");
-  std::int64_t tl =
-      tp_.sequence_parallel ? divide_by_tp(t_, tp_.size(), "tp_llama: sequence length") : t_;
-  shape bt{b_, tl, cfg_.dim};
+  const batch_dims got = checked_batch(ids, targets, dims_, "tp_llama");
+  b_ = got.batch;
+  t_ = got.seq;
+  const shape bt = shard_rows(got, cfg_.dim, tp_, "tp_llama");
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_llama", "x"); };
   embed_tokens_.forward(ids, x(0));
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
@@ -76,13 +67,15 @@ double tp_llama::forward(const tensor& ids, const tensor& targets) {
 
 void tp_llama::backward(double loss_scale) {
   TROUPE_CHECK(b_ > 0, "tp_llama: backward called before forward");
-  std::int64_t tl = tp_.sequence_parallel ? t_ / tp_.size() : t_;
-  shape bt{b_, tl, cfg_.dim};
+  const shape bt = shard_rows({b_, t_}, cfg_.dim, tp_, "tp_llama");
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_llama", "x"); };
   tensor da = planned_view(dx_a_, bt, "tp_llama", "dx_a");
   tensor db = planned_view(dx_b_, bt, "tp_llama", "dx_b");
   head_.backward(loss_scale, da, db);
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
+    // Every block, the last included (as tp_gpt): the head's scratch may reuse the shared bytes.
+    if (cfg_.recompute) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);

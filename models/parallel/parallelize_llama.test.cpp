@@ -1,23 +1,27 @@
 // parallelize_llama: a tiny Llama with grouped-query attention (4 query, 2 key/value heads) split
 // over 2 tensor-parallel shards (threads of a local group), with and without sequence parallelism,
 // against the unsharded llama: one step's loss and every gradient shard (untied, and tied with
-// attention biases), then training steps through the single-process trainer on both.
+// attention biases), with and without activation recompute, then training steps through the
+// single-process trainer on both, and dp2 x tp2 ZeRO 3 with recompute under dp_trainer.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "collective/local/local_transport.hpp"
 #include "models/causal_lm.hpp"
+#include "models/parallel/data_parallel.hpp"
+#include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
-#include "tensor/ops.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
+using namespace troupe::models::parallel;
 using namespace troupe::models::testing;
 
 namespace {
@@ -34,12 +38,6 @@ llama_config tiny(bool tied = false, bool bias = false) {
   c.tie_embeddings = tied;
   c.attention_bias = bias;
   return c;
-}
-
-void synthetic_rows(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
-  rows.resize(static_cast<std::size_t>(batch) * seq);
-  for (std::size_t i = 0; i < rows.size(); ++i)
-    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3) % 29);
 }
 
 // Nonzero biases, so that a bias sliced or reduced wrongly shows in the loss.
@@ -63,36 +61,30 @@ TEST_CASE("A tensor parallel Llama matches the unsharded loss and gradients", "[
     llama full(cfg, dims);
     full.init_weights(7);
     if (cfg.attention_bias) randomize_biases(full);
-    auto ids = empty({2, 8}, dtype::i32);
-    std::mt19937_64 g(8);
-    for (std::int64_t i = 0; i < ids.numel(); ++i)
-      ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(g() % cfg.vocab);
-    auto targets = empty({2, 8}, dtype::i32);
-    next_token_targets(ids, targets);
-    full.memory().zero_grads();
-    double loss = full.forward(ids, targets);
-    full.backward();
+    const token_batch b = random_tokens(dims, cfg.vocab, 8);
+    const double loss = one_step(full, b);
     for (bool sp : {false, true}) {
       INFO("tied " << tied << " sp " << sp);
-      std::vector<double> losses(2);
-      std::vector<std::vector<float>> got(2), want(2);
-      run_ranks(2, [&](int r, collective::communicator& comm) {
-        auto m = parallelize_llama(full, dims, comm, sp);
-        m->memory().zero_grads();
-        losses[r] = m->forward(ids, targets);
-        m->backward();
-        got[r] = flat(m->memory().grads());
-        m->load_from(full.slots(), /*from_grads=*/true, /*to_grads=*/false);
-        want[r] = flat(m->memory().params());
-      });
-      for (int r = 0; r < 2; ++r) {
-        INFO("rank " << r << " loss " << losses[r] << " vs " << loss);
-        CHECK(std::abs(losses[r] - loss) <= 1e-5 * loss);
-        double e = rel_err(got[r], want[r]);
-        INFO("gradient relative error " << e);
-        CHECK(e < 1e-5);
-      }
+      check_shards(shard_steps(2, full, b,
+                               [&](collective::communicator& comm) {
+                                 return parallelize_llama(full, dims, comm, sp);
+                               }),
+                   loss, 1e-5);
     }
+  }
+}
+
+// Activation recompute on a shard, untied and tied with attention biases, with and without SP:
+// every block's forward runs again before its backward, the collectives inside it too (see
+// check_tp2_recompute). Three layers, so that a middle block's recompute is checked too.
+TEST_CASE("A tensor parallel Llama with activation recompute gives the same gradients",
+          "[parallel]") {
+  for (bool tied : {false, true}) {
+    INFO("tied " << tied);
+    llama_config cfg = tiny(tied, /*bias=*/tied);
+    cfg.n_layer = 3;
+    check_tp2_recompute<llama, tp_llama>(cfg, {2, 8}, 1e-5,
+                                         tied ? randomize_biases : std::function<void(llama&)>{});
   }
 }
 
@@ -110,8 +102,6 @@ TEST_CASE("A tensor parallel Llama refuses what it cannot split naming the field
                     Contains("parallel.tp = 4") && Contains("intermediate_size"));
   c.hidden = 48;
   CHECK_THROWS_WITH(tp_llama(c, {2, 6}, tp_group{&comm, true}), Contains("sequence length"));
-  c.recompute = true;
-  CHECK_THROWS_WITH(tp_llama(c, {2, 8}, tp_group{&comm, false}), Contains("recompute"));
 }
 
 // The trainer runs unchanged on each shard (causal_lm_of<tp_llama>); clipping is off as in the
@@ -123,30 +113,97 @@ TEST_CASE("Training a tiny Llama in tp2 for 8 steps matches the single process t
 }
 
 // The block-use hook (what ZeRO 3 gathers and releases by): every block's forward between its
-// before/after_forward calls in order, then its backward between before/after_backward in reverse.
+// before/after_forward calls in order, then its backward between before/after_backward in reverse;
+// with recompute the same calls (the recomputed forward falls inside the backward pair).
 TEST_CASE("A tensor parallel Llama reports each block's use in order", "[parallel]") {
-  const llama_config cfg = tiny();
   batch_dims dims{2, 8};
-  std::vector<std::vector<std::pair<std::int64_t, block_use>>> seen(2);
-  run_ranks(2, [&](int r, collective::communicator& comm) {
-    causal_lm_of<tp_llama> m(cfg, dims, tp_group{&comm, false});
-    m.init_weights(3);
-    REQUIRE(m.set_block_use_hook([&, r](std::int64_t i, block_use u) {
-      seen[r].push_back({i, u});
-    }));
-    auto ids = empty({2, 8}, dtype::i32), targets = empty({2, 8}, dtype::i32);
-    for (std::int64_t i = 0; i < ids.numel(); ++i)
-      ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i * 7 % cfg.vocab);
-    next_token_targets(ids, targets);
-    m.memory().zero_grads();
-    m.forward(ids, targets);
-    m.backward(1.0);
-  });
-  std::vector<std::pair<std::int64_t, block_use>> want;
-  for (std::int64_t i = 0; i < cfg.n_layer; ++i)
-    for (auto u : {block_use::before_forward, block_use::after_forward}) want.push_back({i, u});
-  for (std::int64_t i = cfg.n_layer - 1; i >= 0; --i)
-    for (auto u : {block_use::before_backward, block_use::after_backward}) want.push_back({i, u});
-  CHECK(seen[0] == want);
-  CHECK(seen[1] == want);
+  for (bool recompute : {false, true}) {
+    INFO("recompute " << recompute);
+    llama_config cfg = tiny();
+    cfg.recompute = recompute;
+    std::vector<std::vector<std::pair<std::int64_t, block_use>>> seen(2);
+    run_ranks(2, [&](int r, collective::communicator& comm) {
+      causal_lm_of<tp_llama> m(cfg, dims, tp_group{&comm, false});
+      m.init_weights(3);
+      REQUIRE(m.set_block_use_hook([&, r](std::int64_t i, block_use u) {
+        seen[r].push_back({i, u});
+      }));
+      auto ids = empty({2, 8}, dtype::i32), targets = empty({2, 8}, dtype::i32);
+      for (std::int64_t i = 0; i < ids.numel(); ++i)
+        ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i * 7 % cfg.vocab);
+      next_token_targets(ids, targets);
+      m.memory().zero_grads();
+      m.forward(ids, targets);
+      m.backward(1.0);
+    });
+    std::vector<std::pair<std::int64_t, block_use>> want;
+    for (std::int64_t i = 0; i < cfg.n_layer; ++i)
+      for (auto u : {block_use::before_forward, block_use::after_forward}) want.push_back({i, u});
+    for (std::int64_t i = cfg.n_layer - 1; i >= 0; --i)
+      for (auto u : {block_use::before_backward, block_use::after_backward}) want.push_back({i, u});
+    CHECK(seen[0] == want);
+    CHECK(seen[1] == want);
+  }
+}
+
+// ZeRO 3 over Llama shards that recompute: dp2 x tp2 (4 threads; world rank = 2 dp + tp), each
+// block gathered when its use begins (prefetch 0) and released (poisoned with NaN) after it, so a
+// recomputed forward outside its block's backward pair reads NaN weights and turns the loss and the
+// norm into NaN. Clip 0.05 is below every step's norm. Losses and norms within 1e-4 relative of the
+// single-process trainer without recompute.
+TEST_CASE("ZeRO 3 over recomputing tensor parallel Llama shards matches the single process",
+          "[parallel]") {
+  train_config c;
+  c.steps = 4;
+  c.batch = 4;
+  c.seq = 8;
+  c.lr = 3e-3;
+  c.min_lr = 1e-3;
+  c.warmup = 2;
+  c.clip = 0.05;
+  std::vector<step_result> want;
+  {
+    causal_lm_of<llama> whole(tiny(), batch_dims{c.batch, c.seq});
+    whole.init_weights(3);
+    trainer t(whole, c);
+    for (int s = 0; s < c.steps; ++s) want.push_back(t.step(synthetic_rows));
+  }
+  c.plan.dp = 2;
+  c.plan.tp = 2;
+  c.plan.zero = 3;
+  llama_config cfg = tiny();
+  cfg.recompute = true;
+  // dps[tp][dp], tps[dp][tp]
+  std::vector<std::vector<std::unique_ptr<collective::communicator>>> dps, tps;
+  std::vector<collective::communicator*> all;
+  for (int k = 0; k < 2; ++k) {
+    dps.push_back(collective::make_local_group(2));
+    tps.push_back(collective::make_local_group(2));
+    for (int j = 0; j < 2; ++j) all.insert(all.end(), {dps[k][j].get(), tps[k][j].get()});
+  }
+  std::vector<std::vector<step_result>> got(4);
+  run_threads(
+      4,
+      [&](int r) {
+        const int dp = r / 2, tp = r % 2;
+        const batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
+        causal_lm_of<tp_llama> shard(cfg, dims, tp_group{tps[dp][tp].get(), false});
+        shard.init_weights(3);
+        llama unsharded(tiny(), {1, c.seq});  // for its parameter shapes
+        model_producer piece(shard, *tps[dp][tp],
+                             replicated_by_shape(shard.slots(), unsharded.slots()));
+        dp_trainer t(piece, c, *dps[tp][dp],
+                     {.bucket_bytes = 4 * 1009, .poison_released = true, .prefetch = 0});
+        for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));
+      },
+      all);
+  for (int r = 0; r < 4; ++r)
+    for (int s = 0; s < c.steps; ++s) {
+      INFO("world rank " << r << " step " << s << " loss " << got[r][s].loss << " vs "
+                         << want[s].loss << " norm " << got[r][s].grad_norm << " vs "
+                         << want[s].grad_norm);
+      CHECK(want[s].grad_norm > 2 * c.clip);
+      CHECK(std::abs(got[r][s].loss - want[s].loss) <= 1e-4 * want[s].loss);
+      CHECK(std::abs(got[r][s].grad_norm - want[s].grad_norm) <= 1e-4 * want[s].grad_norm);
+    }
 }

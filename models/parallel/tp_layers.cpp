@@ -387,7 +387,7 @@ void tp_gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bo
   attn.declare(s, "attn", b);
   ln_2.declare(s, "ln_2", b);
   ff.declare(s, "mlp", b);
-  buf.declare(s, b, ln_1.norm.cfg.dim, tp);
+  buf.declare(s, shard_rows(b, ln_1.norm.cfg.dim, tp, label));
 }
 
 void tp_gpt_block::forward(const tensor& x, const tensor& y) {

@@ -1,8 +1,6 @@
 // The Llama pieces of a tensor shard (see tp_llama_layers.hpp).
 #include "models/parallel/tp_llama_layers.hpp"
 
-#include <map>
-
 #include "memory/error.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/tp_compose.hpp"
@@ -31,22 +29,6 @@ llama_config resolve_tp_llama_config(llama_config c, const tp_group& tp, std::st
   divides(c.hidden, "hidden (intermediate_size)");
   divides(c.vocab, "vocab (vocab_size)");
   return c;
-}
-
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp,
-                         std::string_view who) {
-  std::map<std::string, const tensor_slot*, std::less<>> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  for (const auto& s : piece.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), who, ": the unsharded model has no parameter '", s.name, "'");
-    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
-    const tensor& own = own_grads ? *s.grad : *s.field;
-    copy_gpt_slice(s.name, f, own, /*n_head=*/0, tp.rank(), tp.size(), into_piece, who);
-  }
 }
 
 // ---- tp_swiglu_mlp ----------------------------------------------------------------------------
@@ -99,15 +81,15 @@ tp_llama_block::tp_llama_block(const llama_block& unsharded, tp_group g)
       self_attn(unsharded.self_attn.cfg, g),
       mlp(unsharded.mlp.cfg, g) {}
 
-void tp_llama_block::declare(slot_list& s, std::string_view name, batch_dims b) {
-  auto sc = s.enter(name);
-  std::string label = "tp_llama_block '" + s.prefix() + "'";
-  if (tp.sequence_parallel) divide_by_tp(b.seq, tp.size(), label + ": sequence length");
+void tp_llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
+  auto sc = recompute ? s.enter_recomputed(name) : s.enter(name);
+  const shape rows =
+      shard_rows(b, input_layernorm.norm.cfg.dim, tp, "tp_llama_block '" + s.prefix() + "'");
   input_layernorm.declare(s, "input_layernorm", b);
   self_attn.declare(s, "self_attn", b);
   post_attention_layernorm.declare(s, "post_attention_layernorm", b);
   mlp.declare(s, "mlp", b);
-  buf.declare(s, b, input_layernorm.norm.cfg.dim, tp);
+  buf.declare(s, rows);
 }
 
 void tp_llama_block::forward(const tensor& x, const tensor& y) {

@@ -32,13 +32,6 @@ namespace troupe::models {
 // field). `who` starts the messages.
 llama_config resolve_tp_llama_config(llama_config cfg, const tp_group& tp, std::string_view who);
 
-// For every parameter of `piece`: the parameter of the same name in `full` (full_grads: its
-// gradient), sliced for shard rank/tp by copy_gpt_slice, into the piece's parameter (own_grads:
-// its gradient) when into_piece, else the piece's into full's slice. Fails naming `who` and the
-// parameter when `full` lacks it.
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who);
-
 struct tp_swiglu_mlp {
   swiglu_mlp::config cfg;  // the unsharded sizes
   tp_group tp;
@@ -64,9 +57,14 @@ struct tp_llama_block {
 
   // cfg resolved (resolve_tp_llama_config).
   tp_llama_block(const llama_config& cfg, tp_group g);
-  void declare(slot_list& s, std::string_view name, batch_dims b);
+  // recompute: the activations live in a recomputed scope (slots.hpp), shared with the other
+  // recomputed blocks; call recompute(x) before backward (as llama_block).
+  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
   // x, y [B, T, C] (SP: [B, T/tp, C]).
   void forward(const tensor& x, const tensor& y);
+  // forward again from the same x without writing y (the tensor-parallel collectives included,
+  // so every shard must recompute together): restores what backward reads.
+  void recompute(const tensor& x) { forward(x, tensor{}); }
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
 
  private:

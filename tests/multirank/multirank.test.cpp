@@ -51,6 +51,27 @@ int coordinator_port(const child_process& p) {
   return -1;
 }
 
+// For a job that did not end in time: the stacks of every thread of the launcher and of each rank
+// that joined and still runs (gdb -batch; a line saying so where gdb is missing), so that a rare
+// hang in CI shows where it is.
+std::string stacks_of_job(const child_process& launcher) {
+  std::vector<int> pids = {static_cast<int>(launcher.pid())};
+  for (const auto& l : launcher.lines_with(") joined (")) {
+    const auto at = l.find("pid ");
+    if (at != std::string::npos) pids.push_back(std::atoi(l.c_str() + at + 4));
+  }
+  std::string out;
+  for (int pid : pids) {
+    if (pid <= 0 || ::kill(pid, 0) != 0) continue;
+    auto [rc, text] = run_command(
+        {"/usr/bin/env", "gdb", "-batch", "-ex", "thread apply all bt", "-p", std::to_string(pid)},
+        30s);
+    out += "\n=== threads of pid " + std::to_string(pid) + " (gdb exit " + std::to_string(rc) +
+           ")\n" + text;
+  }
+  return out;
+}
+
 double seconds_between(child_process::clock::time_point a, child_process::clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -203,8 +224,10 @@ TEST_CASE("The example actor script runs and troupe ps lists every actor", "[mul
                            "worker@1", "worker@2", "worker@3"})
     CHECK(out.find(name) != std::string::npos);
   CHECK(out.find("4/4 alive") != std::string::npos);
-  auto st = launcher.wait(60s);
-  INFO(launcher.output());
+  // A job still running 60 s after the hold: its threads' stacks go into the failure message.
+  const std::string stacks = launcher.running_after(60s) ? stacks_of_job(launcher) : "";
+  auto st = launcher.wait(1s);
+  INFO(launcher.output() << stacks);
   REQUIRE(st);
   CHECK(child_process::code(*st) == 0);
   CHECK(!launcher.lines_with("weighted sum 40").empty());

@@ -130,27 +130,30 @@ void child_process::signal(int sig) {
 }
 
 std::optional<int> child_process::wait(std::chrono::milliseconds timeout) {
-  if (reaped_) return status_;
+  if (!running_after(timeout)) return status_;
+  int st = 0;
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, &st, 0);
+  reaped_ = true;
+  status_ = st;
+  if (reader_.joinable()) reader_.join();
+  return std::nullopt;
+}
+
+bool child_process::running_after(std::chrono::milliseconds timeout) {
   const auto deadline = clock::now() + timeout;
-  for (;;) {
+  while (!reaped_) {
     int st = 0;
-    const pid_t r = ::waitpid(pid_, &st, WNOHANG);
-    if (r == pid_) {
+    if (::waitpid(pid_, &st, WNOHANG) == pid_) {
       reaped_ = true;
       status_ = st;
       if (reader_.joinable()) reader_.join();
-      return st;
+      return false;
     }
-    if (clock::now() >= deadline) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, &st, 0);
-      reaped_ = true;
-      status_ = st;
-      if (reader_.joinable()) reader_.join();
-      return std::nullopt;
-    }
+    if (clock::now() >= deadline) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  return false;
 }
 
 int child_process::code(int status) {

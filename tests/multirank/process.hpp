@@ -41,6 +41,9 @@ class child_process {
   void signal(int sig);
   // The wait status once it exits; nullopt after `timeout` (then the process is SIGKILLed).
   std::optional<int> wait(std::chrono::milliseconds timeout);
+  // True when it still runs after `timeout` (left running, e.g. to look at its threads); false
+  // once it exited (then wait() returns its status at once).
+  bool running_after(std::chrono::milliseconds timeout);
   // Exit code, or 128 + signal.
   static int code(int status);
 
