@@ -1,6 +1,8 @@
 // dp_trainer: the data-parallel step (see data_parallel.hpp).
 #include "models/parallel/data_parallel.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -352,6 +354,8 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   in_flight_limit_ = static_cast<std::int64_t>(
       (opts.grads_in_flight_bytes > 0 ? opts.grads_in_flight_bytes : 2 * opts.bucket_bytes) /
       p.element_size());
+  if (const long page = ::sysconf(_SC_PAGESIZE); page > 0)
+    page_elements_ = std::max<std::int64_t>(1, page / static_cast<long>(p.element_size()));
   bucket_blocks_.assign(buckets_.size(), {});
   if (overlap_) {
     std::vector<char> outside(buckets_.size(), 0), any(buckets_.size(), 0);
@@ -398,7 +402,9 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   if (per_mb_ && plan_.microbatches() > 1) {
     std::int64_t most = 1;
     for (const auto& b : buckets_) most = std::max(most, b.chunk);
-    shard_in_ = zeros({in_flight_limit_ / dp + most + 1}, dtype::f32, device::cpu());
+    // At most a shard's worth is staged at once (each bucket once per microbatch).
+    const std::int64_t ring = std::min(in_flight_limit_ / dp + most + 1, shard);
+    shard_in_ = zeros({std::max<std::int64_t>(ring, 1)}, dtype::f32, device::cpu());
   }
   // Released gradients read as zeros: the buffer starts given back (layer_memory zeroed it).
   if (release_) piece_.memory().release_grads(0, piece_.memory().grads().numel());
@@ -423,6 +429,7 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
 }
 
 dp_trainer::~dp_trainer() {
+  abandon_pending();  // a failed step's ops (step() drains them too) still use our buffers
   if (per_mb_)
     piece_.set_microbatch_grads_hook({});
   else if (overlap_)
@@ -565,7 +572,7 @@ void dp_trainer::issue_bucket(std::size_t i) {
   const tensor& g = piece_.memory().grads();
   const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
-    pending_.push_back({i, comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32), false});
+    pending_.push_back({i, comm_.allreduce(f32_at(g, b.begin), b.length, dtype::f32), -1});
     return;
   }
   const float* in = f32_at(g, b.begin);
@@ -589,36 +596,48 @@ void dp_trainer::issue_bucket(std::size_t i) {
   if (release_ && staged) release_run(i);  // the op reads the staging copy
 }
 
-void dp_trainer::finish(pending_op& op) {
-  op.work.wait();
+void dp_trainer::finish_oldest() {
+  pending_.front().work.wait();
+  // Off the list before anything else can throw, so that no op is finished (added) twice.
+  const std::size_t i = pending_.front().bucket;
+  const std::int64_t at = pending_.front().at;
+  pending_.pop_front();
   if (cfg_.plan.zero < 2) return;
-  const dp_bucket& b = buckets_[op.bucket];
-  if (op.at >= 0) {
-    auto acc = shard_grads_.view().narrow(0, b.shard_offset, b.chunk);
-    ops::add(acc, shard_in_.view().narrow(0, op.at, b.chunk), acc);
-  }
+  const dp_bucket& b = buckets_[i];
   in_flight_ -= b.length;
-  if (release_ && !released_[op.bucket]) release_run(op.bucket);
+  if (at >= 0) {
+    auto acc = shard_grads_.view().narrow(0, b.shard_offset, b.chunk);
+    ops::add(acc, shard_in_.view().narrow(0, at, b.chunk), acc);
+  }
+  if (release_ && !released_[i]) release_run(i);
 }
 
 void dp_trainer::poll() {  // oldest first (the staging ring frees in issue order)
-  std::size_t done = 0;
-  while (done < pending_.size() && pending_[done].work.test()) finish(pending_[done++]);
-  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+  while (!pending_.empty() && pending_.front().work.test()) finish_oldest();
 }
 
 void dp_trainer::wait_pending() {
   auto t0 = clock_type::now();
-  for (auto& op : pending_) finish(op);
-  pending_.clear();
+  while (!pending_.empty()) finish_oldest();
   comm_wait_ += seconds_since(t0);
 }
 
 void dp_trainer::wait_oldest() {
   auto t0 = clock_type::now();
-  finish(pending_.front());
-  pending_.erase(pending_.begin());
+  finish_oldest();
   comm_wait_ += seconds_since(t0);
+}
+
+void dp_trainer::abandon_pending() noexcept {
+  for (auto& op : pending_) {
+    try {
+      op.work.wait();  // a failed op is finished too
+    } catch (...) {
+    }
+  }
+  pending_.clear();
+  in_flight_ = 0;
+  ring_head_ = 0;
 }
 
 std::int64_t dp_trainer::staging_for(std::int64_t chunk) {
@@ -651,15 +670,20 @@ std::int64_t dp_trainer::staging_for(std::int64_t chunk) {
 }
 
 void dp_trainer::release_run(std::size_t i) {
-  // Buckets are listed from the end of the buffer, each just below the one before: the run of
-  // released buckets around i is one range, whose whole pages can go (those shared with a bucket
-  // still in use stay until it is released too).
+  // Buckets are listed from the end of the buffer, each just below the one before. Bucket i's
+  // range goes, widened over the released neighbours up to the pages holding its ends: a page it
+  // shares with a released neighbour is then whole and goes too (one shared with a bucket still in
+  // use stays until that one is released). The rest of the neighbours' ranges went with them.
   released_[i] = 1;
-  std::size_t hi = i, lo = i;  // hi: the lowest index (highest addresses)
-  while (hi > 0 && released_[hi - 1]) --hi;
-  while (lo + 1 < buckets_.size() && released_[lo + 1]) ++lo;
-  const std::int64_t begin = buckets_[lo].begin;
-  piece_.memory().release_grads(begin, buckets_[hi].begin + buckets_[hi].length - begin);
+  const std::int64_t page = page_elements_;
+  const dp_bucket& b = buckets_[i];
+  std::int64_t begin = b.begin, end = b.begin + b.length;
+  const std::int64_t end_page = (end + page - 1) / page * page, begin_page = begin / page * page;
+  for (std::size_t j = i; j > 0 && end < end_page && released_[j - 1]; --j)  // higher addresses
+    end = std::min(end_page, buckets_[j - 1].begin + buckets_[j - 1].length);
+  for (std::size_t j = i + 1; j < buckets_.size() && begin > begin_page && released_[j]; ++j)
+    begin = std::max(begin_page, buckets_[j].begin);
+  piece_.memory().release_grads(begin, end - begin);
 }
 
 void dp_trainer::sample_grads() {
@@ -729,48 +753,47 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   next_fetch_ = 0;
   running_ = true;
   double loss = 0;
+  step_result r;
+  collective::work loss_work;
   try {
     loss = piece_.forward_backward(plan_.microbatches(), [&](int k) { return fetch(k, data); });
-  } catch (...) {
     running_ = false;
     if (zero == 3) {
+      params_->end_step();  // nothing stays gathered: the update goes to the shard
+      comm_wait_ += params_->take_wait_seconds();
+    } else if (opts_.measure_resident) {
+      resident_peak_ = std::max(resident_peak_, mem.resident_param_bytes());
+    }
+    sample_grads();
+    // Every microbatch, or none: a middle pipeline stage reads no data (its inputs come from the
+    // previous stage).
+    TROUPE_CHECK(next_fetch_ == plan_.microbatches() || next_fetch_ == 0, "dp_trainer: rank ",
+                 comm_.rank(), " of ", comm_.name(), ": the piece fetched ", next_fetch_, " of ",
+                 plan_.microbatches(), " microbatches");
+    // What the end of backward made final (everything without overlap), in bucket order.
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      if (!issued_[i]) issue_bucket(i);
+    loss_work = comm_.allreduce(&loss, 1, dtype::f64);
+    r.grad_norm = reduce_gradients();
+    loss_work.wait();
+  } catch (...) {
+    // Nothing may still read or write this step's buffers once it unwinds: the loss allreduce
+    // (into this frame), the bucket ops in flight (the next step zeroes the gradient buffer,
+    // grads_dirty_), the gathers in flight (zero 3).
+    running_ = false;
+    try {
+      if (loss_work.valid()) loss_work.wait();
+    } catch (...) {
+    }
+    abandon_pending();
+    if (zero == 3) {
       try {
-        params_->end_step();  // waits for the gathers in flight
+        params_->end_step();
       } catch (...) {
       }
     }
     throw;
   }
-  running_ = false;
-  if (zero == 3) {
-    params_->end_step();  // nothing stays gathered: the update goes to the shard
-    comm_wait_ += params_->take_wait_seconds();
-  } else if (opts_.measure_resident) {
-    resident_peak_ = std::max(resident_peak_, mem.resident_param_bytes());
-  }
-  sample_grads();
-  // Every microbatch, or none: a middle pipeline stage reads no data (its inputs come from the
-  // previous stage).
-  TROUPE_CHECK(next_fetch_ == plan_.microbatches() || next_fetch_ == 0, "dp_trainer: rank ",
-               comm_.rank(), " of ", comm_.name(), ": the piece fetched ", next_fetch_, " of ",
-               plan_.microbatches(), " microbatches");
-  // What the end of backward made final (everything without overlap), in bucket order.
-  for (std::size_t i = 0; i < buckets_.size(); ++i)
-    if (!issued_[i]) issue_bucket(i);
-  auto loss_work = comm_.allreduce(&loss, 1, dtype::f64);
-
-  step_result r;
-  try {
-    r.grad_norm = reduce_gradients();
-  } catch (...) {
-    // The loss allreduce writes into this frame: let it finish (or fail) before unwinding.
-    try {
-      loss_work.wait();
-    } catch (...) {
-    }
-    throw;
-  }
-  loss_work.wait();
   grads_dirty_ = false;  // every bucket was reduced and, when releasing, given back
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {

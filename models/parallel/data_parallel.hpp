@@ -52,11 +52,15 @@
 // Overlap: when the piece calls its block hook (grad_producer::set_block_grads_hook), a bucket's
 // op is issued from the hook as soon as every block it holds is final; the rest right after
 // forward_backward (the hook must run on the thread that called forward_backward). All are waited
-// before the optimizer. f32 host pieces only.
+// before the optimizer. A step that throws (and the destructor) first waits for the ops it issued,
+// ignoring their results: the next step starts over (the gradient buffer zeroed). Every rank of
+// the group must then fail at the same point, or the group be aborted, else that wait blocks.
+// f32 host pieces only.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -196,12 +200,20 @@ class dp_trainer {
     collective::work work;
     std::int64_t at = -1;  // >= 0: reduced into shard_in_ there, added into the shard when done
   };
-  void finish(pending_op& op);  // after its wait: accumulate, release
-  void poll();                  // finishes the ops that are done, keeps the rest
+  // Waits for the oldest op, takes it off pending_, then accumulates and releases its bucket (an
+  // op whose wait throws is left pending, for abandon_pending).
+  void finish_oldest();
+  void poll();  // finishes the ops that are done, oldest first, keeps the rest
   void wait_pending();
   void wait_oldest();
+  // A failed step (or the destructor): waits for every op in flight (they read the gradient buffer
+  // and pad_in_ and write shard_grads_ and shard_in_), ignoring their errors, without adding
+  // anything, and forgets them.
+  void abandon_pending() noexcept;
   std::int64_t staging_for(std::int64_t chunk);  // a place in shard_in_ (waits while full)
-  void release_run(std::size_t i);               // the run of released buckets around bucket i
+  // Gives bucket i's range back, with the parts of its edge pages that released neighbours hold
+  // (so a page two buckets share goes when both are released).
+  void release_run(std::size_t i);
   void sample_grads();
   double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
   double sum_squares(const tensor& t,
@@ -237,18 +249,19 @@ class dp_trainer {
   std::int64_t early_ = 0;
   bool running_ = false;  // inside forward_backward: the hook may issue
   int next_fetch_ = 0;
-  std::vector<pending_op> pending_;  // the bucket ops of this step not waited yet
-  bool release_ = false;             // zero 2, 3: buckets are given back once reduced
-  bool per_mb_ = false;              // the piece calls the microbatch grads hook
-  bool grads_dirty_ = false;         // a step failed: zero the gradient buffer first
-  std::vector<char> reduced_;        // per bucket: its shard chunk holds a value this step
-  std::vector<char> released_;       // per bucket: its range is given back (this microbatch)
+  std::deque<pending_op> pending_;  // the bucket ops of this step not waited yet, oldest first
+  bool release_ = false;            // zero 2, 3: buckets are given back once reduced
+  bool per_mb_ = false;             // the piece calls the microbatch grads hook
+  bool grads_dirty_ = false;        // a step failed: zero the gradient buffer first
+  std::vector<char> reduced_;       // per bucket: its shard chunk holds a value this step
+  std::vector<char> released_;      // per bucket: its range is given back (this microbatch)
   // A ring of the reductions in flight that are added into the shard (microbatches after the
   // first), about grads_in_flight_bytes / dp.
   owned_tensor shard_in_;
   std::int64_t ring_head_ = 0;
   std::int64_t in_flight_ = 0, in_flight_peak_ = 0;  // elements of buckets issued, not reduced
   std::int64_t in_flight_limit_ = 0;                 // elements (grads_in_flight_bytes)
+  std::int64_t page_elements_ = 1024;                // gradient elements per host page
   std::size_t grad_resident_peak_ = 0;
   std::vector<std::int32_t> rows_, draw_rows_, targets_;
   std::uint64_t cached_draw_ = ~std::uint64_t{0};

@@ -45,7 +45,11 @@ class grad_producer {
   // Makes forward_backward call f(i) as soon as the gradients of block i (parameters named
   // "<scope>.<i>.*", global layer index) are final for the step, i.e. after the last microbatch's
   // backward through it. False when the piece has no such point (the engine then reduces
-  // everything after forward_backward returns). An empty f stops the calls.
+  // everything after forward_backward returns). An empty f stops the calls. Once f(i) is called,
+  // block i's gradients belong to the engine: under ZeRO 2 and 3 with dp_options::release_grads
+  // (on by default) it reduces them in the background, then zeroes them and gives their pages back
+  // (models/parallel/data_parallel.hpp), so the piece must not read or write them again in this
+  // forward_backward.
   virtual bool set_block_grads_hook(std::function<void(std::int64_t block)> f) {
     (void)f;
     return false;
@@ -57,7 +61,9 @@ class grad_producer {
   // give their memory back (ZeRO 2, 3); the gradients of a block must then be written by that
   // block's backward only (parameters outside the blocks, e.g. a tied embedding, may be written
   // anywhere: the engine reduces them after forward_backward). False when the piece has no such
-  // points. An empty f stops the calls.
+  // points. An empty f stops the calls. As above, block i's gradients are the engine's from f(k, i)
+  // until f(k, -1) returns (they read as zeros then, for the next microbatch to accumulate into):
+  // the piece must not read or write them in between, nor read them after the last microbatch.
   virtual bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) {
     (void)f;
     return false;
