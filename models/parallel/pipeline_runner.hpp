@@ -43,7 +43,8 @@
 // last_trace() holds every action of the last step with its times; with the environment variable
 // TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
 // line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
-// (compute: the run; receive: the wait for it; send: posted, and seen complete). `troupe launch`
+// (compute: the run; receive: the wait for it; send: posted, and seen complete) and the thread's
+// CPU ms in it (compute only, else 0). `troupe launch`
 // drops TROUPE_* variables from its ranks' environment: set these through env(1) on the ranks'
 // command line (scripts/bench/hybrid.sh).
 #pragma once
@@ -71,10 +72,13 @@ struct pipeline_timing {
   int microbatches = 0;
 };
 
-// One action of the last step and when it ran, in seconds from the start of forward_backward.
+// One action of the last step and when it ran, in seconds from the start of forward_backward;
+// cpu_s: for a compute action, the CPU time the running thread spent in it (the wall time minus
+// what other threads of the machine took from it: the compute's own cost on a shared machine).
 struct pipeline_event {
   scheduler::action what;
   double start_s = 0, end_s = 0;
+  double cpu_s = 0;
 };
 
 class pipeline_runner final : public grad_producer {
