@@ -31,6 +31,19 @@
 // collective on it would hang, since stages issue different numbers of sends and receives and the
 // host communicator numbers collectives by the count of all ops issued (p2p_communicator.hpp).
 //
+// A step that fails: when a compute action throws (fetch, the stage's forward or backward, the
+// block hook), the stage keeps to its action list without computing: every later compute action
+// only hands its input buffer back and sends a NaN-filled output where the list sends one, so the
+// peers get every message they wait for and nothing stays posted. At the end every stage sends
+// its status to the last stage, which hands the lowest failing stage back with the loss; the
+// failing stage then rethrows its own error and every other stage throws one naming it. The
+// runner is usable for the next step (the stage's begin_step drops the failed step's state; the
+// caller zeroes the gradients as for any step). When a transfer fails (a lost peer, an aborted
+// or broken communicator), nothing says which posted operations the peers will still match: the
+// runner aborts the pp communicator, keeps its transfer buffers alive for the life of the process
+// (a transport cannot cancel a posted receive, and a late message must not land in freed
+// memory), rethrows, and refuses every later step with a message naming the first error.
+//
 // Timing of the last step: wall (the whole forward_backward), schedule (the action list: from the
 // start to the last send's completion), compute (forward and backward actions, the stash copies,
 // recompute and any tensor-parallel collectives inside them included), and the time spent waiting
@@ -51,6 +64,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -129,8 +143,12 @@ class pipeline_runner final : public grad_producer {
   void reap_sends(bool all);
   void write_trace();
   double now() const;
+  void run_schedule(const std::vector<scheduler::action>& acts,
+                    const std::function<microbatch_data(int k)>& fetch);
+  void skip(const scheduler::action& a);
+  void abandon(const std::string& why);
   void exchange_tied_grad();
-  void share_loss();
+  int share_loss(int failed);
   int& table(scheduler::action_kind k, int mb, int chunk);
 
   pipeline_stage& stage_;
@@ -170,7 +188,10 @@ class pipeline_runner final : public grad_producer {
   microbatch_data data_;
   double loss_sum_ = 0;
   owned_tensor tied_recv_;
+  owned_tensor msg_;  // f64 [p + 1]: the stages' statuses, then the loss and the status
   pipeline_timing timing_;
+  std::exception_ptr failure_;  // this step's first compute failure
+  std::string broken_;          // why a step gave up its transfers (the runner is unusable)
 };
 
 }  // namespace troupe::models::parallel
