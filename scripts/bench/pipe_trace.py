@@ -18,7 +18,8 @@ end_ms [cpu_ms]", and "step wall -1 -1 0 wall_ms [0]") and prints, over the step
   cpu         when the trace has the compute actions' thread CPU times: per stage the mean CPU
               forward and backward, and the replay with those CPU times instead of the wall times:
               the bubble the schedule implies for the stages' own compute cost, without the time
-              other processes of a shared machine took from the ranks
+              other processes of a shared machine took from the ranks; and with every action at
+              its stage's mean CPU forward or backward: the stages' imbalance alone
   theory      (p-1)/(v m+p-1)
 
 The gap between measured and replay is what the runtime adds: transfer time, waiting for a
@@ -95,7 +96,7 @@ def main():
     m = v = 1
     all_compute = all_sched = 0.0
     has_cpu = all(a[5] >= 0 for trace in stages for t in steps for a in trace[t])
-    cpu_lines = []
+    cpu_lines, cpu_means = [], []
     for s, trace in enumerate(stages):
         fw = bw = sched = wall = cf = cb = 0.0
         nf = nb = 0
@@ -114,6 +115,7 @@ def main():
               f"{100 * (1 - compute / sched):.1f}% of the pipelined section, "
               f"{100 * (1 - compute / wall):.1f}% of forward_backward")
         cpu_lines.append(f"  stage {s}: CPU forward {cf / nf:.2f} ms, backward {cb / nb:.2f} ms")
+        cpu_means.append((cf / nf, cb / nb))
     cpu_idle = cpu_total = 0.0
     for t in steps:
         span, busy, v = replay([trace[t] for trace in stages], p)
@@ -131,9 +133,15 @@ def main():
           f"{100 * idle / busy_total:.1f}%; theory (p-1)/(v m+p-1) = {100 * ideal:.1f}% "
           f"(p {p}, m {m}, v {v}; steps {steps[0]}..{steps[-1]})")
     if has_cpu:
+        # The last step's lists with every forward and backward of a stage at its mean CPU time:
+        # what the stages' imbalance alone implies, without the per-action jitter.
+        last = [[(k, mb, c, 0.0, 0.0, cpu_means[s][0] if k == "forward" else cpu_means[s][1])
+                 for (k, mb, c, _, _, _) in trace[steps[-1]]] for s, trace in enumerate(stages)]
+        span, busy, _ = replay(last, p, use_cpu=True)
         print("\n".join(cpu_lines))
         print(f"  replay with the compute actions' thread CPU times: bubble "
-              f"{100 * cpu_idle / cpu_total:.1f}%")
+              f"{100 * cpu_idle / cpu_total:.1f}%; with each stage's mean CPU forward and "
+              f"backward: {100 * (p * span - sum(busy)) / (p * span):.1f}%")
 
 
 if __name__ == "__main__":
