@@ -25,8 +25,9 @@
 //
 // After the schedule: the tied embedding's gradient is summed between the first and the last
 // stage (each sends its copy to the other and adds what it receives, so both hold the same sum),
-// then the last stage sends the loss sum (sum_k weight_k * loss_k, accumulated there) to every
-// other stage, so forward_backward returns it on every stage. Every stage's grads hold
+// then every other stage sends its status (ok, or failed: below) to the last stage, which sends
+// back the loss sum (sum_k weight_k * loss_k, accumulated there) with the lowest failing stage,
+// so forward_backward returns the loss on every stage. Every stage's grads hold
 // sum_k weight_k * d loss_k / d (its parameters). The pp communicator carries send/recv only: a
 // collective on it would hang, since stages issue different numbers of sends and receives and the
 // host communicator numbers collectives by the count of all ops issued (p2p_communicator.hpp).

@@ -21,8 +21,8 @@
 // page_swap.hpp: a few system calls instead of 2 x 2.4 MB of copies per microbatch on a gpt2-demo
 // stage at 1F1B, where the copies took a tenth of the first stage's compute); the bytes at the
 // range's edges and the small state are copied, and where the kernel refuses the swap (valgrind)
-// everything is. A backward right after its forward (the last stage in 1F1B)
-// copies nothing. With recompute (set_recompute, from the model's recompute flag) a stash holds
+// everything is. A backward right after its forward (the last stage in 1F1B) moves nothing.
+// With recompute (set_recompute, from the model's recompute flag) a stash holds
 // only the microbatch's stage input (the ids on virtual stage 0, else the received activation;
 // the targets on the last) and the layer state outside the arena; a backward that restores a
 // microbatch first runs the chunk's forward again from that input, so every activation is back
