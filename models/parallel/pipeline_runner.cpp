@@ -9,9 +9,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
+#include <limits>
 #include <map>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
@@ -25,6 +29,34 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// What an exception says, for the runner's "unusable" message.
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// Transfer buffers of runners that gave up a step (pipeline_runner::abandon): never freed.
+std::mutex& graveyard_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<owned_tensor>& graveyard() {
+  static auto* g = new std::vector<owned_tensor>;
+  return *g;
+}
+
+// CPU time of the calling thread (for the trace: compute cost without the time others took).
+double thread_cpu_seconds() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0.0;
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // On every link a -> b, the k-th message a sends must be the k-th b receives: same kind (the
@@ -169,6 +201,10 @@ double pipeline_runner::now() const {
 
 double pipeline_runner::forward_backward(int microbatches,
                                          const std::function<microbatch_data(int k)>& fetch) {
+  TROUPE_CHECK(broken_.empty(), "pipeline_runner: stage ", stage_.stage(),
+               " cannot run another step: an earlier step failed in its transfers over ",
+               pp_.name(), " (", broken_, "); that communicator is unusable, build a new runner ",
+               "over a new one");
   t0_ = std::chrono::steady_clock::now();
   const auto& acts = schedule(microbatches);
   stage_.begin_step(microbatches);
@@ -183,22 +219,69 @@ double pipeline_runner::forward_backward(int microbatches,
   trace_.clear();
   fetched_ = -1;
   loss_sum_ = 0;
+  failure_ = nullptr;
   timing_ = {};
   timing_.microbatches = microbatches;
 
+  int failed_stage = -1;
+  try {
+    run_schedule(acts, fetch);
+    reap_sends(true);
+    timing_.schedule_s = now();
+    for (int c = 0; c < stage_.chunks(); ++c)
+      TROUPE_CHECK(backwards_done_[c] == microbatches, "pipeline_runner: stage ", stage_.stage(),
+                   " ran ", backwards_done_[c], " backwards of chunk ", c, " for ", microbatches,
+                   " microbatches");
+    const double tw = now();
+    exchange_tied_grad();
+    failed_stage = share_loss(failure_ ? stage_.stage() : -1);
+    timing_.wait_s += now() - tw;
+  } catch (...) {
+    // A transfer failed (or a check of the runner's own bookkeeping): nothing says which of the
+    // posted operations the peers will still match, so the runner stops here for good.
+    auto e = std::current_exception();
+    abandon(what_of(e));
+    std::rethrow_exception(failure_ ? failure_ : e);
+  }
+  timing_.wall_s = now();
+  ++steps_;
+  if (!trace_path_.empty()) write_trace();
+  if (failure_) std::rethrow_exception(failure_);
+  TROUPE_CHECK(failed_stage < 0, "pipeline_runner: stage ", stage_.stage(), ": pipeline stage ",
+               failed_stage, " failed during step ", steps_,
+               " (its own error says why); this stage ran the rest of the step's transfers ",
+               "without computing, so its gradients and the loss are not valid");
+  return loss_sum_;
+}
+
+void pipeline_runner::run_schedule(const std::vector<action>& acts,
+                                   const std::function<microbatch_data(int k)>& fetch) {
   for (std::size_t i = 0; i < acts.size(); ++i) {
     const action& a = acts[i];
     if (scheduler::is_compute(a.kind)) {
       if (!batched_) post_receives(post_until_[i]);
       wait_input(a);
-      const double tc = now();
-      if (a.kind == action_kind::forward)
-        forward(a, fetch);
-      else
-        backward(a);
+      const double tc = now(), cc = thread_cpu_seconds();
+      if (failure_ == nullptr) {
+        try {
+          if (a.kind == action_kind::forward)
+            forward(a, fetch);
+          else
+            backward(a);
+        } catch (...) {
+          // This stage's compute failed (fetch, the model, the block hook): it keeps to the
+          // list's transfers without computing, so no peer waits forever and nothing stays
+          // posted, and throws at the end of the step.
+          failure_ = std::current_exception();
+          last_backward_ = false;
+          skip(a);
+        }
+      } else {
+        skip(a);
+      }
       const double te = now();
       timing_.compute_s += te - tc;
-      trace_.push_back({a, tc, te});
+      trace_.push_back({a, tc, te, thread_cpu_seconds() - cc});
       reap_sends(false);
     } else if (batched_) {  // the list's batch: post it, then wait for all of it
       std::size_t j = i;
@@ -215,21 +298,39 @@ double pipeline_runner::forward_backward(int microbatches,
       post_receives(i + 1);
     }
   }
-  reap_sends(true);
-  timing_.schedule_s = now();
-  for (int c = 0; c < stage_.chunks(); ++c)
-    TROUPE_CHECK(backwards_done_[c] == microbatches, "pipeline_runner: stage ", stage_.stage(),
-                 " ran ", backwards_done_[c], " backwards of chunk ", c, " for ", microbatches,
-                 " microbatches");
+}
 
-  const double tw = now();
-  exchange_tied_grad();
-  share_loss();
-  timing_.wait_s += now() - tw;
-  timing_.wall_s = now();
-  ++steps_;
-  if (!trace_path_.empty()) write_trace();
-  return loss_sum_;
+void pipeline_runner::skip(const action& a) {
+  const int mb = a.microbatch, c = a.chunk;
+  const bool fwd = a.kind == action_kind::forward;
+  const bool first = stage_.holds_first(c), last = stage_.holds_last(c);
+  int& in = table(fwd ? action_kind::recv_activation : action_kind::recv_grad, mb, c);
+  if (in >= 0) {
+    free_.push_back(in);
+    in = -1;
+  }
+  if (fwd ? !last : !first) {
+    int& out = table(fwd ? action_kind::send_activation : action_kind::send_grad, mb, c);
+    if (out < 0) out = take_buffer();
+    ops::fill(pool_[out], std::numeric_limits<double>::quiet_NaN());
+  }
+  if (!fwd) ++backwards_done_[c];
+}
+
+void pipeline_runner::abandon(const std::string& why) {
+  broken_ = why.empty() ? std::string("unknown error") : why;
+  pp_.abort("pipeline stage " + std::to_string(stage_.stage()) + " gave up its step: " + broken_);
+  // Receives and sends the transport may still hold point into these buffers, and a transport
+  // cannot cancel them: keep them alive for the life of the process (a few boundary tensors).
+  std::lock_guard lock(graveyard_mutex());
+  for (auto& b : pool_) graveyard().push_back(std::move(b));
+  if (tied_recv_.defined()) graveyard().push_back(std::move(tied_recv_));
+  if (msg_.defined()) graveyard().push_back(std::move(msg_));
+  pool_.clear();
+  free_.clear();
+  sends_.clear();
+  recv_work_.clear();
+  pending_.clear();
 }
 
 void pipeline_runner::post_receives(std::size_t until) {
@@ -305,9 +406,9 @@ void pipeline_runner::write_trace() {
   TROUPE_CHECK(f != nullptr, "pipeline_runner: TROUPE_PIPE_TRACE: cannot open ", trace_path_,
                " for appending: ", std::strerror(errno));
   for (const auto& e : trace_)
-    std::fprintf(f, "%d %s %d %d %.3f %.3f\n", steps_, std::string(name(e.what.kind)).c_str(),
-                 e.what.microbatch, e.what.chunk, e.start_s * 1e3, e.end_s * 1e3);
-  std::fprintf(f, "%d wall -1 -1 0 %.3f\n", steps_, timing_.wall_s * 1e3);
+    std::fprintf(f, "%d %s %d %d %.3f %.3f %.3f\n", steps_, std::string(name(e.what.kind)).c_str(),
+                 e.what.microbatch, e.what.chunk, e.start_s * 1e3, e.end_s * 1e3, e.cpu_s * 1e3);
+  std::fprintf(f, "%d wall -1 -1 0 %.3f 0\n", steps_, timing_.wall_s * 1e3);
   std::fclose(f);
 }
 
@@ -372,16 +473,32 @@ void pipeline_runner::backward(const action& a) {
   }
 }
 
-void pipeline_runner::share_loss() {
+int pipeline_runner::share_loss(int failed) {
   const int p = pp_.size(), s = stage_.stage();
-  if (p == 1) return;
+  if (p == 1) return failed;
+  // msg_: [0, p - 1) the stages' statuses (on the last stage), then the loss and the status.
+  if (!msg_.defined()) msg_ = empty({p + 1}, dtype::f64);
+  double* m = msg_.data_as<double>();
+  double* out = m + p - 1;
   pending_.clear();
   if (s == p - 1) {
-    for (int q = 0; q < p - 1; ++q) pending_.push_back(pp_.send(&loss_sum_, 1, dtype::f64, q));
+    for (int q = 0; q < p - 1; ++q) pending_.push_back(pp_.recv(m + q, 1, dtype::f64, q));
+    for (auto& w : pending_) w.wait();
+    pending_.clear();
+    for (int q = p - 2; q >= 0; --q)
+      if (m[q] >= 0) failed = static_cast<int>(m[q]);
+    out[0] = loss_sum_;
+    out[1] = failed;
+    for (int q = 0; q < p - 1; ++q) pending_.push_back(pp_.send(out, 2, dtype::f64, q));
   } else {
-    pending_.push_back(pp_.recv(&loss_sum_, 1, dtype::f64, p - 1));
+    m[0] = failed;
+    pending_.push_back(pp_.send(m, 1, dtype::f64, p - 1));
+    pending_.push_back(pp_.recv(out, 2, dtype::f64, p - 1));
   }
   for (auto& w : pending_) w.wait();
+  pending_.clear();
+  loss_sum_ = out[0];
+  return static_cast<int>(out[1]);
 }
 
 void pipeline_runner::exchange_tied_grad() {

@@ -25,11 +25,25 @@
 //
 // After the schedule: the tied embedding's gradient is summed between the first and the last
 // stage (each sends its copy to the other and adds what it receives, so both hold the same sum),
-// then the last stage sends the loss sum (sum_k weight_k * loss_k, accumulated there) to every
-// other stage, so forward_backward returns it on every stage. Every stage's grads hold
+// then every other stage sends its status (ok, or failed: below) to the last stage, which sends
+// back the loss sum (sum_k weight_k * loss_k, accumulated there) with the lowest failing stage,
+// so forward_backward returns the loss on every stage. Every stage's grads hold
 // sum_k weight_k * d loss_k / d (its parameters). The pp communicator carries send/recv only: a
 // collective on it would hang, since stages issue different numbers of sends and receives and the
 // host communicator numbers collectives by the count of all ops issued (p2p_communicator.hpp).
+//
+// A step that fails: when a compute action throws (fetch, the stage's forward or backward, the
+// block hook), the stage keeps to its action list without computing: every later compute action
+// only hands its input buffer back and sends a NaN-filled output where the list sends one, so the
+// peers get every message they wait for and nothing stays posted. At the end every stage sends
+// its status to the last stage, which hands the lowest failing stage back with the loss; the
+// failing stage then rethrows its own error and every other stage throws one naming it. The
+// runner is usable for the next step (the stage's begin_step drops the failed step's state; the
+// caller zeroes the gradients as for any step). When a transfer fails (a lost peer, an aborted
+// or broken communicator), nothing says which posted operations the peers will still match: the
+// runner aborts the pp communicator, keeps its transfer buffers alive for the life of the process
+// (a transport cannot cancel a posted receive, and a late message must not land in freed
+// memory), rethrows, and refuses every later step with a message naming the first error.
 //
 // Timing of the last step: wall (the whole forward_backward), schedule (the action list: from the
 // start to the last send's completion), compute (forward and backward actions, the stash copies,
@@ -43,13 +57,15 @@
 // last_trace() holds every action of the last step with its times; with the environment variable
 // TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
 // line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
-// (compute: the run; receive: the wait for it; send: posted, and seen complete). `troupe launch`
+// (compute: the run; receive: the wait for it; send: posted, and seen complete) and the thread's
+// CPU ms in it (compute only, else 0). `troupe launch`
 // drops TROUPE_* variables from its ranks' environment: set these through env(1) on the ranks'
 // command line (scripts/bench/hybrid.sh).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -71,10 +87,13 @@ struct pipeline_timing {
   int microbatches = 0;
 };
 
-// One action of the last step and when it ran, in seconds from the start of forward_backward.
+// One action of the last step and when it ran, in seconds from the start of forward_backward;
+// cpu_s: for a compute action, the CPU time the running thread spent in it (the wall time minus
+// what other threads of the machine took from it: the compute's own cost on a shared machine).
 struct pipeline_event {
   scheduler::action what;
   double start_s = 0, end_s = 0;
+  double cpu_s = 0;
 };
 
 class pipeline_runner final : public grad_producer {
@@ -125,8 +144,12 @@ class pipeline_runner final : public grad_producer {
   void reap_sends(bool all);
   void write_trace();
   double now() const;
+  void run_schedule(const std::vector<scheduler::action>& acts,
+                    const std::function<microbatch_data(int k)>& fetch);
+  void skip(const scheduler::action& a);
+  void abandon(const std::string& why);
   void exchange_tied_grad();
-  void share_loss();
+  int share_loss(int failed);
   int& table(scheduler::action_kind k, int mb, int chunk);
 
   pipeline_stage& stage_;
@@ -166,7 +189,10 @@ class pipeline_runner final : public grad_producer {
   microbatch_data data_;
   double loss_sum_ = 0;
   owned_tensor tied_recv_;
+  owned_tensor msg_;  // f64 [p + 1]: the stages' statuses, then the loss and the status
   pipeline_timing timing_;
+  std::exception_ptr failure_;  // this step's first compute failure
+  std::string broken_;          // why a step gave up its transfers (the runner is unusable)
 };
 
 }  // namespace troupe::models::parallel

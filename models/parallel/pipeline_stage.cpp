@@ -2,6 +2,9 @@
 // and Llama stages (see pipeline_stage.hpp).
 #include "models/parallel/pipeline_stage.hpp"
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -87,6 +90,7 @@ void pipeline_stage::plan_memory() {
   const auto& all = slots_.slots();
   std::vector<char> owned(all.size(), 0);
   if (recompute_) rerun_out_ = empty(boundary_, dtype::f32);
+  std::size_t tmp_bytes = 0;
   for (int c = 0; c < chunks_; ++c) {
     auto& ch = chunk_[c];
     for (std::size_t i = ch.slot_begin; i < ch.slot_end; ++i) {
@@ -94,6 +98,7 @@ void pipeline_stage::plan_memory() {
       if (all[i].kind != slot_kind::activation || recompute_) continue;
       ch.state.push_back(*all[i].field);
     }
+    if (!recompute_) tmp_bytes = std::max(tmp_bytes, swap_activation_pages(c));
     if (recompute_ && !holds_first(c)) {
       ch.input = empty(boundary_, dtype::f32);
       ch.state.push_back(ch.input);
@@ -106,6 +111,62 @@ void pipeline_stage::plan_memory() {
     TROUPE_CHECK(owned[i] || all[i].kind != slot_kind::activation, what_, ": activation '",
                  all[i].name,
                  "' belongs to no chunk (declare it between open_chunk and close_chunk)");
+  if (tmp_bytes > 0) swap_tmp_ = mapped_pages(tmp_bytes);
+}
+
+std::size_t pipeline_stage::swap_activation_pages(int chunk) {
+  auto& ch = chunk_[chunk];
+  if (ch.state.empty()) return 0;
+  auto* lo = static_cast<std::byte*>(ch.state.front().data());
+  std::byte* hi = lo;
+  for (const auto& t : ch.state) {
+    lo = std::min(lo, static_cast<std::byte*>(t.data()));
+    hi = std::max(hi, static_cast<std::byte*>(t.data()) + t.nbytes());
+  }
+  // Only when no other chunk's activation lies in between (the arena is laid out in declaration
+  // order, so each chunk's activations are one range) and the range holds enough whole pages.
+  for (std::size_t i = 0; i < slots_.slots().size(); ++i) {
+    const auto& x = slots_.slots()[i];
+    if (x.kind != slot_kind::activation || (i >= ch.slot_begin && i < ch.slot_end)) continue;
+    auto* p = static_cast<std::byte*>(x.field->data());
+    if (p < hi && p + x.field->nbytes() > lo) return 0;
+  }
+  const auto pg = static_cast<std::uintptr_t>(page_size());
+  const auto a = (reinterpret_cast<std::uintptr_t>(lo) + pg - 1) / pg * pg;
+  const auto b = reinterpret_cast<std::uintptr_t>(hi) / pg * pg;
+  if (b < a + 16 * pg) return 0;  // under 64 KiB a copy costs next to nothing
+  ch.page_lo = reinterpret_cast<std::byte*>(a);
+  ch.page_bytes = b - a;
+  // What is still copied: the bytes before and after the whole pages.
+  ch.state.clear();
+  auto edge = [&](std::byte* from, std::byte* to) {
+    if (to > from) {
+      const auto n = static_cast<std::size_t>(to - from);
+      ch.state.emplace_back(from, n, dtype::u8, shape{static_cast<std::int64_t>(n)});
+    }
+  };
+  edge(lo, ch.page_lo);
+  edge(ch.page_lo + ch.page_bytes, hi);
+  return ch.page_bytes;
+}
+
+void pipeline_stage::move_pages(int chunk, std::size_t slot, bool to_arena) {
+  auto& ch = chunk_[chunk];
+  if (ch.page_bytes == 0) return;
+  if (ch.pages.size() <= slot) ch.pages.resize(slot + 1);
+  if (ch.pages[slot].data() == nullptr) ch.pages[slot] = mapped_pages(ch.page_bytes);
+  void* arena = ch.page_lo;
+  void* kept = ch.pages[slot].data();
+  // A swap: the arena's pages go to the slot and the slot's to the arena, whichever way the
+  // bytes are meant to move (the other side's old bytes are dead either way).
+  if (swap_pages(arena, kept, swap_tmp_.data(), ch.page_bytes)) {
+    ++page_swaps_;
+    return;
+  }
+  if (to_arena)
+    std::memcpy(arena, kept, ch.page_bytes);
+  else
+    std::memcpy(kept, arena, ch.page_bytes);
 }
 
 void pipeline_stage::begin_step(int microbatches) {
@@ -135,7 +196,7 @@ std::size_t pipeline_stage::stash_buffers() const {
 
 std::size_t pipeline_stage::stash_bytes() const {
   std::size_t n = 0;
-  for (const auto& ch : chunk_) n += ch.pool.size() * ch.bytes;
+  for (const auto& ch : chunk_) n += ch.pool.size() * (ch.bytes + ch.page_bytes);
   return n;
 }
 
@@ -168,6 +229,7 @@ void pipeline_stage::stash(int chunk, int mb) {
     std::memcpy(dst, t.data(), t.nbytes());
     dst += t.nbytes();
   }
+  move_pages(chunk, slot, /*to_arena=*/false);
   save_extra(chunk, slot);
   ch.stashed[mb] = static_cast<int>(slot);
 }
@@ -182,6 +244,7 @@ void pipeline_stage::restore(int chunk, int mb) {
     std::memcpy(t.data(), src, t.nbytes());
     src += t.nbytes();
   }
+  move_pages(chunk, static_cast<std::size_t>(slot), /*to_arena=*/true);
   restore_extra(chunk, static_cast<std::size_t>(slot));
   ch.stashed[mb] = -1;
   ch.free.push_back(static_cast<std::size_t>(slot));

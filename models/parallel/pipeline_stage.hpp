@@ -14,10 +14,15 @@
 // the stage's copies of ids and targets, and the little layer state outside the arena, e.g. the
 // loss's count) exist once in the arena, for the microbatch that ran last. When a forward of
 // (mb, c) would overwrite the activations of a microbatch whose backward is still to come, they
-// are first copied into a stash buffer (a pool per chunk, grown to the schedule's peak of
+// are first set aside into a stash buffer (a pool per chunk, grown to the schedule's peak of
 // microbatches in flight and reused across steps); a backward whose microbatch is not the one in
-// the arena copies it back first. A backward right after its forward (the last stage in 1F1B)
-// copies nothing. With recompute (set_recompute, from the model's recompute flag) a stash holds
+// the arena brings it back first. Without recompute the whole pages of a chunk's activation range
+// (at least 64 KiB of them) are not copied but swapped with the buffer's pages (mremap,
+// page_swap.hpp: a few system calls instead of 2 x 2.4 MB of copies per microbatch on a gpt2-demo
+// stage at 1F1B, where the copies took a tenth of the first stage's compute); the bytes at the
+// range's edges and the small state are copied, and where the kernel refuses the swap (valgrind)
+// everything is. A backward right after its forward (the last stage in 1F1B) moves nothing.
+// With recompute (set_recompute, from the model's recompute flag) a stash holds
 // only the microbatch's stage input (the ids on virtual stage 0, else the received activation;
 // the targets on the last) and the layer state outside the arena; a backward that restores a
 // microbatch first runs the chunk's forward again from that input, so every activation is back
@@ -39,6 +44,7 @@
 #include <vector>
 
 #include "models/layers/slots.hpp"
+#include "models/parallel/page_swap.hpp"
 #include "models/parallel/tp_mappings.hpp"
 #include "scheduler/plan.hpp"
 
@@ -109,6 +115,8 @@ class pipeline_stage {
   // recomputed(): chunk forwards run again so far (all steps).
   bool recomputes() const { return recompute_; }
   std::int64_t recomputed() const { return recomputed_; }
+  // Stashes and restores done by swapping pages rather than copying (all steps).
+  std::int64_t page_swaps() const { return page_swaps_; }
 
   // The parameter the first and the last stage both hold (the tied token embedding), "" when
   // none; its gradient on this stage (undefined when this stage does not hold it).
@@ -181,7 +189,15 @@ class pipeline_stage {
     std::vector<int> stashed;        // per microbatch: its pool entry, -1 none
     int live = -1;                   // the microbatch whose activations are in the arena
     owned_tensor input;              // recompute, not virtual stage 0: the stage input [boundary]
+    // Without recompute: the whole pages of the chunk's activation range, whose pages a stash
+    // swaps with its buffer's instead of copying (page_swap.hpp); `state` then holds the edges.
+    std::byte* page_lo = nullptr;
+    std::size_t page_bytes = 0;
+    std::vector<mapped_pages> pages;  // per pool entry
   };
+  // Sets chunk's page range up when it is worth it; returns its bytes (0: copy everything).
+  std::size_t swap_activation_pages(int chunk);
+  void move_pages(int chunk, std::size_t slot, bool to_arena);
   void rerun(int chunk);
   void check_mb(int mb, int chunk, const char* op) const;
   void stash(int chunk, int mb);
@@ -201,6 +217,8 @@ class pipeline_stage {
   bool recompute_ = false;
   std::int64_t recomputed_ = 0;
   owned_tensor rerun_out_;  // recompute: where a rerun writes a chunk's output [boundary]
+  mapped_pages swap_tmp_;   // the page swaps' go-between
+  std::int64_t page_swaps_ = 0;
   std::string tied_name_;
   tensor tied_grad_;
 };

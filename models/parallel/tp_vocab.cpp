@@ -228,6 +228,11 @@ double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tens
   }
   logits = logits_in;
   targets = targets_in;
+  if (tp.size() == 1) {  // one shard: the fused kernel (vectorized exp, one pass per row)
+    tensor l = losses.narrow(0, 0, n);
+    count = ops::cross_entropy(logits, targets, l, tensor{}, 0.0, cfg.ignore_index);
+    return count == 0 ? 0.0 : ops::sum(l) / static_cast<double>(count);
+  }
   return logits.type() == dtype::f32 ? ce_forward<float>(*this, n) : ce_forward<double>(*this, n);
 }
 
@@ -239,6 +244,10 @@ void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss)
                describe(dlogits));
   std::int64_t n = leading_rows(logits.sizes());
   double scale = count == 0 ? 0.0 : dloss / static_cast<double>(count);
+  if (tp.size() == 1) {  // the fused kernel again (it may write dlogits over the logits)
+    ops::cross_entropy(logits, targets, losses.narrow(0, 0, n), dlogits, scale, cfg.ignore_index);
+    return;
+  }
   if (logits.type() == dtype::f32)
     ce_backward<float>(*this, dlogits, n, scale);
   else

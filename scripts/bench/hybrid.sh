@@ -11,7 +11,10 @@
 # one compute action ahead). scripts/bench/pipe_trace.py then prints, over the steps after the
 # first: per stage the mean forward and backward of a microbatch and the bubble of the pipelined
 # section and of forward_backward, and the bubble of the same lists replayed with the measured
-# compute times and free transfers (what the schedule alone implies), next to (p-1)/(m+p-1).
+# compute times and free transfers (what the schedule alone implies), next to (p-1)/(m+p-1), and
+# the same replay with the compute actions' thread CPU times (the stages' own cost, without what
+# other processes of a shared machine took from them). The load average is printed before and
+# after: on the shared 2-vCPU machine every figure needs it next to it.
 #
 #   bash scripts/bench/hybrid.sh [build-dir] [steps]
 set -euo pipefail
@@ -23,6 +26,7 @@ common=(train --model gpt2-demo --batch 8 --seq 128 --steps "$STEPS" --sample 0 
 tps() { grep -o '([0-9]* tokens/s)' | tr -dc '0-9'; }
 field() { grep -o "$1 [0-9.]*" | awk '{print $NF}'; }
 
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 single=$("$T" "${common[@]}" --threads 2 | tps)
 echo "1 rank x 2 threads: $single tokens/s"
 # `troupe launch` gives its ranks its environment without TROUPE_* variables, so the knobs below
@@ -62,3 +66,4 @@ without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | a
 printf 'dp2 gradient allreduce wait after backward: %s ms per step with overlap, %s ms without: ' \
   "$with" "$without"
 echo "$with $without" | awk '{ if ($2 > 0) printf "%.0f%% hidden\n", 100 * (1 - $1 / $2); else print "n/a" }'
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -4,7 +4,8 @@
     python3 scripts/bench/pipe_trace.py PREFIX [FIRST_STEP]
 
 reads PREFIX.stage<s>.<pid>.txt (one file per stage; lines "step kind microbatch chunk start_ms
-end_ms", and "step wall -1 -1 0 wall_ms") and prints, over the steps from FIRST_STEP (default 2):
+end_ms [cpu_ms]", and "step wall -1 -1 0 wall_ms [0]") and prints, over the steps from FIRST_STEP
+(default 2):
 
   per stage   mean forward and backward of a microbatch (ms), and the bubble measured two ways:
               of the pipelined section (1 - compute / the stage's action list time, the runner's
@@ -14,6 +15,11 @@ end_ms", and "step wall -1 -1 0 wall_ms") and prints, over the steps from FIRST_
               instant transfers: the bubble the schedule alone implies for these compute times
               (stage imbalance and compute jitter included, transfers and wake-ups excluded), as
               sum(idle) / (stages x makespan), the definition of (p-1)/(m+p-1)
+  cpu         when the trace has the compute actions' thread CPU times: per stage the mean CPU
+              forward and backward, and the replay with those CPU times instead of the wall times:
+              the bubble the schedule implies for the stages' own compute cost, without the time
+              other processes of a shared machine took from the ranks; and with every action at
+              its stage's mean CPU forward or backward: the stages' imbalance alone
   theory      (p-1)/(v m+p-1)
 
 The gap between measured and replay is what the runtime adds: transfer time, waiting for a
@@ -34,19 +40,22 @@ def load(prefix):
         steps = collections.defaultdict(list)
         with open(path) as f:
             for line in f:
-                step, kind, mb, chunk, start, end = line.split()
-                steps[int(step)].append((kind, int(mb), int(chunk), float(start), float(end)))
+                step, kind, mb, chunk, start, end, *cpu = line.split()
+                cpu = float(cpu[0]) if cpu else -1.0
+                steps[int(step)].append((kind, int(mb), int(chunk), float(start), float(end), cpu))
         stages[int(m.group(1))] = steps
     if not stages:
         sys.exit(f"pipe_trace: no trace files {prefix}.stage*.txt")
     return [stages[s] for s in sorted(stages)]
 
 
-def replay(step_lists, p):
-    """Makespan and per-stage busy time of the compute actions replayed with free transfers."""
-    v = 1 + max(c for acts in step_lists for (_, _, c, _, _) in acts)
+def replay(step_lists, p, use_cpu=False):
+    """Makespan and per-stage busy time of the compute actions replayed with free transfers (the
+    durations: wall times, or with use_cpu the thread CPU times)."""
+    v = 1 + max(a[2] for acts in step_lists for a in acts)
     done = {}  # (kind, microbatch, virtual stage) -> end time
-    lists = [[a for a in acts if a[0] in ("forward", "backward")] for acts in step_lists]
+    lists = [[(k, mb, c, 0.0, cpu if use_cpu else e - a) for (k, mb, c, a, e, cpu) in acts
+              if k in ("forward", "backward")] for acts in step_lists]
     pos = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -86,34 +95,53 @@ def main():
     idle = busy_total = 0.0
     m = v = 1
     all_compute = all_sched = 0.0
+    has_cpu = all(a[5] >= 0 for trace in stages for t in steps for a in trace[t])
+    cpu_lines, cpu_means = [], []
     for s, trace in enumerate(stages):
-        fw = bw = sched = wall = 0.0
+        fw = bw = sched = wall = cf = cb = 0.0
         nf = nb = 0
         for t in steps:
             acts = trace[t]
-            sched += max(e for (k, _, _, _, e) in acts if k != "wall")
-            wall += sum(e for (k, _, _, _, e) in acts if k == "wall")
-            for k, _, _, a, e in acts:
+            sched += max(a[4] for a in acts if a[0] != "wall")
+            wall += sum(a[4] for a in acts if a[0] == "wall")
+            for k, _, _, a, e, cpu in acts:
                 if k == "forward":
-                    fw, nf = fw + e - a, nf + 1
+                    fw, nf, cf = fw + e - a, nf + 1, cf + cpu
                 elif k == "backward":
-                    bw, nb = bw + e - a, nb + 1
+                    bw, nb, cb = bw + e - a, nb + 1, cb + cpu
         compute = fw + bw
         all_compute, all_sched = all_compute + compute, all_sched + sched
         print(f"  stage {s}: forward {fw / nf:.2f} ms, backward {bw / nb:.2f} ms; bubble "
               f"{100 * (1 - compute / sched):.1f}% of the pipelined section, "
               f"{100 * (1 - compute / wall):.1f}% of forward_backward")
+        cpu_lines.append(f"  stage {s}: CPU forward {cf / nf:.2f} ms, backward {cb / nb:.2f} ms")
+        cpu_means.append((cf / nf, cb / nb))
+    cpu_idle = cpu_total = 0.0
     for t in steps:
         span, busy, v = replay([trace[t] for trace in stages], p)
         m = sum(1 for a in stages[0][t] if a[0] == "forward") // v
         idle += p * span - sum(busy)
         busy_total += p * span
+        if has_cpu:
+            span, busy, _ = replay([trace[t] for trace in stages], p, use_cpu=True)
+            cpu_idle += p * span - sum(busy)
+            cpu_total += p * span
     ideal = (p - 1) / (v * m + p - 1)
     print(f"  all stages: bubble {100 * (1 - all_compute / all_sched):.1f}% of the pipelined "
           "section (idle over the stages' summed section time)")
     print(f"  replay with the measured compute times and free transfers: bubble "
           f"{100 * idle / busy_total:.1f}%; theory (p-1)/(v m+p-1) = {100 * ideal:.1f}% "
           f"(p {p}, m {m}, v {v}; steps {steps[0]}..{steps[-1]})")
+    if has_cpu:
+        # The last step's lists with every forward and backward of a stage at its mean CPU time:
+        # what the stages' imbalance alone implies, without the per-action jitter.
+        last = [[(k, mb, c, 0.0, 0.0, cpu_means[s][0] if k == "forward" else cpu_means[s][1])
+                 for (k, mb, c, _, _, _) in trace[steps[-1]]] for s, trace in enumerate(stages)]
+        span, busy, _ = replay(last, p, use_cpu=True)
+        print("\n".join(cpu_lines))
+        print(f"  replay with the compute actions' thread CPU times: bubble "
+              f"{100 * cpu_idle / cpu_total:.1f}%; with each stage's mean CPU forward and "
+              f"backward: {100 * (p * span - sum(busy)) / (p * span):.1f}%")
 
 
 if __name__ == "__main__":
