@@ -57,6 +57,8 @@ struct coll_args {
   bool progress_thread = false;
   bool single_copy = true;
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
+  std::size_t direct_min = 0, piece = 0;
+  bool direct = true;
   int window = 0;
 };
 
@@ -163,6 +165,9 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
     if (a.chain_min) tu.broadcast_chain_min = a.chain_min;
     if (a.chunk) tu.chunk_bytes = a.chunk;
     if (a.window) tu.window = a.window;
+    if (a.direct_min) tu.allreduce_direct_min = a.direct_min;
+    if (a.piece) tu.direct_piece_bytes = a.piece;
+    tu.allreduce_direct = tu.allreduce_direct && a.direct;
     p->set_tuning(tu);
   }
   const std::size_t lo = parse_size(a.min_size), hi = parse_size(a.max_size);
@@ -350,6 +355,10 @@ command_fn add_bench_collective_command(CLI::App& bench) {
   c->add_option("--ring-min", a->ring_min, "Override: allreduce ring from this many bytes");
   c->add_option("--chain-min", a->chain_min, "Override: broadcast chain from this many bytes");
   c->add_option("--chunk", a->chunk, "Override: pipeline chunk bytes");
+  c->add_flag("!--no-direct", a->direct,
+              "Allreduce without the direct path (process_vm_readv between local ranks)");
+  c->add_option("--direct-min", a->direct_min, "Override: direct allreduce from this many bytes");
+  c->add_option("--piece", a->piece, "Override: direct allreduce read piece bytes");
   c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
   return [c, a]() -> int {
     if (!c->parsed()) return -1;

@@ -40,6 +40,14 @@ struct algo_tuning {
   std::size_t broadcast_chain_min = 2 << 20;    // below: binomial tree, from here: chain
   std::size_t chunk_bytes = 2 << 20;            // pipeline chunk of ring and chain steps
   int window = 4;                               // receives posted ahead in pipelined loops
+  // Allreduce when every rank of the group is a process on this host: from this many bytes the
+  // direct algorithm (each rank reduces its slice reading the peers' buffers with process_vm_readv
+  // in pieces of direct_piece_bytes, then reads the reduced slices; collective/README.md).
+  // allreduce_direct = false keeps to the ring and recursive doubling (also the fallback where the
+  // kernel forbids reading another process's memory).
+  bool allreduce_direct = true;
+  std::size_t allreduce_direct_min = 64 * 1024;
+  std::size_t direct_piece_bytes = 128 * 1024;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };

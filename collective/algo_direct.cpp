@@ -1,0 +1,239 @@
+// The direct allreduce between processes of one host: the data moves by process_vm_readv (CMA)
+// straight from the peers' buffers, messages over the transport only synchronise.
+//
+// Rank me owns slice me of the buffer (an even split). Per op:
+//   1. hello: every rank sends every peer its pid, the buffer's address, count, dtype and op
+//      (a mismatch fails the op naming both ranks);
+//   2. reduce-scatter: rank me reads slice me of every peer in pieces of direct_piece_bytes into a
+//      small scratch buffer and reduces it into its own buffer at once, while the piece is hot in
+//      cache (16-bit types accumulate in f32 and round once). Peers write only their own slices,
+//      so nobody writes what another rank reads in this phase;
+//   3. "slice me is final" to every peer; then all-gather: for each peer, wait for its message
+//      and read its reduced slice straight into the own buffer (one copy);
+//   4. "done reading you" to every peer, and wait for the same from every peer: no rank returns
+//      (and lets its caller touch the buffer) while a peer may still read it.
+// Messages between a pair on the op's tag arrive in posting order (transport.hpp), so the three
+// kinds need no header. A peer that dies makes process_vm_readv fail with ESRCH, reported as
+// "rank k lost: ..." like the transport's own loss; waits on a lost peer fail through the
+// transport. Each slice is reduced by one rank, so every rank ends with bitwise the same result.
+//
+// Whether the path can be used is decided once per communicator (allreduce_direct_ready): every
+// member on this host (transport::same_host), then a probe in which every rank reads a word of
+// every peer and all ranks exchange verdicts. Where the kernel refuses (Yama ptrace_scope, seccomp:
+// EPERM, EACCES, ENOSYS) the communicator keeps to the ring and says so once on stderr.
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "collective/algo.hpp"
+#include "collective/reduce.hpp"
+#include "memory/error.hpp"
+
+namespace troupe::collective::detail {
+
+namespace {
+
+constexpr std::uint64_t hello_magic = 0x74726f7570654441ull;  // "troupeDA"
+
+struct hello {
+  std::uint64_t magic = hello_magic;
+  std::uint64_t addr = 0;
+  std::uint64_t count = 0;
+  std::int32_t pid = 0;
+  std::int32_t kind = 0;  // dtype << 8 | op
+};
+
+// Reads `bytes` at `remote` in process `pid` into `local`; 0 or the errno of the failure.
+int try_read(int pid, void* local, std::uint64_t remote, std::size_t bytes) {
+  auto* dst = static_cast<char*>(local);
+  while (bytes > 0) {
+    iovec l{dst, bytes}, r{reinterpret_cast<void*>(remote), bytes};
+    const ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got > 0) {
+      dst += got;
+      remote += static_cast<std::uint64_t>(got);
+      bytes -= static_cast<std::size_t>(got);
+    } else if (got < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return got < 0 ? errno : EIO;
+    }
+  }
+  return 0;
+}
+
+std::string errno_text(int err) {
+  return std::string(strerrorname_np(err) != nullptr ? strerrorname_np(err) : "?") + " (" +
+         std::strerror(err) + ")";
+}
+
+// try_read that throws: a lost peer as the transport reports it, else naming rank, pid, address.
+void read_peer(op_context& c, int g, int pid, void* local, std::uint64_t remote,
+               std::size_t bytes) {
+  const int err = try_read(pid, local, remote, bytes);
+  if (err == 0) return;
+  const int w = c.ranks[g];
+  const std::string lost = c.t.peer_failure(w);
+  if (!lost.empty()) throw troupe::error("rank " + std::to_string(w) + " lost: " + lost);
+  if (err == ESRCH)
+    throw troupe::error("rank " + std::to_string(w) + " lost: its process (pid " +
+                        std::to_string(pid) + ") is gone (process_vm_readv: " + errno_text(err) +
+                        ")");
+  char where[32];
+  std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(remote));
+  throw troupe::error("direct allreduce: reading " + std::to_string(bytes) + " bytes of rank " +
+                      std::to_string(w) + " (pid " + std::to_string(pid) + ") at " + where +
+                      " failed: " + errno_text(err));
+}
+
+// Posts a receive of one T from every peer into in[g] (in order me+1, me+2, ...).
+template <typename T>
+void recv_from_all(op_context& c, std::vector<T>& in, std::vector<p2p_request>& rs) {
+  for (int j = 1; j < c.n; ++j) {
+    const int g = (c.me + j) % c.n;
+    rs[g] = c.irecv(g, &in[g], sizeof(T));
+  }
+}
+template <typename T>
+void send_to_all(op_context& c, const T& v, std::vector<p2p_request>& sends) {
+  for (int j = 1; j < c.n; ++j) sends.push_back(c.isend((c.me + j) % c.n, &v, sizeof(T)));
+}
+void wait_from_all(op_context& c, std::vector<p2p_request>& rs) {
+  for (int j = 1; j < c.n; ++j) c.wait(rs[(c.me + j) % c.n]);
+}
+
+bool refused(int err) {
+  return err == EPERM || err == EACCES || err == ENOSYS;
+}
+
+// The one-time probe: can every rank read every peer's memory? Every rank ends with the same
+// answer.
+bool probe(op_context& c, direct_state& d) {
+  const int n = c.n, me = c.me;
+  d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
+  hello h;
+  h.addr = reinterpret_cast<std::uint64_t>(&d.probe);
+  h.pid = getpid();
+  std::vector<hello> in(n);
+  std::vector<p2p_request> rs(n), sends;
+  recv_from_all(c, in, rs);
+  send_to_all(c, h, sends);
+  wait_from_all(c, rs);
+  struct verdict {
+    std::int32_t err = 0, peer = -1;  // this rank's first failure: errno and the rank it read
+  } mine, *bad = nullptr;
+  for (int j = 1; j < n && mine.err == 0; ++j) {
+    const int g = (me + j) % n;
+    std::uint64_t v = 0;
+    int err = try_read(in[g].pid, &v, in[g].addr, sizeof v);
+    if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(in[g].pid))) err = EIO;
+    if (err != 0 && !refused(err)) read_peer(c, g, in[g].pid, &v, in[g].addr, sizeof v);
+    if (err != 0) mine = verdict{err, c.ranks[g]};
+  }
+  std::vector<verdict> theirs(n);
+  recv_from_all(c, theirs, rs);
+  send_to_all(c, mine, sends);
+  wait_from_all(c, rs);
+  c.wait_all(sends);
+  theirs[me] = mine;
+  int who = -1;
+  for (int g = 0; g < n && bad == nullptr; ++g)
+    if (theirs[g].err != 0) bad = &theirs[g], who = c.ranks[g];
+  if (bad == nullptr) return true;
+  if (me == 0)
+    std::fprintf(stderr,
+                 "troupe: %s: direct allreduce off, using the ring: rank %d cannot read rank %d's "
+                 "memory (process_vm_readv: %s)\n",
+                 d.comm_name.c_str(), who, bad->peer, errno_text(bad->err).c_str());
+  return false;
+}
+
+}  // namespace
+
+bool allreduce_direct_ready(op_context& c, std::size_t count, std::size_t bytes) {
+  if (c.direct == nullptr || !c.tune.allreduce_direct || c.n < 2 ||
+      bytes < c.tune.allreduce_direct_min || count < static_cast<std::size_t>(c.n))
+    return false;
+  direct_state& d = *c.direct;
+  if (d.m == direct_state::mode::unknown) {
+    bool local = true;
+    for (int g = 0; g < c.n; ++g) local = local && (g == c.me || c.t.same_host(c.ranks[g]));
+    d.m = local && probe(c, d) ? direct_state::mode::on : direct_state::mode::off;
+  }
+  return d.m == direct_state::mode::on;
+}
+
+void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {
+  const int n = c.n, me = c.me;
+  const std::size_t tsz = dtype_size(t);
+  const bool same = t == dtype::f32 || t == dtype::f64;
+  auto* base = static_cast<char*>(data);
+
+  // 1. hello, and the receives of the two later messages (they match in posting order).
+  hello h;
+  h.addr = reinterpret_cast<std::uint64_t>(data);
+  h.count = count;
+  h.pid = getpid();
+  h.kind = static_cast<std::int32_t>(t) << 8 | static_cast<std::int32_t>(op);
+  std::vector<hello> in(n);
+  std::vector<std::uint8_t> reduced(n), finished(n);
+  std::vector<p2p_request> hello_rs(n), reduced_rs(n), finished_rs(n), sends;
+  sends.reserve(3 * n);
+  recv_from_all(c, in, hello_rs);
+  recv_from_all(c, reduced, reduced_rs);
+  recv_from_all(c, finished, finished_rs);
+  send_to_all(c, h, sends);
+  wait_from_all(c, hello_rs);
+  for (int g = 0; g < n; ++g) {
+    if (g == me) continue;
+    TROUPE_CHECK(in[g].magic == hello_magic && in[g].count == count && in[g].kind == h.kind,
+                 "direct allreduce: rank ", c.ranks[g], " issued ", in[g].count,
+                 " elements (type/op code ", in[g].kind, ") but rank ", c.ranks[me], " issued ",
+                 count, " (type/op code ", h.kind, ")");
+  }
+
+  // 2. Reduce slice me, piece by piece, reading each peer's piece into scratch.
+  const std::size_t lo = count * me / n, hi = count * (me + 1) / n;
+  const std::size_t piece = std::max<std::size_t>(c.tune.direct_piece_bytes / tsz, 1);
+  char* tmp = static_cast<char*>(c.scratch->get(0, piece * tsz));
+  float* acc = same ? nullptr : static_cast<float*>(c.scratch->get(1, piece * 4));
+  const float divisor = op == reduce_op::avg ? static_cast<float>(n) : 1.0f;
+  for (std::size_t off = lo; off < hi; off += piece) {
+    c.check();
+    const std::size_t len = std::min(piece, hi - off);
+    char* own = base + off * tsz;
+    if (!same) widen(acc, reinterpret_cast<const std::uint16_t*>(own), len, t);
+    for (int j = 1; j < n; ++j) {
+      const int g = (me + j) % n;
+      read_peer(c, g, in[g].pid, tmp, in[g].addr + off * tsz, len * tsz);
+      const auto* b16 = reinterpret_cast<const std::uint16_t*>(tmp);
+      if (same)
+        reduce_same(own, own, tmp, len, t, op);
+      else if (j + 1 < n)
+        reduce_widen(acc, acc, b16, len, t, op);
+      else
+        reduce_narrow(reinterpret_cast<std::uint16_t*>(own), acc, b16, len, t, op, divisor);
+    }
+    if (same && op == reduce_op::avg) divide(own, len, t, n);
+  }
+
+  // 3. Slice me is final; read every peer's final slice into place.
+  const std::uint8_t one = 1;
+  send_to_all(c, one, sends);
+  for (int j = 1; j < n; ++j) {
+    const int g = (me + j) % n;
+    c.wait(reduced_rs[g]);
+    const std::size_t glo = count * g / n, ghi = count * (g + 1) / n;
+    read_peer(c, g, in[g].pid, base + glo * tsz, in[g].addr + glo * tsz, (ghi - glo) * tsz);
+  }
+
+  // 4. Done reading every peer; wait until no peer reads this buffer any more.
+  send_to_all(c, one, sends);
+  wait_from_all(c, finished_rs);
+  c.wait_all(sends);
+}
+
+}  // namespace troupe::collective::detail
