@@ -38,13 +38,29 @@ class scratch_pool {
   buf bufs_[4];
 };
 
+// The messages of the direct allreduce (algo_direct.cpp): a hello (pid, buffer address, count,
+// dtype and op) or the probe's verdict (errno in `count`, the rank read in `kind`).
+struct direct_msg {
+  std::uint64_t magic = 0;
+  std::uint64_t addr = 0;
+  std::uint64_t count = 0;
+  std::int32_t pid = 0;
+  std::int32_t kind = 0;
+};
+
 // What a communicator knows about reading its peers' memory directly (algo_direct.cpp). Decided
-// once, by the first allreduce that could use it, the same way on every rank.
+// once, by the first allreduce that could use it, the same way on every rank. The message
+// buffers live here, not on the stack of the op: after a failed op a live peer's message may
+// still land in them.
 struct direct_state {
   enum class mode { unknown, on, off };
   mode m = mode::unknown;
-  std::uint64_t probe = 0;  // the word peers read in the setup probe (must outlive it)
+  std::uint64_t probe = 0;  // the word peers read in the setup probe
   std::string comm_name;    // for the one log line when the probe fails
+  direct_msg out;
+  std::vector<direct_msg> in;                   // by group rank
+  std::vector<std::uint8_t> reduced, finished;  // by group rank
+  std::uint8_t one = 1;
 };
 
 struct op_context {

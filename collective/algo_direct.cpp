@@ -38,14 +38,6 @@ namespace {
 
 constexpr std::uint64_t hello_magic = 0x74726f7570654441ull;  // "troupeDA"
 
-struct hello {
-  std::uint64_t magic = hello_magic;
-  std::uint64_t addr = 0;
-  std::uint64_t count = 0;
-  std::int32_t pid = 0;
-  std::int32_t kind = 0;  // dtype << 8 | op
-};
-
 // Reads `bytes` at `remote` in process `pid` into `local`; 0 or the errno of the failure.
 int try_read(int pid, void* local, std::uint64_t remote, std::size_t bytes) {
   auto* dst = static_cast<char*>(local);
@@ -114,41 +106,39 @@ bool refused(int err) {
 bool probe(op_context& c, direct_state& d) {
   const int n = c.n, me = c.me;
   d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
-  hello h;
-  h.addr = reinterpret_cast<std::uint64_t>(&d.probe);
-  h.pid = getpid();
-  std::vector<hello> in(n);
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe), 0, getpid(), 0};
   std::vector<p2p_request> rs(n), sends;
-  recv_from_all(c, in, rs);
-  send_to_all(c, h, sends);
-  wait_from_all(c, rs);
-  struct verdict {
-    std::int32_t err = 0, peer = -1;  // this rank's first failure: errno and the rank it read
-  } mine, *bad = nullptr;
-  for (int j = 1; j < n && mine.err == 0; ++j) {
-    const int g = (me + j) % n;
-    std::uint64_t v = 0;
-    int err = try_read(in[g].pid, &v, in[g].addr, sizeof v);
-    if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(in[g].pid))) err = EIO;
-    if (err != 0 && !refused(err)) read_peer(c, g, in[g].pid, &v, in[g].addr, sizeof v);
-    if (err != 0) mine = verdict{err, c.ranks[g]};
-  }
-  std::vector<verdict> theirs(n);
-  recv_from_all(c, theirs, rs);
-  send_to_all(c, mine, sends);
+  recv_from_all(c, d.in, rs);
+  send_to_all(c, d.out, sends);
   wait_from_all(c, rs);
   c.wait_all(sends);
-  theirs[me] = mine;
-  int who = -1;
-  for (int g = 0; g < n && bad == nullptr; ++g)
-    if (theirs[g].err != 0) bad = &theirs[g], who = c.ranks[g];
-  if (bad == nullptr) return true;
-  if (me == 0)
-    std::fprintf(stderr,
-                 "troupe: %s: direct allreduce off, using the ring: rank %d cannot read rank %d's "
-                 "memory (process_vm_readv: %s)\n",
-                 d.comm_name.c_str(), who, bad->peer, errno_text(bad->err).c_str());
-  return false;
+  direct_msg mine{hello_magic, 0, 0, 0, -1};  // count: errno of the first failure, kind: its rank
+  for (int j = 1; j < n && mine.count == 0; ++j) {
+    const int g = (me + j) % n;
+    std::uint64_t v = 0;
+    int err = try_read(d.in[g].pid, &v, d.in[g].addr, sizeof v);
+    if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(d.in[g].pid))) err = EIO;
+    if (err != 0 && !refused(err)) read_peer(c, g, d.in[g].pid, &v, d.in[g].addr, sizeof v);
+    if (err != 0) mine = direct_msg{hello_magic, 0, static_cast<std::uint64_t>(err), 0, c.ranks[g]};
+  }
+  d.out = mine;
+  sends.clear();
+  recv_from_all(c, d.in, rs);
+  send_to_all(c, d.out, sends);
+  wait_from_all(c, rs);
+  c.wait_all(sends);
+  d.in[me] = mine;
+  for (int g = 0; g < n; ++g) {
+    if (d.in[g].count == 0) continue;
+    if (me == 0)
+      std::fprintf(stderr,
+                   "troupe: %s: direct allreduce off, using the ring: rank %d cannot read rank "
+                   "%d's memory (process_vm_readv: %s)\n",
+                   d.comm_name.c_str(), c.ranks[g], d.in[g].kind,
+                   errno_text(static_cast<int>(d.in[g].count)).c_str());
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -159,6 +149,9 @@ bool allreduce_direct_ready(op_context& c, std::size_t count, std::size_t bytes)
     return false;
   direct_state& d = *c.direct;
   if (d.m == direct_state::mode::unknown) {
+    d.in.assign(c.n, direct_msg{});
+    d.reduced.assign(c.n, 0);
+    d.finished.assign(c.n, 0);
     bool local = true;
     for (int g = 0; g < c.n; ++g) local = local && (g == c.me || c.t.same_host(c.ranks[g]));
     d.m = local && probe(c, d) ? direct_state::mode::on : direct_state::mode::off;
@@ -173,26 +166,23 @@ void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, red
   auto* base = static_cast<char*>(data);
 
   // 1. hello, and the receives of the two later messages (they match in posting order).
-  hello h;
-  h.addr = reinterpret_cast<std::uint64_t>(data);
-  h.count = count;
-  h.pid = getpid();
-  h.kind = static_cast<std::int32_t>(t) << 8 | static_cast<std::int32_t>(op);
-  std::vector<hello> in(n);
-  std::vector<std::uint8_t> reduced(n), finished(n);
+  direct_state& d = *c.direct;
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(data), count, getpid(),
+                     static_cast<std::int32_t>(t) << 8 | static_cast<std::int32_t>(op)};
+  std::vector<direct_msg>& in = d.in;
   std::vector<p2p_request> hello_rs(n), reduced_rs(n), finished_rs(n), sends;
   sends.reserve(3 * n);
   recv_from_all(c, in, hello_rs);
-  recv_from_all(c, reduced, reduced_rs);
-  recv_from_all(c, finished, finished_rs);
-  send_to_all(c, h, sends);
+  recv_from_all(c, d.reduced, reduced_rs);
+  recv_from_all(c, d.finished, finished_rs);
+  send_to_all(c, d.out, sends);
   wait_from_all(c, hello_rs);
   for (int g = 0; g < n; ++g) {
     if (g == me) continue;
-    TROUPE_CHECK(in[g].magic == hello_magic && in[g].count == count && in[g].kind == h.kind,
+    TROUPE_CHECK(in[g].magic == hello_magic && in[g].count == count && in[g].kind == d.out.kind,
                  "direct allreduce: rank ", c.ranks[g], " issued ", in[g].count,
                  " elements (type/op code ", in[g].kind, ") but rank ", c.ranks[me], " issued ",
-                 count, " (type/op code ", h.kind, ")");
+                 count, " (type/op code ", d.out.kind, ")");
   }
 
   // 2. Reduce slice me, piece by piece, reading each peer's piece into scratch.
@@ -221,8 +211,7 @@ void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, red
   }
 
   // 3. Slice me is final; read every peer's final slice into place.
-  const std::uint8_t one = 1;
-  send_to_all(c, one, sends);
+  send_to_all(c, d.one, sends);
   for (int j = 1; j < n; ++j) {
     const int g = (me + j) % n;
     c.wait(reduced_rs[g]);
@@ -231,7 +220,7 @@ void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, red
   }
 
   // 4. Done reading every peer; wait until no peer reads this buffer any more.
-  send_to_all(c, one, sends);
+  send_to_all(c, d.one, sends);
   wait_from_all(c, finished_rs);
   c.wait_all(sends);
 }
