@@ -58,8 +58,8 @@ struct direct_state {
   std::uint64_t probe = 0;  // the word peers read in the setup probe
   std::string comm_name;    // for the one log line when the probe fails
   direct_msg out;
-  std::vector<direct_msg> in;                   // by group rank
-  std::vector<std::uint8_t> reduced, finished;  // by group rank
+  std::vector<direct_msg> in;          // by group rank
+  std::vector<std::uint8_t> finished;  // by group rank
   std::uint8_t one = 1;
 };
 
