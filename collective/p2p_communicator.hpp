@@ -45,11 +45,12 @@ struct algo_tuning {
   // in pieces of direct_piece_bytes and writes each reduced piece back into every peer with
   // process_vm_writev; collective/README.md).
   // allreduce_direct = false keeps to the ring and recursive doubling (also the fallback where the
-  // kernel forbids reading another process's memory). Measured (2 / 4 ranks, load ~15): at 64 KiB
-  // recursive doubling wins (17 vs 22 us / 69 vs 73 us), at 128 KiB the direct path (29 vs 31-36
-  // us / 102 vs 125-129 us); 128 KiB pieces were as good as any from 32 to 512 KiB.
+  // kernel forbids reading another process's memory). Measured (nice -10, load ~8, direct vs
+  // the rest): 2 ranks 16 KiB 7.9-8.8 vs 6.7-7.0 us, 32 KiB 9.1-10.7 vs 11.8 us; 4 ranks 32 KiB
+  // 44-46 vs 39-43 us, 64 KiB 52-54 vs 67-82 us. 128 KiB pieces were as good as any from 32 to
+  // 512 KiB.
   bool allreduce_direct = true;
-  std::size_t allreduce_direct_min = 128 * 1024;
+  std::size_t allreduce_direct_min = 64 * 1024;
   std::size_t direct_piece_bytes = 128 * 1024;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
