@@ -59,6 +59,7 @@ struct coll_args {
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
   std::size_t direct_min = 0, piece = 0;
   bool direct = true;
+  bool touch = false;  // rewrite the buffer before every allreduce (timed with it)
   int window = 0;
 };
 
@@ -178,8 +179,12 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
       const std::size_t per_rank = bytes / es / n;  // block elements for the blocked ops
       const std::size_t elems = bytes / es;
       std::function<work()> run;
+      bool touching = false;  // --touch, from the warmup on (not in the check below)
       if (op == "allreduce") {
-        run = [&, elems] { return comm.allreduce(in.data(), elems, t); };
+        run = [&, elems, bytes] {
+          if (touching) std::memset(in.data(), 0, bytes);
+          return comm.allreduce(in.data(), elems, t);
+        };
       } else if (op == "reduce_scatter") {
         run = [&, per_rank] { return comm.reduce_scatter(in.data(), out.data(), per_rank, t); };
       } else if (op == "all_gather") {
@@ -218,6 +223,7 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
                      " gave ", got, " on rank ", me, ", expected ", want);
       }
       std::fill(in.begin(), in.end(), std::byte{0});
+      touching = a.touch;
       for (int i = 0; i < a.warmup; ++i) run().wait();
       // Iterations for about seconds_per_size / reps per repetition, agreed from rank 0's guess.
       comm.barrier().wait();
@@ -357,6 +363,9 @@ command_fn add_bench_collective_command(CLI::App& bench) {
   c->add_option("--chunk", a->chunk, "Override: pipeline chunk bytes");
   c->add_flag("!--no-direct", a->direct,
               "Allreduce without the direct path (process_vm_readv between local ranks)");
+  c->add_flag("--touch", a->touch,
+              "Rewrite the allreduce buffer before every op, as a training step rewrites its "
+              "gradients (the time includes the rewrite)");
   c->add_option("--direct-min", a->direct_min, "Override: direct allreduce from this many bytes");
   c->add_option("--piece", a->piece, "Override: direct allreduce read piece bytes");
   c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
