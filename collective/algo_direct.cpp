@@ -24,8 +24,9 @@
 //
 // Whether the path can be used is decided once per communicator (allreduce_direct_ready): every
 // member on this host (transport::same_host), then a probe in which every rank reads a word of
-// every peer and all ranks exchange verdicts. Where the kernel refuses (Yama ptrace_scope, seccomp:
-// EPERM, EACCES, ENOSYS) the communicator keeps to the ring and says so once on stderr.
+// every peer and writes it back, and all ranks exchange verdicts. Where the kernel refuses (Yama
+// ptrace_scope, seccomp: EPERM, EACCES, ENOSYS) the communicator keeps to the ring and says so once
+// on stderr.
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -69,7 +70,7 @@ std::string errno_text(int err) {
          std::strerror(err) + ")";
 }
 
-// try_read that throws: a lost peer as the transport reports it, else naming rank, pid, address.
+// try_copy that throws: a lost peer as the transport reports it, else naming rank, pid, address.
 void copy_peer(op_context& c, int g, int pid, void* local, std::uint64_t remote, std::size_t bytes,
                bool write = false) {
   const int err = try_copy(pid, local, remote, bytes, write);
@@ -109,8 +110,8 @@ bool refused(int err) {
   return err == EPERM || err == EACCES || err == ENOSYS;
 }
 
-// The one-time probe: can every rank read every peer's memory? Every rank ends with the same
-// answer.
+// The one-time probe: can every rank read and write every peer's memory? Every rank ends with the
+// same answer.
 bool probe(op_context& c, direct_state& d) {
   const int n = c.n, me = c.me;
   d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
