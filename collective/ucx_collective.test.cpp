@@ -66,6 +66,17 @@ double reduce_ref(reduce_op op, dtype t, int n, std::size_t i, int salt) {
   return static_cast<float>(acc) / static_cast<float>(n);
 }
 
+// One allreduce of `count` elements (inputs by `salt`) against the serial reference.
+bool allreduce_matches(communicator& c, dtype t, reduce_op op, std::size_t count, int salt) {
+  options o;
+  o.op = op;
+  auto data = make(t, count, c.rank(), salt);
+  c.allreduce(data.data(), count, t, o).wait();
+  std::vector<std::byte> want(count * dtype_size(t));
+  for (std::size_t i = 0; i < count; ++i) put(want, t, i, reduce_ref(op, t, c.size(), i, salt));
+  return data == want;
+}
+
 // Runs every op on every dtype and size; returns the number of mismatches (printed).
 int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
   dynamic_cast<p2p_communicator&>(c).set_tuning(tune);
@@ -83,14 +94,11 @@ int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
       const std::size_t es = dtype_size(t);
       for (reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::avg}) {
         if (t == dtype::f64 && op != reduce_op::sum) continue;
+        expect(allreduce_matches(c, t, op, count, 1), "allreduce", t, count);
+
         options o;
         o.op = op;
-        auto data = make(t, count, me, 1);
-        c.allreduce(data.data(), count, t, o).wait();
         std::vector<std::byte> want(count * es);
-        for (std::size_t i = 0; i < count; ++i) put(want, t, i, reduce_ref(op, t, n, i, 1));
-        expect(data == want, "allreduce", t, count);
-
         auto in = make(t, count * n, me, 2);
         std::vector<std::byte> out(count * es);
         c.reduce_scatter(in.data(), out.data(), count, t, o).wait();
@@ -269,13 +277,7 @@ int check_allreduce(ucx_transport& t, communicator& c, const algo_tuning& tune,
   for (std::size_t count : counts)
     for (dtype ty : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16})
       for (reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::avg}) {
-        options o;
-        o.op = op;
-        auto data = make(ty, count, me, 6);
-        c.allreduce(data.data(), count, ty, o).wait();
-        std::vector<std::byte> want(count * dtype_size(ty));
-        for (std::size_t i = 0; i < count; ++i) put(want, ty, i, reduce_ref(op, ty, n, i, 6));
-        if (data != want) {
+        if (!allreduce_matches(c, ty, op, count, 6)) {
           ++bad;
           std::fprintf(stderr, "rank %d of %d: allreduce %s op %d count %zu: wrong result\n", me, n,
                        std::string(dtype_name(ty)).c_str(), static_cast<int>(op), count);
