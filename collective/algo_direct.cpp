@@ -24,9 +24,10 @@
 //
 // Whether the path can be used is decided once per communicator (allreduce_direct_ready): every
 // member on this host (transport::same_host), then a probe in which every rank reads a word of
-// every peer and writes it back, and all ranks exchange verdicts. Where the kernel refuses (Yama
-// ptrace_scope, seccomp: EPERM, EACCES, ENOSYS) the communicator keeps to the ring and says so once
-// on stderr.
+// every peer (it must hold magic ^ pid) and writes it back, and all ranks exchange verdicts.
+// Where any rank fails - the kernel refuses (Yama ptrace_scope, seccomp: EPERM, EACCES, ENOSYS),
+// or the pid means another process (ranks in different pid namespaces: ESRCH, EFAULT or a wrong
+// word) - the communicator keeps to the ring and says so once on stderr.
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -106,10 +107,6 @@ void wait_from_all(op_context& c, std::vector<p2p_request>& rs) {
   for (int j = 1; j < c.n; ++j) c.wait(rs[(c.me + j) % c.n]);
 }
 
-bool refused(int err) {
-  return err == EPERM || err == EACCES || err == ENOSYS;
-}
-
 // The one-time probe: can every rank read and write every peer's memory? Every rank ends with the
 // same answer.
 bool probe(op_context& c, direct_state& d) {
@@ -128,7 +125,6 @@ bool probe(op_context& c, direct_state& d) {
     int err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v);
     if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(d.in[g].pid))) err = EIO;
     if (err == 0) err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v, true);  // same value
-    if (err != 0 && !refused(err)) copy_peer(c, g, d.in[g].pid, &v, d.in[g].addr, sizeof v);
     if (err != 0) mine = direct_msg{hello_magic, 0, static_cast<std::uint64_t>(err), 0, c.ranks[g]};
   }
   d.out = mine;
