@@ -57,6 +57,9 @@ struct coll_args {
   bool progress_thread = false;
   bool single_copy = true;
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
+  std::size_t direct_min = 0, piece = 0;
+  bool direct = true;
+  bool touch = false;  // rewrite the buffer before every allreduce (timed with it)
   int window = 0;
 };
 
@@ -163,6 +166,9 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
     if (a.chain_min) tu.broadcast_chain_min = a.chain_min;
     if (a.chunk) tu.chunk_bytes = a.chunk;
     if (a.window) tu.window = a.window;
+    if (a.direct_min) tu.allreduce_direct_min = a.direct_min;
+    if (a.piece) tu.direct_piece_bytes = a.piece;
+    tu.allreduce_direct = tu.allreduce_direct && a.direct;
     p->set_tuning(tu);
   }
   const std::size_t lo = parse_size(a.min_size), hi = parse_size(a.max_size);
@@ -173,8 +179,12 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
       const std::size_t per_rank = bytes / es / n;  // block elements for the blocked ops
       const std::size_t elems = bytes / es;
       std::function<work()> run;
+      bool touching = false;  // --touch, from the warmup on (not in the check below)
       if (op == "allreduce") {
-        run = [&, elems] { return comm.allreduce(in.data(), elems, t); };
+        run = [&, elems, bytes] {
+          if (touching) std::memset(in.data(), 0, bytes);
+          return comm.allreduce(in.data(), elems, t);
+        };
       } else if (op == "reduce_scatter") {
         run = [&, per_rank] { return comm.reduce_scatter(in.data(), out.data(), per_rank, t); };
       } else if (op == "all_gather") {
@@ -213,6 +223,7 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
                      " gave ", got, " on rank ", me, ", expected ", want);
       }
       std::fill(in.begin(), in.end(), std::byte{0});
+      touching = a.touch;
       for (int i = 0; i < a.warmup; ++i) run().wait();
       // Iterations for about seconds_per_size / reps per repetition, agreed from rank 0's guess.
       comm.barrier().wait();
@@ -350,6 +361,13 @@ command_fn add_bench_collective_command(CLI::App& bench) {
   c->add_option("--ring-min", a->ring_min, "Override: allreduce ring from this many bytes");
   c->add_option("--chain-min", a->chain_min, "Override: broadcast chain from this many bytes");
   c->add_option("--chunk", a->chunk, "Override: pipeline chunk bytes");
+  c->add_flag("!--no-direct", a->direct,
+              "Allreduce without the direct path (process_vm_readv between local ranks)");
+  c->add_flag("--touch", a->touch,
+              "Rewrite the allreduce buffer before every op, as a training step rewrites its "
+              "gradients (the time includes the rewrite)");
+  c->add_option("--direct-min", a->direct_min, "Override: direct allreduce from this many bytes");
+  c->add_option("--piece", a->piece, "Override: direct allreduce read piece bytes");
   c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
   return [c, a]() -> int {
     if (!c->parsed()) return -1;

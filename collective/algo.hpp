@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "collective/communicator.hpp"
@@ -37,6 +38,31 @@ class scratch_pool {
   buf bufs_[4];
 };
 
+// The messages of the direct allreduce (algo_direct.cpp): a hello (pid, buffer address, count,
+// dtype and op) or the probe's verdict (errno in `count`, the rank read in `kind`).
+struct direct_msg {
+  std::uint64_t magic = 0;
+  std::uint64_t addr = 0;
+  std::uint64_t count = 0;
+  std::int32_t pid = 0;
+  std::int32_t kind = 0;
+};
+
+// What a communicator knows about reading its peers' memory directly (algo_direct.cpp). Decided
+// once, by the first allreduce that could use it, the same way on every rank. The message
+// buffers live here, not on the stack of the op: after a failed op a live peer's message may
+// still land in them.
+struct direct_state {
+  enum class mode { unknown, on, off };
+  mode m = mode::unknown;
+  std::uint64_t probe = 0;  // the word peers read in the setup probe
+  std::string comm_name;    // for the one log line when the probe fails
+  direct_msg out;
+  std::vector<direct_msg> in;          // by group rank
+  std::vector<std::uint8_t> finished;  // by group rank
+  std::uint8_t one = 1;
+};
+
 struct op_context {
   transport& t;
   const std::vector<int>& ranks;  // group rank -> world rank
@@ -51,6 +77,7 @@ struct op_context {
   // Poll with sched_yield() before blocking in the transport: set when this process may run on
   // one CPU only, where a peer or helper thread sharing the CPU needs it to get anything done.
   bool yield_poll = false;
+  direct_state* direct = nullptr;  // null: no direct path (e.g. a context for send/recv)
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);
@@ -65,11 +92,18 @@ struct op_context {
   void check() const;
 };
 
-// Picks recursive doubling below tune.allreduce_ring_min bytes, else the ring.
+// Picks the direct path where allreduce_direct_ready says so, else recursive doubling below
+// tune.allreduce_ring_min bytes, else the ring.
 void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
 void allreduce_recursive_doubling(op_context& c, void* data, std::size_t count, dtype t,
                                   reduce_op op);
 void allreduce_ring(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
+// Whether an allreduce of `count` elements of `bytes` bytes takes the direct path: the tuning
+// allows it at this size and every member is a process on this host whose memory this rank can
+// read (checked once per communicator, with messages, so every rank must call it for the op).
+bool allreduce_direct_ready(op_context& c, std::size_t count, std::size_t bytes);
+// Reduce-scatter and all-gather by process_vm_readv from the peers' buffers (algo_direct.cpp).
+void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
 void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count, dtype t,
                     reduce_op op);
 void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t);

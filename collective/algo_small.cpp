@@ -86,7 +86,10 @@ void op_context::wait_all(std::vector<p2p_request>& rs) {
 }
 
 void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {
-  if (count * dtype_size(t) < c.tune.allreduce_ring_min || count < static_cast<std::size_t>(c.n))
+  if (allreduce_direct_ready(c, count, count * dtype_size(t)))
+    allreduce_direct(c, data, count, t, op);
+  else if (count * dtype_size(t) < c.tune.allreduce_ring_min ||
+           count < static_cast<std::size_t>(c.n))
     allreduce_recursive_doubling(c, data, count, t, op);
   else
     allreduce_ring(c, data, count, t, op);

@@ -95,6 +95,7 @@ struct comm_core {
     TROUPE_CHECK(me >= 0, "communicator ", name, ": this transport's rank ", t.rank(),
                  " is not a member");
     n = static_cast<int>(group.ranks.size());
+    direct.comm_name = name;
   }
 
   transport& t;
@@ -130,6 +131,7 @@ struct comm_core {
   std::array<flight_record, recorder_size> ring{};
 
   scratch_pool scratch;
+  direct_state direct;  // used by the op that runs (one at a time)
 
   double now_us() const {
     return std::chrono::duration<double, std::micro>(clock::now() - t0).count();
@@ -207,6 +209,7 @@ struct comm_core {
                      clock::time_point deadline, const algo_tuning& tu) {
     op_context c{t, group.ranks, me, n, tag, deadline, timeout, &cancelled, tu, &scratch};
     c.yield_poll = !may_spin;
+    c.direct = &direct;
     return c;
   }
 
@@ -471,8 +474,8 @@ std::string p2p_communicator::name() const {
 }
 
 void p2p_communicator::set_tuning(const algo_tuning& t) {
-  TROUPE_CHECK(t.chunk_bytes > 0 && t.window > 0, "set_tuning on ", core_->name,
-               ": chunk_bytes and window must be positive");
+  TROUPE_CHECK(t.chunk_bytes > 0 && t.window > 0 && t.direct_piece_bytes > 0, "set_tuning on ",
+               core_->name, ": chunk_bytes, window and direct_piece_bytes must be positive");
   std::lock_guard lock(core_->tune_mu);
   core_->tune = t;
 }

@@ -52,6 +52,18 @@ inline void store_h(std::uint16_t* p, __m256 f, dtype h) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), out);
 }
 
+// PREFETCHW of the line `write_ahead` bytes past byte `off` of dst (n bytes), once per cache line.
+// A line another core has read (a peer of a collective reads what this rank wrote in the last op)
+// sits here in shared state: the hardware prefetchers leave a present line alone, so every store
+// waited for its invalidation in the store buffer. Asking for ownership ahead made the reduction
+// of a 2-rank 1 MiB direct allreduce ~20% faster (collective/README.md). A no-op on CPUs without
+// PRFCHW.
+constexpr std::size_t write_ahead = 2048;
+inline void prefetch_write(const void* dst, std::size_t off, std::size_t n) {
+  if ((off & 63) == 0 && off + write_ahead < n)
+    asm volatile("prefetchw %0" ::"m"(*(static_cast<const char*>(dst) + off + write_ahead)));
+}
+
 inline __m256 combine8(__m256 a, __m256 b, reduce_op op) {
   // maxps(b, a) returns a when a > b, else b: the scalar rule `a > b ? a : b`.
   return op == reduce_op::max ? _mm256_max_ps(b, a) : _mm256_add_ps(a, b);
@@ -60,20 +72,29 @@ inline __m256 combine8(__m256 a, __m256 b, reduce_op op) {
 template <class T>
 void reduce_same_t(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
   std::size_t i = 0;
+  const std::size_t bytes = n * sizeof(T);
   if constexpr (sizeof(T) == 4) {
     if (op == reduce_op::max)
-      for (; i + 8 <= n; i += 8)
+      for (; i + 8 <= n; i += 8) {
+        prefetch_write(dst, i * 4, bytes);
         _mm256_storeu_ps(dst + i, _mm256_max_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(a + i)));
+      }
     else
-      for (; i + 8 <= n; i += 8)
+      for (; i + 8 <= n; i += 8) {
+        prefetch_write(dst, i * 4, bytes);
         _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+      }
   } else {
     if (op == reduce_op::max)
-      for (; i + 4 <= n; i += 4)
+      for (; i + 4 <= n; i += 4) {
+        prefetch_write(dst, i * 8, bytes);
         _mm256_storeu_pd(dst + i, _mm256_max_pd(_mm256_loadu_pd(b + i), _mm256_loadu_pd(a + i)));
+      }
     else
-      for (; i + 4 <= n; i += 4)
+      for (; i + 4 <= n; i += 4) {
+        prefetch_write(dst, i * 8, bytes);
         _mm256_storeu_pd(dst + i, _mm256_add_pd(_mm256_loadu_pd(a + i), _mm256_loadu_pd(b + i)));
+      }
   }
   for (; i < n; ++i) dst[i] = combine(a[i], b[i], op);
 }
@@ -105,8 +126,10 @@ void reduce_widen(float* dst, const float* a, const std::uint16_t* b, std::size_
                   reduce_op op) {
   check_half(h, "reduce_widen");
   std::size_t i = 0;
-  for (; i + 8 <= n; i += 8)
+  for (; i + 8 <= n; i += 8) {
+    prefetch_write(dst, i * 4, n * 4);
     _mm256_storeu_ps(dst + i, combine8(_mm256_loadu_ps(a + i), load_h(b + i, h), op));
+  }
   for (; i < n; ++i) dst[i] = combine(a[i], widen1(b[i], h), op);
 }
 
@@ -115,13 +138,17 @@ void reduce_narrow(std::uint16_t* dst, const float* a, const std::uint16_t* b, s
   check_half(h, "reduce_narrow");
   std::size_t i = 0;
   if (divisor == 1.0f) {
-    for (; i + 8 <= n; i += 8)
+    for (; i + 8 <= n; i += 8) {
+      prefetch_write(dst, i * 2, n * 2);
       store_h(dst + i, combine8(_mm256_loadu_ps(a + i), load_h(b + i, h), op), h);
+    }
     for (; i < n; ++i) dst[i] = narrow1(combine(a[i], widen1(b[i], h), op), h);
   } else {
     const __m256 d = _mm256_set1_ps(divisor);
-    for (; i + 8 <= n; i += 8)
+    for (; i + 8 <= n; i += 8) {
+      prefetch_write(dst, i * 2, n * 2);
       store_h(dst + i, _mm256_div_ps(combine8(_mm256_loadu_ps(a + i), load_h(b + i, h), op), d), h);
+    }
     for (; i < n; ++i) dst[i] = narrow1(combine(a[i], widen1(b[i], h), op) / divisor, h);
   }
 }

@@ -1,13 +1,22 @@
 // The host collectives between processes over UCX: every op and dtype on 2, 3 and 4 forked ranks
-// against serial references, and a rank SIGKILLed in the middle of an allreduce.
+// against serial references, the direct allreduce (process_vm_readv between local ranks) on 2 to 8
+// ranks, its fallback to the ring where the kernel refuses it, and a rank SIGKILLed in the middle
+// of an allreduce (direct and ring).
 //
 // Ranks are children of run_local_ranks (collective/ucx/local_ranks.hpp): Catch2 does not run in
 // them, so a child prints what went wrong and returns non-zero, and the parent checks the exit
 // codes. Inputs are small integers, so every reduction is exact and results compare byte for byte.
 #include <catch2/catch.hpp>
 
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
 
 #include <chrono>
 #include <cstdio>
@@ -57,6 +66,17 @@ double reduce_ref(reduce_op op, dtype t, int n, std::size_t i, int salt) {
   return static_cast<float>(acc) / static_cast<float>(n);
 }
 
+// One allreduce of `count` elements (inputs by `salt`) against the serial reference.
+bool allreduce_matches(communicator& c, dtype t, reduce_op op, std::size_t count, int salt) {
+  options o;
+  o.op = op;
+  auto data = make(t, count, c.rank(), salt);
+  c.allreduce(data.data(), count, t, o).wait();
+  std::vector<std::byte> want(count * dtype_size(t));
+  for (std::size_t i = 0; i < count; ++i) put(want, t, i, reduce_ref(op, t, c.size(), i, salt));
+  return data == want;
+}
+
 // Runs every op on every dtype and size; returns the number of mismatches (printed).
 int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
   dynamic_cast<p2p_communicator&>(c).set_tuning(tune);
@@ -74,14 +94,11 @@ int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
       const std::size_t es = dtype_size(t);
       for (reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::avg}) {
         if (t == dtype::f64 && op != reduce_op::sum) continue;
+        expect(allreduce_matches(c, t, op, count, 1), "allreduce", t, count);
+
         options o;
         o.op = op;
-        auto data = make(t, count, me, 1);
-        c.allreduce(data.data(), count, t, o).wait();
         std::vector<std::byte> want(count * es);
-        for (std::size_t i = 0; i < count; ++i) put(want, t, i, reduce_ref(op, t, n, i, 1));
-        expect(data == want, "allreduce", t, count);
-
         auto in = make(t, count * n, me, 2);
         std::vector<std::byte> out(count * es);
         c.reduce_scatter(in.data(), out.data(), count, t, o).wait();
@@ -143,6 +160,7 @@ TEST_CASE("host collectives over UCX match the serial reference on 2 3 and 4 pro
   ring.allreduce_ring_min = 0;
   ring.broadcast_chain_min = 0;
   ring.chunk_bytes = 8192;
+  ring.allreduce_direct = false;  // the fallback path: ring and recursive doubling only
   // Large messages by cma (the default) and by shared-memory fragments, the transport's two
   // rendezvous paths; the fragments on 2 and 3 ranks only, to keep the test short.
   for (auto [n, single_copy] : {std::pair{2, true}, std::pair{3, true}, std::pair{4, true},
@@ -170,6 +188,8 @@ TEST_CASE("host collectives over UCX match the serial reference on 2 3 and 4 pro
 
 TEST_CASE("a SIGKILLed rank fails every survivor's allreduce naming it over UCX",
           "[collective][multirank]") {
+  const bool direct = GENERATE(true, false);
+  INFO("direct allreduce " << direct);
   const int n = 4, victim = 2;
   std::vector<rank_outcome> outcomes;
   local_ranks_options opt;
@@ -183,6 +203,9 @@ TEST_CASE("a SIGKILLed rank fails every survivor's allreduce naming it over UCX"
       n,
       [&](ucx_transport& t) {
         auto c = make_communicator(t, everyone(n, 9), "ucx");
+        algo_tuning tu;
+        tu.allreduce_direct = direct;
+        dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
         const std::size_t count = std::size_t{16} << 20;  // 64 MiB: far from done after 3 ms
         std::vector<float> d(count, 1.0f);
         c->barrier().wait();
@@ -231,4 +254,114 @@ TEST_CASE("a SIGKILLed rank fails every survivor's allreduce naming it over UCX"
     else
       CHECK(o.ok());
   }
+}
+
+namespace {
+
+// The payload bytes this rank's transport sent during f (the direct path sends only small
+// synchronisation messages; the ring sends the data).
+template <typename F>
+std::uint64_t sent_during(transport& t, F&& f) {
+  const std::uint64_t before = t.bytes_sent();
+  f();
+  return t.bytes_sent() - before;
+}
+
+// Allreduces of every type and op at `counts` against the serial reference; checks through the
+// transport's byte count that an allreduce of `probe_count` f32 took the path `direct` says.
+int check_allreduce(ucx_transport& t, communicator& c, const algo_tuning& tune,
+                    const std::vector<std::size_t>& counts, std::size_t probe_count, bool direct) {
+  dynamic_cast<p2p_communicator&>(c).set_tuning(tune);
+  const int n = c.size(), me = c.rank();
+  int bad = 0;
+  for (std::size_t count : counts)
+    for (dtype ty : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16})
+      for (reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::avg}) {
+        if (!allreduce_matches(c, ty, op, count, 6)) {
+          ++bad;
+          std::fprintf(stderr, "rank %d of %d: allreduce %s op %d count %zu: wrong result\n", me, n,
+                       std::string(dtype_name(ty)).c_str(), static_cast<int>(op), count);
+        }
+      }
+  std::vector<float> v(probe_count, 1.0f);
+  const std::uint64_t sent =
+      sent_during(t, [&] { c.allreduce(v.data(), v.size(), dtype::f32).wait(); });
+  const bool moved_data = sent >= probe_count * 4 / static_cast<std::size_t>(n);
+  if (moved_data == direct || v[probe_count / 2] != static_cast<float>(n)) {
+    ++bad;
+    std::fprintf(stderr, "rank %d of %d: %zu-element allreduce sent %llu bytes (direct %d)\n", me,
+                 n, probe_count, static_cast<unsigned long long>(sent), direct ? 1 : 0);
+  }
+  c.barrier().wait();
+  return bad;
+}
+
+// Makes process_vm_readv fail with EPERM in every thread of this process (as Yama or a container's
+// seccomp profile would); false if the filter cannot be installed.
+bool forbid_process_vm_readv() {
+  sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_process_vm_readv, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof f / sizeof f[0]), f};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return false;
+  return syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("the direct allreduce matches the serial reference on 2 3 4 and 8 processes",
+          "[collective][multirank]") {
+  algo_tuning every_size;  // the direct path from 1 byte, in pieces of 4 KiB
+  every_size.allreduce_direct_min = 1;
+  every_size.direct_piece_bytes = 4096;
+  // Both sides of the default threshold (allreduce_direct_min f32 elements -1 / +1) and of a piece.
+  const std::size_t at_min = algo_tuning{}.allreduce_direct_min / 4;
+  for (int n : {2, 3, 4, 8}) {
+    local_ranks_options opt;
+    opt.timeout = std::chrono::seconds(60);
+    int rc = run_local_ranks(
+        n,
+        [&](ucx_transport& t) {
+          auto c = make_communicator(t, everyone(n, 5), "ucx");
+          std::vector<std::size_t> small{1, 2, 7, 1021, 1024, 1025};
+          if (n <= 4) small.push_back(65537);
+          int bad = check_allreduce(t, *c, every_size, small, 4099, true);
+          bad += check_allreduce(t, *c, algo_tuning{}, {at_min - 1, at_min + 1}, at_min + 1, true);
+          algo_tuning below;
+          below.allreduce_direct_min = 1 << 30;
+          bad += check_allreduce(t, *c, below, {}, 262147, false);
+          return bad == 0 ? 0 : 1;
+        },
+        opt);
+    INFO(n << " ranks");
+    CHECK(rc == 0);
+  }
+}
+
+TEST_CASE("a rank that may not read its peers keeps every rank on the ring",
+          "[collective][multirank]") {
+  const int n = 3, walled = 1;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.single_copy = false;  // UCX itself must not need process_vm_readv in the walled rank
+  std::vector<rank_outcome> outcomes;
+  opt.outcomes = &outcomes;
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        if (t.rank() == walled && !forbid_process_vm_readv()) return 77;
+        auto c = make_communicator(t, everyone(n, 6), "ucx");
+        return check_allreduce(t, *c, algo_tuning{}, {1, 65537, 262147}, 262147, false) == 0 ? 0
+                                                                                             : 1;
+      },
+      opt);
+  for (const auto& o : outcomes)
+    if (o.exit_code == 77) {
+      WARN("troupe-skip: cannot install a seccomp filter here");
+      return;
+    }
+  CHECK(rc == 0);
 }

@@ -171,6 +171,7 @@ struct peer_state {
   std::atomic<int> users{0};        // threads posting on `ep` right now
   std::atomic<bool> closing{true};  // no posts on `ep` (not connected, lost or closing)
   bool close_pending = false;       // an endpoint error asked for a deferred close (mu_)
+  std::atomic<bool> local{false};   // its address carries this host's identity
   std::string failure;              // guarded by mu_
   request_list pending;             // guarded by mu_
 };
@@ -679,6 +680,7 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
   }
   m.peers[peer].ep = h;
   m.peers[peer].error_handling = error_handling;
+  m.peers[peer].local.store(peer_host == m.host);
   m.peers[peer].closing.store(false, std::memory_order_seq_cst);
 }
 
@@ -847,6 +849,12 @@ std::string ucx_transport::peer_failure(int peer) const {
   if (peer < 0 || peer >= m.opt.size) return {};
   std::lock_guard lk(m.mu_);
   return m.peers[peer].failure;
+}
+
+bool ucx_transport::same_host(int peer) const {
+  impl& m = *impl_;
+  if (peer < 0 || peer >= m.opt.size || peer == m.opt.rank) return false;
+  return m.peers[peer].local.load();
 }
 
 std::uint64_t ucx_transport::bytes_sent() const {

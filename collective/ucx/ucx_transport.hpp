@@ -88,6 +88,8 @@ class ucx_transport : public transport {
             std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) override;
   void fail_peer(int peer, const std::string& reason) override;
   std::string peer_failure(int peer) const override;
+  // True once connect(peer) was given an address carrying this host's identity.
+  bool same_host(int peer) const override;
   std::uint64_t bytes_sent() const override;
   std::uint64_t bytes_received() const override;
 

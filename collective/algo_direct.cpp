@@ -1,0 +1,228 @@
+// The direct allreduce between processes of one host: the data moves by process_vm_readv and
+// process_vm_writev (CMA) straight between the ranks' buffers; messages over the transport only
+// synchronise.
+//
+// Rank me owns slice me of the buffer (an even split) in EVERY rank's buffer. Per op:
+//   1. hello: every rank sends every peer its pid, the buffer's address, count, dtype and op
+//      (a mismatch fails the op naming both ranks);
+//   2. for each piece (direct_piece_bytes) of slice me: read that piece of every peer into a small
+//      scratch buffer and reduce it into the own buffer at once (16-bit types accumulate in f32 and
+//      round once), then write the finished piece into every peer's buffer while it is hot in
+//      cache. Only rank me reads or writes slice me of any buffer other than its own, and nobody
+//      else touches slice me of its own buffer, so no two ranks race on a byte; a piece is written
+//      into a peer only after rank me read that peer's input there;
+//   3. "done with your buffer" to every peer, and wait for the same from every peer: a rank
+//      returns (and lets its caller touch the buffer) only when every slice has arrived and nobody
+//      reads or writes its buffer any more.
+// Pushing the finished piece (instead of letting the owners of the other slices pull it after a
+// "slice final" message) saves a round of messages and a pass over the data that is no longer in
+// cache: 2-rank 1 MiB allreduce 220 -> 98 us, 4 ranks 512 KiB 320 -> 170 us (collective/README.md).
+// Messages between a pair on the op's tag arrive in posting order (transport.hpp), so the two
+// kinds need no header. A peer that dies makes the copy fail with ESRCH, reported as "rank k lost:
+// ..." like the transport's own loss; waits on a lost peer fail through the transport. Each slice
+// is reduced by one rank, so every rank ends with bitwise the same result.
+//
+// Whether the path can be used is decided once per communicator (allreduce_direct_ready): every
+// member on this host (transport::same_host), then a probe in which every rank reads a word of
+// every peer (it must hold magic ^ pid) and writes it back, and all ranks exchange verdicts.
+// Where any rank fails - the kernel refuses (Yama ptrace_scope, seccomp: EPERM, EACCES, ENOSYS),
+// or the pid means another process (ranks in different pid namespaces: ESRCH, EFAULT or a wrong
+// word) - the communicator keeps to the ring and says so once on stderr.
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "collective/algo.hpp"
+#include "collective/reduce.hpp"
+#include "memory/error.hpp"
+
+namespace troupe::collective::detail {
+
+namespace {
+
+constexpr std::uint64_t hello_magic = 0x74726f7570654441ull;  // "troupeDA"
+
+// Copies `bytes` between `local` and `remote` in process `pid` (process_vm_readv, or
+// process_vm_writev when `write`); 0 or the errno of the failure.
+int try_copy(int pid, void* local, std::uint64_t remote, std::size_t bytes, bool write = false) {
+  auto* p = static_cast<char*>(local);
+  while (bytes > 0) {
+    iovec l{p, bytes}, r{reinterpret_cast<void*>(remote), bytes};
+    const ssize_t got =
+        write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got > 0) {
+      p += got;
+      remote += static_cast<std::uint64_t>(got);
+      bytes -= static_cast<std::size_t>(got);
+    } else if (got < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return got < 0 ? errno : EIO;
+    }
+  }
+  return 0;
+}
+
+std::string errno_text(int err) {
+  return std::string(strerrorname_np(err) != nullptr ? strerrorname_np(err) : "?") + " (" +
+         std::strerror(err) + ")";
+}
+
+// try_copy that throws: a lost peer as the transport reports it, else naming rank, pid, address.
+void copy_peer(op_context& c, int g, int pid, void* local, std::uint64_t remote, std::size_t bytes,
+               bool write = false) {
+  const int err = try_copy(pid, local, remote, bytes, write);
+  if (err == 0) return;
+  const int w = c.ranks[g];
+  const std::string lost = c.t.peer_failure(w);
+  if (!lost.empty()) throw troupe::error("rank " + std::to_string(w) + " lost: " + lost);
+  if (err == ESRCH)
+    throw troupe::error("rank " + std::to_string(w) + " lost: its process (pid " +
+                        std::to_string(pid) + ") is gone (" +
+                        (write ? "process_vm_writev: " : "process_vm_readv: ") + errno_text(err) +
+                        ")");
+  char where[32];
+  std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(remote));
+  throw troupe::error(std::string("direct allreduce: ") + (write ? "writing " : "reading ") +
+                      std::to_string(bytes) + " bytes of rank " + std::to_string(w) + " (pid " +
+                      std::to_string(pid) + ") at " + where + " failed: " + errno_text(err));
+}
+
+// Posts a receive of one T from every peer into in[g] (in order me+1, me+2, ...).
+template <typename T>
+void recv_from_all(op_context& c, std::vector<T>& in, std::vector<p2p_request>& rs) {
+  for (int j = 1; j < c.n; ++j) {
+    const int g = (c.me + j) % c.n;
+    rs[g] = c.irecv(g, &in[g], sizeof(T));
+  }
+}
+template <typename T>
+void send_to_all(op_context& c, const T& v, std::vector<p2p_request>& sends) {
+  for (int j = 1; j < c.n; ++j) sends.push_back(c.isend((c.me + j) % c.n, &v, sizeof(T)));
+}
+void wait_from_all(op_context& c, std::vector<p2p_request>& rs) {
+  for (int j = 1; j < c.n; ++j) c.wait(rs[(c.me + j) % c.n]);
+}
+
+// The one-time probe: can every rank read and write every peer's memory? Every rank ends with the
+// same answer.
+bool probe(op_context& c, direct_state& d) {
+  const int n = c.n, me = c.me;
+  d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe), 0, getpid(), 0};
+  std::vector<p2p_request> rs(n), sends;
+  recv_from_all(c, d.in, rs);
+  send_to_all(c, d.out, sends);
+  wait_from_all(c, rs);
+  c.wait_all(sends);
+  direct_msg mine{hello_magic, 0, 0, 0, -1};  // count: errno of the first failure, kind: its rank
+  for (int j = 1; j < n && mine.count == 0; ++j) {
+    const int g = (me + j) % n;
+    std::uint64_t v = 0;
+    int err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v);
+    if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(d.in[g].pid))) err = EIO;
+    if (err == 0) err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v, true);  // same value
+    if (err != 0) mine = direct_msg{hello_magic, 0, static_cast<std::uint64_t>(err), 0, c.ranks[g]};
+  }
+  d.out = mine;
+  sends.clear();
+  recv_from_all(c, d.in, rs);
+  send_to_all(c, d.out, sends);
+  wait_from_all(c, rs);
+  c.wait_all(sends);
+  d.in[me] = mine;
+  for (int g = 0; g < n; ++g) {
+    if (d.in[g].count == 0) continue;
+    if (me == 0)
+      std::fprintf(stderr,
+                   "troupe: %s: direct allreduce off, using the ring: rank %d cannot access rank "
+                   "%d's memory (process_vm_readv/writev: %s)\n",
+                   d.comm_name.c_str(), c.ranks[g], d.in[g].kind,
+                   errno_text(static_cast<int>(d.in[g].count)).c_str());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool allreduce_direct_ready(op_context& c, std::size_t count, std::size_t bytes) {
+  if (c.direct == nullptr || !c.tune.allreduce_direct || c.n < 2 ||
+      bytes < c.tune.allreduce_direct_min || count < static_cast<std::size_t>(c.n))
+    return false;
+  direct_state& d = *c.direct;
+  if (d.m == direct_state::mode::unknown) {
+    d.in.assign(c.n, direct_msg{});
+    d.finished.assign(c.n, 0);
+    bool local = true;
+    for (int g = 0; g < c.n; ++g) local = local && (g == c.me || c.t.same_host(c.ranks[g]));
+    d.m = local && probe(c, d) ? direct_state::mode::on : direct_state::mode::off;
+  }
+  return d.m == direct_state::mode::on;
+}
+
+void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {
+  const int n = c.n, me = c.me;
+  const std::size_t tsz = dtype_size(t);
+  const bool same = t == dtype::f32 || t == dtype::f64;
+  auto* base = static_cast<char*>(data);
+
+  // 1. hello, and the receives of the "done" messages (they match in posting order).
+  direct_state& d = *c.direct;
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(data), count, getpid(),
+                     static_cast<std::int32_t>(t) << 8 | static_cast<std::int32_t>(op)};
+  std::vector<direct_msg>& in = d.in;
+  std::vector<p2p_request> hello_rs(n), finished_rs(n), sends;
+  sends.reserve(2 * n);
+  recv_from_all(c, in, hello_rs);
+  recv_from_all(c, d.finished, finished_rs);
+  send_to_all(c, d.out, sends);
+  wait_from_all(c, hello_rs);
+  for (int g = 0; g < n; ++g) {
+    if (g == me) continue;
+    TROUPE_CHECK(in[g].magic == hello_magic && in[g].count == count && in[g].kind == d.out.kind,
+                 "direct allreduce: rank ", c.ranks[g], " issued ", in[g].count,
+                 " elements (type/op code ", in[g].kind, ") but rank ", c.ranks[me], " issued ",
+                 count, " (type/op code ", d.out.kind, ")");
+  }
+
+  // 2. Slice me piece by piece: read every peer's piece into scratch and reduce it into the own
+  // buffer, then write the result into every peer.
+  const std::size_t lo = count * me / n, hi = count * (me + 1) / n;
+  const std::size_t piece = std::max<std::size_t>(c.tune.direct_piece_bytes / tsz, 1);
+  char* tmp = static_cast<char*>(c.scratch->get(0, piece * tsz));
+  float* acc = same ? nullptr : static_cast<float*>(c.scratch->get(1, piece * 4));
+  const float divisor = op == reduce_op::avg ? static_cast<float>(n) : 1.0f;
+  for (std::size_t off = lo; off < hi; off += piece) {
+    c.check();
+    const std::size_t len = std::min(piece, hi - off);
+    char* own = base + off * tsz;
+    if (!same) widen(acc, reinterpret_cast<const std::uint16_t*>(own), len, t);
+    for (int j = 1; j < n; ++j) {
+      const int g = (me + j) % n;
+      copy_peer(c, g, in[g].pid, tmp, in[g].addr + off * tsz, len * tsz);
+      const auto* b16 = reinterpret_cast<const std::uint16_t*>(tmp);
+      if (same)
+        reduce_same(own, own, tmp, len, t, op);
+      else if (j + 1 < n)
+        reduce_widen(acc, acc, b16, len, t, op);
+      else
+        reduce_narrow(reinterpret_cast<std::uint16_t*>(own), acc, b16, len, t, op, divisor);
+    }
+    if (same && op == reduce_op::avg) divide(own, len, t, n);
+    for (int j = 1; j < n; ++j) {
+      const int g = (me + j) % n;
+      copy_peer(c, g, in[g].pid, own, in[g].addr + off * tsz, len * tsz, true);
+    }
+  }
+
+  // 3. Done with every peer's buffer; wait until every peer is done with this one.
+  send_to_all(c, d.one, sends);
+  wait_from_all(c, finished_rs);
+  c.wait_all(sends);
+}
+
+}  // namespace troupe::collective::detail
