@@ -10,8 +10,9 @@
 // the first move (a kernel before 5.7, a tool such as valgrind that does not know the flag): the
 // caller then copies. A failure after the first move cannot be undone and throws. The moves
 // bypass UCX's mremap hook (page_swap.cpp), so the ranges must hold no buffer a transport has
-// registered: a stage's activation arena never goes to a communicator (the runner sends from its
-// own pool), and only its whole interior pages move.
+// registered: an unsharded stage's activation arena never goes to a communicator (the runner sends
+// from its own pool; a tensor-parallel stage, whose collectives use its arena, copies instead), and
+// only its whole interior pages move.
 #pragma once
 
 #include <cstddef>

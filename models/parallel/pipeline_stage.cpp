@@ -116,7 +116,10 @@ void pipeline_stage::plan_memory() {
 
 std::size_t pipeline_stage::swap_activation_pages(int chunk) {
   auto& ch = chunk_[chunk];
-  if (ch.state.empty()) return 0;
+  // A tensor shard's activations are the tp collectives' buffers (SP all-gathers, row-parallel
+  // reductions): a transport may have registered their pages (UCX's rcache), and the swap bypasses
+  // UCX's mremap hook (page_swap.hpp), so a shard copies its stash.
+  if (ch.state.empty() || tp_.size() > 1) return 0;
   auto* lo = static_cast<std::byte*>(ch.state.front().data());
   std::byte* hi = lo;
   for (const auto& t : ch.state) {
