@@ -58,9 +58,12 @@ struct direct_state {
   std::uint64_t probe = 0;  // the word peers read in the setup probe
   std::string comm_name;    // for the one log line when the probe fails
   direct_msg out;
-  std::vector<direct_msg> in;          // by group rank
-  std::vector<std::uint8_t> finished;  // by group rank
-  std::uint8_t one = 1;
+  std::vector<direct_msg> in;  // by group rank
+  // The end message of each peer: "done" (1) or "stop" (2 + the world rank whose failure stopped
+  // the op), and this rank's (algo_direct.cpp).
+  std::vector<std::uint32_t> finished;
+  std::uint32_t done = 1, stop = 2;
+  int stopped_by = -1;  // the world rank named by the first "stop" this op received
 };
 
 struct op_context {
@@ -77,7 +80,7 @@ struct op_context {
   // Poll with sched_yield() before blocking in the transport: set when this process may run on
   // one CPU only, where a peer or helper thread sharing the CPU needs it to get anything done.
   bool yield_poll = false;
-  direct_state* direct = nullptr;  // null: no direct path (e.g. a context for send/recv)
+  direct_state* direct = nullptr;  // the communicator's; null: no direct path
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);
