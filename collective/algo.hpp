@@ -59,11 +59,11 @@ struct direct_state {
   std::string comm_name;    // for the one log line when the probe fails
   direct_msg out;
   std::vector<direct_msg> in;  // by group rank
-  // The end message of each peer: "done" (1) or "stop" (2 + the world rank whose failure stopped
-  // the op), and this rank's (algo_direct.cpp).
+  // The end message of each peer: "done" (1) or "stop" (2 + 2 * the world rank whose failure
+  // stopped the op, + 1 where that rank was lost), and this rank's (algo_direct.cpp).
   std::vector<std::uint32_t> finished;
   std::uint32_t done = 1, stop = 2;
-  int stopped_by = -1;  // the world rank named by the first "stop" this op received
+  std::uint32_t stopped_by = 0;  // the first "stop" this op received; 0: none
 };
 
 struct op_context {

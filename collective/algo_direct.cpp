@@ -161,11 +161,21 @@ bool probe(op_context& c, direct_state& d) {
 // the peer's buffer again) or "stop" (its op failed: the peer must stop too). Throws when peer g's
 // end message (arrived) says "stop".
 void throw_if_stopped(op_context& c, direct_state& d, int g) {
-  if (d.finished[g] < 2) return;
-  d.stopped_by = static_cast<int>(d.finished[g] - 2);
-  throw troupe::error("direct allreduce: rank " + std::to_string(d.stopped_by) +
-                      " failed its part of the op and stopped it (told by rank " +
-                      std::to_string(c.ranks[g]) + ")");
+  const std::uint32_t code = d.finished[g];
+  if (code < 2) return;
+  d.stopped_by = code;
+  const std::string who = "rank " + std::to_string((code - 2) / 2);
+  const std::string by = " (told by rank " + std::to_string(c.ranks[g]) + ")";
+  if ((code - 2) % 2 == 1) throw troupe::error(who + " lost: its process is gone" + by);
+  throw troupe::error("direct allreduce: " + who + " failed its part of the op and stopped it" +
+                      by);
+}
+
+// Whether peer g is lost or its process is gone (then it writes nothing any more).
+bool peer_gone(op_context& c, direct_state& d, int g, bool hellos) {
+  std::uint8_t b;
+  return !c.t.peer_failure(c.ranks[g]).empty() ||
+         (hellos && try_copy(d.in[g].pid, &b, d.in[g].addr, 1) == ESRCH);
 }
 
 // Between pieces: a cheap test of the pre-posted end messages; throws when a peer said "stop".
@@ -191,7 +201,13 @@ void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends, 
   const auto until = c.timeout.count() > 0
                          ? clock::now() + std::max(c.timeout, std::chrono::milliseconds{1000})
                          : clock::time_point::max();
-  d.stop = 2 + static_cast<std::uint32_t>(d.stopped_by >= 0 ? d.stopped_by : c.ranks[c.me]);
+  // Relay the "stop" that stopped this rank, else name a lost peer, else this rank.
+  d.stop = d.stopped_by != 0 ? d.stopped_by : 2 + 2 * static_cast<std::uint32_t>(c.ranks[c.me]);
+  for (int g = 0; g < c.n && d.stopped_by == 0; ++g)
+    if (g != c.me && peer_gone(c, d, g, hellos)) {
+      d.stop = 3 + 2 * static_cast<std::uint32_t>(c.ranks[g]);
+      break;
+    }
   for (int j = 1; j < c.n && !sent_done; ++j) {
     try {
       c.t.isend(c.ranks[(c.me + j) % c.n], c.tag, &d.stop, sizeof d.stop);
@@ -212,10 +228,7 @@ void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends, 
           break;  // the request failed: the peer is lost
         }
       }
-      std::uint8_t b;
-      if (!c.t.peer_failure(c.ranks[g]).empty() ||
-          (hellos && try_copy(d.in[g].pid, &b, d.in[g].addr, 1) == ESRCH))
-        break;  // its process is gone
+      if (peer_gone(c, d, g, hellos)) break;
       if (clock::now() > until) {
         std::fprintf(stderr,
                      "troupe: %s: direct allreduce failed on rank %d and rank %d neither stopped "
@@ -292,7 +305,7 @@ void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, red
   d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(data), count, getpid(),
                      static_cast<std::int32_t>(t) << 8 | static_cast<std::int32_t>(op)};
   std::fill(d.finished.begin(), d.finished.end(), std::uint32_t{0});
-  d.stopped_by = -1;
+  d.stopped_by = 0;
   std::vector<p2p_request> hello_rs(n), finished_rs(n), sends;
   sends.reserve(2 * n);
   recv_from_all(c, d.in, hello_rs);
