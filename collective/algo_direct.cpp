@@ -30,9 +30,13 @@
 // ..." like the transport's own loss; waits on a lost peer fail through the transport. Each slice
 // is reduced by one rank, so every rank ends with bitwise the same result.
 //
-// Whether the path can be used is decided once per communicator (allreduce_direct_ready): every
-// member on this host (transport::same_host), then a probe in which every rank reads a word of
-// every peer (it must hold magic ^ pid) and writes it back, and all ranks exchange verdicts.
+// Whether the path can be used is decided once per communicator, at its first allreduce
+// (allreduce_direct_ready): every member on this host (transport::same_host, which includes the
+// pid namespace), then a probe in which every rank reads a word of every peer (it must hold
+// magic ^ pid) and writes it back, and all ranks exchange verdicts. The probe also checks that
+// every rank has the same allreduce_direct and allreduce_direct_min (else the first allreduce
+// fails naming the ranks and the setting); a later set_tuning that differs between ranks is not
+// caught (the ranks pick different algorithms for an op and fail or hang).
 // Where any rank fails - the kernel refuses (Yama ptrace_scope, seccomp: EPERM, EACCES, ENOSYS),
 // or the pid means another process (ranks in different pid namespaces: ESRCH, EFAULT or a wrong
 // word) - the communicator keeps to the ring and says so once on stderr.
@@ -117,19 +121,35 @@ void wait_from_all(op_context& c, std::vector<p2p_request>& rs) {
   for (int j = 1; j < c.n; ++j) c.wait(rs[(c.me + j) % c.n]);
 }
 
-// The one-time probe: can every rank read and write every peer's memory? Every rank ends with the
-// same answer.
-bool probe(op_context& c, direct_state& d) {
+// The one-time probe, at a communicator's first allreduce (whatever its size, so that every rank
+// takes part): every rank sends its pid, the address of a probe word and its tuning of the direct
+// path (allreduce_direct, allreduce_direct_min), which must agree (else every rank fails the op
+// naming the ranks and the setting: the ranks would pick different algorithms and hang); then,
+// where every member is on this host (`local`), can every rank read and write every peer's memory?
+// Every rank ends with the same answer.
+bool probe(op_context& c, direct_state& d, bool local) {
   const int n = c.n, me = c.me;
   d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
-  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe), 0, getpid(), 0};
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe),
+                     c.tune.allreduce_direct_min, getpid(), c.tune.allreduce_direct ? 1 : 0};
   std::vector<p2p_request> rs(n), sends;
   recv_from_all(c, d.in, rs);
   send_to_all(c, d.out, sends);
   wait_from_all(c, rs);
   c.wait_all(sends);
-  direct_msg mine{hello_magic, 0, 0, 0, -1};  // count: errno of the first failure, kind: its rank
-  for (int j = 1; j < n && mine.count == 0; ++j) {
+  for (int g = 0; g < n; ++g) {
+    if (g == me) continue;
+    TROUPE_CHECK(d.in[g].kind == d.out.kind, "allreduce: rank ", c.ranks[g],
+                 " has algo_tuning::allreduce_direct = ", d.in[g].kind, " but rank ", c.ranks[me],
+                 " has ", d.out.kind, " (the tuning must be the same on every rank)");
+    TROUPE_CHECK(d.in[g].count == d.out.count, "allreduce: rank ", c.ranks[g],
+                 " has algo_tuning::allreduce_direct_min = ", d.in[g].count, " but rank ",
+                 c.ranks[me], " has ", d.out.count, " (the tuning must be the same on every rank)");
+  }
+  // The verdict: addr 1 where not every member is on this host; count: the errno of the first
+  // failed copy, kind: the rank it tried.
+  direct_msg mine{hello_magic, local ? 0u : 1u, 0, 0, -1};
+  for (int j = 1; j < n && local && mine.count == 0; ++j) {
     const int g = (me + j) % n;
     std::uint64_t v = 0;
     int err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v);
@@ -144,9 +164,11 @@ bool probe(op_context& c, direct_state& d) {
   wait_from_all(c, rs);
   c.wait_all(sends);
   d.in[me] = mine;
+  for (int g = 0; g < n; ++g)
+    if (d.in[g].addr != 0) return false;
   for (int g = 0; g < n; ++g) {
     if (d.in[g].count == 0) continue;
-    if (me == 0)
+    if (me == 0 && c.tune.allreduce_direct)
       std::fprintf(stderr,
                    "troupe: %s: direct allreduce off, using the ring: rank %d cannot access rank "
                    "%d's memory (process_vm_readv/writev: %s)\n",
@@ -284,18 +306,17 @@ void reduce_and_push(op_context& c, direct_state& d, void* data, std::size_t cou
 }  // namespace
 
 bool allreduce_direct_ready(op_context& c, std::size_t count, std::size_t bytes) {
-  if (c.direct == nullptr || !c.tune.allreduce_direct || c.n < 2 ||
-      bytes < c.tune.allreduce_direct_min || count < static_cast<std::size_t>(c.n))
-    return false;
+  if (c.direct == nullptr || c.n < 2) return false;
   direct_state& d = *c.direct;
   if (d.m == direct_state::mode::unknown) {
     d.in.assign(c.n, direct_msg{});
     d.finished.assign(c.n, 0);
     bool local = true;
     for (int g = 0; g < c.n; ++g) local = local && (g == c.me || c.t.same_host(c.ranks[g]));
-    d.m = local && probe(c, d) ? direct_state::mode::on : direct_state::mode::off;
+    d.m = probe(c, d, local) ? direct_state::mode::on : direct_state::mode::off;
   }
-  return d.m == direct_state::mode::on;
+  return d.m == direct_state::mode::on && c.tune.allreduce_direct &&
+         bytes >= c.tune.allreduce_direct_min && count >= static_cast<std::size_t>(c.n);
 }
 
 void allreduce_direct(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {

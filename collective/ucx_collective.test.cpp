@@ -409,3 +409,34 @@ TEST_CASE("a rank whose direct allreduce fails stops its peers writing into its 
       opt);
   CHECK(rc == 0);
 }
+
+TEST_CASE("ranks whose direct allreduce tuning differs fail naming the setting",
+          "[collective][multirank]") {
+  const int n = 3;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 12), "ucx");
+        algo_tuning tu;
+        if (t.rank() == 2) tu.allreduce_direct_min *= 2;
+        dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
+        std::vector<float> d(16, 1.0f);  // far below either threshold: still checked
+        std::string err;
+        try {
+          c->allreduce(d.data(), d.size(), dtype::f32).wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        if (err.find("allreduce_direct_min") == std::string::npos ||
+            err.find("rank 2") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected an error naming the setting, got '%s'\n",
+                       t.rank(), err.c_str());
+          return 1;
+        }
+        return 0;
+      },
+      opt);
+  CHECK(rc == 0);
+}
