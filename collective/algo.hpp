@@ -49,7 +49,7 @@ struct direct_msg {
 };
 
 // What a communicator knows about reading its peers' memory directly (algo_direct.cpp). Decided
-// once, by the first allreduce that could use it, the same way on every rank. The message
+// once, by the communicator's first allreduce, the same way on every rank. The message
 // buffers live here, not on the stack of the op: after a failed op a live peer's message may
 // still land in them.
 struct direct_state {

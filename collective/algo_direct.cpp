@@ -40,6 +40,12 @@
 // Where any rank fails - the kernel refuses (Yama ptrace_scope, seccomp: EPERM, EACCES, ENOSYS),
 // or the pid means another process (ranks in different pid namespaces: ESRCH, EFAULT or a wrong
 // word) - the communicator keeps to the ring and says so once on stderr.
+//
+// Not handled: a buffer in memory that process_vm_readv/writev cannot reach (VM_IO or VM_PFNMAP
+// mappings, e.g. some device or driver memory mapped into the process) makes every copy fail with
+// EFAULT and the op fails, where the ring (plain messages) would work; use allreduce_direct =
+// false for such buffers. Falling back per op is not safe once any piece was pushed (it already
+// overwrote that slice of a peer's input with the result).
 #include <sys/uio.h>
 #include <unistd.h>
 
