@@ -49,7 +49,7 @@ struct direct_msg {
 };
 
 // What a communicator knows about reading its peers' memory directly (algo_direct.cpp). Decided
-// once, by the first allreduce that could use it, the same way on every rank. The message
+// once, by the communicator's first allreduce, the same way on every rank. The message
 // buffers live here, not on the stack of the op: after a failed op a live peer's message may
 // still land in them.
 struct direct_state {
@@ -58,9 +58,12 @@ struct direct_state {
   std::uint64_t probe = 0;  // the word peers read in the setup probe
   std::string comm_name;    // for the one log line when the probe fails
   direct_msg out;
-  std::vector<direct_msg> in;          // by group rank
-  std::vector<std::uint8_t> finished;  // by group rank
-  std::uint8_t one = 1;
+  std::vector<direct_msg> in;  // by group rank
+  // The end message of each peer: "done" (1) or "stop" (2 + 2 * the world rank whose failure
+  // stopped the op, + 1 where that rank was lost), and this rank's (algo_direct.cpp).
+  std::vector<std::uint32_t> finished;
+  std::uint32_t done = 1, stop = 2;
+  std::uint32_t stopped_by = 0;  // the first "stop" this op received; 0: none
 };
 
 struct op_context {
@@ -77,7 +80,7 @@ struct op_context {
   // Poll with sched_yield() before blocking in the transport: set when this process may run on
   // one CPU only, where a peer or helper thread sharing the CPU needs it to get anything done.
   bool yield_poll = false;
-  direct_state* direct = nullptr;  // null: no direct path (e.g. a context for send/recv)
+  direct_state* direct = nullptr;  // the communicator's; null: no direct path
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);

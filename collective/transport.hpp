@@ -76,7 +76,7 @@ class transport {
   // The reason `peer` was declared lost, or empty while it is alive.
   virtual std::string peer_failure(int peer) const = 0;
 
-  // Whether `peer` is a process on this host (same host, boot and IPC namespace), so that the
+  // Whether `peer` is a process on this host (same host, boot, IPC and pid namespace), so that the
   // algorithms may read its memory directly (process_vm_readv). False where the transport cannot
   // tell; the algorithms then use messages only.
   virtual bool same_host(int peer) const { return false; }

@@ -1,7 +1,7 @@
 // The host collectives between processes over UCX: every op and dtype on 2, 3 and 4 forked ranks
 // against serial references, the direct allreduce (process_vm_readv between local ranks) on 2 to 8
-// ranks, its fallback to the ring where the kernel refuses it, and a rank SIGKILLed in the middle
-// of an allreduce (direct and ring).
+// ranks, its fallback to the ring where the kernel refuses it, a failed rank stopping its peers'
+// writes into its buffer, and a rank SIGKILLed in the middle of an allreduce (direct and ring).
 //
 // Ranks are children of run_local_ranks (collective/ucx/local_ranks.hpp): Catch2 does not run in
 // them, so a child prints what went wrong and returns non-zero, and the parent checks the exit
@@ -15,6 +15,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 
@@ -363,5 +364,79 @@ TEST_CASE("a rank that may not read its peers keeps every rank on the ring",
       WARN("troupe-skip: cannot install a seccomp filter here");
       return;
     }
+  CHECK(rc == 0);
+}
+
+TEST_CASE("a rank whose direct allreduce fails stops its peers writing into its buffer",
+          "[collective][multirank]") {
+  const int n = 3, failing = 1;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 11), "ucx");
+        const std::size_t count = std::size_t{16} << 20;  // 64 MiB: far from done after 1 ms
+        std::vector<float> d(count, 1.0f);
+        c->allreduce(d.data(), 1 << 20, dtype::f32).wait();  // the one-time probe
+        c->barrier().wait();
+        options o;
+        if (t.rank() == failing) o.timeout = std::chrono::milliseconds(1);
+        std::string err;
+        try {
+          c->allreduce(d.data(), count, dtype::f32, o).wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        const char* want = t.rank() == failing ? "timed out" : "rank 1 failed its part";
+        if (err.find(want) == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected the allreduce to fail with '%s', got '%s'\n",
+                       t.rank(), want, err.c_str());
+          return 1;
+        }
+        if (t.rank() != failing) return 0;
+        // The op returned: no peer may write into the buffer any more.
+        std::fill(d.begin(), d.end(), -7.0f);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        const auto bad = std::count_if(d.begin(), d.end(), [](float x) { return x != -7.0f; });
+        if (bad != 0) {
+          std::fprintf(stderr, "rank %d: %lld elements written after the failed op returned\n",
+                       t.rank(), static_cast<long long>(bad));
+          return 1;
+        }
+        return 0;
+      },
+      opt);
+  CHECK(rc == 0);
+}
+
+TEST_CASE("ranks whose direct allreduce tuning differs fail naming the setting",
+          "[collective][multirank]") {
+  const int n = 3;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 12), "ucx");
+        algo_tuning tu;
+        if (t.rank() == 2) tu.allreduce_direct_min *= 2;
+        dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
+        std::vector<float> d(16, 1.0f);  // far below either threshold: still checked
+        std::string err;
+        try {
+          c->allreduce(d.data(), d.size(), dtype::f32).wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        if (err.find("allreduce_direct_min") == std::string::npos ||
+            err.find("rank 2") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected an error naming the setting, got '%s'\n",
+                       t.rank(), err.c_str());
+          return 1;
+        }
+        return 0;
+      },
+      opt);
   CHECK(rc == 0);
 }

@@ -55,7 +55,9 @@ constexpr const char* single_copy_rndv_thresh = "262144";
 // address() = magic, host identity length (2 bytes), host identity, UCX worker address.
 constexpr char address_magic[4] = {'t', 'r', 'x', '1'};
 
-// Ranks with the same identity share a kernel and an IPC namespace: UCX's shared memory works.
+// Ranks with the same identity share a kernel, an IPC namespace (UCX's shared memory works) and
+// a pid namespace (a peer's pid names it here, so process_vm_readv/writev by pid reach it: the
+// direct allreduce).
 std::string host_identity() {
   std::string id;
   char host[256] = {};
@@ -67,9 +69,11 @@ std::string host_identity() {
     close(fd);
     if (n > 0) id += "|" + std::string(boot, static_cast<std::size_t>(n));
   }
-  char ns[64] = {};
-  ssize_t n = readlink("/proc/self/ns/ipc", ns, sizeof ns - 1);
-  if (n > 0) id += "|" + std::string(ns, static_cast<std::size_t>(n));
+  for (const char* link : {"/proc/self/ns/ipc", "/proc/self/ns/pid"}) {
+    char ns[64] = {};  // e.g. "pid:[4026531836]"
+    ssize_t n = readlink(link, ns, sizeof ns - 1);
+    if (n > 0) id += "|" + std::string(ns, static_cast<std::size_t>(n));
+  }
   return id;
 }
 // Whether process_vm_readv may read another process of this user here (what UCX's cma needs):
