@@ -363,10 +363,12 @@ int launch(const launch_options& given) {
   // Relay output and reap ranks until every rank is gone and its pipes are drained.
   std::vector<int> failures;  // local indices, in the order they failed
   steady::time_point first_failure{}, term_sent{};
-  // After a rank ended well, every 10 s the ranks still running are named: a rank that hangs in
-  // its shutdown shows in the output (with its own "shutdown still ..." lines).
-  steady::time_point first_end{}, last_lingering_report{};
-  constexpr auto lingering_every = std::chrono::seconds(10);
+  // After a rank ended well while no rank failed, the ranks still running are named 10 s later,
+  // then every 60 s: a rank that hangs in its shutdown shows in the output (with its own
+  // "shutdown still ..." lines). After a failure the grace period and its messages take over.
+  steady::time_point first_good_end{}, next_lingering_report{};
+  constexpr auto lingering_first = std::chrono::seconds(10);
+  constexpr auto lingering_every = std::chrono::seconds(60);
   bool terminating = false, killed = false;
   int signals_seen = 0;
   char buf[65536];
@@ -417,7 +419,10 @@ int launch(const launch_options& given) {
       if (r == c.pid) {
         c.running = false;
         c.status = status;
-        if (first_end == steady::time_point{}) first_end = last_lingering_report = steady::now();
+        if (first_good_end == steady::time_point{} && !failed(status)) {
+          first_good_end = steady::now();
+          next_lingering_report = first_good_end + lingering_first;
+        }
         if (coord) coord->process_ended(c.rank, static_cast<int>(c.pid), describe_status(status));
         if (failed(status)) {
           if (failures.empty()) first_failure = steady::now();
@@ -443,7 +448,8 @@ int launch(const launch_options& given) {
     }
     // After a failure the others get the grace period, then SIGTERM, then SIGKILL.
     const auto now = steady::now();
-    if (first_end != steady::time_point{} && now - last_lingering_report >= lingering_every) {
+    if (first_good_end != steady::time_point{} && failures.empty() && !terminating &&
+        now >= next_lingering_report) {
       std::string running;
       for (const auto& c : children)
         if (c.pid > 0 && c.running)
@@ -452,9 +458,9 @@ int launch(const launch_options& given) {
       if (!running.empty())
         say("still running " +
             std::to_string(
-                std::chrono::duration_cast<std::chrono::seconds>(now - first_end).count()) +
-            " s after the first rank ended: " + running);
-      last_lingering_report = now;
+                std::chrono::duration_cast<std::chrono::seconds>(now - first_good_end).count()) +
+            " s after a rank ended well: " + running);
+      next_lingering_report = now + lingering_every;
     }
     if (!failures.empty() && !terminating &&
         now - first_failure > std::chrono::duration<double>(o.grace_s)) {
@@ -483,8 +489,10 @@ int launch(const launch_options& given) {
   ::close(g_wake[1]);
   g_wake[0] = g_wake[1] = -1;
   if (coord) {
-    detail::shutdown_watch watch("troupe launch", std::chrono::seconds(10));
-    watch.stage("stopping the coordinator (its introspection endpoint and CAF actor system)");
+    detail::shutdown_watch watch(
+        "troupe launch",
+        "stopping the coordinator (its introspection endpoint and CAF actor system)",
+        std::chrono::seconds(10));
     coord.reset();
   }
 

@@ -1135,8 +1135,10 @@ void node::shutdown() {
   if (I.live_jobs.load() > 0)
     std::fprintf(stderr, "troupe: rank %d: shutdown while %d job objects are alive\n", I.rank,
                  I.live_jobs.load());
-  detail::shutdown_watch watch("troupe: rank " + std::to_string(I.rank), I.opts.shutdown_report);
-  watch.stage("leaving the job (waiting up to 3 s for the coordinator)");
+  // Best effort: without a thread (EAGAIN) or with shutdown_report <= 0 it says nothing.
+  detail::shutdown_watch watch("troupe: rank " + std::to_string(I.rank),
+                               "leaving the job (waiting up to 3 s for the coordinator)",
+                               I.opts.shutdown_report);
   if (I.coordinator_actor && !expelled) {
     caf::scoped_actor self{*I.sys};
     self->request(I.coordinator_actor, ms(3000), msg::leave_request{I.rank})

@@ -84,8 +84,9 @@ struct node_options {
   // to local ranks then run over tcp loopback instead of shared memory (ucx_error_mode::peer),
   // because a rank killed mid-send can stall a shared-memory receiver for every sender.
   bool survive_local_loss = false;
-  // While shutdown() runs longer than this, it says every such interval on stderr which step it
-  // is in ("troupe: rank 2: shutdown still closing the UCX transport after 20 s").
+  // While shutdown() runs longer than this, it says on stderr which step it is in ("troupe: rank
+  // 2: shutdown still closing the UCX transport after 10 s"), then again every 6 such intervals.
+  // <= 0 turns the report off.
   std::chrono::milliseconds shutdown_report{10000};
 };
 

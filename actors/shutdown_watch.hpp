@@ -1,8 +1,11 @@
 // shutdown_watch: says where a slow shutdown is. Teardown code names each stage it enters
 // (stage("closing the UCX transport")); while the watch lives, a thread prints
-// "<who>: shutdown still <stage> after <s> s" to stderr every `every`, so a shutdown that hangs
-// (a CAF actor system waiting for an actor that never ends, a join that never returns) names the
-// step it hangs in, in the launcher's output. Destroying the watch stops its thread at once.
+// "<who>: shutdown still <stage> after <s> s" to stderr once `every` has passed, then every
+// 6 x `every` (10 s, then every 60 s), so a shutdown that hangs (a CAF actor system waiting for an
+// actor that never ends, a join that never returns) names the step it hangs in, in the launcher's
+// output, in a few lines. Destroying the watch stops its thread at once.
+// Best effort: `every` <= 0 turns the watch off (no thread), and when the thread cannot be
+// created (EAGAIN) the watch carries on without one; it never keeps a shutdown from running.
 #pragma once
 
 #include <chrono>
@@ -11,6 +14,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -18,17 +22,26 @@ namespace troupe::actors::detail {
 
 class shutdown_watch {
  public:
-  // say: where the lines go (default: stderr).
-  shutdown_watch(std::string who, std::chrono::milliseconds every,
+  // stage: the first step (set before the thread starts). say: where the lines go (default:
+  // stderr).
+  shutdown_watch(std::string who, std::string stage, std::chrono::milliseconds every,
                  std::function<void(const std::string&)> say = {})
-      : who_(std::move(who)), every_(every), say_(std::move(say)), thread_([this] { run(); }) {}
+      : who_(std::move(who)), every_(every), say_(std::move(say)), stage_(std::move(stage)) {
+    if (every_.count() <= 0) return;
+    try {
+      thread_ = std::thread([this] { run(); });
+    } catch (const std::system_error& e) {
+      std::fprintf(stderr, "%s: shutdown goes on without its watch (no thread: %s)\n", who_.c_str(),
+                   e.what());
+    }
+  }
   ~shutdown_watch() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   shutdown_watch(const shutdown_watch&) = delete;
   shutdown_watch& operator=(const shutdown_watch&) = delete;
@@ -41,12 +54,12 @@ class shutdown_watch {
  private:
   void run() {
     const auto start = std::chrono::steady_clock::now();
+    auto next = start + every_;
     std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, every_, [&] { return done_; })) {
-      const double s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    while (!cv_.wait_until(lock, next, [&] { return done_; })) {
+      const auto now = std::chrono::steady_clock::now();
       char secs[32];
-      std::snprintf(secs, sizeof secs, "%.0f", s);
+      std::snprintf(secs, sizeof secs, "%.0f", std::chrono::duration<double>(now - start).count());
       const std::string line = who_ + ": shutdown still " + stage_ + " after " + secs + " s";
       if (say_) {
         say_(line);
@@ -54,6 +67,7 @@ class shutdown_watch {
         std::fprintf(stderr, "%s\n", line.c_str());
         std::fflush(stderr);
       }
+      next = now + 6 * every_;
     }
   }
 
@@ -62,9 +76,9 @@ class shutdown_watch {
   std::function<void(const std::string&)> say_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::string stage_ = "starting";
+  std::string stage_;
   bool done_ = false;
-  std::thread thread_;  // last: starts after the members above exist
+  std::thread thread_;  // started in the constructor body, after the members above exist
 };
 
 }  // namespace troupe::actors::detail

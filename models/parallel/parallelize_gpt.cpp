@@ -123,8 +123,9 @@ void tp_gpt::backward(double loss_scale) {
   auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "tp_gpt", "x"); };
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
-    // Every block, the last included: the head's scratch (SP) may reuse the shared bytes.
-    if (cfg_.recompute) h_[i].recompute(x(i));
+    // The last block's activations are still those of the forward: the head's buffers (SP
+    // included) are not the blocks' shared activation bytes (scratch has its own arena).
+    if (cfg_.recompute && i + 1 < cfg_.n_layer) h_[i].recompute(x(i));
     h_[i].backward(db, da);
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);

@@ -13,9 +13,10 @@
 // equal on every shard), else its slice: qkv rows by heads, fc rows, o_proj and mlp.proj columns,
 // wte rows. tp_gpt has gpt's training interface (causal_lm_of<tp_gpt> drives it through the
 // trainer); generation is not supported. With cfg.recompute the blocks' activations share one set
-// of bytes (slots.hpp) and backward runs each block's forward again first, as gpt does (all shards
-// together: the recomputed forward holds the same collectives). Host (CPU) only: the vocab-parallel
-// layers read ids and statistics with plain loops.
+// of bytes (slots.hpp) and backward runs each block's forward (but the last's, still in those
+// bytes) again first, as gpt does (all shards together: the recomputed forward holds the same
+// collectives). Host (CPU) only: the vocab-parallel layers read ids and statistics with plain
+// loops.
 #pragma once
 
 #include <cstdint>

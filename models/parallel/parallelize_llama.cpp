@@ -74,8 +74,9 @@ void tp_llama::backward(double loss_scale) {
   head_.backward(loss_scale, da, db);
   for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
     notify(on_block_use, i, block_use::before_backward);
-    // Every block, the last included (as tp_gpt): the head's scratch may reuse the shared bytes.
-    if (cfg_.recompute) layers_[i].recompute(x(i));
+    // The last block's activations are still those of the forward: the head's buffers are not
+    // the blocks' shared activation bytes (top-level activations, scratch in its own arena).
+    if (cfg_.recompute && i + 1 < cfg_.n_layer) layers_[i].recompute(x(i));
     layers_[i].backward(db, da);
     notify(on_block_use, i, block_use::after_backward);
     std::swap(da, db);

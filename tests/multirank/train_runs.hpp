@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "tests/multirank/process.hpp"
@@ -30,6 +31,18 @@ inline std::string scratch(const std::string& what) {
   std::filesystem::create_directories(p);
   return p.string();
 }
+
+// A scratch folder removed when the guard goes, a failed REQUIRE included.
+struct scratch_dir {
+  explicit scratch_dir(const std::string& what) : path(scratch(what)) {}
+  ~scratch_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  scratch_dir(const scratch_dir&) = delete;
+  scratch_dir& operator=(const scratch_dir&) = delete;
+  std::string path;
+};
 
 // The per-step values of `key` ("loss", "lr") of a --json file.
 inline std::vector<double> json_values(const std::string& path, const std::string& key) {
