@@ -52,10 +52,21 @@ namespace {
 // system call itself, not libc's mremap: UCX replaces mremap in the process with a hook for its
 // memory registration cache, which does not keep MREMAP_DONTUNMAP's meaning (with it a launched
 // pipeline run trained on moved-away activations).
+// A failed move may already have unmapped `to` (the kernel unmaps a fixed destination before
+// its last checks): `to` is then mapped again as fresh anonymous pages, so no range of ours is
+// ever left a hole another mmap could take (its bytes are lost; the caller decides what that
+// means).
 bool move(void* from, void* to, std::size_t n) {
   const long r =
       ::syscall(SYS_mremap, from, n, n, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, to);
-  return r != -1 && reinterpret_cast<void*>(r) == to;
+  if (r != -1 && reinterpret_cast<void*>(r) == to) return true;
+  const int e = errno;
+  if (::mmap(to, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+      MAP_FAILED)
+    TROUPE_FAIL("swap_pages: mremap of ", n, " bytes failed (", std::strerror(e),
+                ") and its destination could not be mapped again: ", std::strerror(errno));
+  errno = e;
+  return false;
 }
 
 }  // namespace
@@ -63,7 +74,7 @@ bool move(void* from, void* to, std::size_t n) {
 bool swap_pages(void* a, void* b, void* tmp, std::size_t bytes) {
   if (bytes == 0) return true;
   TROUPE_CHECK(bytes % page_size() == 0, "swap_pages: ", bytes, " bytes is not whole pages");
-  if (!move(a, tmp, bytes)) return false;  // nothing moved yet: the caller copies instead
+  if (!move(a, tmp, bytes)) return false;  // nothing of a or b moved: the caller copies instead
   if (!move(b, a, bytes) || !move(tmp, b, bytes))
     TROUPE_FAIL("swap_pages: mremap of ", bytes, " bytes failed half way: ", std::strerror(errno));
   return true;

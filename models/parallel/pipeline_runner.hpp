@@ -39,7 +39,12 @@
 // its status to the last stage, which hands the lowest failing stage back with the loss; the
 // failing stage then rethrows its own error and every other stage throws one naming it. The
 // runner is usable for the next step (the stage's begin_step drops the failed step's state; the
-// caller zeroes the gradients as for any step). When a transfer fails (a lost peer, an aborted
+// caller zeroes the gradients as for any step). Only the pp communicator's messages go on: the
+// collectives a skipped compute would have issued on other communicators (tensor-parallel ones
+// inside a block, data-parallel bucket reductions and ZeRO 3 gathers from the block hook) are not,
+// so with tp > 1 or dp > 1 the failed rank's peers there wait until the job aborts its
+// communicators (a launched run's trainer does on the first failed rank) or their op timeout. A
+// stage whose stash failed half way (page_swap.hpp) refuses later steps. When a transfer fails (a lost peer, an aborted
 // or broken communicator), nothing says which posted operations the peers will still match: the
 // runner aborts the pp communicator, keeps its transfer buffers alive for the life of the process
 // (a transport cannot cancel a posted receive, and a late message must not land in freed

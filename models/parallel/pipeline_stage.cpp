@@ -162,9 +162,20 @@ void pipeline_stage::move_pages(int chunk, std::size_t slot, bool to_arena) {
   void* kept = ch.pages[slot].data();
   // A swap: the arena's pages go to the slot and the slot's to the arena, whichever way the
   // bytes are meant to move (the other side's old bytes are dead either way).
-  if (swap_pages(arena, kept, swap_tmp_.data(), ch.page_bytes)) {
-    ++page_swaps_;
-    return;
+  if (!swap_off_) {
+    bool swapped = false;
+    try {
+      swapped = swap_pages(arena, kept, swap_tmp_.data(), ch.page_bytes);
+    } catch (const std::exception& e) {
+      // Half a swap: a microbatch's activations are lost; this stage cannot run another step.
+      broken_ = e.what();
+      throw;
+    }
+    if (swapped) {
+      ++page_swaps_;
+      return;
+    }
+    swap_off_ = true;  // the kernel refuses the move (valgrind, an old kernel): copy from now on
   }
   if (to_arena)
     std::memcpy(arena, kept, ch.page_bytes);
@@ -173,6 +184,8 @@ void pipeline_stage::move_pages(int chunk, std::size_t slot, bool to_arena) {
 }
 
 void pipeline_stage::begin_step(int microbatches) {
+  TROUPE_CHECK(broken_.empty(), what_, ": a stash of an earlier step failed half way (", broken_,
+               "); this stage cannot run another step");
   TROUPE_CHECK(microbatches >= 1, what_, ": microbatches must be >= 1, got ", microbatches);
   microbatches_ = microbatches;
   pending_.assign(static_cast<std::size_t>(chunks_ * microbatches), 0);

@@ -219,6 +219,8 @@ class pipeline_stage {
   owned_tensor rerun_out_;  // recompute: where a rerun writes a chunk's output [boundary]
   mapped_pages swap_tmp_;   // the page swaps' go-between
   std::int64_t page_swaps_ = 0;
+  bool swap_off_ = false;  // the kernel refused a swap once: copy from then on
+  std::string broken_;     // a swap failed half way: the error; begin_step refuses
   std::string tied_name_;
   tensor tied_grad_;
 };
