@@ -44,11 +44,11 @@
 // inside a block, data-parallel bucket reductions and ZeRO 3 gathers from the block hook) are not,
 // so with tp > 1 or dp > 1 the failed rank's peers there wait until the job aborts its
 // communicators (a launched run's trainer does on the first failed rank) or their op timeout. A
-// stage whose stash failed half way (page_swap.hpp) refuses later steps. When a transfer fails (a lost peer, an aborted
-// or broken communicator), nothing says which posted operations the peers will still match: the
-// runner aborts the pp communicator, keeps its transfer buffers alive for the life of the process
-// (a transport cannot cancel a posted receive, and a late message must not land in freed
-// memory), rethrows, and refuses every later step with a message naming the first error.
+// stage whose stash failed half way (page_swap.hpp) refuses later steps. When a transfer fails (a
+// lost peer, an aborted or broken communicator), nothing says which posted operations the peers
+// will still match: the runner aborts the pp communicator, keeps its transfer buffers alive for the
+// life of the process (a transport cannot cancel a posted receive, and a late message must not land
+// in freed memory), rethrows, and refuses every later step with a message naming the first error.
 //
 // Timing of the last step: wall (the whole forward_backward), schedule (the action list: from the
 // start to the last send's completion), compute (forward and backward actions, the stash copies,
