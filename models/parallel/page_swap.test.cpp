@@ -16,6 +16,7 @@
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/page_swap.hpp"
 #include "models/parallel/pipeline_runner.hpp"
+#include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 
 using namespace troupe;
@@ -56,12 +57,7 @@ TEST_CASE("Swapping pages exchanges the bytes of two ranges without copying", "[
 TEST_CASE("A pipeline stage that stashes by swapping pages matches the single process",
           "[parallel]") {
   // gpt2-demo's shape, one row of 128 tokens: each stage's activations are 2.4 MB.
-  gpt_config cfg;
-  cfg.vocab = 256;
-  cfg.max_seq = 128;
-  cfg.dim = 128;
-  cfg.n_layer = 4;
-  cfg.n_head = 4;
+  const gpt_config cfg = testing::gpt_shape(256, 128, 128, 4, 4);
   const batch_dims dims{1, 128};
   const int m = 4;
   std::vector<owned_tensor> ids, targets;

@@ -27,6 +27,7 @@
 #include "models/parallel/llama_stage.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/pipeline_runner.hpp"
+#include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
@@ -42,13 +43,7 @@ namespace {
 constexpr int rows = 2, seq = 16, vocab = 64;
 
 gpt_config tiny_gpt() {
-  gpt_config c;
-  c.vocab = vocab;
-  c.max_seq = seq;
-  c.dim = 32;
-  c.n_layer = 4;
-  c.n_head = 4;
-  return c;
+  return testing::gpt_shape(vocab, seq, 32, 4, 4);
 }
 
 llama_config tiny_llama(bool tied = false) {
@@ -708,12 +703,7 @@ TEST_CASE("Data parallel training over pipeline stages equals the single process
 // steps of each rank's bubble_fraction(). Run: troupe_models_tests "[.pipe_bench]".
 TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
   troupe::parallel::set_num_threads(1);
-  gpt_config cfg;
-  cfg.vocab = 256;
-  cfg.max_seq = 64;
-  cfg.dim = 128;
-  cfg.n_layer = 8;
-  cfg.n_head = 4;
+  const gpt_config cfg = testing::gpt_shape(256, 64, 128, 8, 4);
   const batch_dims dims{4, 64};
   struct config {
     int pp;
@@ -767,12 +757,7 @@ TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
 // row of 128 tokens per microbatch, pp 2 with 8 microbatches; per stage the activation arena and
 // the stash after one step. Run: troupe_models_tests "[.pipe_memory]".
 TEST_CASE("Pipeline stash memory with and without recompute", "[.pipe_memory]") {
-  gpt_config cfg;
-  cfg.vocab = 256;
-  cfg.max_seq = 128;
-  cfg.dim = 128;
-  cfg.n_layer = 4;
-  cfg.n_head = 4;
+  const gpt_config cfg = testing::gpt_shape(256, 128, 128, 4, 4);  // gpt2-demo at 128 tokens
   const batch_dims dims{1, 128};
   for (auto kind : {schedule_kind::gpipe, schedule_kind::one_f_one_b})
     for (bool recompute : {false, true}) {

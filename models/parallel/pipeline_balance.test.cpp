@@ -16,6 +16,7 @@
 #include "models/gpt.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/pipeline_runner.hpp"
+#include "models/parallel/testing.hpp"
 #include "scheduler/pipeline.hpp"
 #include "tensor/ops.hpp"
 #include "tensor/parallel.hpp"
@@ -100,12 +101,7 @@ void fill_pattern(const tensor& t, int seed, float scale) {
 
 TEST_CASE("Pipeline stage compute balance of gpt2-demo", "[.pipe_balance]") {
   troupe::parallel::set_num_threads(1);
-  gpt_config cfg;
-  cfg.vocab = 256;
-  cfg.max_seq = 128;
-  cfg.dim = 128;
-  cfg.n_layer = 4;
-  cfg.n_head = 4;
+  const gpt_config cfg = testing::gpt_shape(256, 128, 128, 4, 4);
   const batch_dims dims{1, 128};
   const int p = 2, m = 8, steps = 40;
   scheduler::parallel_plan plan;

@@ -22,6 +22,7 @@
 #include "models/gpt.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/pipeline_runner.hpp"
+#include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 
 using namespace troupe;
@@ -33,13 +34,7 @@ namespace {
 constexpr int rows = 2, seq = 16, vocab = 64, m = 4;
 
 gpt_config tiny() {
-  gpt_config c;
-  c.vocab = vocab;
-  c.max_seq = seq;
-  c.dim = 32;
-  c.n_layer = 4;
-  c.n_head = 4;
-  return c;
+  return testing::gpt_shape(vocab, seq, 32, 4, 4);
 }
 
 struct data {

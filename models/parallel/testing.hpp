@@ -19,12 +19,26 @@
 
 #include "collective/local/local_transport.hpp"
 #include "models/causal_lm.hpp"
+#include "models/gpt.hpp"
 #include "models/parallel/tp_layers.hpp"
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
 #include "tensor/tensor.hpp"
 
 namespace troupe::models::testing {
+
+// A GPT-2 of the given shape, every other setting at gpt_config's default (the pipeline tests'
+// tiny model and gpt2-demo's shape at a chosen sequence length).
+inline gpt_config gpt_shape(std::int64_t vocab, std::int64_t max_seq, std::int64_t dim,
+                            std::int64_t n_layer, std::int64_t n_head) {
+  gpt_config c;
+  c.vocab = vocab;
+  c.max_seq = max_seq;
+  c.dim = dim;
+  c.n_layer = n_layer;
+  c.n_head = n_head;
+  return c;
+}
 
 inline std::vector<float> flat(const tensor& t) {
   const float* p = t.data_as<float>();
