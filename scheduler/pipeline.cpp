@@ -129,11 +129,12 @@ std::vector<action> gpipe(int s, int p, int m) {
   return b.out;
 }
 
-// Megatron's forward_backward_pipelining_without_interleaving.
-std::vector<action> one_f_one_b(int s, int p, int m) {
+// Megatron's forward_backward_pipelining_without_interleaving; `warmup` forwards before the steady
+// state (p - s - 1 for 1F1B, 2 (p - s - 1) for eager 1F1B).
+std::vector<action> one_f_one_b(int s, int p, int m, int warmup) {
   builder b(s, p);
   const bool first = s == 0, last = s == p - 1;
-  const int warmup = std::min(p - s - 1, m), remaining = m - warmup;
+  const int remaining = m - warmup;
   auto fwd_send = [&](int i) { return send_act(i, 0, s + 1); };
   auto bwd_send = [&](int i) { return send_grad(i, 0, s - 1); };
   for (int i = 0; i < warmup; ++i) {
@@ -233,7 +234,8 @@ std::vector<action> raw_schedule(schedule_kind kind, int s, int p, int m, int v)
     case schedule_kind::gpipe:
       return gpipe(s, p, m);
     case schedule_kind::one_f_one_b:
-      return one_f_one_b(s, p, m);
+    case schedule_kind::eager_1f1b:
+      return one_f_one_b(s, p, m, warmup_forwards(kind, s, p, m, v));
     case schedule_kind::interleaved:
       return interleaved(s, p, m, v);
   }
@@ -284,6 +286,8 @@ int warmup_forwards(schedule_kind kind, int stage, int stages, int microbatches,
       return microbatches;
     case schedule_kind::one_f_one_b:
       return std::min(stages - stage - 1, microbatches);
+    case schedule_kind::eager_1f1b:
+      return std::min(2 * (stages - stage - 1), microbatches);
     case schedule_kind::interleaved: {
       const int total = microbatches * virtual_stages;
       if (microbatches == stages) return total;

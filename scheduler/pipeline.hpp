@@ -17,6 +17,16 @@
 //   gpipe        all forwards, then all backwards: every stage holds m microbatches' activations.
 //   1f1b         stage s runs min(p - s - 1, m) warmup forwards, then alternates one forward and
 //                one backward, then drains the remaining backwards: at most p - s in flight.
+//   eager-1f1b   1F1B with 2 (p - s - 1) warmup forwards: every link holds one spare
+//                microbatch, so a stage's next input was sent a forward and a backward before it
+//                is needed and, with sends that do not wait for their receive (pipeline_runner's
+//                default), the steady state pays no transfer time: only the ramp does, once per
+//                link each way (1F1B pays two transfers per steady-state step). Same ideal bubble
+//                as 1F1B; stage s holds min(2 (p - s) - 1, m) microbatches instead of p - s. Its
+//                links are not mirrored: it needs each batch posted together (Megatron's
+//                batch_isend_irecv) or sends that do not wait; with every transfer blocking on its
+//                own it deadlocks (simulate.hpp's p2p_mode::blocking), and in batches it is slower
+//                than 1F1B (each early send waits for a receive its peer posts a step later).
 //   interleaved  1F1B over chunks, Megatron's forward_backward_pipelining_with_interleaving:
 //                forward k runs chunk (k mod pv) / p on microbatch (k / pv) * p + k mod p, warmup
 //                (p - s - 1) * 2 + (v - 1) * p forwards (all m * v when m == p); m a multiple of p.

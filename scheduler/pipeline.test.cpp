@@ -26,6 +26,7 @@ std::vector<combo> all_combos() {
     for (int m = 1; m <= 16; ++m) {
       out.push_back({schedule_kind::gpipe, p, m, 1});
       out.push_back({schedule_kind::one_f_one_b, p, m, 1});
+      out.push_back({schedule_kind::eager_1f1b, p, m, 1});
       if (p >= 2 && m % p == 0)
         for (int v = 2; v <= 4; ++v) out.push_back({schedule_kind::interleaved, p, m, v});
     }
@@ -114,9 +115,10 @@ TEST_CASE("every schedule computes each microbatch once per stage and chunk in a
 
 TEST_CASE("gpipe and 1f1b links carry mirrored send and receive sequences") {
   // The k-th transfer stage s posts towards s + 1 meets the k-th transfer s + 1 posts towards s:
-  // then no wait-for cycle can form even when every transfer blocks on its own.
+  // then no wait-for cycle can form even when every transfer blocks on its own. (Eager 1F1B sends
+  // activations ahead of the gradients it receives on purpose, so its links are not mirrored.)
   for (const auto& c : all_combos()) {
-    if (c.kind == schedule_kind::interleaved) continue;
+    if (c.kind == schedule_kind::interleaved || c.kind == schedule_kind::eager_1f1b) continue;
     INFO(name_of(c));
     auto all = make_schedules(c.kind, c.p, c.m, c.v);
     for (int s = 0; s + 1 < c.p; ++s) {
@@ -143,12 +145,17 @@ TEST_CASE("gpipe and 1f1b links carry mirrored send and receive sequences") {
 TEST_CASE("no schedule deadlocks with batched or with blocking transfers") {
   // Blocking is the stricter model (a send waits for its receive even inside a batch). GPipe and
   // 1F1B cannot deadlock under it (mirrored links, above); the interleaved lists have a ring link
-  // from the last stage back to the first, so for them this is checked, not proven.
+  // from the last stage back to the first, so for them this is checked, not proven. Eager 1F1B
+  // needs its batches posted together, or sends that do not wait (async, the runner's default):
+  // under blocking transfers its second warmup send waits for a receive its peer posts only
+  // after a send of its own that waits for this stage (checked below).
   for (const auto& c : all_combos()) {
     INFO(name_of(c));
     auto all = make_schedules(c.kind, c.p, c.m, c.v);
     CHECK(simulate(all, {}, p2p_mode::batched).error == "");
-    CHECK(simulate(all, {}, p2p_mode::blocking).error == "");
+    if (c.kind != schedule_kind::eager_1f1b)
+      CHECK(simulate(all, {}, p2p_mode::blocking).error == "");
+    CHECK(simulate(all, {}, p2p_mode::async).error == "");
   }
 }
 
@@ -162,6 +169,8 @@ TEST_CASE("1f1b holds at most stages minus stage microbatches while gpipe holds 
       INFO("stage " << s);
       if (c.kind == schedule_kind::gpipe) {
         CHECK(sim.peak_in_flight[s] == c.m);
+      } else if (c.kind == schedule_kind::eager_1f1b) {  // 2 (p - s - 1) + 1
+        CHECK(sim.peak_in_flight[s] == std::min(2 * (c.p - s) - 1, c.m));
       } else {
         CHECK(sim.peak_in_flight[s] <= c.p - s);
         CHECK(sim.peak_in_flight[s] == std::min(c.p - s, c.m));
@@ -171,10 +180,13 @@ TEST_CASE("1f1b holds at most stages minus stage microbatches while gpipe holds 
 }
 
 TEST_CASE("with equal unit costs the bubble is p-1 over m+p-1 for gpipe and 1f1b") {
+  // Eager 1F1B reaches it only with sends that do not wait for their receive (async, below): in
+  // Megatron's batches each early send waits for a receive its peer posts a step later.
   for (const auto& c : all_combos()) {
     if (c.kind == schedule_kind::interleaved) continue;
     INFO(name_of(c));
-    auto sim = simulate(make_schedules(c.kind, c.p, c.m), {1.0, 1.0, 0.0});
+    const auto mode = c.kind == schedule_kind::eager_1f1b ? p2p_mode::async : p2p_mode::batched;
+    auto sim = simulate(make_schedules(c.kind, c.p, c.m), {1.0, 1.0, 0.0}, mode);
     REQUIRE(sim.ok());
     CHECK(sim.makespan == 2.0 * (c.m + c.p - 1));
     CHECK(sim.bubble_fraction == Approx(double(c.p - 1) / (c.m + c.p - 1)).epsilon(1e-12));
@@ -281,4 +293,48 @@ TEST_CASE("make_schedule rejects combinations it cannot schedule") {
   says([] { make_schedule(schedule_kind::interleaved, 0, 4, 6, 2); }, "multiple of stages");
   says([] { make_schedule(schedule_kind::interleaved, 0, 4, 8, 1); }, "virtual_stages >= 2");
   says([] { make_schedule(schedule_kind::interleaved, 0, 1, 4, 2); }, "stages >= 2");
+}
+
+TEST_CASE("eager 1f1b deadlocks when every transfer blocks on its own") {
+  auto sim = simulate(make_schedules(schedule_kind::eager_1f1b, 2, 4), {}, p2p_mode::blocking);
+  CHECK_THAT(sim.error, Catch::Contains("deadlock: stage 0"));
+}
+
+TEST_CASE("eager 1f1b takes the transfers off the steady state") {
+  // Run as pipeline_runner runs a list (sends buffered, a stage waits only for its inputs), 1F1B
+  // puts two transfers on the critical path of every steady-state step: a stage's backward waits
+  // for the gradient its successor has just sent, and the successor's next forward for the
+  // activation the stage sends after that backward. With one more warmup forward the activation
+  // is sent a forward and a backward before it is needed, so only the ramp pays for transfers:
+  // the makespan is the unit-cost one plus one transfer per link each way.
+  const double f = 1.0, b = 2.0, l = 0.25;
+  for (int p = 2; p <= 8; ++p)
+    for (int m = p; m <= 16; ++m) {
+      INFO("p=" << p << " m=" << m);
+      auto eager =
+          simulate(make_schedules(schedule_kind::eager_1f1b, p, m), {f, b, l}, p2p_mode::async);
+      auto plain =
+          simulate(make_schedules(schedule_kind::one_f_one_b, p, m), {f, b, l}, p2p_mode::async);
+      REQUIRE(eager.ok());
+      REQUIRE(plain.ok());
+      CHECK(eager.makespan == Approx((m + p - 1) * (f + b) + 2 * (p - 1) * l).epsilon(1e-12));
+      CHECK(plain.makespan >= eager.makespan + 2 * (m - 2) * l - 1e-12);
+      // Free transfers: the same makespan and bubble as 1F1B, (p - 1) / (m + p - 1).
+      auto free =
+          simulate(make_schedules(schedule_kind::eager_1f1b, p, m), {f, b, 0.0}, p2p_mode::async);
+      CHECK(free.makespan == Approx((m + p - 1) * (f + b)).epsilon(1e-12));
+      CHECK(free.bubble_fraction == Approx(double(p - 1) / (m + p - 1)).epsilon(1e-12));
+    }
+}
+
+TEST_CASE("the async simulation reports a receive that no stage sends as a deadlock") {
+  auto lists = make_schedules(schedule_kind::one_f_one_b, 2, 2);
+  // Stage 0 never sends microbatch 1's activation: stage 1 waits for it forever.
+  for (auto it = lists[0].begin(); it != lists[0].end(); ++it)
+    if (it->kind == action_kind::send_activation && it->microbatch == 1) {
+      lists[0].erase(it);
+      break;
+    }
+  auto sim = simulate(lists, {}, p2p_mode::async);
+  CHECK_THAT(sim.error, Catch::Contains("recv_activation microbatch 1"));
 }

@@ -14,12 +14,15 @@ std::string_view name(schedule_kind k) {
       return "1f1b";
     case schedule_kind::interleaved:
       return "interleaved";
+    case schedule_kind::eager_1f1b:
+      return "eager-1f1b";
   }
   return "?";
 }
 
 std::optional<schedule_kind> parse_schedule_kind(std::string_view s) {
-  for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved})
+  for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved,
+                 schedule_kind::eager_1f1b})
     if (name(k) == s) return k;
   return std::nullopt;
 }

@@ -177,6 +177,21 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
           progress = true;
           continue;
         }
+        if (mode == p2p_mode::async) {
+          const std::size_t i = pc[s];
+          if (is_send(a.kind)) {
+            send_post[keys[s][i]] = t[s];
+            r.start[s][i] = r.finish[s][i] = t[s];
+          } else {
+            auto it = send_post.find(keys[s][i]);
+            if (it == send_post.end()) break;
+            r.start[s][i] = t[s];
+            t[s] = r.finish[s][i] = std::max(t[s], it->second + c.p2p);
+          }
+          ++pc[s];
+          progress = true;
+          continue;
+        }
         if (!posted[s]) {
           std::size_t e = pc[s] + 1;
           if (mode == p2p_mode::batched)

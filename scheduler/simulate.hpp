@@ -5,7 +5,10 @@
 // posted and takes cost.p2p, and both sides complete then (a send blocks like an unbuffered NCCL
 // send). With p2p_mode::batched, consecutive communication actions are posted together and the
 // stage waits for all of them (batch_isend_irecv, how pipeline.hpp's lists are meant to run); with
-// p2p_mode::blocking each transfer is posted only after the previous one completed.
+// p2p_mode::blocking each transfer is posted only after the previous one completed. p2p_mode::async
+// is how pipeline_runner runs a list by default: a send is buffered and never waited for (the
+// stage goes on at once; its message is there cost.p2p later), and a stage waits at a receive only
+// until that message is there.
 //
 // A receive matches the send of the same kind, microbatch and virtual stage (chunk * p + stage,
 // p = number of lists); the simulator also checks every dependency a real stage relies on
@@ -28,7 +31,7 @@ struct cost {
   double p2p = 0.0;
 };
 
-enum class p2p_mode { batched, blocking };
+enum class p2p_mode { batched, blocking, async };
 
 struct simulation {
   std::string error;  // empty on success; otherwise what went wrong (stage, action, cause)

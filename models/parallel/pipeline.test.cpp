@@ -319,6 +319,7 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::one_f_one_b, 4, 1, 1, false},
                  config{2, schedule_kind::interleaved, 4, 2, 1, false},
                  config{4, schedule_kind::one_f_one_b, 6, 1, 1, false},
+                 config{4, schedule_kind::eager_1f1b, 6, 1, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, 2, false},
                  config{2, schedule_kind::interleaved, 4, 2, 2, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
@@ -434,6 +435,7 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::one_f_one_b, 4, 1, false},
                  config{2, schedule_kind::interleaved, 4, 2, false},
                  config{4, schedule_kind::one_f_one_b, 6, 1, false},
+                 config{2, schedule_kind::eager_1f1b, 5, 1, true},
                  config{2, schedule_kind::one_f_one_b, 3, 1, true},
                  config{2, schedule_kind::one_f_one_b, 4, 1, false, 2, false},
                  config{2, schedule_kind::interleaved, 4, 2, false, 2, true},
