@@ -5,10 +5,12 @@
 # process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
 # overlap hides behind backward (dp2 with and without overlap, 256 KiB gradient buckets).
 #
-# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run twice:
+# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run thrice:
 # with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
 # batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
-# one compute action ahead). scripts/bench/pipe_trace.py then prints, over the steps after the
+# one compute action ahead), and a third time with the eager 1F1B schedule (scheduler/pipeline.hpp:
+# one more microbatch in flight per link, the runner's default transfers; same ideal bubble).
+# scripts/bench/pipe_trace.py then prints, over the steps after the
 # first: per stage the mean forward and backward of a microbatch and the bubble of the pipelined
 # section and of forward_backward, and the bubble of the same lists replayed with the measured
 # compute times and free transfers (what the schedule alone implies), next to (p-1)/(m+p-1), and
@@ -52,14 +54,20 @@ trace=/tmp/troupe-bench-pipe-$$
 rm -f "$trace".*
 RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
   --microbatches 8
-RANK_ENV="TROUPE_PIPE_TRACE=$trace" run pp2 --pp 2 --microbatches 8
-printf 'pp2 1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | bc -l)"
-for v in pp2-batched pp2; do
+RANK_ENV="TROUPE_PIPE_TRACE=$trace-default" run pp2 --pp 2 --microbatches 8
+RANK_ENV="TROUPE_PIPE_TRACE=$trace-eager" run pp2-eager --pp 2 --microbatches 8 \
+  --schedule eager-1f1b
+printf 'pp2 1f1b and eager-1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | bc -l)"
+for v in pp2-batched pp2 pp2-eager; do
   bubble=$(grep -o 'bubble [0-9.]*' "/tmp/troupe-bench-$v.txt" | awk '{print $2}')
   echo "$v: troupe train reports bubble $bubble% (the larger stage's, steps 1..)"
-  python3 scripts/bench/pipe_trace.py "$trace$([ "$v" = pp2 ] || echo -batched)"
+  case $v in
+    pp2-batched) python3 scripts/bench/pipe_trace.py "$trace-batched" ;;
+    pp2) python3 scripts/bench/pipe_trace.py "$trace-default" ;;
+    pp2-eager) python3 scripts/bench/pipe_trace.py "$trace-eager" ;;
+  esac
 done
-rm -f "$trace".* "$trace"-batched.*
+rm -f "$trace"-*.*
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
 RANK_ENV="$buckets TROUPE_DP_OVERLAP=0" run dp2-no-overlap --dp 2 >/dev/null
 without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
