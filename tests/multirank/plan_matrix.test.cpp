@@ -48,6 +48,7 @@ const std::vector<plan_cell>& plan_cells() {
       {"dp 2 x tp 2 with ZeRO 1", 4, {"--dp", "2", "--tp", "2", "--zero", "1"}},
       {"dp 2 x tp 2 with ZeRO 3", 4, {"--dp", "2", "--tp", "2", "--zero", "3"}},
       {"pp 4", 4, {"--pp", "4", "--microbatches", "4"}},
+      {"pp 4 with eager 1F1B", 4, {"--pp", "4", "--microbatches", "8", "--schedule", "eager-1f1b"}},
   };
   return cells;
 }
