@@ -1,9 +1,9 @@
 // The main job's three ways in, run as a user runs them (issue 6, requirement 5), each compared
 // with the single-process `troupe train` at the same tokens per step, seed and data:
 //   - the C++ actor script apps/examples/pretrain.cpp under `troupe launch -n 4`: its logged
-//     losses, a checkpoint that the single process resumes (its next steps' losses equal the
-//     straight run's, and a resume at another --seq is refused naming the flag), text sampled
-//     from it;
+//     losses under both its plans, a checkpoint that the single process resumes (its next steps'
+//     losses equal the straight run's, and a resume at another --seq is refused naming the flag),
+//     text sampled from it;
 //   - examples/hybrid.toml under `troupe launch -n <its ranks>`: the losses of the same job file
 //     without its [parallel] table in one process;
 //   - the launched command of scripts/demo.sh (read from the script): progress, loss and tokens/s
@@ -90,6 +90,20 @@ void prints_a_sample(const std::string& out) {
   CHECK(out.size() - (at + head.size()) >= 100);  // 200 bytes generated, a few cut at newlines
 }
 
+// The example's log ("step   1  loss 5.5560  ...", four decimals) gives `want`'s losses.
+void logs_losses(const std::string& out, const std::vector<double>& want) {
+  INFO(out);
+  std::vector<double> got;
+  const std::regex line(R"(step +(\d+) +loss ([0-9.]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
+    got.push_back(std::stod((*it)[2]));
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("step " << i + 1 << ": " << got[i] << " vs " << want[i]);
+    CHECK(std::abs(got[i] - want[i]) <= 1e-4 * std::abs(want[i]) + 5e-5);  // + the rounding
+  }
+}
+
 }  // namespace
 
 TEST_CASE("The pretrain example trains like troupe train and leaves a checkpoint it resumes from",
@@ -111,18 +125,15 @@ TEST_CASE("The pretrain example trains like troupe train and leaves a checkpoint
                             std::vector<std::string>{TROUPE_EXAMPLE_PRETRAIN_BIN, "--steps", "3",
                                                      "--log-every", "1", "--checkpoint-dir", ckpt});
   INFO(out);
-  // Its log: "step   1  loss 5.5560  ...", four decimals.
-  std::vector<double> got;
-  const std::regex line(R"(step +(\d+) +loss ([0-9.]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
-    got.push_back(std::stod((*it)[2]));
-  REQUIRE(got.size() == 3);
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got[i] << " vs " << want[i]);
-    CHECK(std::abs(got[i] - want[i]) <= 1e-4 * std::abs(want[i]) + 5e-5);  // + the rounding
-  }
+  logs_losses(out, {want.begin(), want.begin() + 3});
   CHECK(saved_step(ckpt) == 3);
   prints_a_sample(out);
+  // Its other plan, dp 2 x tp 2 with sequence parallelism.
+  logs_losses(succeeds(launcher(4, "example-pretrain-tp") +
+                       std::vector<std::string>{TROUPE_EXAMPLE_PRETRAIN_BIN, "--tp", "--steps", "3",
+                                                "--log-every", "1", "--sample", "0",
+                                                "--checkpoint-dir", dir.path + "/example-tp"}),
+              {want.begin(), want.begin() + 3});
 
   // troupe train --resume takes its checkpoint: steps 4 and 5 as the straight run's.
   succeeds(single + std::vector<std::string>{"--steps", "5", "--resume", ckpt, "--json",
