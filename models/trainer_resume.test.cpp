@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/hf/config.hpp"
+#include "models/offload/offload_trainer.hpp"
 #include "models/trainer.hpp"
 
 using namespace troupe;
@@ -58,6 +60,21 @@ train_config saved_run(const fs::path& text) {
   return c;
 }
 
+// trainer_state.json's "extra" of a checkpoint folder.
+nlohmann::json saved_extra(const fs::path& ckpt) {
+  std::ifstream f(ckpt / "trainer_state.json");
+  return nlohmann::json::parse(f)["extra"];
+}
+
+// saved_run(text) trained 2 steps by the plain trainer and saved into ckpt.
+void save_two_steps(const fs::path& text, const fs::path& ckpt, const hf::model_config& mcfg) {
+  auto model = make_causal_lm(mcfg, {2, 8});
+  model->init_weights(3);
+  trainer t(*model, saved_run(text));
+  for (int s = 0; s < 2; ++s) t.step(rows_of);
+  REQUIRE(t.save(ckpt, mcfg).has_value());
+}
+
 }  // namespace
 
 TEST_CASE("A single-process checkpoint records how its run read its data", "[cpu]") {
@@ -73,8 +90,7 @@ TEST_CASE("A single-process checkpoint records how its run read its data", "[cpu
   t.step(rows_of);
   REQUIRE(t.save(ckpt, mcfg).has_value());
 
-  std::ifstream f(ckpt / "trainer_state.json");
-  auto extra = nlohmann::json::parse(f)["extra"];
+  auto extra = saved_extra(ckpt);
   CHECK(extra["seed"] == 7);
   CHECK(extra["data"] == "data.text " + fs::canonical(text).string());
   CHECK(extra["batch"] == 2);
@@ -98,13 +114,7 @@ TEST_CASE("A single-process resume whose run would read other batches is refused
   std::ofstream(text) << "some text";
   std::ofstream(other) << "other text";
   const auto mcfg = named_model_config("gpt2-demo", 29).value();
-  {
-    auto model = make_causal_lm(mcfg, {2, 8});
-    model->init_weights(3);
-    trainer t(*model, saved_run(text));
-    for (int s = 0; s < 2; ++s) t.step(rows_of);
-    REQUIRE(t.save(ckpt, mcfg).has_value());
-  }
+  save_two_steps(text, ckpt, mcfg);
   struct change {
     std::function<void(train_config&)> apply;
     std::string setting, saved, now;  // the values as JSON
@@ -147,4 +157,38 @@ TEST_CASE("A single-process resume whose run would read other batches is refused
   auto r = t.resume(ckpt, mcfg);
   REQUIRE(r.has_value());
   CHECK(*r == 2);
+}
+
+TEST_CASE("A run with memory tiers records the data position and refuses a resume at another seq",
+          "[cpu]") {
+  temp_folder dir("offload");
+  const fs::path text = dir.path / "corpus.txt", ckpt = dir.path / "ckpt",
+                 own = dir.path / "offloaded";
+  std::ofstream(text) << "some text";
+  const auto mcfg = named_model_config("gpt2-demo", 29).value();
+  const gpt_config g = hf::to_gpt_config(std::get<hf::gpt2_config>(mcfg));
+  save_two_steps(text, ckpt, mcfg);
+  offload_options o;
+  o.device_bytes = std::size_t{1} << 30;  // everything resident: the tiers are not the point
+  causal_lm_of<gpt> staging(g, batch_dims{1, 8});
+
+  train_config other = saved_run(text);
+  other.seq = 4;
+  offload_trainer refused(g, other, o);
+  auto r = refused.resume(ckpt, mcfg, staging);
+  REQUIRE(!r.has_value());
+  CHECK_THAT(r.error_message(), Catch::Contains((ckpt / "trainer_state.json").string()) &&
+                                    Catch::Contains("train.seq (--seq) = 8") &&
+                                    Catch::Contains("this run has 4"));
+
+  offload_trainer same(g, saved_run(text), o);
+  REQUIRE(same.resume(ckpt, mcfg, staging).value() == 2);
+  same.step(rows_of);
+  REQUIRE(same.save(own, mcfg, staging).has_value());
+  auto extra = saved_extra(own);
+  CHECK(extra["offload"] == true);
+  CHECK(extra["seq"] == 8);
+  CHECK(extra["batch"] == 2);
+  CHECK(extra["seed"] == 7);
+  CHECK(extra["data"] == "data.text " + fs::canonical(text).string());
 }
