@@ -19,15 +19,14 @@
 #include "actors/node.hpp"
 #include "actors/training.hpp"
 #include "apps/commands.hpp"
+#include "apps/sample_text.hpp"
 #include "apps/train_tiers.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
-#include "models/generation.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/parallel/plan_checkpoint.hpp"
 #include "models/text/token_file.hpp"
-#include "models/text/tokenizer.hpp"
 #include "models/trainer.hpp"
 #include "tensor/parallel.hpp"
 
@@ -40,9 +39,10 @@ namespace hf = models::hf;
 struct train_cli {
   train_config flags;  // values of the flags given
   std::vector<std::pair<CLI::Option*, void (*)(train_config&, const train_config&)>> applied;
-  std::string config_file, json_path, tokenizer = "byte", prompt = "The ";
+  std::string config_file, json_path;
   bool demo = false;
-  int threads = 0, sample = 200;
+  int threads = 0;
+  sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
   int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
   bool sp = false;
@@ -113,16 +113,6 @@ std::unique_ptr<std::FILE, int (*)(std::FILE*)> open_json(const std::string& pat
   return json;
 }
 
-// The prompt and --sample tokens generated after it (temperature 0.8, top-k 40), decoded.
-std::string sample_text(models::causal_lm& model, const train_cli& c, std::uint64_t seed) {
-  auto tok = models::load_tokenizer(c.tokenizer).value();
-  auto prompt = tok->encode(c.prompt);
-  models::token_sampler sampler({.temperature = 0.8, .top_k = 40}, seed);
-  auto out = models::generate(model, prompt, c.sample, sampler, tok->eos_id());
-  prompt.insert(prompt.end(), out.begin(), out.end());
-  return tok->decode(prompt);
-}
-
 // One rank of a launched job: rank 0 drives the trainer actors of every rank.
 int run_hybrid(train_cli& c, const train_config& cfg) {
   actors::role_registry roles;
@@ -164,13 +154,9 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
           "checkpoint: {} (HF layout + optimizer state; --resume or --model-hf under any "
           "plan)\n",
           sum.checkpoint);
-      if (c.sample > 0) {
-        auto mcfg = hf::read_config(sum.checkpoint).value();
-        auto model = models::make_causal_lm(mcfg, {1, cfg.seq});
-        hf::load_weights(sum.checkpoint, mcfg, model->slots()).value();
-        fmt::print("sample from the checkpoint (temperature 0.8, top-k 40):\n{}\n",
-                   sample_text(*model, c, cfg.seed));
-      }
+      if (c.sample.tokens > 0)
+        fmt::print("sample from the checkpoint ({}):\n{}\n", sample_settings,
+                   sample_checkpoint(sum.checkpoint, cfg.seq, c.sample));
     }
     std::fflush(stdout);
   }
@@ -187,6 +173,7 @@ int run_train(train_cli& c) {
   for (auto& [opt, apply] : c.plan_flags)
     if (opt->count() > 0) apply(cfg);
   cfg.validate();
+  c.sample.seed = cfg.seed;
   if (c.threads > 0) parallel::set_num_threads(c.threads);
   // Started by a launcher (troupe launch, Slurm, torchrun): one rank of a hybrid-parallel run.
   if (actors::join_info_from_env().has_value() && !cfg.tiers()) return run_hybrid(c, cfg);
@@ -214,8 +201,8 @@ int run_train(train_cli& c) {
       return [bar](const models::step_result& r) { bar->report(r); };
     };
     h.done = [&](models::causal_lm& m) {
-      if (c.sample > 0)
-        fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", sample_text(m, c, cfg.seed));
+      if (c.sample.tokens > 0)
+        fmt::print("sample ({}):\n{}\n", sample_settings, sample_text(m, c.sample));
     };
     return run_tiered(cfg, mcfg, h);
   }
@@ -275,9 +262,8 @@ int run_train(train_cli& c) {
   if (!cfg.ckpt_dir.empty())
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
 
-  if (c.sample > 0) {
-    fmt::print("sample (temperature 0.8, top-k 40):\n{}\n", sample_text(*model, c, cfg.seed));
-  }
+  if (c.sample.tokens > 0)
+    fmt::print("sample ({}):\n{}\n", sample_settings, sample_text(*model, c.sample));
   return 0;
 }
 
@@ -384,10 +370,11 @@ command_fn add_train_command(CLI::App& app) {
                   "Write per-step loss and grad norm as JSON lines "
                   "to this file ('-': standard output)");
   sub->add_option("--threads", c->threads, "CPU threads (0: all)");
-  sub->add_option("--sample", c->sample, "Tokens to generate at the end (0: none)")
+  sub->add_option("--sample", c->sample.tokens, "Tokens to generate at the end (0: none)")
       ->capture_default_str();
-  sub->add_option("--prompt", c->prompt, "Prompt of the generated text")->capture_default_str();
-  sub->add_option("--tokenizer", c->tokenizer,
+  sub->add_option("--prompt", c->sample.prompt, "Prompt of the generated text")
+      ->capture_default_str();
+  sub->add_option("--tokenizer", c->sample.tokenizer,
                   "Tokenizer to encode the prompt and decode the "
                   "sample (byte, gpt2:DIR, spm:FILE)")
       ->capture_default_str();

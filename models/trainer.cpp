@@ -7,6 +7,7 @@
 
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/training_state.hpp"
+#include "models/parallel/plan_checkpoint.hpp"
 #include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
@@ -130,12 +131,10 @@ expected<std::filesystem::path> trainer::save(const std::filesystem::path& folde
   return hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
     auto files = hf::save_checkpoint(dir, cfg, mixed() ? master_slots_ : model_.slots());
     if (!files) return result::failure(files.error_message());
-    nlohmann::json extra = {{"seed", cfg_.seed},
-                            {"precision", cfg_.precision},
-                            {"loss_scale", loss_scale_},
-                            {"good_steps", good_steps_}};
-    hf::training_state st{
-        .step = step_, .optimizer_steps = opt_.steps_taken(), .extra_json = extra.dump()};
+    const nlohmann::json own = {{"loss_scale", loss_scale_}, {"good_steps", good_steps_}};
+    hf::training_state st{.step = step_,
+                          .optimizer_steps = opt_.steps_taken(),
+                          .extra_json = run_state_extra(cfg_, own.dump())};
     auto ts = hf::save_training_state(dir, st, opt_.m(), opt_.v());
     if (!ts) return result::failure(ts.error_message());
     return dir;
@@ -144,6 +143,8 @@ expected<std::filesystem::path> trainer::save(const std::filesystem::path& folde
 
 expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
                                        const hf::model_config& cfg) {
+  auto saved = resumable_state(folder, cfg_, opt_.m().sizes());  // before anything is loaded
+  if (!saved) return expected<std::int64_t>::failure(saved.error_message());
   auto w = hf::load_weights(folder, cfg, mixed() ? master_slots_ : model_.slots());
   if (!w) return expected<std::int64_t>::failure(w.error_message());
   if (mixed()) ops::copy(master_, model_.memory().params());
@@ -157,6 +158,25 @@ expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
     good_steps_ = extra.value("good_steps", std::int64_t{0});
   }
   return step_;
+}
+
+std::string run_state_extra(const train_config& cfg, const std::string& own) {
+  auto extra = nlohmann::json::parse(parallel::run_extra_json(cfg));
+  extra.update(nlohmann::json::parse(own));
+  return extra.dump();
+}
+
+expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
+                                             const train_config& cfg, const shape& moments) {
+  auto file = hf::training_state_file::open(folder, moments);
+  if (!file) return expected<hf::training_state>::failure(file.error_message());
+  try {
+    parallel::check_data_position(file->state().extra_json, cfg,
+                                  (folder / "trainer_state.json").string());
+  } catch (const error& e) {
+    return expected<hf::training_state>::failure(e.what());
+  }
+  return file->state();
 }
 
 double evaluate(causal_lm& model, const trainer::batch_source& data, int batch, int seq,

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "models/causal_lm.hpp"
+#include "models/hf/training_state.hpp"
 #include "models/optim.hpp"
 #include "models/train_config.hpp"
 
@@ -55,7 +56,8 @@ class trainer {
   // Weights (HF layout), config.json, optimizer.safetensors and trainer_state.json.
   expected<std::filesystem::path> save(const std::filesystem::path& folder,
                                        const hf::model_config& cfg) const;
-  // Loads all of the above back (the model must be built from the same config).
+  // Loads all of the above back (the model must be built from the same config); refuses a
+  // checkpoint whose run read its data differently (resumable_state).
   expected<std::int64_t> resume(const std::filesystem::path& folder, const hf::model_config& cfg);
 
  private:
@@ -74,6 +76,20 @@ class trainer {
   std::int64_t good_steps_ = 0;  // f16: steps since the scale last changed
   std::vector<std::int32_t> rows_, targets_;
 };
+
+// trainer_state.json's "extra" of a single-process run of cfg (this trainer's and
+// models/offload's): what a parallel plan's checkpoint records (parallel/plan_checkpoint.hpp's
+// run_extra_json: seed, the data, batch, grad_accum, seq, fixed_batch, the learning-rate schedule,
+// the plan) with the trainer's own keys (`own`, a JSON object) over it.
+std::string run_state_extra(const train_config& cfg, const std::string& own);
+
+// The saved state of the checkpoint in `folder` (moments of shape `moments`) if a run of cfg may
+// resume it; else its error: the file at fault, or - when the saved run read its data differently,
+// so step s would not read the batch it read there - trainer_state.json, the setting (train.seed,
+// the data, train.batch, grad_accum, seq, fixed_batch, named with its flag) and both values.
+// Checked before anything is loaded, for checkpoints of any plan.
+expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
+                                             const train_config& cfg, const shape& moments);
 
 // The mean loss of `batches` draws of the data (from draw `first`), without gradients.
 double evaluate(causal_lm& model, const trainer::batch_source& data, int batch, int seq,

@@ -10,9 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include "memory/error.hpp"
-
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/training_state.hpp"
 #include "models/optim.hpp"
@@ -321,8 +319,9 @@ expected<std::filesystem::path> offload_trainer::save(const std::filesystem::pat
     copy_kind(staging.slots(), 2, true);
     ops::copy(g, m);
     copy_kind(staging.slots(), 3, true);  // v stays in the staging gradients
-    nlohmann::json extra = {{"seed", cfg_.seed}, {"precision", cfg_.precision}, {"offload", true}};
-    hf::training_state st{.step = step_, .optimizer_steps = step_, .extra_json = extra.dump()};
+    hf::training_state st{.step = step_,
+                          .optimizer_steps = step_,
+                          .extra_json = run_state_extra(cfg_, R"({"offload": true})")};
     auto ts = hf::save_training_state(dir, st, m, g);
     if (!ts) return result::failure(ts.error_message());
     return dir;
@@ -333,10 +332,12 @@ expected<std::int64_t> offload_trainer::resume(const std::filesystem::path& fold
                                                const hf::model_config& cfg, causal_lm& staging) {
   using result = expected<std::int64_t>;
   TROUPE_CHECK(step_ == 0, "offload_trainer: resume before the first step");
+  const tensor& g = staging.memory().grads();
+  auto saved = resumable_state(folder, cfg_, g.sizes());  // before anything is loaded
+  if (!saved) return result::failure(saved.error_message());
   auto w = hf::load_weights(folder, cfg, staging.slots());
   if (!w) return result::failure(w.error_message());
   copy_kind(staging.slots(), 0, false);
-  const tensor& g = staging.memory().grads();
   owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
   auto st = hf::load_training_state(folder, m, g);
   if (!st) return result::failure(st.error_message());
