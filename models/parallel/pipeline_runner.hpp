@@ -63,9 +63,10 @@
 // TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
 // line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
 // (compute: the run; receive: the wait for it; send: posted, and seen complete) and the thread's
-// CPU ms in it (compute only, else 0). `troupe launch`
-// drops TROUPE_* variables from its ranks' environment: set these through env(1) on the ranks'
-// command line (scripts/bench/hybrid.sh).
+// CPU ms in it (compute only, else 0), then "step wall -1 -1 0 <wall ms> 0" and "step t0 -1 -1 0
+// <the step's start in ms on steady_clock> 0" (one clock for the processes of a host). `troupe
+// launch` drops TROUPE_* variables from its ranks' environment: set these through env(1) on the
+// ranks' command line (scripts/bench/hybrid.sh).
 #pragma once
 
 #include <chrono>

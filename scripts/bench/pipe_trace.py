@@ -4,8 +4,8 @@
     python3 scripts/bench/pipe_trace.py PREFIX [FIRST_STEP]
 
 reads PREFIX.stage<s>.<pid>.txt (one file per stage; lines "step kind microbatch chunk start_ms
-end_ms [cpu_ms]", and "step wall -1 -1 0 wall_ms [0]") and prints, over the steps from FIRST_STEP
-(default 2):
+end_ms [cpu_ms]", "step wall -1 -1 0 wall_ms [0]" and "step t0 -1 -1 0 start_ms 0", the step's
+start on the host's monotonic clock) and prints, over the steps from FIRST_STEP (default 2):
 
   per stage   mean forward and backward of a microbatch (ms), and the bubble measured two ways:
               of the pipelined section (1 - compute / the stage's action list time, the runner's
@@ -20,6 +20,11 @@ end_ms [cpu_ms]", and "step wall -1 -1 0 wall_ms [0]") and prints, over the step
               the bubble the schedule implies for the stages' own compute cost, without the time
               other processes of a shared machine took from the ranks; and with every action at
               its stage's mean CPU forward or backward: the stages' imbalance alone
+  one clock   with the t0 lines: the stages' actions on one time line, and the bubble as the
+              formula defines it: sum over stages of idle / (stages x makespan), the makespan
+              from the first stage's start to the last stage's last action; a stage's time before
+              its own start counts as idle (the per-stage figures above start at each stage's own
+              start, so a stage entering its step late looks less idle there)
   theory      (p-1)/(v m+p-1)
 
 The gap between measured and replay is what the runtime adds: transfer time, waiting for a
@@ -102,7 +107,7 @@ def main():
         nf = nb = 0
         for t in steps:
             acts = trace[t]
-            sched += max(a[4] for a in acts if a[0] != "wall")
+            sched += max(a[4] for a in acts if a[0] not in ("wall", "t0"))
             wall += sum(a[4] for a in acts if a[0] == "wall")
             for k, _, _, a, e, cpu in acts:
                 if k == "forward":
@@ -127,8 +132,23 @@ def main():
             cpu_idle += p * span - sum(busy)
             cpu_total += p * span
     ideal = (p - 1) / (v * m + p - 1)
+    has_t0 = all(any(a[0] == "t0" for a in trace[t]) for trace in stages for t in steps)
+    one_idle = one_total = 0.0
+    if has_t0:
+        for t in steps:
+            starts = [next(a[4] for a in trace[t] if a[0] == "t0") for trace in stages]
+            ends = [s0 + max(a[4] for a in trace[t] if a[0] not in ("wall", "t0"))
+                    for s0, trace in zip(starts, stages)]
+            span = max(ends) - min(starts)
+            busy = sum(a[4] - a[3] for trace in stages for a in trace[t]
+                       if a[0] in ("forward", "backward"))
+            one_idle += p * span - busy
+            one_total += p * span
     print(f"  all stages: bubble {100 * (1 - all_compute / all_sched):.1f}% of the pipelined "
           "section (idle over the stages' summed section time)")
+    if has_t0:
+        print(f"  one clock: bubble {100 * one_idle / one_total:.1f}% (idle over stages x makespan, "
+              "from the first stage's start to the last one's end)")
     print(f"  replay with the measured compute times and free transfers: bubble "
           f"{100 * idle / busy_total:.1f}%; theory (p-1)/(v m+p-1) = {100 * ideal:.1f}% "
           f"(p {p}, m {m}, v {v}; steps {steps[0]}..{steps[-1]})")
