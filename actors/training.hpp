@@ -46,6 +46,9 @@ struct training_summary {
   double seconds = 0, first_loss = 0, last_loss = 0;
   std::vector<std::string> ranks;  // one line per rank: "rank 1: dp 0 pp 1 tp 0, stage 1 of 2 ..."
   std::string checkpoint;          // where the whole model was written ("" when not)
+  // One line per rank at the end of the run: the most parameter bytes it held at once against the
+  // whole model's, its peak host buffer bytes and its peak RSS (VmHWM).
+  std::vector<std::string> memory;
 };
 
 struct drive_options {
