@@ -8,8 +8,9 @@
 //   step{k}         every trainer runs step k; activations and gradients move rank to rank over
 //                   UCX (pipeline sends, tensor and data-parallel collectives), never through the
 //                   driver; each replies step_done{loss, tokens, seconds, bubble, ...}
-//   save{dir}       the whole model and AdamW's moments are assembled from the pieces and rank 0
-//                   writes the single-process trainer's folder (HF weights, optimizer.safetensors,
+//   save{dir}       the weights (parameter by parameter) and AdamW's moments (in windows) are
+//                   gathered from the pieces and rank 0 streams them into the single-process
+//                   trainer's folder (HF weights, optimizer.safetensors,
 //                   trainer_state.json; every checkpoint.every steps and after the last); with
 //                   checkpoint.resume, setup reads each rank's parts and the run continues from
 //                   the saved step under any plan
