@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -339,5 +340,37 @@ TEST_CASE("Resuming under a plan from a folder that does not fit is refused nami
     std::filesystem::remove(ck / "optimizer.safetensors");
     CHECK_THAT(resume_error(cfg, model_of(false)),
                Catch::Contains("optimizer.safetensors") && Catch::Contains("--model-hf"));
+  }
+}
+
+TEST_CASE("A save its writer cannot write fails on every rank without a hang", "[parallel]") {
+  temp_dir dir;
+  // A regular file where the checkpoint's folder would go: the writer cannot create its folders.
+  const auto blocker = dir / "not-a-folder";
+  { std::ofstream(blocker) << "x"; }
+  for (const auto& plan : {plan_of(2, 1, 1, 1), plan_of(1, 2, 2, 0)}) {
+    INFO(scheduler::describe(plan));
+    auto cfg = run_config();
+    cfg.plan = plan;
+    const auto model = model_of(false);
+    std::vector<std::string> what(plan.world_size());
+    run_plan(
+        plan,
+        [&](int r, const hybrid_groups& g) {
+          hybrid_trainer t(model, cfg, g);
+          t.step(rows_of);
+          try {
+            t.save(blocker / "ck");
+          } catch (const std::exception& e) {
+            what[r] = e.what();
+          }
+        },
+        true);
+    CHECK_THAT(what[0], Catch::Contains("not-a-folder"));
+    for (int r = 1; r < plan.world_size(); ++r) {
+      INFO("rank " << r);
+      CHECK_THAT(what[r], Catch::Contains("hybrid_trainer::save") &&
+                              Catch::Contains("1 other rank(s) failed"));
+    }
   }
 }
