@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -12,9 +13,11 @@
 #include "collective/grid.hpp"
 #include "collective/p2p_communicator.hpp"
 #include "memory/error.hpp"
+#include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/layers/slots.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "models/text/token_file.hpp"
 
@@ -51,6 +54,15 @@ struct save_reply {
   auto fields() { return std::tie(written); }
 };
 
+struct memory_request {
+  std::int64_t unused = 0;
+  auto fields() { return std::tie(unused); }
+};
+struct memory_reply {
+  std::string line;  // memory_line's
+  auto fields() { return std::tie(line); }
+};
+
 // ---- the trainer ---------------------------------------------------------------------------
 struct trainer_state {
   std::mutex mu;
@@ -60,7 +72,6 @@ struct trainer_state {
   std::vector<std::unique_ptr<collective::communicator>> comms;
   std::vector<collective_watch> watches;  // the comms' flight records in describe (after comms)
   std::unique_ptr<mp::hybrid_trainer> hybrid;
-  std::unique_ptr<models::causal_lm> whole;  // for loading and saving whole checkpoints
   models::data_source data;
   std::string broken;  // why a step failed: the piece's state is undefined from then on
 };
@@ -129,14 +140,8 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   ctx.set_mesh("tp", tpc);
   ctx.set_activity("building its piece");
   if (me == 0 && !st.cfg.ckpt_dir.empty()) probe_folder(st.cfg.ckpt_dir);
-  st.whole = mp::make_whole_model(st.model, st.cfg.seq);
-  std::unique_ptr<mp::whole_layout> weights;
-  if (!st.cfg.model_hf.empty() && st.cfg.resume.empty()) {
-    models::hf::load_weights(st.cfg.model_hf, st.model, st.whole->slots()).value();
-    weights = std::make_unique<mp::whole_layout>(
-        mp::whole_layout{&st.whole->slots(), st.whole->memory().params()});
-  }
-  st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, st.cfg, g, weights.get());
+  // The piece only: its weights come one whole parameter at a time (init, model.hf or resume).
+  st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, st.cfg, g);
   st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
                                      st.cfg.seed)
                 .value();
@@ -185,13 +190,38 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
   return out;
 }
 
+// The process's peak resident set (VmHWM of /proc/self/status) in kB; -1 where it cannot be read.
+std::int64_t peak_rss_kb() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6);
+  return -1;
+}
+
+// "rank 0 memory: parameters 1843200 bytes at peak (whole model 3444736 bytes, 53.5%), host
+// buffers 20.1 MiB at peak, VmHWM 61.2 MiB": the most parameter bytes (models/layers/slots.hpp's
+// ledger) and host buffer bytes (memory/tier.hpp's) this process held at once, and its peak RSS.
+memory_reply memory_line(role_context& ctx, trainer_state& st) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": memory report before setup");
+  const auto peak = models::param_bytes().peak;
+  const auto whole = st.hybrid->whole().numel * static_cast<std::int64_t>(sizeof(float));
+  return {
+      fmt::format("rank {} memory: parameters {} bytes at peak (whole model {} bytes, {:.1f}%), "
+                  "host buffers {:.1f} MiB at peak, VmHWM {:.1f} MiB",
+                  ctx.node().rank(), peak, whole, 100.0 * peak / std::max<std::int64_t>(whole, 1),
+                  memory::stats(memory::tier::host).peak / 1048576.0, peak_rss_kb() / 1024.0)};
+}
+
 save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": save before setup");
-  ctx.set_activity("assembling the whole model and optimizer state");
-  // The weights and AdamW's moments are gathered from every rank; one rank writes the folder.
+  ctx.set_activity("writing the checkpoint");
+  // The weights and AdamW's moments are gathered from every rank, parameter by parameter and in
+  // windows; one rank streams them into the folder.
   save_reply out;
-  out.written = st.hybrid->save(r.dir, *st.whole);
+  out.written = st.hybrid->save(r.dir);
   ctx.set_activity("idle");
   return out;
 }
@@ -205,6 +235,8 @@ void add_trainer_role(role_registry& roles) {
     b.on<step_request>(
         [st](role_context& c, const step_request& r) { return run_step(c, *st, r); });
     b.on<save_request>([st](role_context& c, const save_request& r) { return save(c, *st, r); });
+    b.on<memory_request>(
+        [st](role_context& c, const memory_request&) { return memory_line(c, *st); });
   });
 }
 
@@ -258,6 +290,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     const bool every = cfg.ckpt_every > 0 && rep.result.step % cfg.ckpt_every == 0;
     if (!cfg.ckpt_dir.empty() && (every || s + 1 == cfg.steps)) save();
   }
+  for (auto& m : j.ask_all<memory_reply>(trainers, memory_request{}, std::chrono::minutes(1)))
+    sum.memory.push_back(m.line);
   for (const auto& t : trainers) j.stop(t);
   return sum;
 }

@@ -8,8 +8,9 @@
 //   step{k}         every trainer runs step k; activations and gradients move rank to rank over
 //                   UCX (pipeline sends, tensor and data-parallel collectives), never through the
 //                   driver; each replies step_done{loss, tokens, seconds, bubble, ...}
-//   save{dir}       the whole model and AdamW's moments are assembled from the pieces and rank 0
-//                   writes the single-process trainer's folder (HF weights, optimizer.safetensors,
+//   save{dir}       the weights (parameter by parameter) and AdamW's moments (in windows) are
+//                   gathered from the pieces and rank 0 streams them into the single-process
+//                   trainer's folder (HF weights, optimizer.safetensors,
 //                   trainer_state.json; every checkpoint.every steps and after the last); with
 //                   checkpoint.resume, setup reads each rank's parts and the run continues from
 //                   the saved step under any plan
@@ -46,6 +47,9 @@ struct training_summary {
   double seconds = 0, first_loss = 0, last_loss = 0;
   std::vector<std::string> ranks;  // one line per rank: "rank 1: dp 0 pp 1 tp 0, stage 1 of 2 ..."
   std::string checkpoint;          // where the whole model was written ("" when not)
+  // One line per rank at the end of the run: the most parameter bytes it held at once against the
+  // whole model's, its peak host buffer bytes and its peak RSS (VmHWM).
+  std::vector<std::string> memory;
 };
 
 struct drive_options {

@@ -149,6 +149,7 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
         sum.steps, sum.seconds, sum.tokens / std::max(sum.seconds, 1e-9), sum.first_loss,
         sum.last_loss, ran > 0 ? 100.0 * bubble / static_cast<double>(ran) : 0.0,
         ran > 0 ? 1e3 * wait / static_cast<double>(ran) : 0.0);
+    for (const auto& m : sum.memory) fmt::print("  {}\n", m);
     if (!sum.checkpoint.empty()) {
       fmt::print(
           "checkpoint: {} (HF layout + optimizer state; --resume or --model-hf under any "

@@ -143,6 +143,7 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
   ends_.declare_back(slots_, dims);
+  if (cfg.unbound) return;
   mem_ = layer_memory(slots_, t, dev);
 
   auto pos = empty({cfg.max_seq}, dtype::i32);
@@ -152,6 +153,10 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
 }
 
 void gpt::init_weights(std::uint64_t seed) {
+  init_values(seed, store_param);
+}
+
+void gpt::init_values(std::uint64_t seed, const init_sink& each) const {
   std::mt19937_64 gen(seed);
   std::normal_distribution<double> normal(0.0, cfg_.init_std);
   const double resid_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer));
@@ -174,14 +179,7 @@ void gpt::init_weights(std::uint64_t seed) {
     }
     if (ends_with("attn.o_proj.weight") || ends_with("mlp.proj.weight"))
       for (std::int64_t i = 0; i < host.numel(); ++i) p[i] *= resid_scale;
-    if (s.field->is_cpu()) {
-      ops::copy(host, *s.field);
-    } else {
-      auto conv = empty(s.sizes, s.field->type());
-      ops::copy(host, conv);
-      auto dev = to_device(conv, s.field->dev());
-      ops::copy(dev, *s.field);
-    }
+    each(s, host);
   }
 }
 

@@ -52,6 +52,9 @@ struct gpt_config {
   // run the block's forward again right before its backward; all blocks share one set of
   // activation bytes.
   bool recompute = false;
+  // Declare the slots only and bind no memory: the model then describes the names, shapes and
+  // layout of its parameters (slots(), place_params) and draws init_values, and nothing else.
+  bool unbound = false;
 };
 
 // r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)), the pre-LN block of GPT-2 (with, as options,
@@ -124,6 +127,9 @@ class gpt {
   // embeddings, zero biases, unit norm weights, and the residual projections (c_proj of attention
   // and MLP) N(0, init_std / sqrt(2 n_layer)); deterministic in the seed.
   void init_weights(std::uint64_t seed);
+  // The values init_weights(seed) gives, parameter after parameter in declaration order, into
+  // `each` (which init_weights stores into the parameters); needs no memory (unbound).
+  void init_values(std::uint64_t seed, const init_sink& each) const;
 
   // ids, targets: i32 [B, T] on the model's device (T <= max_seq, B <= the planned batch).
   // Returns the mean loss; keeps what backward needs.

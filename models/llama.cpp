@@ -119,6 +119,7 @@ llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
   loss_.declare(slots_, "loss", dims);
   slots_.scratch("dx_a", bt, dx_a_);
   slots_.scratch("dx_b", bt, dx_b_);
+  if (cfg_.unbound) return;
   mem_ = layer_memory(slots_, t, dev);
 }
 
@@ -131,6 +132,10 @@ const tensor& llama::head_grad() const {
 }
 
 void llama::init_weights(std::uint64_t seed) {
+  init_values(seed, store_param);
+}
+
+void llama::init_values(std::uint64_t seed, const init_sink& each) const {
   std::mt19937_64 gen(seed);
   std::normal_distribution<double> normal(0.0, cfg_.init_std);
   for (const auto& s : slots_.slots()) {
@@ -142,14 +147,7 @@ void llama::init_weights(std::uint64_t seed) {
     bool is_bias = n.size() >= 5 && n.compare(n.size() - 5, 5, ".bias") == 0;
     for (std::int64_t i = 0; i < host.numel(); ++i)
       p[i] = is_norm ? 1.0 : is_bias ? 0.0 : normal(gen);
-    if (s.field->is_cpu()) {
-      ops::copy(host, *s.field);
-    } else {
-      auto conv = empty(s.sizes, s.field->type());
-      ops::copy(host, conv);
-      auto d = to_device(conv, s.field->dev());
-      ops::copy(d, *s.field);
-    }
+    each(s, host);
   }
 }
 

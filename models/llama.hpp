@@ -59,6 +59,8 @@ struct llama_config {
   // Activation checkpointing per layer (not in HF's config): keep only each layer's input and
   // run its forward again right before its backward; all layers share one set of activation bytes.
   bool recompute = false;
+  // Declare the slots only and bind no memory (as gpt_config::unbound).
+  bool unbound = false;
 };
 
 // r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r)).
@@ -96,6 +98,8 @@ class llama {
   // HF's initialisation (LlamaPreTrainedModel._init_weights): N(0, init_std) for embeddings and
   // projections, zero biases, unit norm weights; deterministic in the seed.
   void init_weights(std::uint64_t seed);
+  // The values init_weights(seed) gives, parameter after parameter (as gpt::init_values).
+  void init_values(std::uint64_t seed, const init_sink& each) const;
 
   // ids, targets: i32 [B, T] on the model's device (T <= the planned seq, B <= the planned batch).
   // Returns the mean loss over targets that are not -100; keeps what backward needs.

@@ -1,6 +1,7 @@
 // Loading and saving HF model folders (see checkpoint.hpp).
 #include "models/hf/checkpoint.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -150,9 +151,10 @@ std::map<std::string, const tensor_slot*> param_slots(const slot_list& slots) {
 }
 
 // Checks the name map against the model's parameters: every non-tied entry names a parameter of
-// the right shape, and every parameter has an entry.
+// the right shape (bound to memory when `bound`), and every parameter has an entry.
 void check_map_against_model(const name_map& map,
-                             const std::map<std::string, const tensor_slot*>& params) {
+                             const std::map<std::string, const tensor_slot*>& params,
+                             bool bound = true) {
   std::set<std::string> covered;
   for (const auto& e : map.entries) {
     if (e.tied) continue;
@@ -164,7 +166,7 @@ void check_map_against_model(const name_map& map,
       fail("parameter '", e.our_name, "' of the model has shape ", it->second->sizes.str(),
            " but the config implies ", want.str(), " (HF tensor '", e.hf_name, "' is ",
            e.hf_shape.str(), ")");
-    if (it->second->field == nullptr || !it->second->field->defined())
+    if (bound && (it->second->field == nullptr || !it->second->field->defined()))
       fail("parameter '", e.our_name, "' of the model has no memory bound yet");
     covered.insert(e.our_name);
   }
@@ -183,9 +185,21 @@ std::string shard_file_name(int index, int count) {
 
 expected<std::vector<fs::path>> load_weights(const fs::path& folder, const name_map& map,
                                              const slot_list& slots) {
+  const auto params = param_slots(slots);
+  return read_weights(
+      folder, map, slots,
+      [&](const name_map_entry& e, const safetensors_entry& t) {
+        read_into(t, *params.at(e.our_name)->field, e.transpose);
+      },
+      /*bound=*/true);
+}
+
+expected<std::vector<fs::path>> read_weights(const fs::path& folder, const name_map& map,
+                                             const slot_list& slots, const weight_reader& each,
+                                             bool bound) {
   return as_expected([&] {
     const auto params = param_slots(slots);
-    check_map_against_model(map, params);
+    check_map_against_model(map, params, bound);
     weight_files w = open_weight_files(folder);
 
     // Match every tensor of the folder to the map.
@@ -225,9 +239,9 @@ expected<std::vector<fs::path>> load_weights(const fs::path& folder, const name_
       if (!(t.sizes == e->hf_shape))
         fail(where, ": shape ", t.sizes.str(), " but config.json implies ", e->hf_shape.str());
     }
-    for (const auto& [e, named] : matched)
-      read_into(*named.second.entry, *params.at(e->our_name)->field, e->transpose);
-    if (!params.empty() && !params.begin()->second->field->is_cpu()) memory::device_synchronize();
+    for (const auto& [e, named] : matched) each(*e, *named.second.entry);
+    if (bound && !params.empty() && !params.begin()->second->field->is_cpu())
+      memory::device_synchronize();
 
     std::vector<fs::path> read;
     for (const auto& f : w.files) read.push_back(f.path());
@@ -313,6 +327,67 @@ expected<std::vector<fs::path>> save_weights(const fs::path& folder, const name_
     sync_directory(folder);
     return files;
   });
+}
+
+namespace {
+
+std::vector<tensor_spec> f32_specs(const std::vector<name_map_entry>& entries) {
+  std::vector<tensor_spec> specs;
+  for (const auto& e : entries) specs.push_back({e.hf_name, dtype::f32, e.hf_shape});
+  return specs;
+}
+
+std::vector<name_map_entry> untied(const model_config& cfg) {
+  std::vector<name_map_entry> out;
+  for (const auto& e : name_map_for(cfg).entries)
+    if (!e.tied) out.push_back(e);
+  return out;
+}
+
+}  // namespace
+
+std::vector<name_map_entry> checkpoint_writer::order(const model_config& cfg) {
+  auto entries = untied(cfg);
+  std::map<std::string, name_map_entry> by_name;
+  for (const auto& e : entries) by_name.emplace(e.hf_name, e);
+  std::vector<name_map_entry> out;
+  for (const auto& sp : safetensors_writer::file_order(f32_specs(entries)))
+    out.push_back(by_name.at(sp.name));
+  return out;
+}
+
+checkpoint_writer::checkpoint_writer(const fs::path& folder, const model_config& cfg)
+    : folder_(folder),
+      cfg_(cfg),
+      order_(order(cfg)),
+      file_(folder / single_file, f32_specs(order_), {{"format", "pt"}}) {
+  for (std::size_t i = 0; i < order_.size(); ++i)
+    TROUPE_CHECK(file_.order()[i].name == order_[i].hf_name, "checkpoint_writer: tensor ", i,
+                 " of '", (folder / single_file).string(), "' is '", file_.order()[i].name,
+                 "', not '", order_[i].hf_name, "'");
+}
+
+void checkpoint_writer::write(const tensor& ours) {
+  TROUPE_CHECK(next_ < order_.size(), "checkpoint_writer: every tensor of '",
+               (folder_ / single_file).string(), "' is written already");
+  const name_map_entry& e = order_[next_];
+  const shape want = e.transpose ? transposed(e.hf_shape) : e.hf_shape;
+  TROUPE_CHECK(ours.sizes() == want && ours.is_cpu(), "checkpoint_writer: tensor '", e.hf_name,
+               "' needs a host tensor of shape ", want.str(), ", got ", ours.describe());
+  if (!out_.defined() || out_.numel() < e.hf_shape.numel())
+    out_ = empty({e.hf_shape.numel()}, dtype::f32);
+  tensor out = out_.narrow(0, 0, e.hf_shape.numel()).reshape(e.hf_shape);
+  ops::copy(e.transpose ? ours.transpose(0, 1) : ours, out);
+  file_.append(out);
+  ++next_;
+}
+
+std::vector<fs::path> checkpoint_writer::commit() {
+  atomic_file weights = file_.finish();
+  weights.commit();
+  auto config = write_config(folder_, cfg_, dtype::f32);
+  if (!config) fail(config.error_message());
+  return {weights.path(), *config};
 }
 
 expected<fs::path> save_folder_atomically(

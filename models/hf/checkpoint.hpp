@@ -28,6 +28,7 @@
 #include "memory/error.hpp"
 #include "models/hf/config.hpp"
 #include "models/hf/name_map.hpp"
+#include "models/hf/safetensors.hpp"
 #include "models/layers/slots.hpp"
 #include "tensor/dtype.hpp"
 
@@ -49,6 +50,18 @@ expected<std::vector<std::filesystem::path>> load_weights(const std::filesystem:
                                                           const model_config& cfg,
                                                           const slot_list& slots);
 
+// load_weights without the model's memory: checks the folder against the map and the parameter
+// slots' names and shapes exactly as load_weights does (bound: that the slots have memory too),
+// then hands every tensor of the map to `each` with its entry in the mapped file (valid during the
+// call; read_into(file_entry, dst, entry.transpose) reads it in our layout). Returns the files.
+using weight_reader =
+    std::function<void(const name_map_entry& entry, const safetensors_entry& file_entry)>;
+expected<std::vector<std::filesystem::path>> read_weights(const std::filesystem::path& folder,
+                                                          const name_map& map,
+                                                          const slot_list& slots,
+                                                          const weight_reader& each,
+                                                          bool bound = false);
+
 // Writes the weight files of the parameter slots into `folder` (which must exist). Returns the
 // files written (shards, then the index).
 expected<std::vector<std::filesystem::path>> save_weights(const std::filesystem::path& folder,
@@ -61,6 +74,28 @@ expected<std::vector<std::filesystem::path>> save_checkpoint(const std::filesyst
                                                              const model_config& cfg,
                                                              const slot_list& slots,
                                                              const save_options& opt = {});
+
+// save_checkpoint's files (one model.safetensors in f32, then config.json) written one tensor at a
+// time, for callers that never hold the whole model (models/parallel's pieces): write() takes the
+// tensors of order() in that order, each in our layout; commit() renames the weights into place
+// and writes config.json. The bytes equal save_checkpoint's. Throws troupe::error.
+class checkpoint_writer {
+ public:
+  checkpoint_writer(const std::filesystem::path& folder, const model_config& cfg);  // folder exists
+  // The non-tied tensors of the config's name map, in the order their bytes lie in the file.
+  static std::vector<name_map_entry> order(const model_config& cfg);
+  // The next tensor of order(): f32 host, our shape (the transpose of the file's where it says).
+  void write(const tensor& ours);
+  std::vector<std::filesystem::path> commit();
+
+ private:
+  std::filesystem::path folder_;
+  model_config cfg_;
+  std::vector<name_map_entry> order_;
+  std::size_t next_ = 0;
+  safetensors_writer file_;
+  owned_tensor out_;  // the file's layout of the tensor being written
+};
 
 // Writes a checkpoint folder as one unit: write(staging) fills `<folder>.partial` (emptied
 // first); only when it succeeds does the new folder replace `folder` (the old one is renamed to

@@ -220,24 +220,24 @@ void read_into(const safetensors_entry& e, const tensor& dst, bool transpose) {
 
 // ---- writing --------------------------------------------------------------------------------
 
-atomic_file write_safetensors(const fs::path& path, const std::vector<named_tensor>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
-  const std::string file = "safetensors file '" + path.string() + "'";
-  std::vector<const named_tensor*> order;
+std::vector<tensor_spec> safetensors_writer::file_order(std::vector<tensor_spec> tensors) {
+  std::stable_sort(tensors.begin(), tensors.end(), [](const tensor_spec& a, const tensor_spec& b) {
+    std::size_t sa = dtype_size(a.type), sb = dtype_size(b.type);
+    return sa != sb ? sa > sb : a.name < b.name;
+  });
+  return tensors;
+}
+
+safetensors_writer::safetensors_writer(const fs::path& path, std::vector<tensor_spec> tensors,
+                                       const std::map<std::string, std::string>& metadata)
+    : file_("safetensors file '" + path.string() + "'") {
   std::set<std::string_view> names;
   for (const auto& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__")
-      fail(file, ": invalid tensor name '", t.name, "'");
-    if (!names.insert(t.name).second) fail(file, ", tensor '", t.name, "': named twice");
-    if (!t.value.defined() || !t.value.is_cpu() || !t.value.is_contiguous())
-      fail(file, ", tensor '", t.name, "': needs a defined contiguous host tensor, got ",
-           t.value.defined() ? t.value.describe() : std::string("undefined"));
-    order.push_back(&t);
+      fail(file_, ": invalid tensor name '", t.name, "'");
+    if (!names.insert(t.name).second) fail(file_, ", tensor '", t.name, "': named twice");
   }
-  std::sort(order.begin(), order.end(), [](const named_tensor* a, const named_tensor* b) {
-    std::size_t sa = a->value.element_size(), sb = b->value.element_size();
-    return sa != sb ? sa > sb : a->name < b->name;
-  });
+  order_ = file_order(std::move(tensors));
 
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
@@ -245,26 +245,67 @@ atomic_file write_safetensors(const fs::path& path, const std::vector<named_tens
     for (const auto& [k, v] : metadata) m[k] = v;
   }
   std::uint64_t offset = 0;
-  for (const named_tensor* t : order) {
-    auto& e = header[t->name];
-    e["dtype"] = safetensors_dtype_name(t->value.type());
+  for (const tensor_spec& t : order_) {
+    const std::uint64_t bytes = static_cast<std::uint64_t>(t.sizes.numel()) * dtype_size(t.type);
+    auto& e = header[t.name];
+    e["dtype"] = safetensors_dtype_name(t.type);
     e["shape"] = nlohmann::ordered_json::array();
-    for (auto d : t->value.sizes()) e["shape"].push_back(d);
-    e["data_offsets"] = {offset, offset + t->value.nbytes()};
-    offset += t->value.nbytes();
+    for (auto d : t.sizes) e["shape"].push_back(d);
+    e["data_offsets"] = {offset, offset + bytes};
+    offset += bytes;
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  atomic_file out(path);
+  out_.emplace(path);
   unsigned char len[8];
   std::uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  out.write(len, 8);
-  out.write(text);
-  for (const named_tensor* t : order) out.write(t->value.data(), t->value.nbytes());
-  out.finish();
-  return out;
+  out_->write(len, 8);
+  out_->write(text);
+}
+
+void safetensors_writer::append(const tensor& part) {
+  if (part.defined() && part.numel() == 0) return;  // nothing to write (an empty tensor's bytes)
+  while (next_ < order_.size() && order_[next_].sizes.numel() == 0) ++next_;  // empty tensors
+  if (next_ == order_.size()) fail(file_, ": more bytes than its tensors hold");
+  const tensor_spec& t = order_[next_];
+  if (!part.defined() || !part.is_cpu() || !part.is_contiguous() || part.type() != t.type ||
+      done_ + part.numel() > t.sizes.numel())
+    fail(file_, ", tensor '", t.name, "': needs a contiguous host ", dtype_name(t.type),
+         " part of at most ", t.sizes.numel() - done_, " elements, got ",
+         part.defined() ? part.describe() : std::string("undefined"));
+  out_->write(part.data(), part.nbytes());
+  done_ += part.numel();
+  if (done_ == t.sizes.numel()) {
+    ++next_;
+    done_ = 0;
+  }
+}
+
+atomic_file safetensors_writer::finish() {
+  while (next_ < order_.size() && order_[next_].sizes.numel() == 0) ++next_;
+  if (next_ != order_.size())
+    fail(file_, ": finished before tensor '", order_[next_].name, "' was written");
+  out_->finish();
+  return std::move(*out_);
+}
+
+atomic_file write_safetensors(const fs::path& path, const std::vector<named_tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  const std::string file = "safetensors file '" + path.string() + "'";
+  std::vector<tensor_spec> specs;
+  std::map<std::string_view, const named_tensor*> by_name;
+  for (const auto& t : tensors) {
+    if (!t.value.defined() || !t.value.is_cpu() || !t.value.is_contiguous())
+      fail(file, ", tensor '", t.name, "': needs a defined contiguous host tensor, got ",
+           t.value.defined() ? t.value.describe() : std::string("undefined"));
+    specs.push_back({t.name, t.value.type(), t.value.sizes()});
+    by_name[t.name] = &t;
+  }
+  safetensors_writer w(path, std::move(specs), metadata);
+  for (const auto& spec : w.order()) w.append(by_name.at(spec.name)->value);
+  return w.finish();
 }
 
 expected<std::uint64_t> save_safetensors(const fs::path& path,

@@ -83,6 +83,36 @@ struct named_tensor {
   tensor value;
 };
 
+// What a writer is told about a tensor before its bytes.
+struct tensor_spec {
+  std::string name;
+  dtype type = dtype::f32;
+  shape sizes;
+};
+
+// A safetensors file written tensor by tensor (or in parts of a tensor), for writers that never
+// hold all the tensors at once: the header is planned and written first (HF's order, exactly as
+// write_safetensors lays it out), then the bytes come through append() in order() - parts of one
+// tensor after another - into `<path>.tmp`; finish() checks every byte came and returns the file
+// to commit. Throws troupe::error naming the file and the tensor.
+class safetensors_writer {
+ public:
+  safetensors_writer(const std::filesystem::path& path, std::vector<tensor_spec> tensors,
+                     const std::map<std::string, std::string>& metadata = {});
+  const std::vector<tensor_spec>& order() const { return order_; }
+  // The order a writer of `tensors` puts them in (by element size, largest first, then name).
+  static std::vector<tensor_spec> file_order(std::vector<tensor_spec> tensors);
+  void append(const tensor& part);  // contiguous host, the dtype of the tensor being written
+  atomic_file finish();
+
+ private:
+  std::string file_;  // for messages
+  std::vector<tensor_spec> order_;
+  std::optional<atomic_file> out_;
+  std::size_t next_ = 0;   // the tensor being written
+  std::int64_t done_ = 0;  // its elements written
+};
+
 // Writes `tensors` to path atomically; returns the file's size in bytes.
 expected<std::uint64_t> save_safetensors(const std::filesystem::path& path,
                                          const std::vector<named_tensor>& tensors,

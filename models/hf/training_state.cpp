@@ -24,10 +24,6 @@ json shape_json(const shape& s) {
   return j;
 }
 
-json describe_moment(const tensor& t) {
-  return {{"dtype", safetensors_dtype_name(t.type())}, {"shape", shape_json(t.sizes())}};
-}
-
 std::int64_t count_field(const json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<std::int64_t>() < 0)
     fail(where, ": field '", key, "' must be a non-negative integer",
@@ -57,15 +53,47 @@ const safetensors_entry& check_moment(const safetensors_file& f, const char* nam
 
 }  // namespace
 
+training_state_writer::training_state_writer(const fs::path& folder, const training_state& state,
+                                             dtype type, const shape& moments)
+    : folder_(folder), state_(state), type_(type), moments_(moments) {
+  const json extra = json::parse(state.extra_json, nullptr, false);
+  if (extra.is_discarded() || !extra.is_object())
+    fail("save_training_state: extra_json must be a JSON object, got '", state.extra_json, "'");
+  if (state.step < 0 || state.optimizer_steps < 0)
+    fail("save_training_state: step counts must be non-negative");
+  file_.emplace(folder / optimizer_file,
+                std::vector<tensor_spec>{{"m", type, moments}, {"v", type, moments}},
+                std::map<std::string, std::string>{{"format", format_name},
+                                                   {"step", std::to_string(state.step)}});
+}
+
+void training_state_writer::append(const tensor& part) {
+  file_->append(part);
+}
+
+std::vector<fs::path> training_state_writer::commit() {
+  atomic_file opt = file_->finish();
+  const json moment = {{"dtype", safetensors_dtype_name(type_)}, {"shape", shape_json(moments_)}};
+  json j;
+  j["format"] = format_name;
+  j["format_version"] = format_version;
+  j["step"] = state_.step;
+  j["optimizer_steps"] = state_.optimizer_steps;
+  j["m"] = moment;
+  j["v"] = moment;
+  j["extra"] = json::parse(state_.extra_json);
+  atomic_file st(folder_ / state_file);
+  st.write(j.dump(2) + "\n");
+  st.finish();
+  opt.commit();
+  st.commit();
+  return {opt.path(), st.path()};
+}
+
 expected<std::vector<fs::path>> save_training_state(const fs::path& folder,
                                                     const training_state& state, const tensor& m,
                                                     const tensor& v) {
   return as_expected([&] {
-    json extra = json::parse(state.extra_json, nullptr, false);
-    if (extra.is_discarded() || !extra.is_object())
-      fail("save_training_state: extra_json must be a JSON object, got '", state.extra_json, "'");
-    if (state.step < 0 || state.optimizer_steps < 0)
-      fail("save_training_state: step counts must be non-negative");
     owned_tensor host_m, host_v;
     auto host = [](const tensor& t, owned_tensor& storage) -> tensor {
       if (t.is_cpu() && t.is_contiguous()) return t;
@@ -73,24 +101,13 @@ expected<std::vector<fs::path>> save_training_state(const fs::path& folder,
       return storage;
     };
     const tensor hm = host(m, host_m), hv = host(v, host_v);
-
-    atomic_file opt =
-        write_safetensors(folder / optimizer_file, {{"m", hm}, {"v", hv}},
-                          {{"format", format_name}, {"step", std::to_string(state.step)}});
-    json j;
-    j["format"] = format_name;
-    j["format_version"] = format_version;
-    j["step"] = state.step;
-    j["optimizer_steps"] = state.optimizer_steps;
-    j["m"] = describe_moment(hm);
-    j["v"] = describe_moment(hv);
-    j["extra"] = extra;
-    atomic_file st(folder / state_file);
-    st.write(j.dump(2) + "\n");
-    st.finish();
-    opt.commit();
-    st.commit();
-    return std::vector<fs::path>{opt.path(), st.path()};
+    if (hm.type() != hv.type() || !(hm.sizes() == hv.sizes()))
+      fail("save_training_state: m ", hm.describe(), " and v ", hv.describe(),
+           " must have one dtype and shape");
+    training_state_writer w(folder, state, hm.type(), hm.sizes());
+    w.append(hm);
+    w.append(hv);
+    return w.commit();
   });
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,25 @@ struct training_state {
 expected<std::vector<std::filesystem::path>> save_training_state(
     const std::filesystem::path& folder, const training_state& state, const tensor& m,
     const tensor& v);
+
+// save_training_state for writers that never hold the whole moments: the moments (`type`, shape
+// `moments`) come through append() in parts, all of m, then all of v; commit() writes
+// trainer_state.json and commits both files as save_training_state does (same bytes). Throws
+// troupe::error naming the file.
+class training_state_writer {
+ public:
+  training_state_writer(const std::filesystem::path& folder, const training_state& state,
+                        dtype type, const shape& moments);
+  void append(const tensor& part);  // contiguous host, of `type`
+  std::vector<std::filesystem::path> commit();
+
+ private:
+  std::filesystem::path folder_;
+  training_state state_;
+  dtype type_;
+  shape moments_;
+  std::optional<safetensors_writer> file_;
+};
 
 // Reads both files of `folder`, checks them against each other and against m and v (the shapes of
 // the model's moments), fills m and v, and returns the state.

@@ -3,8 +3,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
@@ -120,13 +122,18 @@ memory::memory_plan in_order(const std::vector<memory::size_spec>& specs) {
   return plan;
 }
 
-planned plan_kind(const slot_list& slots, slot_kind kind, dtype t, device dev) {
+std::vector<memory::size_spec> specs_of(const slot_list& slots, slot_kind kind, dtype t) {
   std::vector<memory::size_spec> specs;
   for (const auto& s : slots.slots()) {
     if (s.kind != kind) continue;
     specs.push_back({s.name, static_cast<std::size_t>(s.sizes.numel()) * dtype_size(t),
                      slot_alignment, s.first, s.last});
   }
+  return specs;
+}
+
+planned plan_kind(const slot_list& slots, slot_kind kind, dtype t, device dev) {
+  const auto specs = specs_of(slots, kind, t);
   planned p;
   if (specs.empty()) return p;
   // Parameters (and their gradients) in declaration order, so that a block's parameters are one
@@ -150,6 +157,63 @@ tensor flat(const memory::arena& a, dtype t, device dev) {
 
 }  // namespace
 
+namespace {
+
+std::mutex ledger_mu;
+param_bytes_stats ledger;
+
+}  // namespace
+
+param_bytes_stats param_bytes() {
+  std::lock_guard lk(ledger_mu);
+  return ledger;
+}
+
+layer_memory::counted::counted(std::size_t bytes) : bytes_(bytes) {
+  std::lock_guard lk(ledger_mu);
+  ledger.in_use += static_cast<std::int64_t>(bytes);
+  ledger.peak = std::max(ledger.peak, ledger.in_use);
+}
+
+layer_memory::counted& layer_memory::counted::operator=(counted&& o) noexcept {
+  if (this != &o) {
+    counted gone(std::move(*this));  // gives this one's bytes back
+    bytes_ = o.bytes_;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+layer_memory::counted::~counted() {
+  if (bytes_ == 0) return;
+  std::lock_guard lk(ledger_mu);
+  ledger.in_use -= static_cast<std::int64_t>(bytes_);
+}
+
+param_placement place_params(const slot_list& slots, dtype t) {
+  const auto specs = specs_of(slots, slot_kind::param, t);
+  param_placement out;
+  if (specs.empty()) return out;
+  const auto plan = in_order(specs);
+  const auto elem = static_cast<std::int64_t>(dtype_size(t));
+  for (const auto& b : plan.blocks)
+    out.offsets.push_back(static_cast<std::int64_t>(b.offset) / elem);
+  // The arena's size (memory::arena): the plan's total rounded up to 64 bytes.
+  out.numel = static_cast<std::int64_t>((plan.total + 63) / 64 * 64) / elem;
+  return out;
+}
+
+void store_param(const tensor_slot& slot, const tensor& values) {
+  if (slot.field->is_cpu()) {
+    ops::copy(values, *slot.field);
+    return;
+  }
+  auto conv = empty(slot.sizes, slot.field->type());
+  ops::copy(values, conv);
+  auto dev = to_device(conv, slot.field->dev());
+  ops::copy(dev, *slot.field);
+}
+
 layer_memory::layer_memory(const slot_list& slots, dtype t, device dev) {
   TROUPE_CHECK(is_floating(t), "layer_memory: layers need a floating dtype, got ", dtype_name(t));
   planned p = plan_kind(slots, slot_kind::param, t, dev);
@@ -161,6 +225,7 @@ layer_memory::layer_memory(const slot_list& slots, dtype t, device dev) {
   activations_ = std::move(a.arena);
   scratch_ = std::move(s.arena);
   scratch_naive_ = s.plan.naive_total;
+  param_share_ = counted(params_.capacity());
   params_flat_ = flat(params_, t, dev);
   grads_flat_ = flat(grads_, t, dev);
   for (const auto& slot : slots.slots()) {

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -115,6 +116,14 @@ class slot_list {
   std::int64_t clock_ = 0;
 };
 
+// Process-wide ledger of parameter memory: the bytes of every layer_memory's params() alive now
+// and the most alive at once since the process started, so that a rank of a parallel plan can show
+// it never held more parameters than its piece (gradients, activations and scratch not counted).
+struct param_bytes_stats {
+  std::int64_t in_use = 0, peak = 0;
+};
+param_bytes_stats param_bytes();
+
 // The storage of every slot of a slot_list, bound into the fields the slots point to.
 class layer_memory {
  public:
@@ -146,10 +155,42 @@ class layer_memory {
   std::size_t scratch_bytes_without_reuse() const { return scratch_naive_; }
 
  private:
+  // Counts its bytes in param_bytes() while it lives (moves with the memory).
+  class counted {
+   public:
+    counted() = default;
+    explicit counted(std::size_t bytes);
+    counted(counted&& o) noexcept : bytes_(o.bytes_) { o.bytes_ = 0; }
+    counted& operator=(counted&& o) noexcept;
+    counted(const counted&) = delete;
+    counted& operator=(const counted&) = delete;
+    ~counted();
+
+   private:
+    std::size_t bytes_ = 0;
+  };
   memory::arena params_, grads_, activations_, scratch_;
+  counted param_share_;
   tensor params_flat_, grads_flat_;
   std::size_t scratch_naive_ = 0;
 };
+
+// Where layer_memory(slots, t) puts the parameters, computed without memory: the offset (in
+// elements of params()) of every parameter slot, in slot order, and params().numel(), padding
+// included. A model built with no memory (gpt_config::unbound, llama_config::unbound) still
+// describes its layout this way.
+struct param_placement {
+  std::vector<std::int64_t> offsets;
+  std::int64_t numel = 0;
+};
+param_placement place_params(const slot_list& slots, dtype t);
+
+// Receives a model's initial values parameter after parameter (gpt::init_values,
+// llama::init_values): the slot and its values, a host f64 tensor of its shape (valid during the
+// call).
+using init_sink = std::function<void(const tensor_slot& slot, const tensor& values)>;
+// The sink of init_weights: `values` into the slot's bound parameter (on any device).
+void store_param(const tensor_slot& slot, const tensor& values);
 
 // ---- helpers for layer code ------------------------------------------------------------------
 

@@ -120,9 +120,11 @@ void gpt_stage::store_to(const slot_list& full, bool from_grads, bool to_grads) 
 }
 
 void gpt_stage::init_weights(std::uint64_t seed) {
-  gpt full(cfg_, {1, 1});
-  full.init_weights(seed);
-  load_from(full.slots());
+  gpt_config whole = cfg_;
+  whole.unbound = true;
+  const gpt full(whole, {1, 1});
+  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp(),
+              "gpt_stage", cfg_.n_head);
 }
 
 bool gpt_stage::replicated_over_tp(std::string_view p) const {

@@ -5,6 +5,8 @@
 #include <fmt/core.h>
 
 #include <cstdlib>
+#include <exception>
+#include <filesystem>
 #include <string>
 #include <variant>
 
@@ -22,6 +24,7 @@
 #include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/pipeline_runner.hpp"
 #include "models/parallel/plan_checkpoint.hpp"
+#include "models/parallel/whole_model.hpp"
 #include "scheduler/plan.hpp"
 #include "tensor/ops.hpp"
 
@@ -75,12 +78,13 @@ struct hybrid_trainer::impl {
   pipeline_runner* runner = nullptr;      // the piece, when pp > 1
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
+  std::unique_ptr<whole_model> whole;  // the whole model's description only (no memory)
   piece_layout layout;
   std::string description;
 };
 
 hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config& cfg,
-                               const hybrid_groups& g, const whole_layout* weights)
+                               const hybrid_groups& g)
     : impl_(std::make_unique<impl>()), model_(model) {
   auto& I = *impl_;
   I.cfg = cfg;
@@ -114,15 +118,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
 
   const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
-  auto whole = make_whole_model(model, cfg.seq);
-  if (!cfg.resume.empty()) {
-    hf::load_weights(cfg.resume, model, whole->slots()).value();
-  } else if (weights != nullptr) {
-    ops::copy(weights->base, whole->memory().params());
-  } else {
-    whole->init_weights(cfg.seed);
-  }
-  whole_layout wl{&whole->slots(), whole->memory().params()};
+  I.whole = std::make_unique<whole_model>(model);
 
   if (plan.pp > 1) {
     const auto so = stage_options::of(plan, g.pp->rank(), shape_of(model, cfg));
@@ -160,7 +156,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       I.model = std::make_unique<causal_lm_of<tp_llama>>(lc, dims, tg);
     }
     I.piece = std::make_unique<model_producer>(
-        *I.model, *g.tp, replicated_by_shape(I.model->slots(), whole->slots()));
+        *I.model, *g.tp, replicated_by_shape(I.model->slots(), I.whole->slots()));
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
   }
@@ -175,7 +171,13 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   }
   grad_producer* piece = I.piece.get();
   I.layout.owns = [piece](std::string_view name) { return piece->counts_in_norm(name); };
-  scatter_to_piece(wl, wl.base, I.layout, I.layout.base);
+  // The piece's weights, one whole parameter at a time: a checkpoint's (checkpoint.resume, else
+  // model.hf), or the single-process model's init.
+  const std::string& from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
+  if (!from.empty())
+    load_piece(*I.whole, from, I.layout, I.layout.base);
+  else
+    init_piece(*I.whole, cfg.seed, I.layout, I.layout.base);
   dp_options dpo;
   // A benchmark knob (scripts/bench/hybrid.sh): TROUPE_DP_OVERLAP=0 reduces after backward only.
   if (const char* v = std::getenv("TROUPE_DP_OVERLAP"); v != nullptr && std::string(v) == "0")
@@ -185,12 +187,12 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (const char* v = std::getenv("TROUPE_DP_BUCKET_BYTES"); v != nullptr && std::atoll(v) > 0)
     dpo.bucket_bytes = static_cast<std::size_t>(std::atoll(v));
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dpo);
-  if (!cfg.resume.empty()) resume(cfg.resume, wl);
+  if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
 
 void hybrid_trainer::resume(const std::filesystem::path& folder, const whole_layout& whole) {
   auto& I = *impl_;
-  auto file = hf::training_state_file::open(folder, whole.base.sizes()).value();
+  auto file = hf::training_state_file::open(folder, shape{whole.numel}).value();
   // Every rank reads the same file, so every rank fails these checks alike (before any collective).
   check_steps_left(file.state().step, I.cfg, folder.string());
   check_data_position(file.state().extra_json, I.cfg, (folder / "trainer_state.json").string());
@@ -220,35 +222,94 @@ std::int64_t hybrid_trainer::optimizer_steps() const {
   return impl_->dp->optimizer_state().steps;
 }
 
-std::string hybrid_trainer::save(const std::filesystem::path& folder, causal_lm& whole) {
+std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   auto& I = *impl_;
-  const whole_layout wl{&whole.slots(), whole.memory().params()};
-  gather_whole(wl, wl.base);
+  const whole_layout& wl = I.whole->layout();
   const bool writer = I.g.dp->rank() == 0 && I.g.mp->rank() == 0;
-  owned_tensor m, v;
-  if (writer) {
-    m = zeros(wl.base.sizes());
-    v = zeros(wl.base.sizes());
-  }
-  gather_moments(wl, m, v);
-  if (!writer) return {};
+  if (I.cfg.plan.zero == 3) I.dp->gather_full_parameters();
+  // The writer streams into a folder of its own, renamed into place once every byte is there; a
+  // write that fails there stops its writing, not its part in the collectives below, and every
+  // rank learns of it at the end (agree_on_failure), so none is left waiting.
+  std::filesystem::path streaming = folder.has_filename() ? folder : folder.parent_path();
+  streaming += ".streaming";
+  std::exception_ptr failed;
+  auto attempt = [&](auto&& f) {
+    if (failed) return;
+    try {
+      f();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  };
+  std::unique_ptr<hf::checkpoint_writer> weights;
+  std::unique_ptr<hf::training_state_writer> moments;
   const hf::training_state st{.step = steps_done(),
                               .optimizer_steps = optimizer_steps(),
                               .extra_json = run_extra_json(I.cfg)};
-  using result = expected<std::filesystem::path>;
-  hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
-    auto files = hf::save_checkpoint(dir, model_, whole.slots());
-    if (!files) return result::failure(files.error_message());
-    auto ts = hf::save_training_state(dir, st, m, v);
-    if (!ts) return result::failure(ts.error_message());
-    return hf::as_expected([&] {
-      hf::write_text_file_atomically(dir / "troupe_parallel.json",
+  if (writer)
+    attempt([&] {
+      std::filesystem::remove_all(streaming);
+      std::filesystem::create_directories(streaming);
+      weights = std::make_unique<hf::checkpoint_writer>(streaming, model_);
+      moments =
+          std::make_unique<hf::training_state_writer>(streaming, st, dtype::f32, shape{wl.numel});
+    });
+  // Weights: whole parameter after parameter in the file's order, each summed over mp from the
+  // parts the ranks own (every replica holds the same weights: dp rank 0's group gathers).
+  if (I.g.dp->rank() == 0) {
+    owned_tensor scratch;
+    for (const auto& e : hf::checkpoint_writer::order(model_)) {
+      const whole_param* p = wl.find(e.our_name);
+      TROUPE_CHECK(p != nullptr, "hybrid_trainer::save: the whole model has no parameter '",
+                   e.our_name, "'");
+      if (!scratch.defined() || scratch.numel() < p->numel()) scratch = empty({p->numel()});
+      const tensor full = scratch.narrow(0, 0, p->numel()).reshape(p->sizes);
+      ops::fill(full, 0.0);
+      gather_param(I.layout, I.layout.base, e.our_name, full);
+      if (I.g.mp->size() > 1) {
+        collective::options o;
+        o.op = collective::reduce_op::sum;
+        I.g.mp->allreduce(full.data(), static_cast<std::size_t>(full.numel()), full.type(), o)
+            .wait();
+      }
+      if (writer) attempt([&] { weights->write(full); });
+    }
+  }
+  // AdamW's moments: all of m, then all of v (the file's order), in windows.
+  const auto opt = I.dp->optimizer_state();
+  for (auto which : {which_moments::m, which_moments::v}) {
+    try {
+      gather_moment_windows(
+          I.layout, opt, wl, *I.g.dp, *I.g.mp,
+          [&](std::int64_t, const tensor& wm, const tensor& wv) {
+            if (!failed) moments->append(which == which_moments::m ? wm : wv);
+          },
+          which);
+    } catch (...) {  // the writer's sink (its collectives all ran), or every rank's check
+      if (!failed) failed = std::current_exception();
+    }
+  }
+  if (writer)
+    attempt([&] {
+      weights->commit();
+      moments->commit();
+      hf::write_text_file_atomically(streaming / "troupe_parallel.json",
                                      fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.step,
                                                  scheduler::describe(I.cfg.plan)));
-      return dir;
+      using result = expected<std::filesystem::path>;
+      hf::save_folder_atomically(folder, [&](const std::filesystem::path& staging) -> result {
+        return hf::as_expected([&] {
+          std::filesystem::rename(streaming, staging);
+          return staging;
+        });
+      }).value();
     });
-  }).value();
-  return folder.string();
+  if (writer && failed) {
+    std::error_code ec;
+    std::filesystem::remove_all(streaming, ec);
+  }
+  agree_on_failure(failed, *I.g.dp, *I.g.mp, "hybrid_trainer::save");
+  return writer ? folder.string() : std::string();
 }
 
 hybrid_trainer::~hybrid_trainer() = default;
@@ -261,16 +322,8 @@ std::int64_t hybrid_trainer::steps_done() const {
   return impl_->dp->steps_done();
 }
 
-void hybrid_trainer::gather_whole(const whole_layout& whole, const tensor& to) {
-  auto& I = *impl_;
-  if (I.cfg.plan.zero == 3) I.dp->gather_full_parameters();
-  ops::fill(to, 0.0);
-  gather_from_piece(I.layout, I.layout.base, whole, to);
-  if (I.g.mp->size() > 1) {
-    collective::options o;
-    o.op = collective::reduce_op::sum;
-    I.g.mp->allreduce(to.data(), static_cast<std::size_t>(to.numel()), to.type(), o).wait();
-  }
+const whole_layout& hybrid_trainer::whole() const {
+  return impl_->whole->layout();
 }
 
 std::int64_t hybrid_trainer::parameters() const {

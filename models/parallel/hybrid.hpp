@@ -7,12 +7,14 @@
 // in a launched job, over threads in tests); step() is collective over all of them. The update
 // equals the single-process trainer's (models/trainer.hpp) at the same tokens per step.
 //
-// Checkpoints are whole: gather_whole() assembles the whole model's parameters in HF order on every
-// model-parallel rank (an allreduce of disjoint parts), the constructor takes each rank's part of a
-// whole model, whatever plan wrote it. save() writes the folder the single-process trainer writes
-// (weights in HF layout, config.json, optimizer.safetensors with the moments in its layout,
-// trainer_state.json), so with checkpoint.resume a run continues under any plan, or in one
-// process, exactly where it stopped (plan_checkpoint.hpp).
+// A rank holds its piece, never the whole model: the whole model is a description (whole_model.hpp:
+// names, shapes, the flat layout), and its weights pass one parameter at a time - drawn by the
+// single-process init, or read from a checkpoint's mapped files - into the piece, whatever plan
+// wrote them. save() writes the folder the single-process trainer writes (weights in HF layout,
+// config.json, optimizer.safetensors with the moments in its layout, trainer_state.json), gathered
+// parameter by parameter (weights) and in windows (moments) straight into the files, so with
+// checkpoint.resume a run continues under any plan, or in one process, exactly where it stopped
+// (plan_checkpoint.hpp). Scratch beyond the piece: about one whole parameter, or one window.
 #pragma once
 
 #include <cstdint>
@@ -41,15 +43,14 @@ class hybrid_trainer {
  public:
   // cfg.plan gives the degrees (their product is the world size), ZeRO stage, microbatches and
   // schedule; it is validated against the model first (errors name the "parallel.<key>"). The
-  // weights: this rank's part of `weights` (a whole model's parameters, e.g. a loaded checkpoint),
-  // or without it the single-process model's init_weights(cfg.seed). With cfg.resume (a folder
-  // written by save() or by the single-process trainer) the weights, AdamW's moments and the step
-  // count come from there instead (`weights` is ignored): every rank reads its own parts, checked
-  // before anything is kept; errors name the file and the tensor or setting. A folder saved at or
-  // past cfg.steps, or by a run with another seed, data or batch layout, is refused on every rank
-  // (plan_checkpoint.hpp: check_steps_left, check_data_position).
-  hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g,
-                 const whole_layout* weights = nullptr);
+  // weights: this rank's part of the HF weights of cfg.model_hf when given, else the
+  // single-process model's init_weights(cfg.seed). With cfg.resume (a folder written by save() or
+  // by the single-process trainer) the weights, AdamW's moments and the step count come from there
+  // instead: every rank reads its own parts, checked before anything is kept; errors name the file
+  // and the tensor or setting. A folder saved at or past cfg.steps, or by a run with another seed,
+  // data or batch layout, is refused on every rank (plan_checkpoint.hpp: check_steps_left,
+  // check_data_position).
+  hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g);
   ~hybrid_trainer();
   hybrid_trainer(const hybrid_trainer&) = delete;
   hybrid_trainer& operator=(const hybrid_trainer&) = delete;
@@ -58,23 +59,21 @@ class hybrid_trainer {
   std::int64_t steps_done() const;
 
   // Collective over every rank of the job: writes `folder` atomically (hf::save_folder_atomically)
-  // from the rank that is rank 0 of its dp and mp groups, and returns it there ("" elsewhere).
-  // `whole` (make_whole_model) receives the gathered weights on every model-parallel rank.
-  std::string save(const std::filesystem::path& folder, causal_lm& whole);
+  // from the rank that is rank 0 of its dp and mp groups, and returns it there ("" elsewhere). The
+  // writer streams the files in `<folder>.streaming` first; when it fails (a full disk) every rank
+  // throws once all collectives are done (the writer its error, the others naming it).
+  std::string save(const std::filesystem::path& folder);
 
   // AdamW's moments in the whole layout (the single-process trainer's flat m and v, laid out like
-  // whole.base): gathered into m and v on the rank that is rank 0 of its dp and mp groups
-  // (collective over every rank; elsewhere m and v are not touched), or this rank's parts of them
-  // taken into its optimizer state (local).
+  // its params(): whole_layout): gathered into m and v on the rank that is rank 0 of its dp and mp
+  // groups (collective over every rank; elsewhere m and v are not touched), or this rank's parts of
+  // them taken into its optimizer state (local).
   void gather_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   std::int64_t optimizer_steps() const;  // AdamW updates applied
 
-  // The whole model's parameters into `to` (laid out like whole.base) on every rank of the
-  // model-parallel group. Collective over mp (and, with ZeRO 3, over dp first).
-  void gather_whole(const whole_layout& whole, const tensor& to);
-
   const hf::model_config& model_config() const { return model_; }
+  const whole_layout& whole() const;    // the whole model's parameters (names, shapes, places)
   std::int64_t parameters() const;      // this rank's parameter elements
   std::string describe() const;         // "stage 1 of 2 (blocks 2-3), tensor shard 0 of 2"
   double last_bubble_fraction() const;  // pipeline idle share of the last step (0 without pp)
@@ -87,8 +86,8 @@ class hybrid_trainer {
   hf::model_config model_;
 };
 
-// A whole model for `model` (f32, host), built only to hold weights: to initialize, to load an HF
-// checkpoint into, to gather into for saving, to generate from.
+// A whole model for `model` (f32, host) with its memory, for code that needs all its weights at
+// once (tests comparing weights, generating from a checkpoint); training never builds one.
 std::unique_ptr<causal_lm> make_whole_model(const hf::model_config& model, std::int64_t seq);
 
 }  // namespace troupe::models::parallel

@@ -71,9 +71,11 @@ void llama_stage::store_to(const slot_list& full, bool from_grads, bool to_grads
 }
 
 void llama_stage::init_weights(std::uint64_t seed) {
-  llama full(cfg_, {1, 1});
-  full.init_weights(seed);
-  load_from(full.slots());
+  llama_config whole = cfg_;
+  whole.unbound = true;
+  const llama full(whole, {1, 1});
+  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp(),
+              "llama_stage");
 }
 
 bool llama_stage::replicated_over_tp(std::string_view p) const {

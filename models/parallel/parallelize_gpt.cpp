@@ -69,9 +69,11 @@ void tp_gpt::load_from(const slot_list& full, bool from_grads, bool to_grads) {
 }
 
 void tp_gpt::init_weights(std::uint64_t seed) {
-  gpt full(cfg_, dims_);
-  full.init_weights(seed);
-  load_from(full);
+  gpt_config whole = cfg_;
+  whole.unbound = true;
+  const gpt full(whole, {1, 1});
+  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp_, "tp_gpt",
+              cfg_.n_head);
 }
 
 double tp_gpt::forward(const tensor& ids, const tensor& targets) {
@@ -184,6 +186,21 @@ void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& s
     TROUPE_FAIL(what, ": parameter '", name, "' is ", ls.str(), " on shard ", rank, " of ", tp,
                 " but ", fs.str(), " in the unsharded model: no slicing matches");
   }
+}
+
+void init_slices(const std::function<void(const init_sink&)>& draw, const slot_list& piece,
+                 const tp_group& tp, std::string_view who, std::int64_t n_head) {
+  std::map<std::string, const tensor_slot*, std::less<>> own;
+  for (const auto& s : piece.slots())
+    if (s.kind == slot_kind::param) own[s.name] = &s;
+  draw([&](const tensor_slot& s, const tensor& values) {
+    auto it = own.find(s.name);
+    if (it == own.end()) return;  // someone else's: drawn all the same, the stream stays in step
+    const tensor& mine = *it->second->field;
+    owned_tensor full = empty(s.sizes, mine.type());  // the rounding store_param does
+    ops::copy(values, full);
+    copy_gpt_slice(s.name, full, mine, n_head, tp.rank(), tp.size(), /*into_shard=*/true, who);
+  });
 }
 
 void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,

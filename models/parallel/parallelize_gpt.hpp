@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -97,6 +98,13 @@ void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& s
 void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
                          bool own_grads, bool into_piece, const tp_group& tp, std::string_view who,
                          std::int64_t n_head = 0);
+
+// init_weights of a piece without the unsharded model's memory: draw(sink) runs the unsharded
+// model's init_values (an unbound gpt or llama: gpt_config::unbound) and every parameter the
+// piece holds gets its slice (copy_gpt_slice for shard tp) of the values drawn, rounded to the
+// piece's dtype as init_weights rounds them: one whole parameter of scratch at a time.
+void init_slices(const std::function<void(const init_sink&)>& draw, const slot_list& piece,
+                 const tp_group& tp, std::string_view who, std::int64_t n_head = 0);
 
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

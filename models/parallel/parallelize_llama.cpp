@@ -45,9 +45,11 @@ void tp_llama::load_from(const slot_list& full, bool from_grads, bool to_grads) 
 }
 
 void tp_llama::init_weights(std::uint64_t seed) {
-  llama full(cfg_, {1, 1});
-  full.init_weights(seed);
-  load_from(full);
+  llama_config whole = cfg_;
+  whole.unbound = true;
+  const llama full(whole, {1, 1});
+  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp_,
+              "tp_llama");
 }
 
 double tp_llama::forward(const tensor& ids, const tensor& targets) {

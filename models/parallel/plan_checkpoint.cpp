@@ -24,24 +24,20 @@ using run_list = std::vector<dp_trainer::optimizer_run>;
 // One of the piece's parameters and its whole counterpart.
 struct place {
   const tensor_slot* piece = nullptr;
-  const tensor_slot* whole = nullptr;
+  const whole_param* whole = nullptr;
   std::int64_t piece_at = 0, whole_at = 0;  // offsets in the flat buffers
   bool owned = true;
 };
 
 // The piece's parameters, by their offset in the whole layout.
 std::vector<place> places_of(const piece_layout& p, const whole_layout& w, const char* what) {
-  TROUPE_CHECK(w.slots != nullptr && p.slots != nullptr, what, ": a layout has no slot list");
-  std::map<std::string, const tensor_slot*> by_name;
-  for (const auto& s : w.slots->slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
+  TROUPE_CHECK(p.slots != nullptr, what, ": the piece's layout has no slot list");
   std::vector<place> out;
   for (const auto& s : p.slots->slots()) {
     if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), what, ": the whole model has no parameter '", s.name, "'");
-    out.push_back({&s, it->second, offset_in(*s.field, p.base),
-                   offset_in(*it->second->field, w.base), !p.owns || p.owns(s.name)});
+    const whole_param* wp = w.find(s.name);
+    TROUPE_CHECK(wp != nullptr, what, ": the whole model has no parameter '", s.name, "'");
+    out.push_back({&s, wp, offset_in(*s.field, p.base), wp->offset, !p.owns || p.owns(s.name)});
   }
   std::sort(out.begin(), out.end(),
             [](const place& a, const place& b) { return a.whole_at < b.whole_at; });
@@ -76,8 +72,8 @@ void copy_runs(const run_list& runs, const tensor& state, std::int64_t begin, co
   }
 }
 
-tensor view_of(const tensor& flat, std::int64_t at, const tensor_slot& s) {
-  return flat.narrow(0, at, s.field->numel()).reshape(s.sizes);
+tensor view_of(const tensor& flat, std::int64_t at, const whole_param& p) {
+  return flat.narrow(0, at, p.numel()).reshape(p.sizes);
 }
 
 void check_state(const dp_trainer::optimizer_view& mine, const char* what) {
@@ -89,14 +85,27 @@ void check_state(const dp_trainer::optimizer_view& mine, const char* what) {
 
 }  // namespace
 
-void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
-                    const whole_layout& whole, collective::communicator& dp,
-                    collective::communicator& mp, const tensor& m, const tensor& v,
-                    std::int64_t window_elems) {
-  const std::int64_t n = whole.base.numel();
+void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
+                      collective::communicator& mp, const char* what) {
+  // A sum over dp, then over mp, reaches every rank.
+  float failures = failed ? 1.0f : 0.0f;
+  collective::options sum;
+  sum.op = collective::reduce_op::sum;
+  if (dp.size() > 1) dp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  if (mp.size() > 1) mp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  if (failed) std::rethrow_exception(failed);
+  TROUPE_CHECK(failures == 0.0f, what, ": rank ", dp.rank(), " of dp and ", mp.rank(),
+               " of mp: ", failures,
+               " other rank(s) failed their checks or writes (see their errors)");
+}
+
+void gather_moment_windows(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
+                           const whole_layout& whole, collective::communicator& dp,
+                           collective::communicator& mp, const moment_sink& sink,
+                           which_moments which, std::int64_t window_elems) {
+  const std::int64_t n = whole.numel;
   const bool root = dp.rank() == 0 && mp.rank() == 0;
-  // Every rank checks what it was given (only the root is given m and v), then learns whether
-  // any rank failed (a sum over dp, then over mp, reaches every rank) before the windows'
+  // Every rank checks its state, then learns whether any rank failed before the windows'
   // collectives: a bad argument fails every rank instead of leaving the others waiting.
   std::vector<place> places;
   run_list runs;
@@ -105,27 +114,15 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
     check_state(mine, "gather_moments");
     places = places_of(piece, whole, "gather_moments");
     runs = by_flat(mine.runs);
-    TROUPE_CHECK(!root || (m.numel() == n && v.numel() == n && m.type() == dtype::f32 &&
-                           v.type() == dtype::f32),
-                 "gather_moments: m ", m.describe(), " and v ", v.describe(),
-                 " are not laid out like the whole model's ", n, " parameters");
   } catch (...) {
     failed = std::current_exception();
   }
-  float failures = failed ? 1.0f : 0.0f;
+  agree_on_failure(failed, dp, mp, "gather_moments (nothing was gathered)");
   collective::options sum;
   sum.op = collective::reduce_op::sum;
-  if (dp.size() > 1) dp.allreduce(&failures, 1, dtype::f32, sum).wait();
-  if (mp.size() > 1) mp.allreduce(&failures, 1, dtype::f32, sum).wait();
-  if (failed) std::rethrow_exception(failed);
-  TROUPE_CHECK(failures == 0.0f, "gather_moments: rank ", dp.rank(), " of dp and ", mp.rank(),
-               " of mp: ", failures, " other rank(s) failed their checks (see their errors); ",
-               "nothing was gathered");
   // Windows: [starts[k], starts[k + 1]) cut at whole parameters' starts, the same on every rank.
   std::vector<std::pair<std::int64_t, std::int64_t>> whole_params;  // offset, numel
-  for (const auto& s : whole.slots->slots())
-    if (s.kind == slot_kind::param)
-      whole_params.emplace_back(offset_in(*s.field, whole.base), s.field->numel());
+  for (const auto& p : whole.params) whole_params.emplace_back(p.offset, p.numel());
   std::sort(whole_params.begin(), whole_params.end());
   std::vector<std::int64_t> starts{0};
   for (const auto& [at, len] : whole_params)
@@ -135,22 +132,27 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
   for (std::size_t k = 0; k + 1 < starts.size(); ++k)
     widest = std::max(widest, starts[k + 1] - starts[k]);
   for (const auto& p : places) scratch_elems = std::max(scratch_elems, p.piece->field->numel());
-  owned_tensor buf = zeros({2 * widest}, dtype::f32, device::cpu());
+  const bool with_m = which != which_moments::v, with_v = which != which_moments::m;
+  const std::int64_t per = (with_m ? 1 : 0) + (with_v ? 1 : 0);
+  owned_tensor buf = zeros({per * widest}, dtype::f32, device::cpu());
   owned_tensor scratch = zeros({scratch_elems}, dtype::f32, device::cpu());
   const bool writes = !mine.whole || dp.rank() == 0;  // ZeRO 0: the replicas hold the same state
 
+  std::exception_ptr sink_failed;  // the root's: it goes on with the collectives, then rethrows
   auto next = places.begin();
   for (std::size_t k = 0; k + 1 < starts.size(); ++k) {
     const std::int64_t a = starts[k], len = starts[k + 1] - a;
-    const tensor both = buf.narrow(0, 0, 2 * len);
-    const tensor wm = both.narrow(0, 0, len), wv = both.narrow(0, len, len);
-    ops::fill(both, 0.0);
+    const tensor all = buf.narrow(0, 0, per * len);
+    const tensor wm = with_m ? all.narrow(0, 0, len) : tensor{};
+    const tensor wv = with_v ? all.narrow(0, with_m ? len : 0, len) : tensor{};
+    ops::fill(all, 0.0);
     for (; next != places.end() && next->whole_at < a + len; ++next) {
       if (!writes || !next->owned) continue;
       const auto& p = *next;
       const std::int64_t pn = p.piece->field->numel();
       const tensor part = scratch.narrow(0, 0, pn);
       for (auto [state, window] : {std::pair{mine.m, wm}, std::pair{mine.v, wv}}) {
+        if (!window.defined()) continue;
         ops::fill(part, 0.0);
         copy_runs(runs, state, p.piece_at, part, false);
         copy_gpt_slice(p.piece->name, view_of(window, p.whole_at - a, *p.whole),
@@ -158,21 +160,50 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
                        "gather_moments");
       }
     }
-    if (dp.size() > 1)
-      dp.allreduce(both.data(), static_cast<std::size_t>(2 * len), dtype::f32, sum).wait();
-    if (mp.size() > 1)
-      mp.allreduce(both.data(), static_cast<std::size_t>(2 * len), dtype::f32, sum).wait();
-    if (root) {
-      ops::copy(wm, m.narrow(0, a, len));
-      ops::copy(wv, v.narrow(0, a, len));
+    const auto count = static_cast<std::size_t>(per * len);
+    if (dp.size() > 1) dp.allreduce(all.data(), count, dtype::f32, sum).wait();
+    if (mp.size() > 1) mp.allreduce(all.data(), count, dtype::f32, sum).wait();
+    if (root && !sink_failed) {
+      try {
+        sink(a, wm, wv);
+      } catch (...) {
+        sink_failed = std::current_exception();
+      }
     }
   }
+  if (sink_failed) std::rethrow_exception(sink_failed);
+}
+
+void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
+                    const whole_layout& whole, collective::communicator& dp,
+                    collective::communicator& mp, const tensor& m, const tensor& v,
+                    std::int64_t window_elems) {
+  const std::int64_t n = whole.numel;
+  const bool root = dp.rank() == 0 && mp.rank() == 0;
+  // Only the root is given m and v: it checks them and every rank learns the outcome.
+  std::exception_ptr failed;
+  try {
+    TROUPE_CHECK(!root || (m.numel() == n && v.numel() == n && m.type() == dtype::f32 &&
+                           v.type() == dtype::f32),
+                 "gather_moments: m ", m.describe(), " and v ", v.describe(),
+                 " are not laid out like the whole model's ", n, " parameters");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  agree_on_failure(failed, dp, mp, "gather_moments (nothing was gathered)");
+  gather_moment_windows(
+      piece, mine, whole, dp, mp,
+      [&](std::int64_t at, const tensor& wm, const tensor& wv) {
+        ops::copy(wm, m.narrow(0, at, wm.numel()));
+        ops::copy(wv, v.narrow(0, at, wv.numel()));
+      },
+      which_moments::both, window_elems);
 }
 
 void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v,
                      const piece_layout& piece, const dp_trainer::optimizer_view& mine) {
   check_state(mine, "scatter_moments");
-  const std::int64_t n = whole.base.numel();
+  const std::int64_t n = whole.numel;
   TROUPE_CHECK(m.numel() == n && v.numel() == n && m.type() == dtype::f32 && v.type() == dtype::f32,
                "scatter_moments: m ", m.describe(), " and v ", v.describe(),
                " are not laid out like the whole model's ", n, " parameters");

@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <string>
 
 #include "collective/communicator.hpp"
@@ -36,6 +38,29 @@ void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view&
                     const whole_layout& whole, collective::communicator& dp,
                     collective::communicator& mp, const tensor& m, const tensor& v,
                     std::int64_t window_elems = std::int64_t{1} << 22);
+
+// Which moments a windowed gather carries.
+enum class which_moments { both, m, v };
+// Receives window [at, at + len) of the whole moments (wm, wv: f32 [len]; the one not carried is
+// an undefined tensor), valid during the call.
+using moment_sink = std::function<void(std::int64_t at, const tensor& wm, const tensor& wv)>;
+
+// gather_moments' windows without the whole moments anywhere: the root (rank 0 of dp and mp)
+// receives every window in order through `sink` (e.g. to write it to a file). Collective as
+// gather_moments. When the sink throws, the root calls it no more but goes on with the
+// collectives (so no rank is left waiting) and rethrows at the end; the other ranks return
+// normally (agree_on_failure tells them).
+void gather_moment_windows(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
+                           const whole_layout& whole, collective::communicator& dp,
+                           collective::communicator& mp, const moment_sink& sink,
+                           which_moments which = which_moments::both,
+                           std::int64_t window_elems = std::int64_t{1} << 22);
+
+// Collective over dp and mp: every rank learns whether any failed (`failed`: this rank's failure,
+// or null). Rethrows this rank's own failure; else fails naming `what` and the count of failed
+// ranks when another failed; returns when none did.
+void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
+                      collective::communicator& mp, const char* what);
 
 // This rank's part of the whole moments m and v (f32, laid out like whole.base) into mine.m and
 // mine.v (their runs only; the rest is left as it is). Fails naming the parameter when the whole

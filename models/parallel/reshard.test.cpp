@@ -41,7 +41,14 @@ shape whole_shape(const slot_list& whole, std::string_view name) {
 template <class Whole, class MakePieces>
 void check_round_trip(Whole& whole, int tp, std::int64_t n_head, const MakePieces& make_pieces) {
   const tensor& wbase = whole.memory().params();
-  whole_layout wl{&whole.slots(), wbase};
+  const whole_layout wl = whole_layout::of(whole.slots());
+  REQUIRE(wl.numel == wbase.numel());
+  for (const auto& sl : whole.slots().slots())
+    if (sl.kind == slot_kind::param) {
+      INFO(sl.name);
+      REQUIRE(wl.find(sl.name) != nullptr);
+      CHECK(wl.find(sl.name)->offset == offset_in(*sl.field, wbase));  // as layer_memory placed it
+    }
   auto comms = collective::make_local_group(tp);
   owned_tensor back = zeros(wbase.sizes(), wbase.type());
   owned_tensor twice = zeros(wbase.sizes(), wbase.type());
@@ -138,7 +145,7 @@ TEST_CASE("A parameter no slicing explains is an error naming it", "[parallel]")
   wider.dim = 48;
   wider.n_head = 4;
   gpt b(wider, {1, 8});
-  whole_layout wl{&b.slots(), b.memory().params()};
+  const whole_layout wl = whole_layout::of(b.slots());
   piece_layout pl{&a.slots(), a.memory().params(), 0, 1, 4, {}};
   owned_tensor to = zeros(a.memory().params().sizes(), dtype::f32);
   REQUIRE_THROWS_WITH(scatter_to_piece(wl, b.memory().params(), pl, to),
