@@ -25,7 +25,7 @@
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
-#include "models/parallel/plan_checkpoint.hpp"
+#include "models/run_state.hpp"
 #include "models/text/token_file.hpp"
 #include "models/trainer.hpp"
 #include "tensor/parallel.hpp"
@@ -224,7 +224,7 @@ int run_train(train_cli& c) {
   models::trainer tr(*model, cfg);
   if (!cfg.resume.empty()) {
     auto step = tr.resume(cfg.resume, mcfg).value();
-    models::parallel::check_steps_left(step, cfg, cfg.resume);
+    models::check_steps_left(step, cfg, cfg.resume);
     fmt::print("resumed {} at step {}\n", cfg.resume, step);
   }
   auto& mem = model->memory();

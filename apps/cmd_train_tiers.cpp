@@ -17,7 +17,7 @@
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/offload/offload_trainer.hpp"
-#include "models/parallel/plan_checkpoint.hpp"
+#include "models/run_state.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::apps {
@@ -183,7 +183,7 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
     }
     if (!cfg.resume.empty()) {
       auto step = tr.resume(cfg.resume, mcfg, *staging).value();
-      models::parallel::check_steps_left(step, cfg, cfg.resume);
+      models::check_steps_left(step, cfg, cfg.resume);
       fmt::print("resumed {} at step {}\n", cfg.resume, step);
     } else {
       if (!cfg.model_hf.empty())

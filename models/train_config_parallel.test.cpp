@@ -72,8 +72,9 @@ TEST_CASE("parallel table mistakes are errors naming the file and the key") {
            bad_case{"[parallel]\ntp = \"two\"\n", "parallel.tp must be an integer"},
            bad_case{"[parallel]\ntp = 1.5\n", "parallel.tp must be an integer"},
            bad_case{"[parallel]\nsp = 1\n", "parallel.sp must be true or false"},
-           bad_case{"[parallel]\nschedule = \"zb\"\n",
-                    "parallel.schedule must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\""},
+           bad_case{
+               "[parallel]\nschedule = \"zb\"\n",
+               "parallel.schedule must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\""},
            bad_case{"[parallel]\nrecompute = true\n",
                     "parallel.recompute must be \"none\", \"selective\" or \"full\""},
            bad_case{"[parallel]\norder = \"dp,pp,tp\"\n", "parallel.order must be an array"},

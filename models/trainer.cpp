@@ -7,7 +7,7 @@
 
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/training_state.hpp"
-#include "models/parallel/plan_checkpoint.hpp"
+#include "models/run_state.hpp"
 #include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
@@ -161,7 +161,7 @@ expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
 }
 
 std::string run_state_extra(const train_config& cfg, const std::string& own) {
-  auto extra = nlohmann::json::parse(parallel::run_extra_json(cfg));
+  auto extra = nlohmann::json::parse(run_extra_json(cfg));
   extra.update(nlohmann::json::parse(own));
   return extra.dump();
 }
@@ -171,8 +171,7 @@ expected<hf::training_state> resumable_state(const std::filesystem::path& folder
   auto file = hf::training_state_file::open(folder, moments);
   if (!file) return expected<hf::training_state>::failure(file.error_message());
   try {
-    parallel::check_data_position(file->state().extra_json, cfg,
-                                  (folder / "trainer_state.json").string());
+    check_data_position(file->state().extra_json, cfg, (folder / "trainer_state.json").string());
   } catch (const error& e) {
     return expected<hf::training_state>::failure(e.what());
   }

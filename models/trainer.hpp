@@ -78,7 +78,7 @@ class trainer {
 };
 
 // trainer_state.json's "extra" of a single-process run of cfg (this trainer's and
-// models/offload's): what a parallel plan's checkpoint records (parallel/plan_checkpoint.hpp's
+// models/offload's): what a parallel plan's checkpoint records (run_state.hpp's
 // run_extra_json: seed, the data, batch, grad_accum, seq, fixed_batch, the learning-rate schedule,
 // the plan) with the trainer's own keys (`own`, a JSON object) over it.
 std::string run_state_extra(const train_config& cfg, const std::string& own);

@@ -48,7 +48,7 @@ class hybrid_trainer {
   // by the single-process trainer) the weights, AdamW's moments and the step count come from there
   // instead: every rank reads its own parts, checked before anything is kept; errors name the file
   // and the tensor or setting. A folder saved at or past cfg.steps, or by a run with another seed,
-  // data or batch layout, is refused on every rank (plan_checkpoint.hpp: check_steps_left,
+  // data or batch layout, is refused on every rank (run_state.hpp: check_steps_left,
   // check_data_position).
   hybrid_trainer(const hf::model_config& model, const train_config& cfg, const hybrid_groups& g);
   ~hybrid_trainer();

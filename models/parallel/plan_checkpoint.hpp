@@ -24,6 +24,7 @@
 #include "collective/communicator.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/reshard.hpp"
+#include "models/run_state.hpp"
 #include "models/train_config.hpp"
 
 namespace troupe::models::parallel {
@@ -68,25 +69,6 @@ void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
 void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v,
                      const piece_layout& piece, const dp_trainer::optimizer_view& mine);
 
-// What a run of cfg reads its data from, as the saved run's "data": "data.tokens <path>" or
-// "data.text <path>", the path made absolute and canonical where it exists.
-std::string data_identity(const train_config& cfg);
-
-// trainer_state.json's "extra" for a run of cfg: the single-process trainer's keys (seed,
-// precision, loss_scale, good_steps) and what positions the data and the learning-rate schedule
-// (data_identity, train.batch, grad_accum, seq, fixed_batch; lr, min_lr, warmup, steps) and the
-// plan it ran.
-std::string run_extra_json(const train_config& cfg);
-
-// Fails naming `file`, the setting (train.seed, the data, train.batch, grad_accum, seq,
-// fixed_batch) and both values when the saved run (its extra_json) read its data differently from
-// cfg, so step s would not read the batch it read there. Keys the file lacks (a checkpoint of an
-// older build, or of the single-process trainer, which records the seed only) are not checked.
-void check_data_position(const std::string& extra_json, const train_config& cfg,
-                         const std::string& file);
-
-// Fails naming train.steps (--steps), `folder` and the saved step unless saved_step < cfg.steps:
-// a run resumed at or past its last step would train nothing and save nothing.
-void check_steps_left(std::int64_t saved_step, const train_config& cfg, const std::string& folder);
+// data_identity, run_extra_json, check_data_position, check_steps_left: models/run_state.hpp.
 
 }  // namespace troupe::models::parallel
