@@ -112,7 +112,8 @@ const std::map<std::string, setter>& setters() {
        [](train_config& c, const toml::node& n, const std::string& where) {
          auto v = n.value<std::string>();
          auto k = v ? scheduler::parse_schedule_kind(*v) : std::nullopt;
-         if (!k) throw error(where + " must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\"");
+         if (!k)
+           throw error(where + " must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\"");
          c.plan.schedule = *k;
        }},
       {"parallel.recompute",
