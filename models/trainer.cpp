@@ -153,7 +153,10 @@ expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
   step_ = st->step;
   opt_.set_steps_taken(st->optimizer_steps);
   auto extra = nlohmann::json::parse(st->extra_json, nullptr, false);
-  if (extra.is_object() && extra.contains("loss_scale") && cfg_.precision == "f16") {
+  // The loss scale goes on only from an f16 run (an f32 / bf16 run or a plan's checkpoint
+  // records 1, which would start this run's f16 scale at 1 instead of its initial scale).
+  if (extra.is_object() && extra.contains("loss_scale") && cfg_.precision == "f16" &&
+      extra.value("precision", std::string()) == "f16") {
     loss_scale_ = extra.value("loss_scale", loss_scale_);
     good_steps_ = extra.value("good_steps", std::int64_t{0});
   }

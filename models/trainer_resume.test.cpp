@@ -192,3 +192,21 @@ TEST_CASE("A run with memory tiers records the data position and refuses a resum
   CHECK(extra["seed"] == 7);
   CHECK(extra["data"] == "data.text " + fs::canonical(text).string());
 }
+
+// The loss scale goes on only from an f16 run: an f32 checkpoint records 1, which would make an
+// f16 run resumed from it scale its loss by 1 (small gradients flush to zero in f16).
+TEST_CASE("An f16 resume of an f32 checkpoint starts from the initial loss scale", "[cpu]") {
+  temp_folder dir("f16");
+  const fs::path text = dir.path / "corpus.txt", ckpt = dir.path / "ckpt";
+  std::ofstream(text) << "some text";
+  const auto mcfg = named_model_config("gpt2-demo", 29).value();
+  save_two_steps(text, ckpt, mcfg);
+  auto model = make_causal_lm(mcfg, {2, 8}, dtype::f16);
+  train_config cfg = saved_run(text);
+  cfg.precision = "f16";
+  trainer t(*model, cfg);
+  auto step = t.resume(ckpt, mcfg);
+  REQUIRE(step.has_value());
+  CHECK(*step == 2);
+  CHECK(t.step(rows_of).loss_scale == 65536.0);
+}

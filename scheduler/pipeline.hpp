@@ -21,7 +21,7 @@
 //                microbatch, so a stage's next input was sent a forward and a backward before it
 //                is needed and, with sends that do not wait for their receive (pipeline_runner's
 //                default), the steady state pays no transfer time: only the ramp does, once per
-//                link each way (1F1B pays two transfers per steady-state step). Same ideal bubble
+//                link each way (1F1B pays about one per steady-state step). Same ideal bubble
 //                as 1F1B; stage s holds min(2 (p - s) - 1, m) microbatches instead of p - s. Its
 //                links are not mirrored: it needs each batch posted together (Megatron's
 //                batch_isend_irecv) or sends that do not wait; with every transfer blocking on its

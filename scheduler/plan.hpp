@@ -18,7 +18,7 @@ enum class schedule_kind {
   gpipe,        // all forwards, then all backwards (Huang et al. 2019)
   one_f_one_b,  // warmup, steady one-forward-one-backward, cooldown (PipeDream-Flush / Megatron)
   interleaved,  // 1F1B over virtual stages (Narayanan et al. 2021, Megatron's interleaved schedule)
-  eager_1f1b,   // 1F1B with one more warmup forward on every stage but the last (pipeline.hpp)
+  eager_1f1b,   // 1F1B with 2 (p - s - 1) warmup forwards: one spare microbatch per link
 };
 std::string_view name(schedule_kind k);  // "gpipe", "1f1b", "interleaved", "eager-1f1b"
 std::optional<schedule_kind> parse_schedule_kind(std::string_view s);

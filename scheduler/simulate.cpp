@@ -166,6 +166,15 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
       while (pc[s] < list.size()) {
         const action& a = list[pc[s]];
         if (is_compute(a.kind)) {
+          if (mode == p2p_mode::async) {  // the compute waits for its own input, nothing else
+            const int vs = l.vs(s, a.chunk);
+            const bool fwd = a.kind == action_kind::forward;
+            if (fwd ? vs > 0 : vs < l.last()) {
+              auto it = send_post.find({!fwd, a.microbatch, fwd ? vs - 1 : vs + 1});
+              if (it == send_post.end()) break;
+              t[s] = std::max(t[s], it->second + c.p2p);
+            }
+          }
           const double d = a.kind == action_kind::forward ? c.forward : c.backward;
           r.start[s][pc[s]] = t[s];
           t[s] += d;
@@ -177,17 +186,10 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
           progress = true;
           continue;
         }
-        if (mode == p2p_mode::async) {
+        if (mode == p2p_mode::async) {  // posted where the list has it; nobody waits here
           const std::size_t i = pc[s];
-          if (is_send(a.kind)) {
-            send_post[keys[s][i]] = t[s];
-            r.start[s][i] = r.finish[s][i] = t[s];
-          } else {
-            auto it = send_post.find(keys[s][i]);
-            if (it == send_post.end()) break;
-            r.start[s][i] = t[s];
-            t[s] = r.finish[s][i] = std::max(t[s], it->second + c.p2p);
-          }
+          (is_send(a.kind) ? send_post : recv_post)[keys[s][i]] = t[s];
+          r.start[s][i] = r.finish[s][i] = t[s];
           ++pc[s];
           progress = true;
           continue;
@@ -223,6 +225,43 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
         progress = true;
       }
     }
+  }
+
+  if (mode == p2p_mode::async) {
+    // A stage stops only at a compute whose input was never sent; a send nobody receives would
+    // leave the runner waiting for its completion at the end of the step. Name a stuck stage
+    // whose input is nowhere in what its producer has left to run, else the first stuck one.
+    int stuck = -1;
+    std::string why;
+    for (int s = 0; s < p; ++s) {
+      if (pc[s] == lists[s].size()) continue;
+      const action& a = lists[s][pc[s]];
+      const bool fwd = a.kind == action_kind::forward;
+      const int producer_vs = l.vs(s, a.chunk) + (fwd ? -1 : 1);
+      const int q = l.stage_of(producer_vs);
+      const msg_key want{!fwd, a.microbatch, producer_vs};
+      bool pending = false;
+      for (std::size_t j = pc[q]; j < lists[q].size() && !pending; ++j)
+        pending = is_send(lists[q][j].kind) && keys[q][j] == want;
+      if (stuck < 0 || !pending) {
+        stuck = s;
+        why = "deadlock: " + where(s, pc[s], a) + " can never proceed: its input from stage " +
+              std::to_string(q) +
+              (pending ? " waits behind that stage's own wait" : " is never sent");
+        if (!pending) break;
+      }
+    }
+    if (stuck >= 0) {
+      r.error = why;
+      return r;
+    }
+    for (const auto& [key, posted_at] : send_post)
+      if (!recv_post.count(key)) {
+        r.error = std::string("deadlock: a send of the ") + (key.grad ? "gradient" : "activation") +
+                  " of microbatch " + std::to_string(key.microbatch) + " from virtual stage " +
+                  std::to_string(key.producer) + " is never received";
+        return r;
+      }
   }
 
   // Deadlock: follow who waits for whom from the first stuck stage until a stage that finished

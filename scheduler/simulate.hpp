@@ -6,9 +6,10 @@
 // send). With p2p_mode::batched, consecutive communication actions are posted together and the
 // stage waits for all of them (batch_isend_irecv, how pipeline.hpp's lists are meant to run); with
 // p2p_mode::blocking each transfer is posted only after the previous one completed. p2p_mode::async
-// is how pipeline_runner runs a list by default: a send is buffered and never waited for (the
-// stage goes on at once; its message is there cost.p2p later), and a stage waits at a receive only
-// until that message is there.
+// is how pipeline_runner runs a list by default: a send is buffered and never waited for (its
+// message is there cost.p2p later), a receive is posted where the list has it, and a forward or
+// backward waits only until its own input is there. In async mode a deadlock is a compute whose
+// input is never sent, or a send that no stage receives (the runner would wait for it).
 //
 // A receive matches the send of the same kind, microbatch and virtual stage (chunk * p + stage,
 // p = number of lists); the simulator also checks every dependency a real stage relies on

@@ -4,6 +4,8 @@
 // shard, the gradient sum_k w_k d loss_k / d params of the unsharded model at the same weights.
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -338,6 +340,30 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
     check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
     check_hook_final(run, "h");
   }
+}
+
+// TROUPE_PIPE_P2P=batched (the benchmark knob: each batch of the list's transfers posted together
+// and waited where it stands, as Megatron runs them) computes the same step, for 1F1B and eager
+// 1F1B.
+TEST_CASE("GPT-2 pipeline stages with batched transfers match the single process", "[parallel]") {
+  ::setenv("TROUPE_PIPE_P2P", "batched", 1);
+  for (auto kind : {schedule_kind::one_f_one_b, schedule_kind::eager_1f1b}) {
+    auto plan = make_plan(2, kind, 5, 1, 1, false);
+    INFO(scheduler::describe(plan));
+    batches data(5);
+    gpt full(tiny_gpt(), {rows, seq});
+    full.init_weights(5);
+    double want = reference(full, data);
+    auto run = run_pipeline(
+        plan,
+        [](const scheduler::parallel_plan& p, int s, tp_group tp) {
+          return std::make_unique<gpt_stage>(tiny_gpt(), batch_dims{rows, seq},
+                                             stage_options::of(p, s), tp);
+        },
+        data, "h");
+    check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
+  }
+  ::unsetenv("TROUPE_PIPE_P2P");
 }
 
 // A recomputing pipeline against the storing one: as many stash buffers, each at least 4 x

@@ -51,7 +51,7 @@ buckets=TROUPE_DP_BUCKET_BYTES=262144
 RANK_ENV=$buckets run dp2 --dp 2
 RANK_ENV= run tp2 --tp 2
 trace=/tmp/troupe-bench-pipe-$$
-rm -f "$trace".*
+rm -f "$trace"-*.*
 RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
   --microbatches 8
 RANK_ENV="TROUPE_PIPE_TRACE=$trace-default" run pp2 --pp 2 --microbatches 8
