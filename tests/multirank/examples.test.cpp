@@ -87,7 +87,17 @@ void prints_a_sample(const std::string& out) {
   const std::string head = "sample from the checkpoint (temperature 0.8, top-k 40):\n[rank 0] The ";
   auto at = out.find(head);
   REQUIRE(at != std::string::npos);
-  CHECK(out.size() - (at + head.size()) >= 100);  // 200 bytes generated, a few cut at newlines
+  // Only rank 0's consecutive lines after the header (other ranks and the launcher print too).
+  std::string sample;
+  std::size_t pos = at + head.size() - std::string("[rank 0] The ").size();
+  while (pos < out.size() && out.compare(pos, 9, "[rank 0] ") == 0) {
+    const auto end = out.find('\n', pos);
+    sample += out.substr(pos + 9, end == std::string::npos ? std::string::npos : end - pos - 9);
+    if (end == std::string::npos) break;
+    pos = end + 1;
+  }
+  INFO(sample);
+  CHECK(sample.size() >= 100);  // 200 bytes generated, a few cut at newlines
 }
 
 // The example's log ("step   1  loss 5.5560  ...", four decimals) gives `want`'s losses.
