@@ -12,6 +12,7 @@
 #include "memory/gpu.hpp"
 #include "models/gpt.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 #include "models/hf/testing.hpp"
 #include "models/hf/training_state.hpp"
@@ -495,6 +496,12 @@ TEST_CASE("A failed save leaves the previous checkpoint folder as it was", "[cpu
   CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
   REQUIRE(save_folder_atomically(ck / "", write_files("step 3")).has_value());
   CHECK(read(ck / "model.safetensors") == "step 3");
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.old"));
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
+  // Where the file system cannot swap two folders in one rename: the two renames via ck.old.
+  std::ofstream(stage_folder(ck) / "model.safetensors") << "step 4";
+  publish_folder(ck, false);
+  CHECK(read(ck / "model.safetensors") == "step 4");
   CHECK_FALSE(fs::exists(tmp.path() / "ck.old"));
   CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
   // Into a folder whose parents do not exist yet.

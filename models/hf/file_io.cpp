@@ -215,14 +215,14 @@ fs::path stage_folder(const fs::path& folder) {
   return staged;
 }
 
-void publish_folder(const fs::path& folder) {
+void publish_folder(const fs::path& folder, bool one_rename) {
   const fs::path dir = plain(folder), staged = staging_folder(folder);
   const fs::path old = with_suffix(folder, ".old"), parent = parent_of(dir);
   sync_directory(staged);
   std::error_code ec;
   const bool had = fs::exists(dir, ec);
   bool swapped = false;
-  if (had) {
+  if (had && one_rename) {
     swapped = ::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0;
     const int e = errno;
     if (!swapped && e != EINVAL && e != ENOSYS && e != ENOTSUP)

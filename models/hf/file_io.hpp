@@ -109,7 +109,8 @@ void sync_directory(const std::filesystem::path& dir);
 // Both throw troupe::error naming the folder; a failed publish leaves `folder` as it was.
 std::filesystem::path staging_folder(const std::filesystem::path& folder);  // `<folder>.partial`
 std::filesystem::path stage_folder(const std::filesystem::path& folder);
-void publish_folder(const std::filesystem::path& folder);
+// one_rename = false takes the two renames even where the exchange works (for tests).
+void publish_folder(const std::filesystem::path& folder, bool one_rename = true);
 // For errors about a missing `folder`: when `<folder>.old` is there instead (a save cut off while
 // it replaced the folder), a note naming it and how to resume from it; else "".
 std::string interrupted_save_note(const std::filesystem::path& folder);
