@@ -393,36 +393,20 @@ std::vector<fs::path> checkpoint_writer::commit() {
 expected<fs::path> save_folder_atomically(
     const fs::path& folder, const std::function<expected<fs::path>(const fs::path&)>& write) {
   using result = expected<fs::path>;
-  const fs::path dir = folder.has_filename() ? folder : folder.parent_path();
-  fs::path partial = dir, old = dir;
-  partial += ".partial";
-  old += ".old";
-  std::error_code ec;
-  fs::remove_all(partial, ec);
-  auto written = write(partial);
+  auto staged = as_expected([&] { return stage_folder(folder); });
+  if (!staged) return staged;
+  auto written = write(*staged);
   if (!written) {
-    fs::remove_all(partial, ec);
+    std::error_code ec;
+    fs::remove_all(*staged, ec);
+    const fs::path dir = folder.has_filename() ? folder : folder.parent_path();
     return result::failure(written.error_message() + " (the checkpoint in '" + dir.string() +
                            "' is unchanged)");
   }
-  const bool had = fs::exists(dir, ec);
-  if (had) {
-    fs::remove_all(old, ec);
-    fs::rename(dir, old, ec);
-    if (ec)
-      return result::failure("cannot move the previous checkpoint '" + dir.string() + "' to '" +
-                             old.string() + "': " + ec.message() + " (the new one is in '" +
-                             partial.string() + "')");
-  }
-  fs::rename(partial, dir, ec);
-  if (ec) {
-    std::error_code back;
-    if (had) fs::rename(old, dir, back);
-    return result::failure("cannot rename '" + partial.string() + "' to '" + dir.string() +
-                           "': " + ec.message());
-  }
-  if (had) fs::remove_all(old, ec);
-  return folder;
+  return as_expected([&] {
+    publish_folder(folder);
+    return folder;
+  });
 }
 
 expected<std::vector<fs::path>> save_checkpoint(const fs::path& folder, const model_config& cfg,

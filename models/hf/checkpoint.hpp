@@ -97,9 +97,10 @@ class checkpoint_writer {
   owned_tensor out_;  // the file's layout of the tensor being written
 };
 
-// Writes a checkpoint folder as one unit: write(staging) fills `<folder>.partial` (emptied
-// first); only when it succeeds does the new folder replace `folder` (the old one is renamed to
-// `<folder>.old` and removed after). A failed write (a full disk, an I/O error) leaves `folder`
+// Writes a checkpoint folder as one unit: write(staging) fills `<folder>.partial` (created empty:
+// stage_folder in file_io.hpp; its files must be committed, i.e. synced, as atomic_file does);
+// only when it succeeds does the new folder replace `folder` (publish_folder: one synced swap,
+// then the previous one is removed). A failed write (a full disk, an I/O error) leaves `folder`
 // exactly as it was and removes the partial one; the error says so. Returns `folder`.
 expected<std::filesystem::path> save_folder_atomically(
     const std::filesystem::path& folder,

@@ -12,8 +12,10 @@
 #include "memory/gpu.hpp"
 #include "models/gpt.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 #include "models/hf/testing.hpp"
+#include "models/hf/training_state.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -495,4 +497,43 @@ TEST_CASE("A failed save leaves the previous checkpoint folder as it was", "[cpu
   REQUIRE(save_folder_atomically(ck / "", write_files("step 3")).has_value());
   CHECK(read(ck / "model.safetensors") == "step 3");
   CHECK_FALSE(fs::exists(tmp.path() / "ck.old"));
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
+  // Where the file system cannot swap two folders in one rename: the two renames via ck.old.
+  std::ofstream(stage_folder(ck) / "model.safetensors") << "step 4";
+  publish_folder(ck, false);
+  CHECK(read(ck / "model.safetensors") == "step 4");
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.old"));
+  CHECK_FALSE(fs::exists(tmp.path() / "ck.partial"));
+  // Into a folder whose parents do not exist yet.
+  REQUIRE(save_folder_atomically(tmp.path() / "runs" / "a" / "ck", write_files("x")).has_value());
+  CHECK(read(tmp.path() / "runs" / "a" / "ck" / "model.safetensors") == "x");
+}
+
+// The one state a crash can leave without `folder` (a file system without RENAME_EXCHANGE, cut off
+// between moving the previous checkpoint to `<folder>.old` and the new one into place): resuming
+// `folder` fails naming `<folder>.old`, and the next save removes it once it replaced it.
+TEST_CASE("Resuming a folder whose save was cut off between its renames names the old folder",
+          "[cpu]") {
+  temp_dir tmp;
+  const fs::path ck = tmp.path() / "ck", old = tmp.path() / "ck.old";
+  auto files = [](const fs::path& dir) -> expected<fs::path> {
+    std::ofstream(dir / "config.json") << "{}";
+    return dir;
+  };
+  REQUIRE(save_folder_atomically(ck, files).has_value());
+  fs::rename(ck, old);
+  auto config = read_config(ck);
+  REQUIRE_FALSE(config.has_value());
+  CHECK_THAT(config.error_message(), Contains("'" + old.string() + "' is there") &&
+                                         Contains("rename it to '" + ck.string() + "'"));
+  auto state = training_state_file::open(ck, shape{4});
+  REQUIRE_FALSE(state.has_value());
+  CHECK_THAT(state.error_message(), Contains("'" + old.string() + "' is there"));
+  // A folder that merely does not exist gets no such note.
+  auto other = read_config(tmp.path() / "other");
+  REQUIRE_FALSE(other.has_value());
+  CHECK_THAT(other.error_message(), !Contains(".old"));
+  REQUIRE(save_folder_atomically(ck, files).has_value());
+  CHECK(fs::exists(ck / "config.json"));
+  CHECK_FALSE(fs::exists(old));
 }

@@ -179,7 +179,7 @@ expected<model_config> read_config(const fs::path& path) {
   try {
     text = read_text_file(file);
   } catch (const troupe::error& e) {
-    return expected<model_config>::failure(e.what());
+    return expected<model_config>::failure(e.what() + interrupted_save_note(path));
   }
   return parse_config(text, file.string());
 }

@@ -2,6 +2,7 @@
 #include "models/hf/file_io.hpp"
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -165,6 +166,96 @@ void sync_directory(const fs::path& dir) {
   int e = errno;
   ::close(fd);
   if (rc != 0 && e != EINVAL) fail("cannot sync directory '", dir.string(), "': ", errno_text(e));
+}
+
+// ---- folders replaced as one unit ------------------------------------------------------------
+
+namespace {
+
+// `folder` without a trailing separator ("ck/" -> "ck").
+fs::path plain(const fs::path& folder) {
+  return folder.has_filename() ? folder : folder.parent_path();
+}
+
+fs::path with_suffix(const fs::path& folder, const char* suffix) {
+  fs::path p = plain(folder);
+  p += suffix;
+  return p;
+}
+
+fs::path parent_of(const fs::path& dir) {
+  return dir.has_parent_path() ? dir.parent_path() : fs::path(".");
+}
+
+// create_directories, each new folder's entry synced into its parent.
+void create_directories_synced(const fs::path& dir) {
+  std::error_code ec;
+  if (dir.empty() || fs::is_directory(dir, ec)) return;
+  if (dir.has_parent_path() && dir.parent_path() != dir)
+    create_directories_synced(dir.parent_path());
+  if (!fs::create_directory(dir, ec) && ec)
+    fail("cannot create folder '", dir.string(), "': ", ec.message());
+  sync_directory(parent_of(dir));
+}
+
+}  // namespace
+
+fs::path staging_folder(const fs::path& folder) {
+  return with_suffix(folder, ".partial");
+}
+
+fs::path stage_folder(const fs::path& folder) {
+  const fs::path dir = plain(folder), staged = staging_folder(folder);
+  create_directories_synced(parent_of(dir));
+  std::error_code ec;
+  fs::remove_all(staged, ec);
+  if (ec) fail("cannot empty '", staged.string(), "': ", ec.message());
+  fs::create_directory(staged, ec);
+  if (ec) fail("cannot create folder '", staged.string(), "': ", ec.message());
+  return staged;
+}
+
+void publish_folder(const fs::path& folder, bool one_rename) {
+  const fs::path dir = plain(folder), staged = staging_folder(folder);
+  const fs::path old = with_suffix(folder, ".old"), parent = parent_of(dir);
+  sync_directory(staged);
+  std::error_code ec;
+  const bool had = fs::exists(dir, ec);
+  bool swapped = false;
+  if (had && one_rename) {
+    swapped = ::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0;
+    const int e = errno;
+    if (!swapped && e != EINVAL && e != ENOSYS && e != ENOTSUP)
+      fail("cannot swap '", staged.string(), "' with the previous checkpoint '", dir.string(),
+           "': ", errno_text(e), " (the new one is in '", staged.string(), "')");
+  }
+  if (had && !swapped) {  // no RENAME_EXCHANGE here: two renames
+    fs::remove_all(old, ec);
+    fs::rename(dir, old, ec);
+    if (ec)
+      fail("cannot move the previous checkpoint '", dir.string(), "' to '", old.string(),
+           "': ", ec.message(), " (the new one is in '", staged.string(), "')");
+  }
+  if (!swapped) {
+    fs::rename(staged, dir, ec);
+    if (ec) {
+      std::error_code back;
+      if (had) fs::rename(old, dir, back);
+      fail("cannot rename '", staged.string(), "' to '", dir.string(), "': ", ec.message());
+    }
+  }
+  sync_directory(parent);  // the new `folder` is durable before the previous one goes
+  if (swapped) fs::remove_all(staged, ec);  // the previous one, now under `.partial`
+  fs::remove_all(old, ec);  // also one an earlier save cut off between its renames left
+}
+
+std::string interrupted_save_note(const fs::path& folder) {
+  const fs::path dir = plain(folder), old = with_suffix(folder, ".old");
+  std::error_code ec;
+  if (fs::exists(dir, ec) || !fs::is_directory(old, ec)) return "";
+  return " ('" + dir.string() + "' is missing but '" + old.string() +
+         "' is there: a save was cut off while it replaced the checkpoint, and '" + old.string() +
+         "' is the previous one, complete; rename it to '" + dir.string() + "' to resume from it)";
 }
 
 }  // namespace troupe::models::hf

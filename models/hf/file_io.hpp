@@ -95,4 +95,24 @@ void write_text_file_atomically(const std::filesystem::path& path, std::string_v
 // fsync of a directory, so that a rename inside it is durable.
 void sync_directory(const std::filesystem::path& dir);
 
+// A folder replaced as one unit (hf::save_folder_atomically, hybrid_trainer::save). The new one
+// is written in `<folder>.partial`, its files committed (atomic_file: synced), then put in place:
+//   stage_folder(folder)    creates folder's missing parents (each synced into its own parent),
+//                           empties `<folder>.partial` and creates it; returns it.
+//   publish_folder(folder)  syncs `<folder>.partial`, swaps it with `folder` in one rename
+//                           (renameat2 RENAME_EXCHANGE), syncs the parent, then removes the
+//                           previous folder. So after a crash `folder` is the old or the new one,
+//                           whole. On a file system without the exchange: `folder` -> `<folder>
+//                           .old`, `<folder>.partial` -> `folder`, sync, remove `.old`; a crash
+//                           between the two renames leaves only `<folder>.old` (complete), which
+//                           interrupted_save_note names.
+// Both throw troupe::error naming the folder; a failed publish leaves `folder` as it was.
+std::filesystem::path staging_folder(const std::filesystem::path& folder);  // `<folder>.partial`
+std::filesystem::path stage_folder(const std::filesystem::path& folder);
+// one_rename = false takes the two renames even where the exchange works (for tests).
+void publish_folder(const std::filesystem::path& folder, bool one_rename = true);
+// For errors about a missing `folder`: when `<folder>.old` is there instead (a save cut off while
+// it replaced the folder), a note naming it and how to resume from it; else "".
+std::string interrupted_save_note(const std::filesystem::path& folder);
+
 }  // namespace troupe::models::hf

@@ -123,7 +123,7 @@ expected<training_state_file> training_state_file::open(const fs::path& folder,
       if (!fs::exists(folder / name))
         fail(in_quotes((folder / name).string()), ": cannot open it (no such file): not a ",
              "checkpoint to resume from; a folder of weights only starts a run with model.hf ",
-             "(--model-hf)");
+             "(--model-hf)", interrupted_save_note(folder));
     json j;
     try {
       j = json::parse(read_text_file(state_path));

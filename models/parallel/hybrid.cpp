@@ -4,11 +4,13 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "memory/error.hpp"
 #include "models/gpt.hpp"
@@ -222,16 +224,31 @@ std::int64_t hybrid_trainer::optimizer_steps() const {
   return impl_->dp->optimizer_state().steps;
 }
 
+namespace {
+
+// The writer's `<folder>.partial` (hf::stage_folder), removed unless it was put in place.
+struct staged_folder {
+  std::filesystem::path dir;
+  bool published = false;
+  ~staged_folder() {
+    std::error_code ec;
+    if (!dir.empty() && !published) std::filesystem::remove_all(dir, ec);
+  }
+};
+
+}  // namespace
+
 std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   auto& I = *impl_;
   const whole_layout& wl = I.whole->layout();
   const bool writer = I.g.dp->rank() == 0 && I.g.mp->rank() == 0;
+  const bool gathers = I.g.dp->rank() == 0;  // dp rank 0's replica gathers the weights
+  const std::string what = fmt::format("hybrid_trainer::save '{}'", folder.string());
   if (I.cfg.plan.zero == 3) I.dp->gather_full_parameters();
-  // The writer streams into a folder of its own, renamed into place once every byte is there; a
-  // write that fails there stops its writing, not its part in the collectives below, and every
-  // rank learns of it at the end (agree_on_failure), so none is left waiting.
-  std::filesystem::path streaming = folder.has_filename() ? folder : folder.parent_path();
-  streaming += ".streaming";
+  // A rank's own work (checks, allocations, gathers, the writer's writes) runs in `attempt`, which
+  // keeps the first failure; the collectives run on every rank all the same. After each phase the
+  // ranks agree: when any failed, every rank throws there (the failed ones their own error, the
+  // others naming the folder), so none is left waiting in a collective a failed rank skipped.
   std::exception_ptr failed;
   auto attempt = [&](auto&& f) {
     if (failed) return;
@@ -241,74 +258,81 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
       failed = std::current_exception();
     }
   };
+  auto agree = [&] { agree_on_failure(failed, *I.g.dp, *I.g.mp, what); };
+  // The writer streams the files into `<folder>.partial`, put in place once every byte is there
+  // (hf::publish_folder); a failed save removes it and leaves `folder` as it was.
+  staged_folder staged;
   std::unique_ptr<hf::checkpoint_writer> weights;
   std::unique_ptr<hf::training_state_writer> moments;
   const hf::training_state st{.step = steps_done(),
                               .optimizer_steps = optimizer_steps(),
                               .extra_json = run_extra_json(I.cfg)};
-  if (writer)
-    attempt([&] {
-      std::filesystem::remove_all(streaming);
-      std::filesystem::create_directories(streaming);
-      weights = std::make_unique<hf::checkpoint_writer>(streaming, model_);
+  const auto order = hf::checkpoint_writer::order(model_);
+  std::vector<const whole_param*> params;
+  owned_tensor scratch;  // one whole parameter, then the failure flag
+  attempt([&] {
+    if (writer) {
+      staged.dir = hf::stage_folder(folder);
+      weights = std::make_unique<hf::checkpoint_writer>(staged.dir, model_);
       moments =
-          std::make_unique<hf::training_state_writer>(streaming, st, dtype::f32, shape{wl.numel});
-    });
-  // Weights: whole parameter after parameter in the file's order, each summed over mp from the
-  // parts the ranks own (every replica holds the same weights: dp rank 0's group gathers).
-  if (I.g.dp->rank() == 0) {
-    owned_tensor scratch;
-    for (const auto& e : hf::checkpoint_writer::order(model_)) {
+          std::make_unique<hf::training_state_writer>(staged.dir, st, dtype::f32, shape{wl.numel});
+    }
+    if (!gathers) return;
+    std::int64_t widest = 0;
+    for (const auto& e : order) {
       const whole_param* p = wl.find(e.our_name);
-      TROUPE_CHECK(p != nullptr, "hybrid_trainer::save: the whole model has no parameter '",
-                   e.our_name, "'");
-      if (!scratch.defined() || scratch.numel() < p->numel()) scratch = empty({p->numel()});
-      const tensor full = scratch.narrow(0, 0, p->numel()).reshape(p->sizes);
-      ops::fill(full, 0.0);
-      gather_param(I.layout, I.layout.base, e.our_name, full);
+      TROUPE_CHECK(p != nullptr, what, ": the whole model has no parameter '", e.our_name, "'");
+      params.push_back(p);
+      widest = std::max(widest, p->numel());
+    }
+    scratch = empty({widest + 1});
+  });
+  agree();
+  // Weights: whole parameter after parameter in the file's order, each summed over mp from the
+  // parts the ranks own (every replica holds the same weights: dp rank 0's group gathers). Each
+  // rank's failure flag is summed with the parameter, so the group stops together.
+  if (gathers) {
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const std::int64_t numel = params[i]->numel();
+      const tensor flat = scratch.narrow(0, 0, numel + 1);
+      const tensor full = flat.narrow(0, 0, numel).reshape(params[i]->sizes);
+      attempt([&] {
+        ops::fill(full, 0.0);
+        gather_param(I.layout, I.layout.base, order[i].our_name, full);
+      });
+      float* flag = static_cast<float*>(flat.data()) + numel;
+      *flag = failed ? 1.0f : 0.0f;
       if (I.g.mp->size() > 1) {
         collective::options o;
         o.op = collective::reduce_op::sum;
-        I.g.mp->allreduce(full.data(), static_cast<std::size_t>(full.numel()), full.type(), o)
-            .wait();
+        I.g.mp->allreduce(flat.data(), static_cast<std::size_t>(numel + 1), flat.type(), o).wait();
       }
+      if (*flag > 0.0f) break;
       if (writer) attempt([&] { weights->write(full); });
     }
   }
-  // AdamW's moments: all of m, then all of v (the file's order), in windows.
+  agree();
+  // AdamW's moments: all of m, then all of v (the file's order), in windows; a failure on any
+  // rank (the writer's append included) throws on every rank (gather_moment_windows).
   const auto opt = I.dp->optimizer_state();
-  for (auto which : {which_moments::m, which_moments::v}) {
-    try {
-      gather_moment_windows(
-          I.layout, opt, wl, *I.g.dp, *I.g.mp,
-          [&](std::int64_t, const tensor& wm, const tensor& wv) {
-            if (!failed) moments->append(which == which_moments::m ? wm : wv);
-          },
-          which);
-    } catch (...) {  // the writer's sink (its collectives all ran), or every rank's check
-      if (!failed) failed = std::current_exception();
-    }
-  }
+  for (auto which : {which_moments::m, which_moments::v})
+    gather_moment_windows(
+        I.layout, opt, wl, *I.g.dp, *I.g.mp,
+        [&](std::int64_t, const tensor& wm, const tensor& wv) {
+          moments->append(which == which_moments::m ? wm : wv);
+        },
+        which, default_window_elems, what);
   if (writer)
     attempt([&] {
       weights->commit();
       moments->commit();
-      hf::write_text_file_atomically(streaming / "troupe_parallel.json",
+      hf::write_text_file_atomically(staged.dir / "troupe_parallel.json",
                                      fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.step,
                                                  scheduler::describe(I.cfg.plan)));
-      using result = expected<std::filesystem::path>;
-      hf::save_folder_atomically(folder, [&](const std::filesystem::path& staging) -> result {
-        return hf::as_expected([&] {
-          std::filesystem::rename(streaming, staging);
-          return staging;
-        });
-      }).value();
+      hf::publish_folder(folder);
+      staged.published = true;
     });
-  if (writer && failed) {
-    std::error_code ec;
-    std::filesystem::remove_all(streaming, ec);
-  }
-  agree_on_failure(failed, *I.g.dp, *I.g.mp, "hybrid_trainer::save");
+  agree();
   return writer ? folder.string() : std::string();
 }
 

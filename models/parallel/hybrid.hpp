@@ -58,10 +58,12 @@ class hybrid_trainer {
   step_result step(const trainer::batch_source& data);
   std::int64_t steps_done() const;
 
-  // Collective over every rank of the job: writes `folder` atomically (hf::save_folder_atomically)
-  // from the rank that is rank 0 of its dp and mp groups, and returns it there ("" elsewhere). The
-  // writer streams the files in `<folder>.streaming` first; when it fails (a full disk) every rank
-  // throws once all collectives are done (the writer its error, the others naming it).
+  // Collective over every rank of the job: writes `folder` atomically from the rank that is rank
+  // 0 of its dp and mp groups, and returns it there ("" elsewhere). The writer streams the files
+  // into `<folder>.partial` and puts it in place at the end (hf::stage_folder, publish_folder).
+  // When any rank fails (a check, an allocation, the writer's full disk) every rank throws and
+  // none waits (the failed one its error, the others naming the folder); the partial folder is
+  // removed and `folder` left as it was.
   std::string save(const std::filesystem::path& folder);
 
   // AdamW's moments in the whole layout (the single-process trainer's flat m and v, laid out like

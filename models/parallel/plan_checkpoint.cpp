@@ -85,93 +85,110 @@ void check_state(const dp_trainer::optimizer_view& mine, const char* what) {
 
 }  // namespace
 
-void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
-                      collective::communicator& mp, const char* what) {
-  // A sum over dp, then over mp, reaches every rank.
-  float failures = failed ? 1.0f : 0.0f;
-  collective::options sum;
-  sum.op = collective::reduce_op::sum;
-  if (dp.size() > 1) dp.allreduce(&failures, 1, dtype::f32, sum).wait();
-  if (mp.size() > 1) mp.allreduce(&failures, 1, dtype::f32, sum).wait();
+void throw_if_any_failed(std::exception_ptr failed, float failures, collective::communicator& dp,
+                         collective::communicator& mp, std::string_view what) {
   if (failed) std::rethrow_exception(failed);
   TROUPE_CHECK(failures == 0.0f, what, ": rank ", dp.rank(), " of dp and ", mp.rank(),
                " of mp: ", failures,
                " other rank(s) failed their checks or writes (see their errors)");
 }
 
+void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
+                      collective::communicator& mp, std::string_view what) {
+  // A sum over dp, then over mp, reaches every rank.
+  float failures = failed ? 1.0f : 0.0f;
+  collective::options sum;
+  sum.op = collective::reduce_op::sum;
+  if (dp.size() > 1) dp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  if (mp.size() > 1) mp.allreduce(&failures, 1, dtype::f32, sum).wait();
+  throw_if_any_failed(failed, failures, dp, mp, what);
+}
+
 void gather_moment_windows(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
                            const whole_layout& whole, collective::communicator& dp,
                            collective::communicator& mp, const moment_sink& sink,
-                           which_moments which, std::int64_t window_elems) {
+                           which_moments which, std::int64_t window_elems, std::string_view what) {
   const std::int64_t n = whole.numel;
   const bool root = dp.rank() == 0 && mp.rank() == 0;
-  // Every rank checks its state, then learns whether any rank failed before the windows'
-  // collectives: a bad argument fails every rank instead of leaving the others waiting.
+  const bool with_m = which != which_moments::v, with_v = which != which_moments::m;
+  const std::int64_t per = (with_m ? 1 : 0) + (with_v ? 1 : 0);
+  const bool writes = !mine.whole || dp.rank() == 0;  // ZeRO 0: the replicas hold the same state
+  // Every rank checks its state and allocates its buffers, then learns whether any rank failed
+  // before the windows' collectives: a bad argument or a failed allocation fails every rank
+  // instead of leaving the others waiting.
   std::vector<place> places;
   run_list runs;
+  std::vector<std::int64_t> starts{0};
+  owned_tensor buf, scratch;  // buf: a window of m and/or v, then the failure flag
   std::exception_ptr failed;
   try {
     check_state(mine, "gather_moments");
     places = places_of(piece, whole, "gather_moments");
     runs = by_flat(mine.runs);
+    // Windows: [starts[k], starts[k + 1]) cut at whole parameters' starts, the same on every rank.
+    std::vector<std::pair<std::int64_t, std::int64_t>> whole_params;  // offset, numel
+    for (const auto& p : whole.params) whole_params.emplace_back(p.offset, p.numel());
+    std::sort(whole_params.begin(), whole_params.end());
+    for (const auto& [at, len] : whole_params)
+      if (at > starts.back() && at + len - starts.back() > window_elems) starts.push_back(at);
+    starts.push_back(n);
+    std::int64_t widest = 1, scratch_elems = 1;
+    for (std::size_t k = 0; k + 1 < starts.size(); ++k)
+      widest = std::max(widest, starts[k + 1] - starts[k]);
+    for (const auto& p : places) scratch_elems = std::max(scratch_elems, p.piece->field->numel());
+    buf = zeros({per * widest + 1}, dtype::f32, device::cpu());
+    scratch = zeros({scratch_elems}, dtype::f32, device::cpu());
   } catch (...) {
     failed = std::current_exception();
   }
-  agree_on_failure(failed, dp, mp, "gather_moments (nothing was gathered)");
+  agree_on_failure(failed, dp, mp, std::string(what) + " (nothing was gathered)");
   collective::options sum;
   sum.op = collective::reduce_op::sum;
-  // Windows: [starts[k], starts[k + 1]) cut at whole parameters' starts, the same on every rank.
-  std::vector<std::pair<std::int64_t, std::int64_t>> whole_params;  // offset, numel
-  for (const auto& p : whole.params) whole_params.emplace_back(p.offset, p.numel());
-  std::sort(whole_params.begin(), whole_params.end());
-  std::vector<std::int64_t> starts{0};
-  for (const auto& [at, len] : whole_params)
-    if (at > starts.back() && at + len - starts.back() > window_elems) starts.push_back(at);
-  starts.push_back(n);
-  std::int64_t widest = 1, scratch_elems = 1;
-  for (std::size_t k = 0; k + 1 < starts.size(); ++k)
-    widest = std::max(widest, starts[k + 1] - starts[k]);
-  for (const auto& p : places) scratch_elems = std::max(scratch_elems, p.piece->field->numel());
-  const bool with_m = which != which_moments::v, with_v = which != which_moments::m;
-  const std::int64_t per = (with_m ? 1 : 0) + (with_v ? 1 : 0);
-  owned_tensor buf = zeros({per * widest}, dtype::f32, device::cpu());
-  owned_tensor scratch = zeros({scratch_elems}, dtype::f32, device::cpu());
-  const bool writes = !mine.whole || dp.rank() == 0;  // ZeRO 0: the replicas hold the same state
 
-  std::exception_ptr sink_failed;  // the root's: it goes on with the collectives, then rethrows
+  float failures = 0.0f;  // ranks failed so far, the same on every rank after each window
   auto next = places.begin();
   for (std::size_t k = 0; k + 1 < starts.size(); ++k) {
     const std::int64_t a = starts[k], len = starts[k + 1] - a;
-    const tensor all = buf.narrow(0, 0, per * len);
+    const tensor all = buf.narrow(0, 0, per * len + 1);
     const tensor wm = with_m ? all.narrow(0, 0, len) : tensor{};
     const tensor wv = with_v ? all.narrow(0, with_m ? len : 0, len) : tensor{};
     ops::fill(all, 0.0);
-    for (; next != places.end() && next->whole_at < a + len; ++next) {
-      if (!writes || !next->owned) continue;
-      const auto& p = *next;
-      const std::int64_t pn = p.piece->field->numel();
-      const tensor part = scratch.narrow(0, 0, pn);
-      for (auto [state, window] : {std::pair{mine.m, wm}, std::pair{mine.v, wv}}) {
-        if (!window.defined()) continue;
-        ops::fill(part, 0.0);
-        copy_runs(runs, state, p.piece_at, part, false);
-        copy_gpt_slice(p.piece->name, view_of(window, p.whole_at - a, *p.whole),
-                       part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, false,
-                       "gather_moments");
+    try {
+      for (; next != places.end() && next->whole_at < a + len; ++next) {
+        if (failed || !writes || !next->owned) continue;
+        const auto& p = *next;
+        const tensor part = scratch.narrow(0, 0, p.piece->field->numel());
+        for (auto [state, window] : {std::pair{mine.m, wm}, std::pair{mine.v, wv}}) {
+          if (!window.defined()) continue;
+          ops::fill(part, 0.0);
+          copy_runs(runs, state, p.piece_at, part, false);
+          copy_gpt_slice(p.piece->name, view_of(window, p.whole_at - a, *p.whole),
+                         part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, false,
+                         "gather_moments");
+        }
       }
+    } catch (...) {
+      failed = std::current_exception();
     }
-    const auto count = static_cast<std::size_t>(per * len);
+    float* flag = static_cast<float*>(all.data()) + per * len;
+    *flag = failed ? 1.0f : 0.0f;
+    const auto count = static_cast<std::size_t>(per * len + 1);
     if (dp.size() > 1) dp.allreduce(all.data(), count, dtype::f32, sum).wait();
     if (mp.size() > 1) mp.allreduce(all.data(), count, dtype::f32, sum).wait();
-    if (root && !sink_failed) {
+    failures = *flag;
+    if (failures > 0.0f) break;  // every rank sees the same sum: all stop here
+    if (root) {
       try {
         sink(a, wm, wv);
       } catch (...) {
-        sink_failed = std::current_exception();
+        failed = std::current_exception();
       }
     }
   }
-  if (sink_failed) std::rethrow_exception(sink_failed);
+  if (failures > 0.0f)
+    throw_if_any_failed(failed, failures, dp, mp, what);
+  else
+    agree_on_failure(failed, dp, mp, what);  // the sink's failure in the last window
 }
 
 void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,

@@ -20,6 +20,7 @@
 #include <exception>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "collective/communicator.hpp"
 #include "models/parallel/data_parallel.hpp"
@@ -28,6 +29,9 @@
 #include "models/train_config.hpp"
 
 namespace troupe::models::parallel {
+
+// The window size gather_moments and gather_moment_windows use unless told (elements).
+inline constexpr std::int64_t default_window_elems = std::int64_t{1} << 22;
 
 // Collective over dp and mp (every rank of the job calls it with the same whole layout): the whole
 // moments into m and v (f32, laid out like whole.base) on the rank that is rank 0 of both groups;
@@ -38,7 +42,7 @@ namespace troupe::models::parallel {
 void gather_moments(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
                     const whole_layout& whole, collective::communicator& dp,
                     collective::communicator& mp, const tensor& m, const tensor& v,
-                    std::int64_t window_elems = std::int64_t{1} << 22);
+                    std::int64_t window_elems = default_window_elems);
 
 // Which moments a windowed gather carries.
 enum class which_moments { both, m, v };
@@ -48,20 +52,28 @@ using moment_sink = std::function<void(std::int64_t at, const tensor& wm, const 
 
 // gather_moments' windows without the whole moments anywhere: the root (rank 0 of dp and mp)
 // receives every window in order through `sink` (e.g. to write it to a file). Collective as
-// gather_moments. When the sink throws, the root calls it no more but goes on with the
-// collectives (so no rank is left waiting) and rethrows at the end; the other ranks return
-// normally (agree_on_failure tells them).
+// gather_moments. Every rank allocates its buffers before the ranks agree on their checks. A rank
+// whose own work on a window throws (or the root's sink) goes on with the window's collectives,
+// its failure flag summed with the window (one float more), so every rank learns of it with the
+// same window and all stop together; a sink failing in the last window is learnt by one agreement
+// after the windows. Then every rank throws: the failed ones their own error, the others one that
+// starts with `what` and names the count of failed ranks. The sink is called no more once any
+// rank failed.
 void gather_moment_windows(const piece_layout& piece, const dp_trainer::optimizer_view& mine,
                            const whole_layout& whole, collective::communicator& dp,
                            collective::communicator& mp, const moment_sink& sink,
                            which_moments which = which_moments::both,
-                           std::int64_t window_elems = std::int64_t{1} << 22);
+                           std::int64_t window_elems = default_window_elems,
+                           std::string_view what = "gather_moments");
 
 // Collective over dp and mp: every rank learns whether any failed (`failed`: this rank's failure,
 // or null). Rethrows this rank's own failure; else fails naming `what` and the count of failed
 // ranks when another failed; returns when none did.
 void agree_on_failure(std::exception_ptr failed, collective::communicator& dp,
-                      collective::communicator& mp, const char* what);
+                      collective::communicator& mp, std::string_view what);
+// agree_on_failure's outcome once the count of failed ranks (`failures`) is known.
+void throw_if_any_failed(std::exception_ptr failed, float failures, collective::communicator& dp,
+                         collective::communicator& mp, std::string_view what);
 
 // This rank's part of the whole moments m and v (f32, laid out like whole.base) into mine.m and
 // mine.v (their runs only; the rest is left as it is). Fails naming the parameter when the whole

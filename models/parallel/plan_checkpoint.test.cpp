@@ -6,13 +6,17 @@
 // batches is refused naming the file.
 #include <catch2/catch.hpp>
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -371,6 +375,96 @@ TEST_CASE("A save its writer cannot write fails on every rank without a hang", "
       INFO("rank " << r);
       CHECK_THAT(what[r], Catch::Contains("hybrid_trainer::save") &&
                               Catch::Contains("1 other rank(s) failed"));
+    }
+  }
+}
+
+namespace {
+
+// A file size limit for this process while it lives (RLIMIT_FSIZE, with SIGXFSZ ignored so that a
+// write past it returns EFBIG instead of killing the process).
+class file_size_limit {
+ public:
+  explicit file_size_limit(std::uintmax_t bytes) {
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved_) == 0);
+    handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit r = saved_;
+    r.rlim_cur = static_cast<rlim_t>(bytes);
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &r) == 0);
+  }
+  ~file_size_limit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, handler_);
+  }
+  file_size_limit(const file_size_limit&) = delete;
+  file_size_limit& operator=(const file_size_limit&) = delete;
+
+ private:
+  rlimit saved_{};
+  void (*handler_)(int) = nullptr;
+};
+
+std::map<std::string, std::string> files_of(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(f.path(), std::ios::binary);
+    out[f.path().filename().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+}  // namespace
+
+// The writer's disk fills half way through the weights, then half way through the moments: every
+// rank throws (the writer naming the file, the others the folder) and none waits; the older
+// checkpoint in the folder stays byte for byte and no partial folder is left.
+TEST_CASE("A save whose writer fails in the middle fails on every rank and keeps the old one",
+          "[parallel]") {
+  temp_dir dir;
+  const auto ck = dir / "ck";
+  for (const auto& plan : {plan_of(2, 1, 1, 1), plan_of(1, 2, 2, 0)}) {
+    INFO(scheduler::describe(plan));
+    std::filesystem::remove_all(ck);
+    planned(false, plan, 1, "", ck.string());  // the older checkpoint, at step 1
+    const auto before = files_of(ck);
+    const auto weights = before.at("model.safetensors").size();
+    const auto moments = before.at("optimizer.safetensors").size();
+    REQUIRE(weights < moments);
+    auto cfg = run_config();
+    cfg.plan = plan;
+    const auto model = model_of(false);
+    for (const auto& [limit, file] :
+         {std::pair{weights / 2, "model.safetensors"},
+          std::pair{(weights + moments) / 2, "optimizer.safetensors"}}) {
+      INFO(file);
+      std::vector<std::string> what(plan.world_size());
+      {
+        const file_size_limit full_disk(limit);  // only the save writes files
+        run_plan(
+            plan,
+            [&](int r, const hybrid_groups& g) {
+              hybrid_trainer t(model, cfg, g);
+              for (int s = 0; s < 2; ++s) t.step(rows_of);
+              try {
+                t.save(ck);
+              } catch (const std::exception& e) {
+                what[r] = e.what();
+              }
+            },
+            true);
+      }
+      // In the middle: `limit` bytes of the file went out before the write failed.
+      CHECK_THAT(what[0], Catch::Contains(std::string(file) + ".tmp' (" + std::to_string(limit) +
+                                          " bytes written)") &&
+                              Catch::Contains("File too large"));
+      for (int r = 1; r < plan.world_size(); ++r) {
+        INFO("rank " << r);
+        CHECK_THAT(what[r], Catch::Contains("hybrid_trainer::save '" + ck.string() + "'") &&
+                                Catch::Contains("1 other rank(s) failed"));
+      }
+      for (const char* left : {"ck.partial", "ck.streaming", "ck.old"})
+        CHECK_FALSE(std::filesystem::exists(dir / left));
+      CHECK(files_of(ck) == before);
     }
   }
 }

@@ -1,6 +1,7 @@
 // whole_model (see whole_model.hpp): an unbound model as the whole model's description.
 #include "models/parallel/whole_model.hpp"
 
+#include <exception>
 #include <set>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "models/causal_lm.hpp"
 #include "models/gpt.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/file_io.hpp"
 #include "models/llama.hpp"
 #include "tensor/ops.hpp"
 
@@ -68,16 +70,20 @@ void load_piece(const whole_model& whole, const std::filesystem::path& folder,
                 const piece_layout& piece, const tensor& to) {
   const auto held = params_of(piece, "load_piece");
   const whole_layout& w = whole.layout();
-  hf::read_weights(folder, hf::name_map_for(whole.config()), whole.slots(),
-                   [&](const hf::name_map_entry& e, const hf::safetensors_entry& t) {
-                     if (held.count(e.our_name) == 0) return;
-                     const whole_param* p = w.find(e.our_name);
-                     TROUPE_CHECK(p != nullptr, "load_piece: the whole model has no parameter '",
-                                  e.our_name, "'");
-                     owned_tensor full = empty(p->sizes, dtype::f32);
-                     hf::read_into(t, full, e.transpose);
-                     scatter_param(e.our_name, full, piece, to);
-                   })
+  hf::read_weights(
+      folder, hf::name_map_for(whole.config()), whole.slots(),
+      [&](const hf::name_map_entry& e, const hf::safetensors_entry& t) {
+        if (held.count(e.our_name) == 0) return;
+        try {
+          const whole_param* p = w.find(e.our_name);
+          TROUPE_CHECK(p != nullptr, "the whole model has no parameter '", e.our_name, "'");
+          owned_tensor full = empty(p->sizes, dtype::f32);
+          hf::read_into(t, full, e.transpose);
+          scatter_param(e.our_name, full, piece, to);
+        } catch (const std::exception& err) {
+          hf::fail("load_piece: '", folder.string(), "', tensor '", e.hf_name, "': ", err.what());
+        }
+      })
       .value();
 }
 

@@ -57,7 +57,8 @@ void init_piece(const whole_model& whole, std::uint64_t seed, const piece_layout
 // The piece's parameters (into `to`) from the HF weights of `folder` (a checkpoint of the whole
 // model's config: one file or shards), read straight from the mapped files: only the tensors the
 // piece holds are read, each into one parameter's scratch, then sliced. The folder is checked as
-// hf::load_weights checks it before anything is written; errors name the file and the tensor.
+// hf::load_weights checks it before anything is written; errors name the file and the tensor
+// (those of reading and slicing one tensor start with the folder and the tensor's HF name).
 void load_piece(const whole_model& whole, const std::filesystem::path& folder,
                 const piece_layout& piece, const tensor& to);
 

@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -111,6 +113,9 @@ void check_pieces(const hf::model_config& model, const tensor& whole_params, con
       owned_tensor got = zeros(p.base.sizes()), want = zeros(p.base.sizes());
       fill(wm, pl, got.view());
       scatter_to_piece(wm.layout(), whole_params, pl, want);
+      // Not vacuous: a no-op fill and a no-op scatter would agree on zeros.
+      const float* w = want.data_as<float>();
+      CHECK(std::any_of(w, w + want.numel(), [](float x) { return x != 0.0f; }));
       CHECK(std::memcmp(got.data(), want.data(), got.nbytes()) == 0);
     }
   }
@@ -183,6 +188,23 @@ TEST_CASE("A folder of weights that lacks a tensor fails loading a piece naming 
   const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, gc.n_head, {}};
   CHECK_THROWS_WITH(load_piece(wm, dir.path, pl, pl.base),
                     Catch::Contains("missing") && Catch::Contains("h.1."));
+}
+
+TEST_CASE("A piece that does not fit the folder's tensors fails loading naming folder and tensor",
+          "[parallel]") {
+  scratch_dir dir;
+  const auto model = gpt2_small_test();
+  auto saved = make_causal_lm(model, {1, 16});
+  saved->init_weights(5);
+  hf::save_checkpoint(dir.path, model, saved->slots()).value();
+  const whole_model wm(model);
+  auto wider = std::get<hf::gpt2_config>(model);
+  wider.n_embd = 48;  // the same names, other shapes: slicing the first tensor read fails
+  const gpt_config gc = hf::to_gpt_config(wider);
+  gpt piece(gc, {1, 16});
+  const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, gc.n_head, {}};
+  CHECK_THROWS_WITH(load_piece(wm, dir.path, pl, pl.base),
+                    Catch::StartsWith("load_piece: '" + dir.path.string() + "', tensor '"));
 }
 
 TEST_CASE("Checkpoint files written tensor by tensor and in parts equal the whole writers' bytes",
