@@ -309,13 +309,16 @@ void check_hook_final(pipeline_run& run, const std::string& scope) {
 
 // Every GPT-2 configuration: gradients within 1e-5 of the largest element of each unsharded
 // gradient (pp only: the same f32 operations but the loss's f64 sums and the tied gradient's
-// summation order; tp: sums split across shards).
+// summation order; tp: sums split across shards). `batched`: run with TROUPE_PIPE_P2P=batched
+// (the benchmark knob: each batch of the list's transfers posted together and waited where it
+// stands, as Megatron runs them).
 TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "[parallel]") {
   struct config {
     int pp;
     schedule_kind kind;
     int m, v, tp;
     bool sp;
+    bool batched = false;
   };
   for (auto c : {config{2, schedule_kind::gpipe, 4, 1, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, 1, false},
@@ -323,9 +326,12 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                  config{4, schedule_kind::one_f_one_b, 6, 1, 1, false},
                  config{4, schedule_kind::eager_1f1b, 6, 1, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, 2, false},
-                 config{2, schedule_kind::interleaved, 4, 2, 2, true}}) {
+                 config{2, schedule_kind::interleaved, 4, 2, 2, true},
+                 config{2, schedule_kind::one_f_one_b, 5, 1, 1, false, true},
+                 config{2, schedule_kind::eager_1f1b, 5, 1, 1, false, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
-    INFO(scheduler::describe(plan));
+    INFO(scheduler::describe(plan) << (c.batched ? " batched" : ""));
+    if (c.batched) ::setenv("TROUPE_PIPE_P2P", "batched", 1);
     batches data(c.m);
     gpt full(tiny_gpt(), {rows, seq});
     full.init_weights(5);
@@ -337,33 +343,10 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                                              stage_options::of(p, s), tp);
         },
         data, "h");
+    ::unsetenv("TROUPE_PIPE_P2P");
     check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
     check_hook_final(run, "h");
   }
-}
-
-// TROUPE_PIPE_P2P=batched (the benchmark knob: each batch of the list's transfers posted together
-// and waited where it stands, as Megatron runs them) computes the same step, for 1F1B and eager
-// 1F1B.
-TEST_CASE("GPT-2 pipeline stages with batched transfers match the single process", "[parallel]") {
-  ::setenv("TROUPE_PIPE_P2P", "batched", 1);
-  for (auto kind : {schedule_kind::one_f_one_b, schedule_kind::eager_1f1b}) {
-    auto plan = make_plan(2, kind, 5, 1, 1, false);
-    INFO(scheduler::describe(plan));
-    batches data(5);
-    gpt full(tiny_gpt(), {rows, seq});
-    full.init_weights(5);
-    double want = reference(full, data);
-    auto run = run_pipeline(
-        plan,
-        [](const scheduler::parallel_plan& p, int s, tp_group tp) {
-          return std::make_unique<gpt_stage>(tiny_gpt(), batch_dims{rows, seq},
-                                             stage_options::of(p, s), tp);
-        },
-        data, "h");
-    check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
-  }
-  ::unsetenv("TROUPE_PIPE_P2P");
 }
 
 // A recomputing pipeline against the storing one: as many stash buffers, each at least 4 x
