@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/error.hpp"
+#include "models/hf/training_state.hpp"
 #include "scheduler/plan.hpp"
 
 namespace troupe::models {
@@ -63,6 +64,24 @@ void check_steps_left(std::int64_t saved_step, const train_config& cfg, const st
                " but train.steps (--steps) is ", cfg.steps,
                ": nothing is left to train; give train.steps (--steps) above ", saved_step,
                " to go on (the learning-rate schedule spans train.steps)");
+}
+
+std::string run_state_extra(const train_config& cfg, const std::string& own) {
+  auto extra = nlohmann::json::parse(run_extra_json(cfg));
+  extra.update(nlohmann::json::parse(own));
+  return extra.dump();
+}
+
+expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
+                                             const train_config& cfg, const shape& moments) {
+  auto file = hf::training_state_file::open(folder, moments);
+  if (!file) return expected<hf::training_state>::failure(file.error_message());
+  try {
+    check_data_position(file->state().extra_json, cfg, (folder / "trainer_state.json").string());
+  } catch (const error& e) {
+    return expected<hf::training_state>::failure(e.what());
+  }
+  return file->state();
 }
 
 }  // namespace troupe::models

@@ -6,8 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 
+#include "memory/error.hpp"
+#include "models/hf/training_state.hpp"
 #include "models/train_config.hpp"
 
 namespace troupe::models {
@@ -32,5 +35,19 @@ void check_data_position(const std::string& extra_json, const train_config& cfg,
 // Fails naming train.steps (--steps), `folder` and the saved step unless saved_step < cfg.steps:
 // a run resumed at or past its last step would train nothing and save nothing.
 void check_steps_left(std::int64_t saved_step, const train_config& cfg, const std::string& folder);
+
+// trainer_state.json's "extra" of a single-process run of cfg (this trainer's and
+// models/offload's): what a parallel plan's checkpoint records (run_extra_json: seed, the data,
+// batch, grad_accum, seq, fixed_batch, the learning-rate schedule, the plan) with the trainer's own
+// keys (`own`, a JSON object) over it.
+std::string run_state_extra(const train_config& cfg, const std::string& own);
+
+// The saved state of the checkpoint in `folder` (moments of shape `moments`) if a run of cfg may
+// resume it; else its error: the file at fault, or - when the saved run read its data differently,
+// so step s would not read the batch it read there - trainer_state.json, the setting (train.seed,
+// the data, train.batch, grad_accum, seq, fixed_batch, named with its flag) and both values.
+// Checked before anything is loaded, for checkpoints of any plan.
+expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
+                                             const train_config& cfg, const shape& moments);
 
 }  // namespace troupe::models

@@ -163,24 +163,6 @@ expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
   return step_;
 }
 
-std::string run_state_extra(const train_config& cfg, const std::string& own) {
-  auto extra = nlohmann::json::parse(run_extra_json(cfg));
-  extra.update(nlohmann::json::parse(own));
-  return extra.dump();
-}
-
-expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
-                                             const train_config& cfg, const shape& moments) {
-  auto file = hf::training_state_file::open(folder, moments);
-  if (!file) return expected<hf::training_state>::failure(file.error_message());
-  try {
-    check_data_position(file->state().extra_json, cfg, (folder / "trainer_state.json").string());
-  } catch (const error& e) {
-    return expected<hf::training_state>::failure(e.what());
-  }
-  return file->state();
-}
-
 double evaluate(causal_lm& model, const trainer::batch_source& data, int batch, int seq,
                 std::uint64_t first, int batches) {
   std::vector<std::int32_t> rows, targets;

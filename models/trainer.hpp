@@ -24,6 +24,7 @@
 #include "models/causal_lm.hpp"
 #include "models/hf/training_state.hpp"
 #include "models/optim.hpp"
+#include "models/run_state.hpp"
 #include "models/train_config.hpp"
 
 namespace troupe::models {
@@ -77,19 +78,8 @@ class trainer {
   std::vector<std::int32_t> rows_, targets_;
 };
 
-// trainer_state.json's "extra" of a single-process run of cfg (this trainer's and
-// models/offload's): what a parallel plan's checkpoint records (run_state.hpp's
-// run_extra_json: seed, the data, batch, grad_accum, seq, fixed_batch, the learning-rate schedule,
-// the plan) with the trainer's own keys (`own`, a JSON object) over it.
-std::string run_state_extra(const train_config& cfg, const std::string& own);
-
-// The saved state of the checkpoint in `folder` (moments of shape `moments`) if a run of cfg may
-// resume it; else its error: the file at fault, or - when the saved run read its data differently,
-// so step s would not read the batch it read there - trainer_state.json, the setting (train.seed,
-// the data, train.batch, grad_accum, seq, fixed_batch, named with its flag) and both values.
-// Checked before anything is loaded, for checkpoints of any plan.
-expected<hf::training_state> resumable_state(const std::filesystem::path& folder,
-                                             const train_config& cfg, const shape& moments);
+// run_state_extra, resumable_state (the checkpoint's run identity, the resume checks):
+// models/run_state.hpp.
 
 // The mean loss of `batches` draws of the data (from draw `first`), without gradients.
 double evaluate(causal_lm& model, const trainer::batch_source& data, int batch, int seq,

@@ -155,11 +155,7 @@ tensor flat(const memory::arena& a, dtype t, device dev) {
   return tensor(a.base(), a.capacity(), t, {n}, dev);
 }
 
-}  // namespace
-
-namespace {
-
-std::mutex ledger_mu;
+std::mutex ledger_mu;  // guards ledger (param_bytes())
 param_bytes_stats ledger;
 
 }  // namespace
