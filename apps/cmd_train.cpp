@@ -328,13 +328,14 @@ command_fn add_train_command(CLI::App& app) {
                 ->capture_default_str(),
             [pc](train_config& t) { t.plan.microbatches = pc->microbatches; });
   plan_flag(sub->add_option("--schedule", c->schedule,
-                            "Pipeline schedule: gpipe, 1f1b, eager-1f1b, interleaved")
+                            "Pipeline schedule: gpipe, 1f1b, eager-1f1b, zero-bubble, interleaved")
                 ->capture_default_str(),
             [pc](train_config& t) {
               auto k = scheduler::parse_schedule_kind(pc->schedule);
-              TROUPE_CHECK(k.has_value(),
-                           "--schedule must be gpipe, 1f1b, eager-1f1b or interleaved, got '",
-                           pc->schedule, "'");
+              TROUPE_CHECK(
+                  k.has_value(),
+                  "--schedule must be gpipe, 1f1b, eager-1f1b, zero-bubble or interleaved, got '",
+                  pc->schedule, "'");
               t.plan.schedule = *k;
             });
   plan_flag(sub->add_option("--virtual-stages", c->virtual_stages,

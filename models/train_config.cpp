@@ -113,7 +113,8 @@ const std::map<std::string, setter>& setters() {
          auto v = n.value<std::string>();
          auto k = v ? scheduler::parse_schedule_kind(*v) : std::nullopt;
          if (!k)
-           throw error(where + " must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\"");
+           throw error(where + " must be \"gpipe\", \"1f1b\", \"eager-1f1b\", \"zero-bubble\" or " +
+                       "\"interleaved\"");
          c.plan.schedule = *k;
        }},
       {"parallel.recompute",

@@ -74,7 +74,8 @@ TEST_CASE("parallel table mistakes are errors naming the file and the key") {
            bad_case{"[parallel]\nsp = 1\n", "parallel.sp must be true or false"},
            bad_case{
                "[parallel]\nschedule = \"zb\"\n",
-               "parallel.schedule must be \"gpipe\", \"1f1b\", \"eager-1f1b\" or \"interleaved\""},
+               "parallel.schedule must be \"gpipe\", \"1f1b\", \"eager-1f1b\", \"zero-bubble\" or "
+               "\"interleaved\""},
            bad_case{"[parallel]\nrecompute = true\n",
                     "parallel.recompute must be \"none\", \"selective\" or \"full\""},
            bad_case{"[parallel]\norder = \"dp,pp,tp\"\n", "parallel.order must be an array"},

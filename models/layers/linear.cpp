@@ -2,6 +2,7 @@
 #include "models/layers/linear.hpp"
 
 #include "memory/error.hpp"
+#include "models/layers/weight_grads.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -45,6 +46,10 @@ void linear::backward(const tensor& dy, const tensor& dx, bool accumulate_dx) {
   tensor x2 = x.reshape({n, cfg.in});
   if (dx.defined())
     ops::matmul(dy2, weight, dx.reshape({n, cfg.in}), 1.0, accumulate_dx ? 1.0 : 0.0);
+  if (auto* q = deferred_weight_grads::active()) {
+    q->add(dweight, cfg.bias ? dbias : tensor{}, dy2, x2);
+    return;
+  }
   ops::matmul(dy2.transpose(0, 1), x2, dweight, 1.0, 1.0);
   if (cfg.bias) ops::sum_rows(dy2, dbias);
 }

@@ -2,7 +2,8 @@
 //
 // (HF GPT-2 stores Conv1D weights as [in, out]; transposing them is a load-time concern.)
 // Gradients: dx = dy W (overwritten, or added with accumulate_dx), dW += dy^T x, db +=
-// sum_rows(dy).
+// sum_rows(dy). Under a deferred_weight_grads scope (weight_grads.hpp) backward computes dx only
+// and queues dW and db.
 #pragma once
 
 #include <cstdint>

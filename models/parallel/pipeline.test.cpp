@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <map>
@@ -328,7 +329,10 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::one_f_one_b, 4, 1, 2, false},
                  config{2, schedule_kind::interleaved, 4, 2, 2, true},
                  config{2, schedule_kind::one_f_one_b, 5, 1, 1, false, true},
-                 config{2, schedule_kind::eager_1f1b, 5, 1, 1, false, true}}) {
+                 config{2, schedule_kind::eager_1f1b, 5, 1, 1, false, true},
+                 config{4, schedule_kind::zero_bubble, 6, 1, 1, false},
+                 config{2, schedule_kind::zero_bubble, 5, 1, 2, true},
+                 config{2, schedule_kind::zero_bubble, 5, 1, 1, false, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
     INFO(scheduler::describe(plan) << (c.batched ? " batched" : ""));
     if (c.batched) ::setenv("TROUPE_PIPE_P2P", "batched", 1);
@@ -346,6 +350,39 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
     ::unsetenv("TROUPE_PIPE_P2P");
     check_run(full, want, run, plan, "wte.weight", 4, 1e-5);
     check_hook_final(run, "h");
+  }
+}
+
+// The zero-bubble schedule runs eager 1F1B's list with the backwards of stages > 0 split into the
+// input gradient and a later weight pass: every stage's gradients and the loss must be those of
+// eager 1F1B bit for bit (the same kernels, each parameter's sum in microbatch order), and only
+// the split stages hold weight queues.
+TEST_CASE("Zero-bubble stages give eager 1F1B's gradients bit for bit", "[parallel]") {
+  for (int pp : {2, 4}) {
+    INFO("pp " << pp);
+    const int m = 6;
+    batches data(m);
+    auto make = [](const scheduler::parallel_plan& p, int s, tp_group tp) {
+      return std::make_unique<gpt_stage>(tiny_gpt(), batch_dims{rows, seq}, stage_options::of(p, s),
+                                         tp);
+    };
+    auto eager = run_pipeline(make_plan(pp, schedule_kind::eager_1f1b, m), make, data, "h");
+    auto zb = run_pipeline(make_plan(pp, schedule_kind::zero_bubble, m), make, data, "h");
+    for (int r = 0; r < pp; ++r) {
+      INFO("stage " << r);
+      const tensor& a = eager.stages[r]->memory().grads();
+      const tensor& b = zb.stages[r]->memory().grads();
+      REQUIRE(a.nbytes() == b.nbytes());
+      CHECK(std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
+      CHECK(zb.loss[r] == eager.loss[r]);
+      CHECK(zb.stages[r]->in_flight() == 0);
+      CHECK((zb.stages[r]->weight_queue_bytes() > 0) == (r > 0));
+      CHECK(eager.stages[r]->weight_queue_bytes() == 0);
+      int weights = 0;
+      for (const auto& e : zb.runners[r]->last_trace())
+        weights += e.what.kind == scheduler::action_kind::weight;
+      CHECK(weights == (r > 0 ? m : 0));
+    }
   }
 }
 
@@ -377,7 +414,8 @@ TEST_CASE("GPT-2 pipeline stages with activation recompute match the single proc
   for (auto c : {config{2, schedule_kind::gpipe, 4, 1, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, 1, false},
                  config{2, schedule_kind::interleaved, 4, 2, 1, false},
-                 config{2, schedule_kind::one_f_one_b, 4, 1, 2, true}}) {
+                 config{2, schedule_kind::one_f_one_b, 4, 1, 2, true},
+                 config{2, schedule_kind::zero_bubble, 4, 1, 1, false}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
     INFO(scheduler::describe(plan));
     batches data(c.m);
@@ -448,7 +486,10 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::one_f_one_b, 3, 1, true},
                  config{2, schedule_kind::one_f_one_b, 4, 1, false, 2, false},
                  config{2, schedule_kind::interleaved, 4, 2, false, 2, true},
-                 config{2, schedule_kind::one_f_one_b, 2, 1, true, 2, true}}) {
+                 config{2, schedule_kind::one_f_one_b, 2, 1, true, 2, true},
+                 config{2, schedule_kind::zero_bubble, 5, 1, true},
+                 config{4, schedule_kind::zero_bubble, 6, 1, false},
+                 config{2, schedule_kind::zero_bubble, 4, 1, false, 2, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
     INFO(scheduler::describe(plan) << (c.tied ? " tied" : ""));
     batches data(c.m);

@@ -141,6 +141,10 @@ const std::vector<action>& pipeline_runner::schedule(int microbatches) {
   actions_ = std::move(all[static_cast<std::size_t>(stage_.stage())]);
   schedule_m_ = microbatches;
   // Before compute action i: post the receives listed up to the compute action after it.
+  split_.assign(static_cast<std::size_t>(microbatches * stage_.chunks()), 0);
+  for (const auto& a : actions_)
+    if (a.kind == action_kind::weight)
+      split_[static_cast<std::size_t>(a.microbatch * stage_.chunks() + a.chunk)] = 1;
   post_until_.assign(actions_.size(), actions_.size());
   std::size_t next = actions_.size();
   for (std::size_t i = actions_.size(); i-- > 0;)
@@ -212,6 +216,7 @@ double pipeline_runner::forward_backward(int microbatches,
   for (auto* t : {&act_in_, &act_out_, &grad_in_, &grad_out_}) t->assign(slots, -1);
   recv_work_.assign(2 * slots, collective::work{});
   backwards_done_.assign(static_cast<std::size_t>(stage_.chunks()), 0);
+  grads_done_.assign(static_cast<std::size_t>(stage_.chunks()), 0);
   free_.clear();
   for (int i = static_cast<int>(pool_.size()) - 1; i >= 0; --i) free_.push_back(i);
   sends_.clear();
@@ -229,9 +234,10 @@ double pipeline_runner::forward_backward(int microbatches,
     reap_sends(true);
     timing_.schedule_s = now();
     for (int c = 0; c < stage_.chunks(); ++c)
-      TROUPE_CHECK(backwards_done_[c] == microbatches, "pipeline_runner: stage ", stage_.stage(),
-                   " ran ", backwards_done_[c], " backwards of chunk ", c, " for ", microbatches,
-                   " microbatches");
+      TROUPE_CHECK(backwards_done_[c] == microbatches && grads_done_[c] == microbatches,
+                   "pipeline_runner: stage ", stage_.stage(), " ran ", backwards_done_[c],
+                   " backwards of chunk ", c, " and completed the gradients of ", grads_done_[c],
+                   " for ", microbatches, " microbatches");
     const double tw = now();
     exchange_tied_grad();
     failed_stage = share_loss(failure_ ? stage_.stage() : -1);
@@ -266,8 +272,10 @@ void pipeline_runner::run_schedule(const std::vector<action>& acts,
         try {
           if (a.kind == action_kind::forward)
             forward(a, fetch);
-          else
+          else if (a.kind == action_kind::backward)
             backward(a);
+          else
+            weight(a);
         } catch (...) {
           // This stage's compute failed (fetch, the model, the block hook): it keeps to the
           // list's transfers without computing, so no peer waits forever and nothing stays
@@ -302,6 +310,10 @@ void pipeline_runner::run_schedule(const std::vector<action>& acts,
 
 void pipeline_runner::skip(const action& a) {
   const int mb = a.microbatch, c = a.chunk;
+  if (a.kind == action_kind::weight) {
+    ++grads_done_[c];
+    return;  // nothing to hand back or send; begin_step drops the queued gradients
+  }
   const bool fwd = a.kind == action_kind::forward;
   const bool first = stage_.holds_first(c), last = stage_.holds_last(c);
   int& in = table(fwd ? action_kind::recv_activation : action_kind::recv_grad, mb, c);
@@ -314,7 +326,10 @@ void pipeline_runner::skip(const action& a) {
     if (out < 0) out = take_buffer();
     ops::fill(pool_[out], std::numeric_limits<double>::quiet_NaN());
   }
-  if (!fwd) ++backwards_done_[c];
+  if (!fwd) {
+    ++backwards_done_[c];
+    if (!split(mb, c)) ++grads_done_[c];
+  }
 }
 
 void pipeline_runner::abandon(const std::string& why) {
@@ -467,14 +482,28 @@ void pipeline_runner::backward(const action& a) {
     out = take_buffer();
     dx = pool_[out];
   }
-  last_backward_ = backwards_done_[c] + 1 == schedule_m_;
-  stage_.backward(mb, c, dy, dx, after_block_);
+  const bool split_here = split(mb, c);
+  last_backward_ = !split_here && grads_done_[c] + 1 == schedule_m_;
+  stage_.backward(mb, c, dy, dx, after_block_, split_here);
   last_backward_ = false;
   ++backwards_done_[c];
+  if (!split_here) ++grads_done_[c];
   if (!last) {
     free_.push_back(in_buf);
     in_buf = -1;
   }
+}
+
+void pipeline_runner::weight(const action& a) {
+  const int c = a.chunk;
+  last_backward_ = grads_done_[c] + 1 == schedule_m_;
+  stage_.weight(a.microbatch, c, after_block_);
+  last_backward_ = false;
+  ++grads_done_[c];
+}
+
+bool pipeline_runner::split(int mb, int chunk) const {
+  return split_[static_cast<std::size_t>(mb * stage_.chunks() + chunk)] != 0;
 }
 
 int pipeline_runner::share_loss(int failed) {

@@ -5,7 +5,11 @@
 //                     targets and weight from fetch(mb) on the last virtual stage (one fetch per
 //                     microbatch, ascending); the output goes to a send buffer
 //   backward (mb, c)  the received output gradient (the loss on the last virtual stage); the
-//                     input gradient goes to a send buffer
+//                     input gradient goes to a send buffer. When the list also has a weight
+//                     action for (mb, c) (the zero-bubble schedule), the backward computes the
+//                     input gradient only and the weight action adds the parameter gradients
+//                     later (pipeline_stage::weight); the block hook runs where a chunk's last
+//                     gradients are complete: its last unsplit backward or weight action
 //   transfers         sends are posted where the list has them and never waited for there: a
 //                     send's buffer returns to the pool when the send is seen complete (polled
 //                     after each compute action; at most max_sends in flight, then the oldest is
@@ -143,6 +147,8 @@ class pipeline_runner final : public grad_producer {
   int take_buffer();
   void forward(const scheduler::action& a, const std::function<microbatch_data(int k)>& fetch);
   void backward(const scheduler::action& a);
+  void weight(const scheduler::action& a);
+  bool split(int mb, int chunk) const;  // the list has a weight action for (mb, chunk)
   void post_receives(std::size_t until);
   void wait_input(const scheduler::action& a);
   void wait_recv(const scheduler::action& r);
@@ -176,7 +182,10 @@ class pipeline_runner final : public grad_producer {
   std::vector<owned_tensor> pool_;
   std::vector<int> free_;
   std::vector<int> act_in_, act_out_, grad_in_, grad_out_;
-  std::vector<int> backwards_done_;          // per chunk, this step
+  std::vector<int> backwards_done_;  // per chunk, this step
+  // per chunk, this step: microbatches whose gradients are complete (unsplit backward or weight)
+  std::vector<int> grads_done_;
+  std::vector<char> split_;  // per (microbatch, chunk): the list has its weight action
   std::vector<collective::work> pending_;    // loss and tied gradient
   std::vector<collective::work> recv_work_;  // per (microbatch, chunk, kind 0 act / 1 grad)
   struct in_flight_send {

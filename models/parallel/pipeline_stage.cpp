@@ -190,6 +190,12 @@ void pipeline_stage::begin_step(int microbatches) {
   microbatches_ = microbatches;
   pending_.assign(static_cast<std::size_t>(chunks_ * microbatches), 0);
   weight_.assign(static_cast<std::size_t>(microbatches), 0.0);
+  queue_of_.assign(pending_.size(), -1);
+  free_queues_.clear();
+  for (int k = static_cast<int>(queues_.size()) - 1; k >= 0; --k) {
+    queues_[static_cast<std::size_t>(k)].clear();
+    free_queues_.push_back(k);
+  }
   for (auto& ch : chunk_) {
     ch.stashed.assign(static_cast<std::size_t>(microbatches), -1);
     ch.live = -1;
@@ -200,7 +206,13 @@ void pipeline_stage::begin_step(int microbatches) {
 
 int pipeline_stage::in_flight() const {
   int n = 0;
-  for (char p : pending_) n += p;
+  for (char p : pending_) n += p != 0;
+  return n;
+}
+
+std::size_t pipeline_stage::weight_queue_bytes() const {
+  std::size_t n = 0;
+  for (const auto& q : queues_) n += q.buffer_bytes();
   return n;
 }
 
@@ -325,12 +337,13 @@ void pipeline_stage::rerun(int chunk) {
 }
 
 void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor& dx,
-                              const block_hook& after_block) {
+                              const block_hook& after_block, bool split) {
   check_mb(mb, chunk, "backward");
   auto& ch = chunk_[chunk];
-  auto& pend = pending_[static_cast<std::size_t>(chunk * microbatches_ + mb)];
-  TROUPE_CHECK(pend, what_, " (stage ", stage_, "): backward of microbatch ", mb, " chunk ", chunk,
-               " without its forward");
+  const auto at = static_cast<std::size_t>(chunk * microbatches_ + mb);
+  auto& pend = pending_[at];
+  TROUPE_CHECK(pend == 1, what_, " (stage ", stage_, "): backward of microbatch ", mb, " chunk ",
+               chunk, pend == 2 ? " ran twice" : " without its forward");
   if (!holds_last(chunk)) check_boundary(dy, boundary_, what_, stage_, mb, "output gradient");
   if (!holds_first(chunk)) check_boundary(dx, boundary_, what_, stage_, mb, "input gradient");
   if (ch.live != mb) {
@@ -339,9 +352,37 @@ void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor&
     ch.live = mb;
     if (recompute_) rerun(chunk);
   }
-  run_backward(chunk, dy, dx, weight_[mb], after_block);
+  if (!split) {
+    run_backward(chunk, dy, dx, weight_[mb], after_block);
+  } else {
+    if (free_queues_.empty()) {
+      free_queues_.push_back(static_cast<int>(queues_.size()));
+      queues_.emplace_back();
+    }
+    const int k = free_queues_.back();
+    auto& q = queues_[static_cast<std::size_t>(k)];
+    q.clear();  // what a backward that threw left
+    {
+      deferred_weight_grads::scope in(q);
+      run_backward(chunk, dy, dx, weight_[mb], [&q](std::int64_t block) { q.mark(block); });
+    }
+    free_queues_.pop_back();
+    queue_of_[at] = k;
+  }
   ch.live = -1;  // backward may overwrite what it read (the logits hold dlogits)
-  pend = 0;
+  pend = split ? 2 : 0;
+}
+
+void pipeline_stage::weight(int mb, int chunk, const block_hook& after_block) {
+  check_mb(mb, chunk, "weight");
+  const auto at = static_cast<std::size_t>(chunk * microbatches_ + mb);
+  TROUPE_CHECK(pending_[at] == 2, what_, " (stage ", stage_, "): weight pass of microbatch ", mb,
+               " chunk ", chunk, " without a split backward before it");
+  const int k = queue_of_[at];
+  queues_[static_cast<std::size_t>(k)].run(after_block);
+  queue_of_[at] = -1;
+  free_queues_.push_back(k);
+  pending_[at] = 0;
 }
 
 }  // namespace troupe::models::parallel

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "models/layers/slots.hpp"
+#include "models/layers/weight_grads.hpp"
 #include "models/parallel/page_swap.hpp"
 #include "models/parallel/tp_mappings.hpp"
 #include "scheduler/plan.hpp"
@@ -104,10 +105,18 @@ class pipeline_stage {
   // gradient of the output [boundary()] (ignored when holds_last(chunk)); dx receives the
   // gradient of the input unless holds_first(chunk). after_block (may be empty) is called after
   // each block's backward.
+  // With split (a schedule's weight action follows, scheduler/pipeline.hpp): only dx is
+  // computed here and the chunk's linear layers queue their weight gradients
+  // (models/layers/weight_grads.hpp) for weight(mb, chunk), which calls after_block instead.
   void backward(int mb, int chunk, const tensor& dy, const tensor& dx,
-                const block_hook& after_block);
-  // Microbatches whose forward ran and whose backward has not.
+                const block_hook& after_block, bool split = false);
+  // The weight gradients a split backward of (mb, chunk) queued, then after_block for each of the
+  // chunk's blocks (each block's gradients are complete there).
+  void weight(int mb, int chunk, const block_hook& after_block);
+  // Microbatches whose forward ran and whose backward (or, when split, weight pass) has not.
   int in_flight() const;
+  // Bytes held by the queues of split backwards (copies of dy and x; kept across steps).
+  std::size_t weight_queue_bytes() const;
   // Stash buffers allocated so far (all chunks) and their bytes.
   std::size_t stash_buffers() const;
   std::size_t stash_bytes() const;
@@ -210,7 +219,11 @@ class pipeline_stage {
   std::vector<int> first_;  // p * v + 1 block boundaries
   shape boundary_;
   std::vector<chunk_state> chunk_;
-  std::vector<char> pending_;   // per (chunk, mb): forward done, backward not
+  // per (chunk, mb): 0 idle, 1 forward done, 2 split backward done (its weight pass not)
+  std::vector<char> pending_;
+  std::vector<deferred_weight_grads> queues_;  // for split backwards, reused across steps
+  std::vector<int> queue_of_;                  // per (chunk, mb): its entry of queues_, -1 none
+  std::vector<int> free_queues_;
   std::vector<double> weight_;  // per microbatch
   int microbatches_ = 0;
   owned_tensor ids_, targets_;  // i32 [B, T]

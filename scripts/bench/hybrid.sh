@@ -9,7 +9,9 @@
 # with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
 # batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
 # one compute action ahead), and a third time with the eager 1F1B schedule (scheduler/pipeline.hpp:
-# one more microbatch in flight per link, the runner's default transfers; same ideal bubble).
+# one more microbatch in flight per link, the runner's default transfers; same ideal bubble), and
+# a fourth time with the zero-bubble schedule (eager 1F1B with the backwards of stage 1 split:
+# its input gradient goes upstream before its weight gradients are computed).
 # scripts/bench/pipe_trace.py then prints, over the steps after the
 # first: per stage the mean forward and backward of a microbatch and the bubble of the pipelined
 # section and of forward_backward, and the bubble of the same lists replayed with the measured
@@ -57,14 +59,17 @@ RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batc
 RANK_ENV="TROUPE_PIPE_TRACE=$trace-default" run pp2 --pp 2 --microbatches 8
 RANK_ENV="TROUPE_PIPE_TRACE=$trace-eager" run pp2-eager --pp 2 --microbatches 8 \
   --schedule eager-1f1b
-printf 'pp2 1f1b and eager-1f1b m=8: theory (p-1)/(m+p-1) = %.1f%%\n' "$(echo "100 * 1 / 9" | bc -l)"
-for v in pp2-batched pp2 pp2-eager; do
+RANK_ENV="TROUPE_PIPE_TRACE=$trace-zb" run pp2-zb --pp 2 --microbatches 8 --schedule zero-bubble
+printf 'pp2 m=8: theory (p-1)/(m+p-1) = %.1f%% (1f1b, eager-1f1b; zero-bubble aims below it)\n' \
+  "$(echo "100 * 1 / 9" | bc -l)"
+for v in pp2-batched pp2 pp2-eager pp2-zb; do
   bubble=$(grep -o 'bubble [0-9.]*' "/tmp/troupe-bench-$v.txt" | awk '{print $2}')
   echo "$v: troupe train reports bubble $bubble% (the larger stage's, steps 1..)"
   case $v in
     pp2-batched) python3 scripts/bench/pipe_trace.py "$trace-batched" ;;
     pp2) python3 scripts/bench/pipe_trace.py "$trace-default" ;;
     pp2-eager) python3 scripts/bench/pipe_trace.py "$trace-eager" ;;
+    pp2-zb) python3 scripts/bench/pipe_trace.py "$trace-zb" ;;
   esac
 done
 rm -f "$trace"-*.*

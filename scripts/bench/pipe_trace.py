@@ -25,7 +25,11 @@ start on the host's monotonic clock) and prints, over the steps from FIRST_STEP 
               from the first stage's start to the last stage's last action; a stage's time before
               its own start counts as idle (the per-stage figures above start at each stage's own
               start, so a stage entering its step late looks less idle there)
-  theory      (p-1)/(v m+p-1)
+  theory      (p-1)/(v m+p-1): the bubble of GPipe and 1F1B with equal forwards and backwards.
+              Traces of the zero-bubble schedule have weight actions (a split backward's
+              parameter gradients): they count as compute like forward and backward, and the
+              replay line gives what that schedule implies; the theory line stays 1F1B's, the
+              figure the split is meant to beat
 
 The gap between measured and replay is what the runtime adds: transfer time, waiting for a
 message that arrived while the waiter was not running, and the sends' completion.
@@ -34,6 +38,8 @@ import collections
 import glob
 import re
 import sys
+
+COMPUTE = ("forward", "backward", "weight")  # the actions that occupy a stage
 
 
 def load(prefix):
@@ -60,7 +66,7 @@ def replay(step_lists, p, use_cpu=False):
     v = 1 + max(a[2] for acts in step_lists for a in acts)
     done = {}  # (kind, microbatch, virtual stage) -> end time
     lists = [[(k, mb, c, 0.0, cpu if use_cpu else e - a) for (k, mb, c, a, e, cpu) in acts
-              if k in ("forward", "backward")] for acts in step_lists]
+              if k in COMPUTE] for acts in step_lists]
     pos = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -73,6 +79,8 @@ def replay(step_lists, p, use_cpu=False):
                 k = c * p + s
                 if kind == "forward":
                     dep = ("forward", mb, k - 1) if k > 0 else None
+                elif kind == "weight":
+                    dep = None  # after its backward, earlier in the same list
                 else:
                     dep = ("backward", mb, k + 1) if k < p * v - 1 else ("forward", mb, k)
                 if dep is not None and dep not in done:
@@ -103,8 +111,8 @@ def main():
     has_cpu = all(a[5] >= 0 for trace in stages for t in steps for a in trace[t])
     cpu_lines, cpu_means = [], []
     for s, trace in enumerate(stages):
-        fw = bw = sched = wall = cf = cb = 0.0
-        nf = nb = 0
+        fw = bw = ww = sched = wall = cf = cb = cw = 0.0
+        nf = nb = nw = 0
         for t in steps:
             acts = trace[t]
             sched += max(a[4] for a in acts if a[0] not in ("wall", "t0"))
@@ -114,13 +122,17 @@ def main():
                     fw, nf, cf = fw + e - a, nf + 1, cf + cpu
                 elif k == "backward":
                     bw, nb, cb = bw + e - a, nb + 1, cb + cpu
-        compute = fw + bw
+                elif k == "weight":
+                    ww, nw, cw = ww + e - a, nw + 1, cw + cpu
+        compute = fw + bw + ww
         all_compute, all_sched = all_compute + compute, all_sched + sched
-        print(f"  stage {s}: forward {fw / nf:.2f} ms, backward {bw / nb:.2f} ms; bubble "
+        split = f" (input gradient only), weight pass {ww / nw:.2f} ms" if nw else ""
+        print(f"  stage {s}: forward {fw / nf:.2f} ms, backward {bw / nb:.2f} ms{split}; bubble "
               f"{100 * (1 - compute / sched):.1f}% of the pipelined section, "
               f"{100 * (1 - compute / wall):.1f}% of forward_backward")
-        cpu_lines.append(f"  stage {s}: CPU forward {cf / nf:.2f} ms, backward {cb / nb:.2f} ms")
-        cpu_means.append((cf / nf, cb / nb))
+        cpu_lines.append(f"  stage {s}: CPU forward {cf / nf:.2f} ms, backward {cb / nb:.2f} ms"
+                         + (f", weight pass {cw / nw:.2f} ms" if nw else ""))
+        cpu_means.append((cf / nf, cb / nb, cw / nw if nw else 0.0))
     cpu_idle = cpu_total = 0.0
     for t in steps:
         span, busy, v = replay([trace[t] for trace in stages], p)
@@ -140,8 +152,7 @@ def main():
             ends = [s0 + max(a[4] for a in trace[t] if a[0] not in ("wall", "t0"))
                     for s0, trace in zip(starts, stages)]
             span = max(ends) - min(starts)
-            busy = sum(a[4] - a[3] for trace in stages for a in trace[t]
-                       if a[0] in ("forward", "backward"))
+            busy = sum(a[4] - a[3] for trace in stages for a in trace[t] if a[0] in COMPUTE)
             one_idle += p * span - busy
             one_total += p * span
     print(f"  all stages: bubble {100 * (1 - all_compute / all_sched):.1f}% of the pipelined "
@@ -155,7 +166,8 @@ def main():
     if has_cpu:
         # The last step's lists with every forward and backward of a stage at its mean CPU time:
         # what the stages' imbalance alone implies, without the per-action jitter.
-        last = [[(k, mb, c, 0.0, 0.0, cpu_means[s][0] if k == "forward" else cpu_means[s][1])
+        kinds = {"forward": 0, "backward": 1, "weight": 2}
+        last = [[(k, mb, c, 0.0, 0.0, cpu_means[s][kinds.get(k, 1)])
                  for (k, mb, c, _, _, _) in trace[steps[-1]]] for s, trace in enumerate(stages)]
         span, busy, _ = replay(last, p, use_cpu=True)
         print("\n".join(cpu_lines))

@@ -49,6 +49,15 @@ const std::vector<plan_cell>& plan_cells() {
       {"dp 2 x tp 2 with ZeRO 3", 4, {"--dp", "2", "--tp", "2", "--zero", "3"}},
       {"pp 4", 4, {"--pp", "4", "--microbatches", "4"}},
       {"pp 4 with eager 1F1B", 4, {"--pp", "4", "--microbatches", "8", "--schedule", "eager-1f1b"}},
+      // Split backwards: weight passes after later microbatches' backwards, and (dp 2) the
+      // gradient buckets reduced from the hook of the last weight pass, overlapped.
+      {"pp 4 with the zero-bubble schedule",
+       4,
+       {"--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble"}},
+      {"dp 2 x pp 2 with the zero-bubble schedule and ZeRO 2",
+       4,
+       {"--dp", "2", "--pp", "2", "--microbatches", "4", "--schedule", "zero-bubble", "--zero",
+        "2"}},
   };
   return cells;
 }
