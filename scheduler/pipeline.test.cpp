@@ -348,6 +348,8 @@ TEST_CASE("make_schedule rejects combinations it cannot schedule") {
   says([] { make_schedule(schedule_kind::gpipe, 0, 0, 8); }, "stages = 0");
   says([] { make_schedule(schedule_kind::gpipe, 0, 2, 0); }, "microbatches = 0");
   says([] { make_schedule(schedule_kind::one_f_one_b, 0, 2, 4, 2); }, "virtual_stages = 2");
+  says([] { make_schedule(schedule_kind::zero_bubble, 1, 2, 4, 2); },
+       "virtual_stages = 2 needs the interleaved schedule, not zero-bubble");
   says([] { make_schedule(schedule_kind::interleaved, 0, 4, 6, 2); }, "multiple of stages");
   says([] { make_schedule(schedule_kind::interleaved, 0, 4, 8, 1); }, "virtual_stages >= 2");
   says([] { make_schedule(schedule_kind::interleaved, 0, 1, 4, 2); }, "stages >= 2");
