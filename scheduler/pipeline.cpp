@@ -1,4 +1,5 @@
-// Schedule generation: GPipe, 1F1B and interleaved 1F1B as action lists (see pipeline.hpp).
+// Schedule generation: GPipe, 1F1B, eager 1F1B, zero-bubble and interleaved 1F1B as action lists
+// (see pipeline.hpp).
 #include "scheduler/pipeline.hpp"
 
 #include <algorithm>
@@ -14,6 +15,8 @@ std::string_view name(action_kind k) {
       return "forward";
     case action_kind::backward:
       return "backward";
+    case action_kind::weight:
+      return "weight";
     case action_kind::send_activation:
       return "send_activation";
     case action_kind::recv_activation:
@@ -171,6 +174,24 @@ std::vector<action> one_f_one_b(int s, int p, int m, int warmup) {
   return b.out;
 }
 
+// Zero-bubble: `eager` (one stage's eager 1F1B list) with a weight pass per backward, `deferred`
+// backwards late. The weight pass of microbatch k - deferred runs right after the transfer batch
+// that follows backward k (right after the backward when no transfer follows it); after the last
+// backward's batch the stage runs the remaining ones, all in microbatch order.
+std::vector<action> with_weight_passes(const std::vector<action>& eager, int deferred, int m) {
+  std::vector<action> out;
+  int done = 0, due = 0;  // weight passes listed / due at the end of the current batch
+  for (std::size_t i = 0; i < eager.size(); ++i) {
+    const action& a = eager[i];
+    out.push_back(a);
+    if (a.kind == action_kind::backward)
+      due = a.microbatch == m - 1 ? m : std::max(due, a.microbatch - deferred + 1);
+    if (i + 1 == eager.size() || is_compute(eager[i + 1].kind))
+      for (; done < due; ++done) out.push_back({action_kind::weight, done, 0, -1});
+  }
+  return out;
+}
+
 int py_mod(int a, int n) {
   return ((a % n) + n) % n;
 }
@@ -236,6 +257,11 @@ std::vector<action> raw_schedule(schedule_kind kind, int s, int p, int m, int v)
     case schedule_kind::one_f_one_b:
     case schedule_kind::eager_1f1b:
       return one_f_one_b(s, p, m, warmup_forwards(kind, s, p, m, v));
+    case schedule_kind::zero_bubble: {
+      auto eager = one_f_one_b(s, p, m, warmup_forwards(kind, s, p, m, v));
+      // The first stage sends no input gradient: a split would gain it nothing.
+      return s == 0 ? eager : with_weight_passes(eager, 2 * s, m);
+    }
     case schedule_kind::interleaved:
       return interleaved(s, p, m, v);
   }
@@ -287,6 +313,7 @@ int warmup_forwards(schedule_kind kind, int stage, int stages, int microbatches,
     case schedule_kind::one_f_one_b:
       return std::min(stages - stage - 1, microbatches);
     case schedule_kind::eager_1f1b:
+    case schedule_kind::zero_bubble:
       return std::min(2 * (stages - stage - 1), microbatches);
     case schedule_kind::interleaved: {
       const int total = microbatches * virtual_stages;

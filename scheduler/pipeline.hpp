@@ -1,7 +1,8 @@
 // Pipeline schedules as data: the list of actions one pipeline stage performs in one training step.
 //
-// A stage actor runs its list front to back: forward and backward of (microbatch, chunk), and the
-// point-to-point transfers of activations (downstream) and their gradients (upstream). A chunk is
+// A stage actor runs its list front to back: forward and backward of (microbatch, chunk), the
+// weight pass of a split backward (zero-bubble only), and the point-to-point transfers of
+// activations (downstream) and their gradients (upstream). A chunk is
 // a model piece on a stage; with v chunks per stage the model has p * v virtual stages and chunk c
 // of stage s is virtual stage c * p + s (Megatron's layout), so activations flow stage 0 -> 1 ->
 // ... -> p-1 -> (next chunk) 0 -> ... and the last stage's chunk c feeds chunk c + 1 of stage 0.
@@ -27,6 +28,30 @@
 //                batch_isend_irecv) or sends that do not wait; with every transfer blocking on its
 //                own it deadlocks (simulate.hpp's p2p_mode::blocking), and in batches it is slower
 //                than 1F1B (each early send waits for a receive its peer posts a step later).
+//   zero-bubble  eager 1F1B with split backwards (Qi et al., "Zero Bubble Pipeline Parallelism",
+//                2024): stage s's list is eager 1F1B's (same forwards, backwards, transfers and
+//                order) plus a `weight` action per microbatch. A backward whose (microbatch,
+//                chunk) has a weight action computes only its input's gradient (B), which is sent
+//                upstream right after as before; the weight action adds the parameter gradients
+//                later (W). Stage s keeps up to d = 2 s weight passes pending: right after the
+//                transfer batch that follows backward k (after the backward when none follows) it
+//                runs the weight pass of microbatch k - d if k - d >= 0, and after its last
+//                backward's batch the rest, so weight passes run in microbatch order (gradients
+//                accumulate in the order of the unsplit schedule). Stage 0 sends no input gradient,
+//                so a split gains it nothing: its list is eager 1F1B's, full backwards, no weight.
+//                Why: every stage then runs one microbatch per F + B + W, and stage s runs its
+//                cycle 2 W earlier than stage s - 1 (it deferred two more weight passes). Against
+//                stage s - 1, the gradient stage s sends has F - B + 2 W of slack before it is
+//                needed (eager 1F1B's full backward has F - (B + W), late whenever the backward
+//                outlasts the forward, which is what its bubble is made of), and the activation
+//                stage s - 1 sends keeps 2 B of the spare microbatch's 2 (B + W). So once the
+//                forwards have reached the last stage nobody waits: with unit F, B and W, free
+//                transfers and m >= 2 p - 1 the makespan is m (F + B + W) + (p - 1) F, the forward
+//                ramp alone (eager 1F1B: (m + p - 1)(F + B + W)); transfers of l = F / 4 add only
+//                (p - 1) l, on that ramp (both checked in the tests). Stage s holds eager 1F1B's
+//                2 (p - s - 1) + 1 microbatches plus d whose weight pass is pending:
+//                min(2 p - 1, m) on every stage, eager 1F1B's stage-0 peak. Its transfers are
+//                eager 1F1B's: run it batched or async, never with each transfer blocking alone.
 //   interleaved  1F1B over chunks, Megatron's forward_backward_pipelining_with_interleaving:
 //                forward k runs chunk (k mod pv) / p on microbatch (k / pv) * p + k mod p, warmup
 //                (p - s - 1) * 2 + (v - 1) * p forwards (all m * v when m == p); m a multiple of p.
@@ -43,15 +68,17 @@ namespace troupe::scheduler {
 
 enum class action_kind : std::uint8_t {
   forward,
-  backward,
+  backward,  // the full backward, or only the input gradient when the list has a weight action
+  weight,    // the parameter gradients of a split backward (zero-bubble); no transfer follows it
   send_activation,  // to the next virtual stage (peer: its stage)
   recv_activation,  // from the previous virtual stage, the input of forward(microbatch, chunk)
   send_grad,        // the gradient of this chunk's input, to the previous virtual stage
   recv_grad,        // the gradient of this chunk's output, from the next virtual stage
 };
 std::string_view name(action_kind k);
+// Compute actions occupy the stage (forward, backward, weight); the others are transfers.
 inline bool is_compute(action_kind k) {
-  return k == action_kind::forward || k == action_kind::backward;
+  return k == action_kind::forward || k == action_kind::backward || k == action_kind::weight;
 }
 inline bool is_send(action_kind k) {
   return k == action_kind::send_activation || k == action_kind::send_grad;

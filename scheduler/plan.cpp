@@ -16,13 +16,15 @@ std::string_view name(schedule_kind k) {
       return "interleaved";
     case schedule_kind::eager_1f1b:
       return "eager-1f1b";
+    case schedule_kind::zero_bubble:
+      return "zero-bubble";
   }
   return "?";
 }
 
 std::optional<schedule_kind> parse_schedule_kind(std::string_view s) {
   for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved,
-                 schedule_kind::eager_1f1b})
+                 schedule_kind::eager_1f1b, schedule_kind::zero_bubble})
     if (name(k) == s) return k;
   return std::nullopt;
 }

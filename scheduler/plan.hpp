@@ -19,8 +19,10 @@ enum class schedule_kind {
   one_f_one_b,  // warmup, steady one-forward-one-backward, cooldown (PipeDream-Flush / Megatron)
   interleaved,  // 1F1B over virtual stages (Narayanan et al. 2021, Megatron's interleaved schedule)
   eager_1f1b,   // 1F1B with 2 (p - s - 1) warmup forwards: one spare microbatch per link
+  zero_bubble,  // eager 1F1B with split backwards, weight passes deferred (Qi et al. 2024)
 };
-std::string_view name(schedule_kind k);  // "gpipe", "1f1b", "interleaved", "eager-1f1b"
+// "gpipe", "1f1b", "interleaved", "eager-1f1b", "zero-bubble"
+std::string_view name(schedule_kind k);
 std::optional<schedule_kind> parse_schedule_kind(std::string_view s);
 
 enum class recompute_policy {
@@ -44,7 +46,7 @@ struct parallel_plan {
   int zero = 0;          // ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters
   int microbatches = 1;  // per data-parallel rank and step (gradient accumulation)
   schedule_kind schedule = schedule_kind::one_f_one_b;
-  int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only)
+  int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only; 1 otherwise)
   recompute_policy recompute = recompute_policy::none;
   partition_kind partition = partition_kind::balanced;
   // Grid axes, slowest first. (Initialized by a call: a braced list here makes GCC 12 crash,

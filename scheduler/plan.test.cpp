@@ -85,6 +85,14 @@ TEST_CASE("each rule of a plan fails on its own") {
        "parallel.virtual_stages = 2 needs parallel.schedule = \"interleaved\" (parallel.schedule "
        "= \"1f1b\")"},
       {plan([](auto& p) {
+         p.schedule = schedule_kind::zero_bubble;
+         p.virtual_stages = 2;
+       }),
+       {},
+       0,
+       "parallel.virtual_stages = 2 needs parallel.schedule = \"interleaved\" (parallel.schedule "
+       "= \"zero-bubble\")"},
+      {plan([](auto& p) {
          p.schedule = schedule_kind::interleaved;
          p.virtual_stages = 2;
        }),
@@ -127,8 +135,10 @@ TEST_CASE("each rule of a plan fails on its own") {
 }
 
 TEST_CASE("schedule recompute and partition names round trip") {
-  for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved})
+  for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved,
+                 schedule_kind::eager_1f1b, schedule_kind::zero_bubble})
     CHECK(parse_schedule_kind(name(k)) == k);
+  CHECK(name(schedule_kind::zero_bubble) == "zero-bubble");
   for (auto r : {recompute_policy::none, recompute_policy::selective, recompute_policy::full})
     CHECK(parse_recompute_policy(name(r)) == r);
   CHECK(name(schedule_kind::one_f_one_b) == "1f1b");

@@ -67,14 +67,15 @@ msg_key key_of(const layout& l, int stage, std::size_t index, const action& a, s
 
 // Walks each list in order and checks what a stage can know without the others: fields in range,
 // inputs received before use, each compute once, sends after the compute that made their data,
-// every forward matched by a backward. Also fills the message keys of the transfers.
+// every forward matched by a backward, each weight pass once after its backward. Also fills the
+// message keys of the transfers.
 std::string check_lists(const std::vector<std::vector<action>>& lists, const layout& l,
                         std::vector<std::vector<msg_key>>& keys) {
   std::set<msg_key> sent, received;
   keys.assign(lists.size(), {});
   for (int s = 0; s < l.p; ++s) {
     using mc = std::pair<int, int>;
-    std::set<mc> input, grad, fwd, bwd;
+    std::set<mc> input, grad, fwd, bwd, wgt;
     auto& ks = keys[s];
     ks.resize(lists[s].size());
     for (std::size_t i = 0; i < lists[s].size(); ++i) {
@@ -104,6 +105,11 @@ std::string check_lists(const std::vector<std::vector<action>>& lists, const lay
           if (vs != l.last() && !grad.count(id))
             return where(s, i, a) + " runs before a recv_grad brought its output's gradient";
           bwd.insert(id);
+          break;
+        case action_kind::weight:
+          if (wgt.count(id)) return where(s, i, a) + " runs a second time";
+          if (!bwd.count(id)) return where(s, i, a) + " runs before its backward";
+          wgt.insert(id);
           break;
         case action_kind::send_activation:
           if (!fwd.count(id)) return where(s, i, a) + " comes before the forward that makes it";
@@ -148,6 +154,29 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
   if (p == 0) return r;
   r.error = check_lists(lists, l, keys);
   if (!r.error.empty()) return r;
+  // The backwards whose weight pass is a separate action: they compute only the input gradient.
+  std::vector<std::set<std::pair<int, int>>> split(p);
+  for (int s = 0; s < p; ++s)
+    for (const auto& a : lists[s])
+      if (a.kind == action_kind::weight) split[s].insert({a.microbatch, a.chunk});
+  for (int s = 0; s < p; ++s)
+    if (!split[s].empty() && !(c.weight >= 0 && c.weight <= c.backward)) {
+      std::ostringstream os;
+      os << "stage " << s << " splits backwards into weight actions, but cost.weight = " << c.weight
+         << " is not in [0, cost.backward = " << c.backward << "]";
+      r.error = os.str();
+      return r;
+    }
+  auto duration = [&](int s, const action& a) {
+    switch (a.kind) {
+      case action_kind::forward:
+        return c.forward;
+      case action_kind::weight:
+        return c.weight;
+      default:
+        return split[s].count({a.microbatch, a.chunk}) ? c.backward - c.weight : c.backward;
+    }
+  };
 
   // Posted transfers: message -> post time of its send / receive.
   std::map<msg_key, double> send_post, recv_post;
@@ -166,7 +195,9 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
       while (pc[s] < list.size()) {
         const action& a = list[pc[s]];
         if (is_compute(a.kind)) {
-          if (mode == p2p_mode::async) {  // the compute waits for its own input, nothing else
+          // The compute waits for its own input, nothing else (a weight pass has none: its
+          // backward ran earlier on this stage).
+          if (mode == p2p_mode::async && a.kind != action_kind::weight) {
             const int vs = l.vs(s, a.chunk);
             const bool fwd = a.kind == action_kind::forward;
             if (fwd ? vs > 0 : vs < l.last()) {
@@ -175,12 +206,16 @@ simulation simulate(const std::vector<std::vector<action>>& lists, const cost& c
               t[s] = std::max(t[s], it->second + c.p2p);
             }
           }
-          const double d = a.kind == action_kind::forward ? c.forward : c.backward;
+          const double d = duration(s, a);
           r.start[s][pc[s]] = t[s];
           t[s] += d;
           r.finish[s][pc[s]] = t[s];
           r.busy[s] += d;
-          in_flight[s] += a.kind == action_kind::forward ? 1 : -1;
+          // A split microbatch is held until its weight pass.
+          if (a.kind == action_kind::forward)
+            ++in_flight[s];
+          else if (a.kind == action_kind::weight || !split[s].count({a.microbatch, a.chunk}))
+            --in_flight[s];
           r.peak_in_flight[s] = std::max(r.peak_in_flight[s], in_flight[s]);
           ++pc[s];
           progress = true;
@@ -324,7 +359,9 @@ std::string timeline(const std::vector<std::vector<action>>& lists, const simula
   for (const auto& list : lists)
     for (const auto& a : list) v = std::max(v, a.chunk + 1);
   auto label = [&](const action& a) {
-    std::string s(1, a.kind == action_kind::forward ? 'F' : 'B');
+    std::string s(1, a.kind == action_kind::forward  ? 'F'
+                     : a.kind == action_kind::weight ? 'W'
+                                                     : 'B');
     s += std::to_string(a.microbatch);
     if (v > 1) {
       s += '.';

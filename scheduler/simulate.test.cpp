@@ -15,6 +15,9 @@ action F(int mb) {
 action B(int mb) {
   return {k::backward, mb, 0, -1};
 }
+action W(int mb) {
+  return {k::weight, mb, 0, -1};
+}
 action send_act(int mb, int to) {
   return {k::send_activation, mb, 0, to};
 }
@@ -86,6 +89,10 @@ TEST_CASE("broken dependencies inside one list are reported before running") {
       {{{F(0), B(0), F(0), B(0)}}, "stage 0 action 2 (forward microbatch 0 chunk 0) runs a second"},
       {{{F(0), B(0), send_grad(0, 0)}}, "has no peer: virtual stage 0 is the first"},
       {{{B(0)}}, "runs before its forward"},
+      {{{F(0), W(0), B(0)}}, "stage 0 action 1 (weight microbatch 0 chunk 0) runs before its back"},
+      {{{F(0), B(0), W(0), W(0)}},
+       "stage 0 action 3 (weight microbatch 0 chunk 0) runs a second time"},
+      {{{F(0), B(0), W(1)}}, "stage 0 action 2 (weight microbatch 1 chunk 0) runs before its"},
   };
   for (const auto& c : cases) {
     auto sim = simulate(c.lists, {});
@@ -100,4 +107,48 @@ TEST_CASE("a single stage runs its list back to back") {
   CHECK(sim.makespan == 15.0);
   CHECK(sim.bubble_fraction == 0.0);
   CHECK(sim.peak_in_flight[0] == 1);
+}
+
+TEST_CASE("a split backward costs backward minus weight and its weight action the rest") {
+  // Stage 1 sends its input gradient after B = 3 - 1 and runs W = 1 after the send, so stage 0's
+  // backward starts at 1 (F) + 1 (F) + 2 (B) = 4 and ends at 7; unsplit it would start at 5.
+  const std::vector<std::vector<action>> split = {
+      {F(0), send_act(0, 1), recv_grad(0, 1), B(0)},
+      {recv_act(0, 0), F(0), B(0), send_grad(0, 0), W(0)}};
+  const cost c{.forward = 1.0, .backward = 3.0, .p2p = 0.0, .weight = 1.0};
+  for (auto mode : {p2p_mode::batched, p2p_mode::blocking, p2p_mode::async}) {
+    auto sim = simulate(split, c, mode);
+    REQUIRE(sim.ok());
+    CHECK(sim.makespan == 7.0);
+    CHECK(sim.busy == std::vector<double>{4.0, 4.0});
+    CHECK(sim.start[1][4] == 4.0);  // the weight action, after the send
+    CHECK(sim.finish[1][4] == 5.0);
+    CHECK(sim.peak_in_flight == std::vector<int>{1, 1});
+    CHECK(timeline(split, sim) ==
+          "stage 0 |F0 .  .  .  B0 B0 B0 \n"
+          "stage 1 |.  F0 B0 B0 W0 .  .  \n");
+  }
+  auto unsplit = split;
+  unsplit[1].pop_back();
+  auto sim = simulate(unsplit, c, p2p_mode::async);
+  REQUIRE(sim.ok());
+  CHECK(sim.makespan == 8.0);
+}
+
+TEST_CASE("a split microbatch is held until its weight action") {
+  auto split = simulate({{F(0), B(0), F(1), B(1), W(0), W(1)}}, {1.0, 2.0, 0.0, 0.5});
+  REQUIRE(split.ok());
+  CHECK(split.peak_in_flight[0] == 2);
+  CHECK(split.makespan == 6.0);
+  auto unsplit = simulate({{F(0), B(0), F(1), B(1)}}, {1.0, 2.0, 0.0, 0.5});
+  CHECK(unsplit.peak_in_flight[0] == 1);
+}
+
+TEST_CASE("a weight cost above the backward it splits is an error") {
+  const cost c{.forward = 1.0, .backward = 1.0, .p2p = 0.0, .weight = 2.0};
+  auto sim = simulate({{F(0), B(0), W(0)}}, c);
+  CHECK_THAT(sim.error, Catch::Contains("stage 0 splits backwards") &&
+                            Catch::Contains("cost.weight = 2 is not in [0, cost.backward = 1]"));
+  // A list without weight actions runs full backwards and does not use cost.weight.
+  CHECK(simulate({{F(0), B(0)}}, c).ok());
 }
