@@ -2,8 +2,9 @@
 // vocabulary 256, one row of 128 tokens per microbatch, 8 microbatches, 1F1B) timed alone, one
 // stage after the other on one compute thread, in the order its action list runs it (so stage 0
 // pays its activation stash as it does in a step). Prints per stage the low quartile of forward and
-// backward of a microbatch and of the step, their ratio, and the bubble that 1F1B implies
-// for those times (the replay of scripts/bench/pipe_trace.py, free transfers).
+// backward (and, under zero-bubble, weight pass) of a microbatch and of the step, their ratio, and
+// the bubble the schedule implies for those times (the replay of scripts/bench/pipe_trace.py, free
+// transfers), for 1F1B and for zero-bubble (stage 1's backwards split).
 // Run: troupe_models_tests "[.pipe_balance]".
 #include <catch2/catch.hpp>
 
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <ctime>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "models/gpt.hpp"
@@ -44,7 +46,8 @@ double low_quartile(std::vector<double> v) {
 // Replays the compute actions of every stage with the given durations and free transfers; returns
 // idle / (stages x makespan), the definition (p - 1) / (m + p - 1) uses.
 double replay_bubble(const std::vector<std::vector<scheduler::action>>& lists,
-                     const std::vector<double>& fwd, const std::vector<double>& bwd) {
+                     const std::vector<double>& fwd, const std::vector<double>& bwd,
+                     const std::vector<double>& wgt) {
   const int p = static_cast<int>(lists.size());
   std::map<std::pair<int, int>, double> done;  // (kind 0 f / 1 b, mb * p + stage) -> end
   std::vector<std::size_t> pos(static_cast<std::size_t>(p), 0);
@@ -59,9 +62,10 @@ double replay_bubble(const std::vector<std::vector<scheduler::action>>& lists,
           continue;
         }
         const bool f = a.kind == scheduler::action_kind::forward;
+        const bool w = a.kind == scheduler::action_kind::weight;  // after its backward, here
         std::pair<int, int> dep{-1, 0};
         if (f && s > 0) dep = {0, a.microbatch * p + s - 1};
-        if (!f)
+        if (!f && !w)
           dep = s + 1 < p ? std::pair{1, a.microbatch * p + s + 1}
                           : std::pair{0, a.microbatch * p + s};
         double ready = 0;
@@ -70,10 +74,10 @@ double replay_bubble(const std::vector<std::vector<scheduler::action>>& lists,
           if (it == done.end()) break;
           ready = it->second;
         }
-        const double d = f ? fwd[s] : bwd[s];
+        const double d = f ? fwd[s] : w ? wgt[s] : bwd[s];
         clock[s] = std::max(clock[s], ready) + d;
         busy[s] += d;
-        done[{f ? 0 : 1, a.microbatch * p + s}] = clock[s];
+        if (!w) done[{f ? 0 : 1, a.microbatch * p + s}] = clock[s];
         ++pos[s];
         progress = true;
       }
@@ -97,16 +101,27 @@ void fill_pattern(const tensor& t, int seed, float scale) {
   }
 }
 
+void balance(scheduler::schedule_kind kind);
+
 }  // namespace
 
 TEST_CASE("Pipeline stage compute balance of gpt2-demo", "[.pipe_balance]") {
   troupe::parallel::set_num_threads(1);
+  for (auto kind : {scheduler::schedule_kind::one_f_one_b, scheduler::schedule_kind::zero_bubble}) {
+    std::printf("%s:\n", std::string(scheduler::name(kind)).c_str());
+    balance(kind);
+  }
+}
+
+namespace {
+
+void balance(scheduler::schedule_kind kind) {
   const gpt_config cfg = testing::gpt_shape(256, 128, 128, 4, 4);
   const batch_dims dims{1, 128};
   const int p = 2, m = 8, steps = 40;
   scheduler::parallel_plan plan;
   plan.pp = p;
-  plan.schedule = scheduler::schedule_kind::one_f_one_b;
+  plan.schedule = kind;
   plan.microbatches = m;
   const scheduler::model_shape shape{.layers = cfg.n_layer,
                                      .heads = cfg.n_head,
@@ -119,7 +134,8 @@ TEST_CASE("Pipeline stage compute balance of gpt2-demo", "[.pipe_balance]") {
   auto ids = empty({dims.batch, dims.seq}, dtype::i32);
   for (std::int64_t i = 0; i < ids.numel(); ++i)
     ids.data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 31 + 7) % 256);
-  std::vector<double> fwd(p), bwd(p), step(p);
+  std::vector<double> fwd(p), bwd(p), wgt(p, 0.0), step(p);
+  std::vector<char> split(p, 0);
   for (int s = 0; s < p; ++s) {
     gpt_stage st(cfg, dims, stage_options::of(plan, s, shape));
     st.init_weights(1);
@@ -129,7 +145,8 @@ TEST_CASE("Pipeline stage compute balance of gpt2-demo", "[.pipe_balance]") {
       fill_pattern(in.back(), k, 1.0f);
       fill_pattern(dy.back(), k + m, 1e-3f);
     }
-    std::vector<double> f, b, total;
+    std::vector<double> f, b, w, total;
+    for (const auto& a : lists[s]) split[s] |= a.kind == scheduler::action_kind::weight;
     for (int t = 0; t < steps; ++t) {
       st.memory().zero_grads();
       st.begin_step(m);
@@ -141,27 +158,38 @@ TEST_CASE("Pipeline stage compute balance of gpt2-demo", "[.pipe_balance]") {
         if (a.kind == scheduler::action_kind::forward) {
           st.forward(k, 0, st.holds_first(0) ? ids.view() : in[k].view(), ids, 1.0 / m,
                      st.holds_last(0) ? tensor{} : out[k].view());
-        } else {
+        } else if (a.kind == scheduler::action_kind::backward) {
           st.backward(k, 0, st.holds_last(0) ? tensor{} : dy[k].view(),
-                      st.holds_first(0) ? tensor{} : dx[k].view(), {});
+                      st.holds_first(0) ? tensor{} : dx[k].view(), {}, split[s] != 0);
+        } else {
+          st.weight(k, 0, {});
         }
         const double d = thread_cpu_seconds() - t0;
         sum += d;
-        if (t > 0) (a.kind == scheduler::action_kind::forward ? f : b).push_back(d);
+        if (t > 0)
+          (a.kind == scheduler::action_kind::forward    ? f
+           : a.kind == scheduler::action_kind::backward ? b
+                                                        : w)
+              .push_back(d);
       }
       if (t > 0) total.push_back(sum);
     }
     fwd[s] = low_quartile(f);
     bwd[s] = low_quartile(b);
+    wgt[s] = low_quartile(w);
     step[s] = low_quartile(total);
-    std::printf("stage %d (blocks %lld..%lld): forward %.3f ms, backward %.3f ms, step %.2f ms\n",
-                s, static_cast<long long>(st.first_block(0)),
-                static_cast<long long>(st.end_block(0) - 1), fwd[s] * 1e3, bwd[s] * 1e3,
-                step[s] * 1e3);
+    std::printf(
+        "stage %d (blocks %lld..%lld): forward %.3f ms, backward %.3f ms, weight pass %.3f ms, "
+        "step %.2f ms\n",
+        s, static_cast<long long>(st.first_block(0)), static_cast<long long>(st.end_block(0) - 1),
+        fwd[s] * 1e3, bwd[s] * 1e3, wgt[s] * 1e3, step[s] * 1e3);
   }
   std::printf(
-      "stage 1 / stage 0: forward %.3f, backward %.3f, step %.3f; 1F1B replay bubble "
-      "%.1f%% (theory %.1f%%)\n",
-      fwd[1] / fwd[0], bwd[1] / bwd[0], step[1] / step[0], 100 * replay_bubble(lists, fwd, bwd),
+      "stage 1 / stage 0: forward %.3f, backward %.3f, step %.3f; replay bubble "
+      "%.1f%% (1F1B theory %.1f%%)\n",
+      fwd[1] / fwd[0], bwd[1] / bwd[0], step[1] / step[0],
+      100 * replay_bubble(lists, fwd, bwd, wgt),
       100 * pipeline_runner::ideal_bubble_fraction(p, m));
 }
+
+}  // namespace
