@@ -53,9 +53,9 @@ struct train_config {
   std::string ckpt_dir;
   std::int64_t ckpt_every = 0;  // 0: only at the end (when ckpt_dir is set)
   std::string resume;           // a checkpoint folder written by troupe train
-  // [parallel]: schedule = "gpipe" | "1f1b" | "eager-1f1b" | "zero-bubble" | "interleaved", recompute = "none" |
-  // "selective" | "full", order = ["dp", "pp", "tp"] (slowest first); the rest are integers, sp a
-  // bool.
+  // [parallel]: schedule = "gpipe" | "1f1b" | "eager-1f1b" | "zero-bubble" | "interleaved",
+  // recompute = "none" | "selective" | "full", order = ["dp", "pp", "tp"] (slowest first); the rest
+  // are integers, sp a bool.
   scheduler::parallel_plan plan;
   // [memory]: the tiers (models/offload/offload_trainer.hpp). All but device need device > 0.
   std::uint64_t mem_device = 0;         // device budget in bytes (0: no tiers)
