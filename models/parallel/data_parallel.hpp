@@ -34,7 +34,8 @@
 //           after forward_backward, so a tied embedding written at both ends of the model is
 //           complete), the block whose backward runs and the buckets in flight. With only the
 //           final-gradients hook (a pipeline_runner) buckets go during the last microbatch's
-//           backward and are released when reduced; without either hook (or with release_grads
+//           backward (or weight action, where the schedule splits backwards) and are released
+//           when reduced; without either hook (or with release_grads
 //           off) the whole buffer stays resident, zeroed each step.
 //   zero 3: as zero 2 (gradients included), and the rank's f32 parameters live in its shard (the
 //           master copy, updated by AdamW there). The piece's buffer is a full-size range whose

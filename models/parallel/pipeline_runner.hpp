@@ -55,7 +55,8 @@
 // in freed memory), rethrows, and refuses every later step with a message naming the first error.
 //
 // Timing of the last step: wall (the whole forward_backward), schedule (the action list: from the
-// start to the last send's completion), compute (forward and backward actions, the stash copies,
+// start to the last send's completion), compute (forward, backward and weight actions, the stash
+// copies,
 // recompute and any tensor-parallel collectives inside them included), and the time spent waiting
 // for transfers. bubble_fraction() = 1 - compute / schedule: the idle share of the pipelined
 // forward / backward section, the quantity (p - 1) / (v m + p - 1) predicts
@@ -174,7 +175,9 @@ class pipeline_runner final : public grad_producer {
   // before it runs (those up to the compute action after it).
   std::vector<std::size_t> post_until_;
   std::function<void(std::int64_t)> hook_;
-  block_hook after_block_;  // calls hook_ during the last backward of a chunk
+  // Calls hook_ during the action that completes a chunk's gradients: its last unsplit backward
+  // or weight action.
+  block_hook after_block_;
   bool last_backward_ = false;
 
   // Transfer buffers: a pool, and per (microbatch, chunk) the pool entry holding its received
