@@ -140,11 +140,11 @@ const std::vector<action>& pipeline_runner::schedule(int microbatches) {
   check_links(all);
   actions_ = std::move(all[static_cast<std::size_t>(stage_.stage())]);
   schedule_m_ = microbatches;
-  // Before compute action i: post the receives listed up to the compute action after it.
   split_.assign(static_cast<std::size_t>(microbatches * stage_.chunks()), 0);
   for (const auto& a : actions_)
     if (a.kind == action_kind::weight)
       split_[static_cast<std::size_t>(a.microbatch * stage_.chunks() + a.chunk)] = 1;
+  // Before compute action i: post the receives listed up to the compute action after it.
   post_until_.assign(actions_.size(), actions_.size());
   std::size_t next = actions_.size();
   for (std::size_t i = actions_.size(); i-- > 0;)
