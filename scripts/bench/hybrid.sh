@@ -5,7 +5,8 @@
 # process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
 # overlap hides behind backward (dp2 with and without overlap, 256 KiB gradient buckets).
 #
-# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run four times:
+# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run four
+# times:
 # with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
 # batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
 # one compute action ahead), and a third time with the eager 1F1B schedule (scheduler/pipeline.hpp:
