@@ -209,6 +209,7 @@ int run_train(train_cli& c) {
   }
   const dtype compute = cfg.precision == "bf16"  ? dtype::bf16
                         : cfg.precision == "f16" ? dtype::f16
+                        : cfg.precision == "f64" ? dtype::f64
                                                  : dtype::f32;
   auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, compute, device::cpu(),
                                       {.recompute = cfg.recompute});
@@ -291,7 +292,8 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::seed>(*c, sub, "--seed", "Seed of the weights and the batch order");
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
   bind<&train_config::precision>(*c, sub, "--precision",
-                                 "f32, bf16 (f32 master weights) or f16 (+ dynamic loss scaling)");
+                                 "f32, bf16 (f32 master weights), f16 (+ dynamic loss scaling) or f64 (the "
+                                 "reference that f32 runs are judged against; slow)");
   bind<&train_config::recompute>(*c, sub, "--recompute",
                                  "Activation checkpointing: keep only each block's input and run "
                                  "its forward again in backward");

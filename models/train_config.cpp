@@ -222,8 +222,8 @@ void train_config::validate() const {
   need(seq > 1, "train.seq", "must be > 1");
   need(grad_accum > 0, "train.grad_accum", "must be > 0");
   need(log_every > 0, "train.log_every", "must be > 0");
-  need(precision == "f32" || precision == "bf16" || precision == "f16", "train.precision",
-       "must be f32, bf16 or f16, got '" + precision + "'");
+  need(precision == "f32" || precision == "bf16" || precision == "f16" || precision == "f64",
+       "train.precision", "must be f32, bf16, f16 or f64, got '" + precision + "'");
   need(lr > 0, "optim.lr", "must be > 0");
   need(min_lr >= 0 && min_lr <= lr, "optim.min_lr", "must be in [0, optim.lr]");
   need(beta1 >= 0 && beta1 < 1, "optim.beta1", "must be in [0, 1)");

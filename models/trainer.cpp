@@ -39,9 +39,10 @@ double run_rows(causal_lm& model, std::vector<std::int32_t>& rows,
 }  // namespace
 
 namespace {
+// 16-bit models train f32 master weights; f32 and f64 models are their own master weights.
 owned_tensor master_of(causal_lm& model) {
   const tensor& p = model.memory().params();
-  return p.type() == dtype::f32 ? owned_tensor() : f32_copy(p);
+  return p.type() == dtype::f32 || p.type() == dtype::f64 ? owned_tensor() : f32_copy(p);
 }
 }  // namespace
 
@@ -56,12 +57,8 @@ trainer::trainer(causal_lm& model, const train_config& cfg)
             .weight_decay = cfg.weight_decay}) {
   cfg_.validate();
   const tensor& p = model.memory().params();
-  const bool want16 = cfg.precision != "f32";
-  TROUPE_CHECK(want16 == (p.type() != dtype::f32), "trainer: precision ", cfg.precision,
-               " needs a model built in ", want16 ? cfg.precision : "f32", ", got ",
-               dtype_name(p.type()));
-  TROUPE_CHECK(!want16 || dtype_name(p.type()) == cfg.precision, "trainer: precision ",
-               cfg.precision, " but the model is ", dtype_name(p.type()));
+  TROUPE_CHECK(dtype_name(p.type()) == cfg.precision, "trainer: precision ", cfg.precision,
+               " needs a model built in ", cfg.precision, ", got ", dtype_name(p.type()));
   if (mixed()) {
     grads32_ = empty(p.sizes(), dtype::f32, p.dev());
     // The parameters' names over the master weights, for checkpoints and the decay exemption.

@@ -14,6 +14,11 @@
 // rounded into the model. With f16 the loss is scaled (torch GradScaler's defaults: 2^16 at the
 // start, halved when gradients overflow, when the step is skipped, doubled after 2000 good
 // steps). Checkpoints hold the f32 master weights.
+//
+// precision "f64" (the model built in f64, CPU) runs the same loop with every buffer and the
+// optimizer state in f64 and no master copy. It is the reference the f32 runs are judged against:
+// its rounding is ~1e-16 relative, so its distance to an f32 run is that run's own f32 error
+// (tests/rounding.hpp).
 #pragma once
 
 #include <cstdint>

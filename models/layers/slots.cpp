@@ -200,6 +200,20 @@ param_placement place_params(const slot_list& slots, dtype t) {
 }
 
 void store_param(const tensor_slot& slot, const tensor& values) {
+  if (slot.field->type() == dtype::f64) {
+    // An f64 model starts from the f32 model's weights exactly (the draws rounded to f32), so
+    // that it is the exact-arithmetic reference of the f32 run from the same seed.
+    auto f32 = empty(slot.sizes, dtype::f32);
+    ops::copy(values, f32);
+    auto wide = empty(slot.sizes, dtype::f64);
+    ops::copy(f32, wide);
+    store_param_as_is(slot, wide);
+    return;
+  }
+  store_param_as_is(slot, values);
+}
+
+void store_param_as_is(const tensor_slot& slot, const tensor& values) {
   if (slot.field->is_cpu()) {
     ops::copy(values, *slot.field);
     return;

@@ -189,8 +189,12 @@ param_placement place_params(const slot_list& slots, dtype t);
 // llama::init_values): the slot and its values, a host f64 tensor of its shape (valid during the
 // call).
 using init_sink = std::function<void(const tensor_slot& slot, const tensor& values)>;
-// The sink of init_weights: `values` into the slot's bound parameter (on any device).
+// The sink of init_weights: `values` into the slot's bound parameter (on any device), rounded to
+// the parameter's dtype; an f64 parameter gets the value rounded to f32 (the f32 model's weight),
+// so an f64 model is the exact-arithmetic twin of the f32 model from the same seed.
 void store_param(const tensor_slot& slot, const tensor& values);
+// `values` into the slot's bound parameter, rounded once to its dtype.
+void store_param_as_is(const tensor_slot& slot, const tensor& values);
 
 // ---- helpers for layer code ------------------------------------------------------------------
 
