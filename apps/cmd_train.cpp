@@ -291,9 +291,10 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::grad_accum>(*c, sub, "--grad-accum", "Micro-batches per step");
   bind<&train_config::seed>(*c, sub, "--seed", "Seed of the weights and the batch order");
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
-  bind<&train_config::precision>(*c, sub, "--precision",
-                                 "f32, bf16 (f32 master weights), f16 (+ dynamic loss scaling) or f64 (the "
-                                 "reference that f32 runs are judged against; slow)");
+  bind<&train_config::precision>(
+      *c, sub, "--precision",
+      "f32, bf16 (f32 master weights), f16 (+ dynamic loss scaling) or f64 (the "
+      "reference that f32 runs are judged against; slow)");
   bind<&train_config::recompute>(*c, sub, "--recompute",
                                  "Activation checkpointing: keep only each block's input and run "
                                  "its forward again in backward");

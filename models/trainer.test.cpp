@@ -90,14 +90,13 @@ TEST_CASE("Two accumulated micro-batches give the gradient of the batch that hol
       const float* pb = gb.data_as<float>();
       const double* px = gx.data_as<double>();
       const auto n = static_cast<std::size_t>(gx.numel());
-      auto v = tests::as_accurate_as(std::vector<float>(pb, pb + n),
-                                     std::vector<float>(pa, pa + n),
+      auto v = tests::as_accurate_as(std::vector<float>(pb, pb + n), std::vector<float>(pa, pa + n),
                                      std::vector<double>(px, px + n));
       INFO("gradients: " << v.str());
       CHECK(v.ok());
     }
-    auto vl = tests::as_accurate_as(loss_b, loss_a, loss_x);
-    auto vn = tests::as_accurate_as(norm_b, norm_a, norm_x);
+    auto vl = tests::as_accurate_as(loss_b, loss_a, loss_x, tests::trajectory_k);
+    auto vn = tests::as_accurate_as(norm_b, norm_a, norm_x, tests::trajectory_k);
     INFO("losses: " << vl.str() << "; gradient norms: " << vn.str());
     CHECK(vl.ok());
     CHECK(vn.ok());
@@ -134,10 +133,10 @@ TEST_CASE("The rounding judge fails an accumulation that drops a micro-batch", "
   auto gb = to_device(b->memory().grads(), device::cpu());
   auto gx = to_device(x->memory().grads(), device::cpu());
   const auto n = static_cast<std::size_t>(gx.numel());
-  auto v = tests::as_accurate_as(std::vector<float>(gb.data_as<float>(), gb.data_as<float>() + n),
-                                 std::vector<float>(ga.data_as<float>(), ga.data_as<float>() + n),
-                                 std::vector<double>(gx.data_as<double>(),
-                                                     gx.data_as<double>() + n));
+  auto v =
+      tests::as_accurate_as(std::vector<float>(gb.data_as<float>(), gb.data_as<float>() + n),
+                            std::vector<float>(ga.data_as<float>(), ga.data_as<float>() + n),
+                            std::vector<double>(gx.data_as<double>(), gx.data_as<double>() + n));
   INFO(v.str());
   CHECK(!v.ok());
   CHECK(v.ratio() > 1e3);

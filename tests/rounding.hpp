@@ -21,7 +21,8 @@
 //   over thousands of elements is stable; k = default_k leaves room for a computation that adds
 //   a few roundings more (one more addition per accumulated micro-batch or rank, a reduction tree
 //   instead of a loop) and for AdamW, which divides by sqrt(v) and so magnifies the rounding of
-//   gradients near zero by the same factor in both runs.
+//   gradients near zero by the same factor in both runs. A few scalars along a trajectory get
+//   trajectory_k (below).
 // - floor guards the case where err(ref) is small by chance (few elements, or a quantity the
 //   reference computes exactly): a few ulps of the largest element.
 // Why it still catches mistakes: a wrong computation (a micro-batch left out, a gradient not
@@ -41,17 +42,26 @@ namespace troupe::tests {
 
 // f32's unit roundoff.
 inline constexpr double f32_u = 1.0 / 16777216.0;  // 2^-24
-// The accuracy ratio allowed by default (see above); measured ratios are listed where it is used.
+// The accuracy ratio allowed for one quantity of many elements (a gradient, the weights): the
+// ratio of the largest errors over thousands of elements is stable (measured 0.2 to 3.7 across
+// the data-parallel, ZeRO and accumulation tests, AVX2 and AVX-512 kernels, 1 and 2 threads).
 inline constexpr double default_k = 8.0;
+// The ratio allowed for a few scalars along a training trajectory (each step's loss or gradient
+// norm): each is dominated by the few weights whose near-zero gradients AdamW turned into
+// lr-sized moves in one run and not the other, so the ratio of two runs' largest errors over ten
+// steps is heavy-tailed (measured up to 20: Llama dp 2, the gradient norm of step 8). 64 keeps the
+// loss bound near 1e-5 relative and the norm bound near 1e-4 relative, where the fixed bounds
+// stood; a plan that is wrong changes the losses by 1e-3 relative and more.
+inline constexpr double trajectory_k = 64.0;
 // The default floor, in units of u * max|exact|.
 inline constexpr double default_floor = 4.0;
 
 struct rounding_verdict {
-  double err_got = 0;    // max |got - exact|
-  double err_ref = 0;    // max |ref - exact|
-  double scale = 0;      // max |exact|
-  double bound = 0;      // k * max(err_ref, floor * u * scale)
-  std::size_t where = 0; // the index of err_got
+  double err_got = 0;     // max |got - exact|
+  double err_ref = 0;     // max |ref - exact|
+  double scale = 0;       // max |exact|
+  double bound = 0;       // k * max(err_ref, floor * u * scale)
+  std::size_t where = 0;  // the index of err_got
   std::size_t n = 0;
   bool sizes_match = true;
   bool ok() const { return sizes_match && err_got <= bound; }
