@@ -114,12 +114,32 @@ struct problem {
   }
 };
 
-// The reference, all in double: [B, L, H, D] arrays laid out contiguously.
+// The reference, all in double: [B, L, H, D] arrays laid out contiguously, and beside each value a
+// bound on how far a kernel computing in T (unit roundoff u) may be from it (below).
 struct reference {
   std::vector<double> out, lse, dq, dk, dv;
+  std::vector<double> out_bound, lse_bound, dq_bound, dk_bound, dv_bound;
 };
 
+// Error bounds, first order in u, that hold for any order of every sum, so for either tile kernel
+// (AVX2 or AVX-512, picked by the CPU) and any thread split: a sum of n terms errs by at most
+// n u sum |terms|, any other operation by u times its result. With a_j = scale sum_d |q_d k_jd|:
+// - score j errs by (D + 3) u a_j (q is pre-multiplied by scale log2 e, then D products and sums);
+//   exp(s_j - m) then errs relatively by that, by u |s_j - m| (the rounded difference) and by
+//   c_exp u (the f32 exp2 polynomial is good to 2e-7 = 3.4 u, std::exp2 to an ulp);
+// - the running sum and the output are rescaled once per 64-key tile (attention.cpp's block_k),
+//   and add n terms: out errs by (relative error of p_j / l + (n + 2 tiles) u) sum_j w_j |v_jd|;
+// - backward recomputes P from the stored lse (whose error adds to every score's), forms
+//   rowsum(dO * O) from the kernel's O (its bound above enters) and dS = P (dP - rowsum), then sums
+//   dS K over the n keys and dS^T Q, P^T dO over the queries of the group.
+// check() doubles the bounds for second-order terms. The inputs are O(1), so the bounds are ~1e-5
+// to 1e-4 in f32 while a wrong kernel (a key too many or too few, a wrong head or scale) is off by
+// O(0.1): dropping one key fails by 2e6 times the bound, a scale 0.1% off by 100 times.
+constexpr double c_exp = 4;
+
+template <class T>
 reference naive(const problem& p) {
+  const double u = std::is_same_v<T, float> ? 0x1p-24 : 0x1p-53;
   const config& c = p.c;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   const std::int64_t group = c.hq / c.hkv, off = c.s - c.t;
@@ -129,49 +149,90 @@ reference naive(const problem& p) {
   r.lse.assign(c.b * c.hq * c.t, 0.0);
   r.dk.assign(c.b * c.s * c.hkv * c.d, 0.0);
   r.dv.assign(c.b * c.s * c.hkv * c.d, 0.0);
+  r.out_bound = r.dq_bound = r.out;
+  r.lse_bound = r.lse;
+  r.dk_bound = r.dv_bound = r.dk;
   auto qi = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
     return ((b * c.t + t) * c.hq + h) * c.d + d;
   };
   auto ki = [&](std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d) {
     return ((b * c.s + s) * c.hkv + h) * c.d + d;
   };
-  std::vector<double> score(c.s), prob(c.s), dprob(c.s);
+  // Terms of a dk or dv element: at most every query of every head of the group.
+  const double nk = static_cast<double>(group * c.t);
+  std::vector<double> score(c.s), mag(c.s), prob(c.s), dprob(c.s);
   for (std::int64_t b = 0; b < c.b; ++b)
     for (std::int64_t h = 0; h < c.hq; ++h) {
       const std::int64_t hk = h / group;
       for (std::int64_t i = 0; i < c.t; ++i) {
         const std::int64_t n = c.causal ? std::min(c.s, i + off + 1) : c.s;  // visible keys
+        const double tiles = static_cast<double>((n + 63) / 64);
         double mx = -std::numeric_limits<double>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
-          double s = 0;
-          for (std::int64_t d = 0; d < c.d; ++d)
+          double s = 0, a = 0;
+          for (std::int64_t d = 0; d < c.d; ++d) {
             s += problem::at(p.q, b, i, h, d) * problem::at(p.k, b, j, hk, d);
+            a += std::abs(problem::at(p.q, b, i, h, d) * problem::at(p.k, b, j, hk, d));
+          }
           score[j] = s * scale;
+          mag[j] = a * scale;
           mx = std::max(mx, score[j]);
         }
         double sum = 0;
         for (std::int64_t j = 0; j < n; ++j) sum += std::exp(score[j] - mx);
         const double lse = mx + std::log(sum);
-        r.lse[(b * c.hq + h) * c.t + i] = lse;
+        const std::int64_t li = (b * c.hq + h) * c.t + i;
+        r.lse[li] = lse;
         for (std::int64_t j = 0; j < n; ++j) prob[j] = std::exp(score[j] - lse);
+        // Forward: the largest relative error of a p_j (a rescale moves the running max by at
+        // most the spread of the scores), then of a weight p_j / l.
+        double dp_max = 0;
+        for (std::int64_t j = 0; j < n; ++j)
+          dp_max =
+              std::max(dp_max, (c.d + 3) * u * mag[j] + (tiles + 2) * u * std::abs(score[j] - mx) +
+                                   u * std::abs(mx));
+        const double dw = 2 * dp_max + ((tiles + 2) * c_exp + n + 4) * u;
+        r.lse_bound[li] = dp_max + ((tiles + 1) * c_exp + n + 2) * u + u * std::abs(lse);
         for (std::int64_t d = 0; d < c.d; ++d) {
-          double o = 0;
-          for (std::int64_t j = 0; j < n; ++j) o += prob[j] * problem::at(p.v, b, j, hk, d);
+          double o = 0, mo = 0;
+          for (std::int64_t j = 0; j < n; ++j) {
+            o += prob[j] * problem::at(p.v, b, j, hk, d);
+            mo += prob[j] * std::abs(problem::at(p.v, b, j, hk, d));
+          }
           r.out[qi(b, i, h, d)] = o;
+          r.out_bound[qi(b, i, h, d)] = (dw + (n + 2 * tiles + 2) * u) * mo;
         }
-        // Backward of this query row.
-        double di = 0;
-        for (std::int64_t d = 0; d < c.d; ++d)
-          di += problem::at(p.dout, b, i, h, d) * r.out[qi(b, i, h, d)];
+        // Backward of this query row. di is formed from the kernel's out: its error enters too.
+        double di = 0, di_err = 0;
+        for (std::int64_t d = 0; d < c.d; ++d) {
+          const double g = problem::at(p.dout, b, i, h, d), o = r.out[qi(b, i, h, d)];
+          di += g * o;
+          di_err += std::abs(g) * r.out_bound[qi(b, i, h, d)] + (c.d + 1) * u * std::abs(g * o);
+        }
         for (std::int64_t j = 0; j < n; ++j) {
-          double dp = 0;
-          for (std::int64_t d = 0; d < c.d; ++d)
-            dp += problem::at(p.dout, b, i, h, d) * problem::at(p.v, b, j, hk, d);
-          dprob[j] = prob[j] * (dp - di);  // dS
+          double dp = 0, adp = 0;
           for (std::int64_t d = 0; d < c.d; ++d) {
-            r.dv[ki(b, j, hk, d)] += prob[j] * problem::at(p.dout, b, i, h, d);
-            r.dk[ki(b, j, hk, d)] += scale * dprob[j] * problem::at(p.q, b, i, h, d);
-            r.dq[qi(b, i, h, d)] += scale * dprob[j] * problem::at(p.k, b, j, hk, d);
+            const double t = problem::at(p.dout, b, i, h, d) * problem::at(p.v, b, j, hk, d);
+            dp += t;
+            adp += std::abs(t);
+          }
+          dprob[j] = prob[j] * (dp - di);  // dS
+          // Relative error of the recomputed P, and the error of dS.
+          const double rho = (c.d + 3) * u * mag[j] + r.lse_bound[li] +
+                             u * (std::abs(score[j] - lse) + 2 * std::abs(lse)) + c_exp * u;
+          const double ds_err = (rho + 2 * u) * std::abs(dprob[j]) +
+                                prob[j] * ((c.d + 1) * u * adp + di_err + u * std::abs(dp - di));
+          for (std::int64_t d = 0; d < c.d; ++d) {
+            const double qv = problem::at(p.q, b, i, h, d), kv = problem::at(p.k, b, j, hk, d),
+                         g = problem::at(p.dout, b, i, h, d);
+            r.dv[ki(b, j, hk, d)] += prob[j] * g;
+            r.dk[ki(b, j, hk, d)] += scale * dprob[j] * qv;
+            r.dq[qi(b, i, h, d)] += scale * dprob[j] * kv;
+            r.dv_bound[ki(b, j, hk, d)] += (rho + (nk + 2) * u) * prob[j] * std::abs(g);
+            r.dk_bound[ki(b, j, hk, d)] +=
+                scale * (ds_err + (nk + 3) * u * std::abs(dprob[j])) * std::abs(qv);
+            r.dq_bound[qi(b, i, h, d)] +=
+                scale * (ds_err + (n + 3) * u * std::abs(dprob[j])) * std::abs(kv);
           }
         }
       }
@@ -179,22 +240,23 @@ reference naive(const problem& p) {
   return r;
 }
 
-// max |got - want| <= tol * max(max |want|, 1) over one [B, L, H, D] tensor. The inputs are O(1),
-// so every output is a sum of O(1) terms; one that cancels to zero (with a single visible key, dq
-// and dk are exactly 0) is held to that absolute scale.
-void compare(const char* what, const tensor& got, const std::vector<double>& want, double tol) {
-  double scale = 0, worst = 0;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  std::int64_t i = 0;
+// Every |got - want| <= factor * bound, elementwise over one [B, L, H, D] tensor (NaN fails).
+void compare(const char* what, const tensor& got, const std::vector<double>& want,
+             const std::vector<double>& bound, double factor) {
+  double worst = 0;  // the largest error / bound
+  std::int64_t i = 0, bad = -1;
   for (std::int64_t b = 0; b < got.size(0); ++b)
     for (std::int64_t t = 0; t < got.size(1); ++t)
       for (std::int64_t h = 0; h < got.size(2); ++h)
         for (std::int64_t d = 0; d < got.size(3); ++d, ++i) {
           const double e = std::abs(problem::at(got, b, t, h, d) - want[i]);
-          worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+          const double lim = factor * bound[i];
+          if (!(e <= lim) && bad < 0) bad = i;
+          worst = std::max(worst, std::isnan(e) ? INFINITY : e / std::max(lim, 1e-300));
         }
-  INFO(what << ": max error " << worst << " against max magnitude " << scale);
-  REQUIRE(worst <= tol * std::max(scale, 1.0));
+  INFO(what << ": largest error / bound " << worst);
+  if (bad >= 0) INFO("element " << bad << ": want " << want[bad] << " +- " << factor * bound[bad]);
+  REQUIRE(bad < 0);
 }
 
 void check(const config& c, dtype t) {
@@ -205,15 +267,15 @@ void check(const config& c, dtype t) {
   opt.causal = c.causal;
   ops::attention(p.q, p.k, p.v, p.out, p.lse, opt);
   ops::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.dq, p.dk, p.dv, opt);
-  const reference r = naive(p);
-  // f64: every step is a double operation; errors are ~1e-15 times the sizes involved. f32: sums
-  // of up to S terms of float products and a float exp2 good to ~1 ulp, so ~1e-6 relative.
-  const double tol = t == dtype::f64 ? 1e-10 : 1e-4;
-  compare("out", p.out, r.out, tol);
-  compare("lse", p.lse.reshape({c.b, c.hq, c.t, 1}), r.lse, tol);
-  compare("dq", p.dq, r.dq, tol);
-  compare("dk", p.dk, r.dk, tol);
-  compare("dv", p.dv, r.dv, tol);
+  // The bounds (see naive) doubled for second-order terms; in f64 the reference rounds like the
+  // kernel (its own error has the same bound), so twice that.
+  const reference r = t == dtype::f64 ? naive<double>(p) : naive<float>(p);
+  const double factor = t == dtype::f64 ? 4 : 2;
+  compare("out", p.out, r.out, r.out_bound, factor);
+  compare("lse", p.lse.reshape({c.b, c.hq, c.t, 1}), r.lse, r.lse_bound, factor);
+  compare("dq", p.dq, r.dq, r.dq_bound, factor);
+  compare("dk", p.dk, r.dk, r.dk_bound, factor);
+  compare("dv", p.dv, r.dv, r.dv_bound, factor);
 }
 
 const config configs[] = {

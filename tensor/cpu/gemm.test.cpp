@@ -86,8 +86,11 @@ std::vector<double> reference(const tensor& a, const tensor& b, const std::vecto
   return c;
 }
 
-// Runs one matmul and compares it elementwise with the reference. The error bound is the usual
-// one for a dot product of length k: k * eps * sum |a_p b_p| (times a safety factor of 2).
+// Runs one matmul and compares it elementwise with the reference. A dot product of length k
+// summed in any order (whatever OpenBLAS core, blocking or thread split runs it), scaled by alpha
+// and added to beta * c0, errs by at most (k + 2) u * mag with u the unit roundoff (eps / 2) and
+// mag = |alpha| sum |a_p b_p| + |beta c0|. The bound 2 (k + 2) eps mag = 4 (k + 2) u mag covers
+// that for the kernel and, for f64, the same again for the double reference.
 void check_matmul(std::int64_t m, std::int64_t n, std::int64_t k, dtype t, layout_kind ka,
                   layout_kind kb, layout_kind kc, double alpha, double beta) {
   std::mt19937 rng(static_cast<unsigned>(m * 131 + n * 17 + k));

@@ -204,9 +204,18 @@ TEST_CASE("cuda reductions match the cpu", "[gpu]") {
   TROUPE_NEED_GPU();
   owned_tensor x = random({100003}, 30, 0.0f, 1.0f);
   owned_tensor gx = gpu(x);
-  // Both sides accumulate in f64: far below the 1e-6 asked here (an f32 sum would miss it).
-  REQUIRE(ops::sum(gx) == Approx(ops::sum(x)).epsilon(1e-6));
-  REQUIRE(ops::sum_squares(gx) == Approx(ops::sum_squares(x)).epsilon(1e-6));
+  // Both sides accumulate the f32 values in f64, in different orders: each is within
+  // n * 2^-53 * sum |terms| of the exact sum (squares of f32 values are exact in f64), so they
+  // differ by at most twice that: 2e-11 relative here (an f32 sum would err by ~1e-5).
+  const std::vector<double> xs = values(x);
+  double mag = 0, mag2 = 0;
+  for (double v : xs) {
+    mag += std::abs(v);
+    mag2 += v * v;
+  }
+  const double dn = static_cast<double>(xs.size());
+  REQUIRE(std::abs(ops::sum(gx) - ops::sum(x)) <= 2 * dn * 0x1p-53 * mag);
+  REQUIRE(std::abs(ops::sum_squares(gx) - ops::sum_squares(x)) <= 2 * dn * 0x1p-53 * mag2);
 
   REQUIRE(ops::all_finite(gx));
   ops::fill(gx.narrow(0, 777, 1), std::numeric_limits<double>::quiet_NaN());
@@ -218,21 +227,37 @@ TEST_CASE("cuda reductions match the cpu", "[gpu]") {
 
   owned_tensor m = random({37, 70}, 31), out = random({70}, 32);
   owned_tensor gm = gpu(m), gout = gpu(out);
+  // The device adds the 37 rows and the old value in f32 (38 roundings), the host in double and
+  // rounds twice: within 40 u (sum_r |m_rc| + |out_c|) of each other, in any order.
+  std::vector<double> sr_bound(70);
+  {
+    const std::vector<double> mv = values(m), ov = values(out);
+    for (std::size_t c = 0; c < 70; ++c) {
+      double s = std::abs(ov[c]);
+      for (std::size_t r = 0; r < 37; ++r) s += std::abs(mv[r * 70 + c]);
+      sr_bound[c] = 40 * u32 * s;
+    }
+  }
   ops::sum_rows(m, out);
   ops::sum_rows(gm, gout);
-  require_close(gout, out, 1e-5, 1e-5, "sum_rows");  // f32 sums of 37 terms
+  require_within(gout, out, sr_bound, "sum_rows");
 
   for (dtype t : {dtype::bf16, dtype::f16}) {
     INFO(dtype_name(t));
     owned_tensor y = random({4097}, 33, -2.0f, 2.0f);
     owned_tensor gy = gpu(to_16bit(y, t));
-    double s = 0, s2 = 0;
+    // Against a long double sum of the same values (squares of 16-bit values are exact): the
+    // device's f64 sum errs by at most n * 2^-53 * sum |terms|, in any order.
+    long double s = 0, s2 = 0, ys = 0;
     for (double v : values(rounded(y, t))) {
       s += v;
-      s2 += v * v;
+      s2 += static_cast<long double>(v) * v;
+      ys += std::abs(v);
     }
-    REQUIRE(ops::sum(gy) == Approx(s).margin(1e-9));
-    REQUIRE(ops::sum_squares(gy) == Approx(s2).epsilon(1e-10));
+    const double bound = 4097 * 0x1p-53 * static_cast<double>(ys);
+    REQUIRE(std::abs(ops::sum(gy) - static_cast<double>(s)) <= bound);
+    REQUIRE(std::abs(ops::sum_squares(gy) - static_cast<double>(s2)) <=
+            4097 * 0x1p-53 * static_cast<double>(s2));
     REQUIRE(ops::all_finite(gy));
     ops::fill(gy.narrow(0, 5, 1), std::numeric_limits<double>::infinity());
     REQUIRE_FALSE(ops::all_finite(gy));
@@ -289,9 +314,11 @@ TEST_CASE("gemm plan maps row major views onto a column major call") {
       REQUIRE(p.a.ld >= std::max<std::int64_t>(1, p.a.transpose ? p.n : p.k));
       run_plan(p, static_cast<const float*>(b.data()), static_cast<const float*>(a.data()),
                static_cast<float*>(c.data()), 2.0, -0.5);
+      // run_plan forms the same double products in the same order as want and rounds once, so a
+      // right plan gives want rounded to f32 bit for bit (a wrong one reads other elements).
       for (std::int64_t r = 0; r < d.m; ++r)
         for (std::int64_t col = 0; col < d.n; ++col)
-          REQUIRE(at(c, r, col) == Approx(want[r * d.n + col]).epsilon(1e-6).margin(1e-6));
+          REQUIRE(at(c, r, col) == static_cast<float>(want[r * d.n + col]));
     }
   }
   owned_tensor store = random({64}, 43);
@@ -316,13 +343,27 @@ TEST_CASE("cuda matmul matches the cpu for transposed and strided views", "[gpu]
     owned_tensor gas = gpu(as), gbs = gpu(bs), gcs = gpu(cs);
     auto a_of = [&](const tensor& x) { return ta ? x.transpose(0, 1) : x; };
     auto b_of = [&](const tensor& x) { return tb ? x.transpose(0, 1) : x; };
+    // Full f32 on both sides (context.cu keeps cuBLAS off TF32), each within (k + 2) u mag of
+    // the exact result in its own order (test_util.hpp): 2 (k + 2) u mag apart. Columns outside
+    // the view stay untouched (bound 0).
+    auto bound_of = [&](double alpha, double beta) {
+      owned_tensor c0 = empty({m, n});
+      ops::copy(cs.narrow(1, 3, n), c0);
+      const std::vector<double> mag = gemm_magnitudes(a_of(as), b_of(bs), c0, alpha, beta);
+      std::vector<double> bound(static_cast<std::size_t>(m * (n + 5)), 0.0);
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j)
+          bound[i * (n + 5) + 3 + j] = 2 * (k + 2) * u32 * mag[i * n + j];
+      return bound;
+    };
+    std::vector<double> bound = bound_of(1.5, 0.25);
     ops::matmul(a_of(as), b_of(bs), cs.narrow(1, 3, n), 1.5, 0.25);
     ops::matmul(a_of(gas), b_of(gbs), gcs.narrow(1, 3, n), 1.5, 0.25);
-    // f32 sums of 65 products of magnitude <= 1; columns outside the view stay untouched
-    require_close(gcs, cs, 1e-4, 1e-4, "c");
+    require_within(gcs, cs, bound, "c");
+    bound = bound_of(1.0, 0.0);
     ops::matmul(a_of(as), b_of(bs), cs.narrow(1, 3, n));
     ops::matmul(a_of(gas), b_of(gbs), gcs.narrow(1, 3, n));
-    require_close(gcs, cs, 1e-4, 1e-4, "c with beta 0");
+    require_within(gcs, cs, bound, "c with beta 0");
   }
   // K = 0: c = beta * c
   owned_tensor a = random({4, 3}, 53), b = random({3, 6}, 54), c = random({4, 6}, 55);
@@ -345,11 +386,18 @@ TEST_CASE("cuda matmul in bf16 and f16 matches f32 on the rounded inputs", "[gpu
       owned_tensor gas = gpu(to_16bit(as, t)), gbs = gpu(to_16bit(bs, t)), gc = gpu(to_16bit(c, t));
       auto a_of = [&](const tensor& x) { return ta ? x.transpose(0, 1) : x; };
       auto b_of = [&](const tensor& x) { return tb ? x.transpose(0, 1) : x; };
+      const std::vector<double> mag = gemm_magnitudes(a_of(as), b_of(bs), c, 0.5, 1.0);
       ops::matmul(a_of(as), b_of(bs), c, 0.5, 1.0);
       ops::matmul(a_of(gas), b_of(gbs), gc, 0.5, 1.0);
-      // Products of 16-bit values are exact in f32 and both sides accumulate in f32 (|error| well
-      // under 1e-4 for 96 terms of magnitude <= 1); the device then rounds once to 16 bits.
-      require_close(gc, c, ulp16(t), 1e-4, "c");
+      // Products of 16-bit values are exact in f32 and both sides accumulate in f32, each within
+      // (k + 2) u mag of the exact result in its own order; the device then rounds once to 16
+      // bits (at most half an ulp, below ulp16 relative).
+      const std::vector<double> want = values(c);
+      std::vector<double> bound(want.size());
+      for (std::size_t i = 0; i < want.size(); ++i)
+        bound[i] = ulp16(t) * std::abs(want[i]) + (1 + ulp16(t)) * 2 * (k + 2) * u32 * mag[i] +
+                   0x1p-25;  // half the spacing of f16 subnormals
+      require_within(gc, c, bound, "c");
     }
   }
 }
@@ -368,6 +416,9 @@ TEST_CASE("cuda adamw matches the cpu", "[gpu]") {
     ops::adamw(p, g, m, v, opt);
     ops::adamw(gp, gg, gm, gv, opt);
   }
+  // Elementwise: each step rounds about ten operations per element on each side (no sums, so no
+  // order to differ; sqrt and division are IEEE on the device too), ~20 u relative over two
+  // steps; 1e-5 is 168 u. The absolute terms cover elements near 0.
   require_close(gp, p, 1e-5, 1e-7, "param");
   require_close(gm, m, 1e-5, 1e-7, "m");
   require_close(gv, v, 1e-5, 1e-9, "v");

@@ -115,4 +115,45 @@ inline void require_close(const tensor& got, const tensor& want, double rel, dou
   REQUIRE(bad == 0);
 }
 
+// Every element of got within its own bound of want: |got[i] - want[i]| <= bound[i].
+inline void require_within(const tensor& got, const tensor& want, const std::vector<double>& bound,
+                           const char* what) {
+  std::vector<double> g = values(got), w = values(want);
+  REQUIRE(g.size() == w.size());
+  REQUIRE(bound.size() == w.size());
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (std::abs(g[i] - w[i]) <= bound[i]) continue;  // NaN fails
+    if (bad < 5)
+      UNSCOPED_INFO(what << "[" << i << "]: got " << g[i] << ", want " << w[i] << " +- "
+                         << bound[i]);
+    ++bad;
+  }
+  INFO(what << ": " << bad << " of " << g.size() << " elements differ");
+  REQUIRE(bad == 0);
+}
+
+// f32's unit roundoff, and the bound on |computed - exact| of a dot product of k terms in any
+// order, scaled and added to a scaled old value: (k + 2) u (|alpha| sum |a b| + |beta c0|). Two
+// such computations (the device and the host, each with its own order) differ by twice that.
+inline constexpr double u32 = 0x1p-24;
+
+// |alpha| |a| @ |b| + |beta| |c0| in double for host f32 [m, k] and [k, n] views (any strides) and
+// a contiguous [m, n] c0: the mag of each element of alpha a @ b + beta c0.
+inline std::vector<double> gemm_magnitudes(const tensor& a, const tensor& b, const tensor& c0,
+                                           double alpha, double beta) {
+  const std::int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  auto at = [](const tensor& x, std::int64_t r, std::int64_t c) {
+    return static_cast<double>(x.data_as<float>()[r * x.stride(0) + c * x.stride(1)]);
+  };
+  std::vector<double> mag(static_cast<std::size_t>(m * n));
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (std::int64_t l = 0; l < k; ++l) s += std::abs(at(a, i, l) * at(b, l, j));
+      mag[i * n + j] = std::abs(alpha) * s + std::abs(beta * at(c0, i, j));
+    }
+  return mag;
+}
+
 }  // namespace troupe::cuda_test
