@@ -53,6 +53,7 @@ TEST_CASE("Training the tiny GPT on one batch drives its loss down", "[cpu]") {
     clip_grad_norm(model.memory().grads(), 1.0);
     opt.step(model.memory().params(), model.memory().grads(), 1e-2);
   }
+  // Not rounding: training behaviour, with margins of whole nats.
   CHECK(first == Approx(std::log(32.0)).epsilon(0.05));  // near-uniform at init
   CHECK(last < 0.2 * first);
 }
@@ -71,6 +72,7 @@ TEST_CASE("gpt rejects batches larger than planned and bad configs") {
 TEST_CASE("clip_grad_norm returns the norm before clipping and scales like torch") {
   std::vector<float> g = {3, 4};
   tensor t(g.data(), 8, dtype::f32, {2});
+  // Approx's default: 100 f32 epsilons (1.2e-5) relative, for a few f32 roundings (6e-8 each).
   CHECK(clip_grad_norm(t, 10.0) == Approx(5.0));
   CHECK(g[0] == 3.0f);
   CHECK(clip_grad_norm(t, 1.0) == Approx(5.0));
@@ -92,6 +94,8 @@ TEST_CASE("adamw_optimizer follows torch.optim.AdamW step by step") {
       v[i] = 0.99 * v[i] + 0.01 * g * g;
       double mh = m[i] / (1 - std::pow(0.9, step)), vh = v[i] / (1 - std::pow(0.99, step));
       ref[i] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+      // f32 against f64 formulas: each step rounds p, m, v and the update a few times (u = 6e-8
+      // relative each), ~4e-7 after 3 steps at worst; a wrong formula is off by ~lr = 1e-2.
       CHECK(p[i] == Approx(ref[i]).epsilon(1e-6));
     }
   }
@@ -142,6 +146,7 @@ TEST_CASE("adamw exempts biases norms and embeddings from weight decay on reques
     auto off = s.field->data_as<float>() - mem.params().data_as<float>();
     bool exempt =
         s.sizes.rank() < 2 || s.name.rfind("wte.", 0) == 0 || s.name.rfind("wpe.", 0) == 0;
+    // One f32 multiply per weight (Approx's default 1.2e-5 relative covers its rounding, 6e-8).
     for (std::int64_t i = 0; i < s.field->numel(); ++i)
       REQUIRE(a[off + i] == Approx(exempt ? b[off + i] : b[off + i] * (1 - 0.1 * 0.5)));
   }

@@ -112,8 +112,10 @@ void require_same(const outcome& ref, const outcome& off, bool trains = true) {
     differ += a != b;
     worst = std::max(worst, std::abs(a - b) / std::max(std::abs(a), 1e-3));
   }
+  // Bit for bit on any CPU: the offloaded trainer runs the same kernels in the same order on the
+  // same values (paging moves bytes, it does no arithmetic); `worst` only says how far a
+  // difference went when there is one.
   INFO("weights differing: " << differ << " of " << ref.weights.size() << ", worst " << worst);
-  CHECK(worst <= 1e-6);
   CHECK(differ == 0);
   if (trains) CHECK(ref.losses[steps - 1] < ref.losses[0]);  // it trains
 }
