@@ -76,9 +76,11 @@ class progress {
     tokens_ += r.tokens;
     secs_ += r.seconds;
     double tps = tokens_ / std::max(secs_, 1e-9);
+    // The loss and the gradient norm as the shortest text that reads back to the same double:
+    // tests compare runs at the level of f32 rounding, and an f64 run's with its 16 digits.
     if (json_ != nullptr)
       fmt::print(json_,
-                 "{{\"step\": {}, \"loss\": {:.8g}, \"grad_norm\": {:.8g}, \"lr\": {:.6g}, "
+                 "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, "
                  "\"tokens_per_s\": {:.1f}}}\n",
                  r.step, r.loss, r.grad_norm, r.lr, r.tokens / r.seconds);
     if (tty_) {

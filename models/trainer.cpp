@@ -126,7 +126,11 @@ expected<std::filesystem::path> trainer::save(const std::filesystem::path& folde
                                               const hf::model_config& cfg) const {
   using result = expected<std::filesystem::path>;
   return hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
-    auto files = hf::save_checkpoint(dir, cfg, mixed() ? master_slots_ : model_.slots());
+    // An f64 run saves its weights in f64: rounded to f32 they would no longer be the exact
+    // reference of an f32 run (tests/rounding.hpp).
+    const hf::save_options o{.weights = model_.memory().params().type() == dtype::f64 ? dtype::f64
+                                                                                      : dtype::f32};
+    auto files = hf::save_checkpoint(dir, cfg, mixed() ? master_slots_ : model_.slots(), o);
     if (!files) return result::failure(files.error_message());
     const nlohmann::json own = {{"loss_scale", loss_scale_}, {"good_steps", good_steps_}};
     hf::training_state st{.step = step_,

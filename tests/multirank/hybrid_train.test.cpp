@@ -22,12 +22,13 @@ using namespace troupe::tests;
 using namespace std::chrono_literals;
 
 // train.recompute under a plan: pipeline stages stash only their input and run forward again,
-// tensor shards recompute each block; the losses equal the single process without recompute.
+// tensor shards recompute each block; the losses equal the single process's without recompute as
+// far as f32 rounding goes (same_losses: as accurate as it against its f64 twin).
 TEST_CASE("Pipeline and tensor parallel runs with activation recompute match the single process",
           "[multirank][slow]") {
   const int steps = 4;
   auto dir = scratch("recompute");
-  auto want = single("gpt2-demo", steps, dir);
+  auto want = single_and_twin("gpt2-demo", steps, dir);
   same_losses(launched(2, "gpt2-demo", steps, dir, "pp2rc",
                        {"--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--recompute"}),
               want);
@@ -66,7 +67,9 @@ TEST_CASE("A checkpoint written under one plan continues under another", "[multi
   scratch_dir dir("ckpt");
   // Written under tensor shards or pipeline stages (gathered to HF layout on save), then one step
   // from it in one process and under another plan: the first losses (the loss of the saved weights
-  // on the same batch) agree.
+  // on the same batch) agree as far as f32 rounding goes (same_losses; the f64 twin reads the f32
+  // weights exactly). One loss, so its f32 error may be near zero by chance: rounding.hpp's floor
+  // of a few ulps of the loss then bounds it.
   struct crossing {
     std::string name;
     std::vector<std::string> write, read;
@@ -83,7 +86,7 @@ TEST_CASE("A checkpoint written under one plan continues under another", "[multi
       write.insert(write.end(), {"--checkpoint-dir", ck});
       launched(2, model, 3, dir.path, "write", write);
       REQUIRE(std::filesystem::exists(ck + "/config.json"));
-      auto one = single(model, 1, dir.path, {"--model-hf", ck});
+      auto one = single_and_twin(model, 1, dir.path, {"--model-hf", ck});
       auto read = x.read;
       read.insert(read.end(), {"--model-hf", ck});
       same_losses(launched(2, model, 1, dir.path, "read", read), one);
@@ -126,14 +129,16 @@ TEST_CASE("Training with memory tiers matches the plain run in one process and l
           "[multirank]") {
   auto dir = scratch("tiers");
   const int steps = 4;
-  auto want = single("gpt2-demo", steps, dir);
+  auto want = single_and_twin("gpt2-demo", steps, dir);
   // Every chunk offloaded, parameters and optimizer state paged through NVMe.
   const std::vector<std::string> tiers = {
       "--device-memory",  "24M", "--host-memory",       "8M", "--nvme-dir", dir + "/nvme",
       "--offload-params", "1",   "--offload-optimizer", "1"};
   auto got = single("gpt2-demo", steps, dir, tiers);
-  REQUIRE(got.size() == want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == want[i]);
+  // Bitwise: in one process the tiers only move the bytes between memories; the same kernels run
+  // in the same order on the same values.
+  REQUIRE(got.size() == want.f32.size());
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == want.f32[i]);
   // Launched, the trainer runs in the tier-manager actor and pages through its NVMe actor; then
   // the automatic placement.
   same_losses(launched(1, "gpt2-demo", steps, dir, "tiers", tiers), want);
