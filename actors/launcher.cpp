@@ -262,10 +262,17 @@ int launch(const launch_options& given) {
     }
   }
 
-  // The environment of every rank: ours without stale TROUPE_* variables, plus the job's.
+  // The environment of every rank: ours without stale TROUPE_* variables (an outer job's
+  // coordinator, token, rank...), plus the job's. The user's machine-wide settings pass through:
+  // the kernel choices of README's Environment section.
+  static constexpr const char* user_settings[] = {"TROUPE_KEEP_OPENBLAS_CORETYPE=",
+                                                  "TROUPE_NUM_THREADS="};
   std::vector<std::string> base_env;
-  for (char** e = environ; e && *e; ++e)
-    if (std::strncmp(*e, "TROUPE_", 7) != 0) base_env.emplace_back(*e);
+  for (char** e = environ; e && *e; ++e) {
+    bool keep = std::strncmp(*e, "TROUPE_", 7) != 0;
+    for (const char* u : user_settings) keep = keep || std::strncmp(*e, u, std::strlen(u)) == 0;
+    if (keep) base_env.emplace_back(*e);
+  }
   base_env.push_back("TROUPE_COORDINATOR=" + coordinator_address);
   base_env.push_back("TROUPE_TOKEN=" + o.token);
   base_env.push_back("TROUPE_JOB=" + o.job);

@@ -456,3 +456,24 @@ TEST_CASE("A new process takes the place of a killed rank and the job goes on", 
   CHECK(launcher.lines_with("UNEXPECTED").empty());
   CHECK(replacement.lines_with("UNEXPECTED").empty());
 }
+
+TEST_CASE("Launched ranks keep the user's kernel settings and drop an outer job's variables",
+          "[multirank]") {
+  // TROUPE_KEEP_OPENBLAS_CORETYPE and TROUPE_NUM_THREADS are the user's (README, Environment);
+  // TROUPE_JOB and TROUPE_TOKEN from an outer job must not leak into this one.
+  child_process launcher(
+      {troupe_bin, "launch", "-n", "1", "--job", job_name("env"), "--", "/usr/bin/env"},
+      {{"TROUPE_KEEP_OPENBLAS_CORETYPE", "1"},
+       {"TROUPE_NUM_THREADS", "3"},
+       {"TROUPE_JOB", "outer-job"},
+       {"TROUPE_TOKEN", "outer-token"}});
+  auto st = launcher.wait(60s);
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 0);
+  CHECK(!launcher.lines_with("[rank 0] TROUPE_KEEP_OPENBLAS_CORETYPE=1").empty());
+  CHECK(!launcher.lines_with("[rank 0] TROUPE_NUM_THREADS=3").empty());
+  CHECK(!launcher.lines_with("[rank 0] TROUPE_JOB=" + job_name("env")).empty());
+  CHECK(launcher.lines_with("outer-job").empty());
+  CHECK(launcher.lines_with("outer-token").empty());
+}
