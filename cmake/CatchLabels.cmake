@@ -1,6 +1,6 @@
 cmake_minimum_required(VERSION 3.25)
 # Run at build time (POST_BUILD) on a Catch2 v2 test binary: registers one CTest test per test case
-# and turns the tags [gpu], [multirank] and [slow] into CTest labels.
+# and turns the tags [gpu], [multirank], [slow] and [faults] into CTest labels.
 # Inputs: TEST_BIN, OUT_FILE, PREFIX, WORKDIR.
 execute_process(COMMAND "${TEST_BIN}" --list-test-names-only OUTPUT_VARIABLE _all
                 RESULT_VARIABLE _rc)
@@ -10,7 +10,7 @@ if(NOT _rc MATCHES "^[0-9]+$")
 endif()
 string(REPLACE ";" "\\;" _all "${_all}")
 string(REPLACE "\n" ";" _all "${_all}")
-set(_labels gpu multirank slow)
+set(_labels gpu multirank slow faults)
 foreach(_label IN LISTS _labels)
   execute_process(COMMAND "${TEST_BIN}" --list-test-names-only "[${_label}]"
                   OUTPUT_VARIABLE _tagged RESULT_VARIABLE _rc)
