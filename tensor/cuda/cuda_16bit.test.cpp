@@ -3,7 +3,7 @@
 // on the same values (the random inputs rounded to 16 bits first); backwards get the statistics
 // the device saved. The device computes in f32 and rounds each output once, so an output is off
 // the f32 reference by at most half a 16-bit ulp plus the f32 rounding of both sides: each bound
-// is the f32 bound of the op's helper in test_util.hpp (both sides' rounding for the kernels'
+// is the f32 bound of the op's helper in test_bounds.hpp (both sides' rounding for the kernels'
 // structure, per element from the inputs) with the 16-bit rounding added (stored_as). All [gpu]:
 // skipped without a GPU.
 #include <catch2/catch.hpp>
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tensor/cuda/test_bounds.hpp"
 #include "tensor/cuda/test_util.hpp"
 #include "tensor/ops.hpp"
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tensor/cuda/test_bounds.hpp"
 #include "tensor/cuda/test_util.hpp"
 #include "tensor/ops.hpp"
 
@@ -29,7 +30,7 @@ TEST_CASE("cuda softmax layernorm and rmsnorm match the cpu", "[gpu]") {
     owned_tensor gx = gpu(x), gdy = gpu(dy);
     owned_tensor y = empty(s), dx = empty(s), gy = gpu_empty(s), gdx = gpu_empty(s);
 
-    // Each bound: both sides' rounding for the kernels' structure (test_util.hpp, per helper),
+    // Each bound: both sides' rounding for the kernels' structure (test_bounds.hpp, per helper),
     // per element from the inputs. The backwards on the host read the device's saved y, mean
     // and rstd, so both sides compute from the same values.
     ops::softmax(x, y);
