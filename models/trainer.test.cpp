@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include "models/byte_data.hpp"
 #include "models/trainer.hpp"
@@ -38,60 +39,82 @@ hf::model_config tiny_model(bool llama) {
 }
 }  // namespace
 
-TEST_CASE("Two accumulated micro-batches give the gradient of the batch that holds both", "[cpu]") {
-  for (bool llama : {false, true}) {
-    INFO((llama ? "llama" : "gpt2"));
+namespace {
+// a: the whole batch of 4 rows (f32, the reference); b: the same rows as two accumulated
+// micro-batches of 2 (f32, under test); x: a in f64 from the same weights (exact); each with its
+// trainer for `steps` steps, clipping off.
+struct accumulation_runs {
+  std::unique_ptr<causal_lm> a, b, x;
+  std::unique_ptr<trainer> ta, tb, tx;
+
+  accumulation_runs(bool llama, std::int64_t steps) {
     auto cfg = tiny_model(llama);
-    // a: the whole batch of 4 rows (f32, the reference); b: the same rows as two accumulated
-    // micro-batches of 2 (f32, under test); x: a in f64 from the same weights (exact).
-    auto a = make_causal_lm(cfg, {4, 8});
-    auto b = make_causal_lm(cfg, {4, 8});
-    auto x = make_causal_lm(cfg, {4, 8}, dtype::f64);
+    a = make_causal_lm(cfg, {4, 8});
+    b = make_causal_lm(cfg, {4, 8});
+    x = make_causal_lm(cfg, {4, 8}, dtype::f64);
     a->init_weights(5);
     ops::copy(a->memory().params(), b->memory().params());
     ops::copy(a->memory().params(), x->memory().params());
-    train_config ca = tiny_run(3), cb = tiny_run(3);
+    train_config ca = tiny_run(steps), cb = tiny_run(steps);
     ca.batch = 4;
     cb.batch = 2;
     cb.grad_accum = 2;
     cb.clip = ca.clip = 0;
     train_config cx = ca;
     cx.precision = "f64";
-    trainer ta(*a, ca), tb(*b, cb), tx(*x, cx);
-    // a and x see draw d as one batch of 4 rows; b sees the same rows as two draws of 2 rows.
-    auto big = [](std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
-      synthetic_rows(d, batch, seq, rows);
-    };
-    auto halves = [](std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
-      std::vector<std::int32_t> all;
-      synthetic_rows(d / 2, 2 * batch, seq, all);
-      auto begin = all.begin() + static_cast<std::ptrdiff_t>((d % 2) * batch * seq);
-      rows.assign(begin, begin + batch * seq);
-    };
+    ta = std::make_unique<trainer>(*a, ca);
+    tb = std::make_unique<trainer>(*b, cb);
+    tx = std::make_unique<trainer>(*x, cx);
+  }
+
+  // The step's gradients (unclipped) of b judged against a's, both against x's
+  // (tests/rounding.hpp).
+  tests::rounding_verdict gradients() const {
+    auto ga = to_device(a->memory().grads(), device::cpu());
+    auto gb = to_device(b->memory().grads(), device::cpu());
+    auto gx = to_device(x->memory().grads(), device::cpu());
+    const auto n = static_cast<std::size_t>(gx.numel());
+    return tests::as_accurate_as(
+        std::vector<float>(gb.data_as<float>(), gb.data_as<float>() + n),
+        std::vector<float>(ga.data_as<float>(), ga.data_as<float>() + n),
+        std::vector<double>(gx.data_as<double>(), gx.data_as<double>() + n));
+  }
+};
+
+// Draw d as one batch (a and x) ...
+void whole_batch(std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
+  synthetic_rows(d, batch, seq, rows);
+}
+// ... and the same rows as two draws of half the rows (b).
+void halves(std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
+  std::vector<std::int32_t> all;
+  synthetic_rows(d / 2, 2 * batch, seq, all);
+  auto begin = all.begin() + static_cast<std::ptrdiff_t>((d % 2) * batch * seq);
+  rows.assign(begin, begin + batch * seq);
+}
+
+}  // namespace
+
+TEST_CASE("Two accumulated micro-batches give the gradient of the batch that holds both", "[cpu]") {
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama" : "gpt2"));
+    accumulation_runs r(llama, 3);
     std::vector<double> loss_a, loss_b, loss_x, norm_a, norm_b, norm_x;
     for (int s = 0; s < 3; ++s) {
       INFO("step " << s);
-      auto ra = ta.step(big);
-      auto rb = tb.step(halves);
-      auto rx = tx.step(big);
+      auto ra = r.ta->step(whole_batch);
+      auto rb = r.tb->step(halves);
+      auto rx = r.tx->step(whole_batch);
       loss_a.push_back(ra.loss);
       loss_b.push_back(rb.loss);
       loss_x.push_back(rx.loss);
       norm_a.push_back(ra.grad_norm);
       norm_b.push_back(rb.grad_norm);
       norm_x.push_back(rx.grad_norm);
-      // The step's gradients (unclipped): b's are as close to the exact ones as a's are
-      // (tests/rounding.hpp). Judged elementwise and at every step, so after step 1 the
-      // rounding of the earlier updates counts too (AdamW magnifies it in both runs alike).
-      auto ga = to_device(a->memory().grads(), device::cpu());
-      auto gb = to_device(b->memory().grads(), device::cpu());
-      auto gx = to_device(x->memory().grads(), device::cpu());
-      const float* pa = ga.data_as<float>();
-      const float* pb = gb.data_as<float>();
-      const double* px = gx.data_as<double>();
-      const auto n = static_cast<std::size_t>(gx.numel());
-      auto v = tests::as_accurate_as(std::vector<float>(pb, pb + n), std::vector<float>(pa, pa + n),
-                                     std::vector<double>(px, px + n));
+      // b's gradients are as close to the exact ones as a's are, elementwise and at every step,
+      // so after step 1 the rounding of the earlier updates counts too (AdamW magnifies it in
+      // both runs alike).
+      auto v = r.gradients();
       INFO("gradients: " << v.str());
       CHECK(v.ok());
     }
@@ -104,39 +127,16 @@ TEST_CASE("Two accumulated micro-batches give the gradient of the batch that hol
 }
 
 TEST_CASE("The rounding judge fails an accumulation that drops a micro-batch", "[cpu]") {
-  // The same three models, but b sees only the first half of each batch twice: its gradient is
-  // that of a different batch, which as_accurate_as must refuse.
-  auto cfg = tiny_model(true);
-  auto a = make_causal_lm(cfg, {4, 8});
-  auto b = make_causal_lm(cfg, {4, 8});
-  auto x = make_causal_lm(cfg, {4, 8}, dtype::f64);
-  a->init_weights(5);
-  ops::copy(a->memory().params(), b->memory().params());
-  ops::copy(a->memory().params(), x->memory().params());
-  train_config ca = tiny_run(1), cb = tiny_run(1);
-  ca.batch = 4;
-  cb.batch = 2;
-  cb.grad_accum = 2;
-  cb.clip = ca.clip = 0;
-  train_config cx = ca;
-  cx.precision = "f64";
-  trainer ta(*a, ca), tb(*b, cb), tx(*x, cx);
+  // The same three runs, but b sees the first half of the batch twice: its gradient is that of
+  // another batch, which as_accurate_as must refuse.
+  accumulation_runs r(true, 1);
   auto first_half = [](std::uint64_t d, int batch, int seq, std::vector<std::int32_t>& rows) {
-    std::vector<std::int32_t> all;
-    synthetic_rows(d / 2, 2 * batch, seq, all);
-    rows.assign(all.begin(), all.begin() + batch * seq);
+    halves(d - d % 2, batch, seq, rows);
   };
-  ta.step(synthetic_rows);
-  tb.step(first_half);
-  tx.step(synthetic_rows);
-  auto ga = to_device(a->memory().grads(), device::cpu());
-  auto gb = to_device(b->memory().grads(), device::cpu());
-  auto gx = to_device(x->memory().grads(), device::cpu());
-  const auto n = static_cast<std::size_t>(gx.numel());
-  auto v =
-      tests::as_accurate_as(std::vector<float>(gb.data_as<float>(), gb.data_as<float>() + n),
-                            std::vector<float>(ga.data_as<float>(), ga.data_as<float>() + n),
-                            std::vector<double>(gx.data_as<double>(), gx.data_as<double>() + n));
+  r.ta->step(whole_batch);
+  r.tb->step(first_half);
+  r.tx->step(whole_batch);
+  auto v = r.gradients();
   INFO(v.str());
   CHECK(!v.ok());
   CHECK(v.ratio() > 1e3);

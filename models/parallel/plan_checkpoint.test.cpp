@@ -199,7 +199,7 @@ void same_losses(const std::vector<double>& got, const std::vector<double>& want
       exact.losses.begin() + static_cast<std::ptrdiff_t>(first + got.size()));
   const std::vector<double> w(want.begin() + static_cast<std::ptrdiff_t>(first),
                               want.begin() + static_cast<std::ptrdiff_t>(first + got.size()));
-  auto v = tests::as_accurate_as(got, w, x);
+  auto v = tests::as_accurate_as(got, w, x, tests::trajectory_k);
   INFO("losses of steps " << first << " on: " << v.str());
   CHECK(v.ok());
 }
