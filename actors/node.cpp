@@ -200,6 +200,12 @@ caf::behavior node_actor(node_actor_t* self, node::impl* impl) {
         auto& st = self->state;
         if (!allowed(self)) return;
         ++st.impl->msgs_in;
+        // The announced source must be the sender: a member posing as another rank is refused.
+        if (const std::string why = st.impl->announce_refusal(a, self->current_sender()->node());
+            !why.empty()) {
+          std::fprintf(stderr, "troupe: %s\n", why.c_str());
+          return;
+        }
         if (a.channel == 0) {
           st.impl->deliver(a);
           return;
@@ -397,6 +403,28 @@ bool node::impl::is_member_node(const caf::node_id& n) const {
   if (coordinator_actor && n == coordinator_actor.node()) return true;
   std::lock_guard<std::mutex> lock(mu);
   return member_nodes.count(n) > 0;
+}
+
+std::string node::impl::announce_refusal(const msg::tensor_announce& a,
+                                         const caf::node_id& sender) {
+  std::string who;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (a.source >= 0 && a.source < static_cast<int>(members.size())) {
+      if (a.source == rank ? sys && sender == sys->node()
+                           : members[a.source].node && sender == members[a.source].node.node())
+        return {};
+    }
+    for (int r = 0; r < static_cast<int>(members.size()); ++r)
+      if ((r == rank && sys && sender == sys->node()) ||
+          (r != rank && members[r].node && sender == members[r].node.node()))
+        who = describe_rank(r);
+  }
+  const std::uint64_t n = ++refused_announces;
+  return "rank " + std::to_string(rank) + " refused tensor \"" + a.name + "\" (seq " +
+         std::to_string(a.seq) + ") announced as from rank " + std::to_string(a.source) +
+         ": it came from " + (who.empty() ? std::string("a process that is no rank") : who) + " (" +
+         std::to_string(n) + " refused announcements)";
 }
 
 std::string node::impl::failure_of(int from) const {
@@ -732,6 +760,9 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
     uo.size = I.world;
     uo.net_device = I.info.net_device.empty() ? std::string("all") : I.info.net_device;
     if (I.opts.survive_local_loss) uo.error_mode = collective::ucx_error_mode::peer;
+    uo.token = I.info.token;
+    uo.job = I.job_name;
+    uo.handshake_timeout = I.opts.join_timeout;
     I.ucx = std::make_unique<collective::ucx_transport>(uo);
     const auto addr = I.ucx->address();
     msg::address_reply arep;
@@ -758,6 +789,8 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
       I.ucx->connect(p, std::span<const std::uint8_t>(
                             reinterpret_cast<const std::uint8_t*>(a.data()), a.size()));
     }
+    // Every endpoint proves job membership (the token, never sent) before any tensor moves.
+    I.ucx->authenticate(remaining());
     msg::ready_reply rrep;
     self->request(I.coordinator_actor, remaining(), msg::ready_request{I.rank})
         .receive([&](msg::ready_reply& r) { rrep = std::move(r); }, on_error);

@@ -169,6 +169,10 @@ struct node::impl {
   void on_joined(const msg::member_joined& m);
   void on_coordinator_lost(const std::string& reason);
   void deliver(const msg::tensor_announce& a);
+  // Why an announcement from `sender` is refused (its source is another rank than the sender's),
+  // or empty when it is the sender's own.
+  std::string announce_refusal(const msg::tensor_announce& a, const caf::node_id& sender);
+  std::atomic<std::uint64_t> refused_announces{0};
   bool is_member_node(const caf::node_id& n) const;
 
   // The failure that makes waiting on `from` pointless (its loss, or this rank's), or empty.

@@ -3,7 +3,7 @@
 # it installs only what is missing.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config ccache git clang-format
-      libcaf-dev libucx-dev ucx-utils liburing-dev libboost-dev libopenblas-dev
+      libcaf-dev libucx-dev ucx-utils liburing-dev libboost-dev libopenblas-dev libssl-dev
       catch2 libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libfmt-dev libsentencepiece-dev
       iproute2 fortunes fio)  # iproute2: the two-host netns test; fortunes: the demo corpus
 missing=()

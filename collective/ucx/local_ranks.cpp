@@ -24,6 +24,7 @@
 #include <mutex>
 #include <thread>
 
+#include "collective/auth.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::collective {
@@ -108,8 +109,17 @@ std::string exit_text(int status) {
 // ---- child ---------------------------------------------------------------------------------
 
 int child_main(int rank, int n, int fd, const std::function<int(ucx_transport&)>& body,
-               const local_ranks_options& opt) {
-  ucx_transport t({rank, n, opt.net_device, opt.progress_thread, opt.error_mode, opt.single_copy});
+               const local_ranks_options& opt, const std::string& token) {
+  ucx_transport_options to;
+  to.rank = rank;
+  to.size = n;
+  to.net_device = opt.net_device;
+  to.progress_thread = opt.progress_thread;
+  to.error_mode = opt.error_mode;
+  to.single_copy = opt.single_copy;
+  to.token = token;
+  to.job = "local-ranks";
+  ucx_transport t(to);
   auto addr = t.address();
   TROUPE_CHECK(send_frame(fd, 'A', addr.data(), addr.size()), "local rank ", rank,
                ": sending the UCX address to the parent failed");
@@ -126,6 +136,7 @@ int child_main(int rank, int n, int fd, const std::function<int(ucx_transport&)>
     if (p != rank) t.connect(p, std::span<const std::uint8_t>(f.payload.data() + off, len));
     off += len;
   }
+  t.authenticate(opt.timeout);
 
   // The supervisor's messages: lost peers, and the final release.
   std::mutex mu;
@@ -173,7 +184,8 @@ int child_main(int rank, int n, int fd, const std::function<int(ucx_transport&)>
 
 [[noreturn]] void run_child(int rank, int n, int fd, pid_t parent,
                             const std::function<int(ucx_transport&)>& body,
-                            const local_ranks_options& opt, const std::vector<int>& cpus) {
+                            const local_ranks_options& opt, const std::vector<int>& cpus,
+                            const std::string& token) {
   // Die with the parent; no inherited Catch2 signal handlers.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(125);
@@ -189,7 +201,7 @@ int child_main(int rank, int n, int fd, const std::function<int(ucx_transport&)>
   }
   int code = 1;
   try {
-    code = child_main(rank, n, fd, body, opt);
+    code = child_main(rank, n, fd, body, opt, token);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "local rank %d: %s\n", rank, e.what());
   } catch (...) {
@@ -270,6 +282,13 @@ int run_local_ranks(int n, std::function<int(ucx_transport&)> body, local_ranks_
   }
   const std::vector<int> cpus = allowed_cpus();
   const pid_t parent = getpid();
+  // The children's job token: fresh per run, inherited by the fork, never sent anywhere.
+  std::string token;
+  for (std::uint8_t b : auth::fresh_nonce()) {
+    static constexpr char hex[] = "0123456789abcdef";
+    token += hex[b >> 4];
+    token += hex[b & 15];
+  }
   std::fflush(stdout);
   std::fflush(stderr);
   for (int i = 0; i < n; ++i) {
@@ -286,7 +305,7 @@ int run_local_ranks(int n, std::function<int(ucx_transport&)> body, local_ranks_
         close(kids[j].fd);
         if (j != i) close(child_ends[j]);
       }
-      run_child(i, n, child_ends[i], parent, body, opt, cpus);
+      run_child(i, n, child_ends[i], parent, body, opt, cpus, token);
     }
     kids[i].pid = pid;
   }

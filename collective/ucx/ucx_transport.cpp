@@ -23,15 +23,18 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include "collective/auth.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::collective {
@@ -93,6 +96,80 @@ bool cma_usable() {
 
 constexpr int tag_shift = 48;
 constexpr ucp_tag_t full_mask = ~ucp_tag_t{0};
+
+// Handshake messages: bit 63 set (data tags never have it: ranks fit 15 bits), the sender's rank
+// in bits 48-62, kind 1. A few receives for them from any sender are always posted.
+constexpr ucp_tag_t hs_bit = ucp_tag_t{1} << 63;
+constexpr ucp_tag_t hs_tag = hs_bit | 1;
+constexpr ucp_tag_t hs_mask = hs_bit | max_tag;
+constexpr std::size_t hs_slots = 4;
+constexpr std::size_t hs_max_bytes = 16384;
+constexpr char hs_magic[4] = {'t', 'r', 'x', 'h'};
+enum : std::uint8_t { hs_hello = 1, hs_proof = 2 };
+
+// hello: from, to, a = the sender's challenge nonce, mac over (from, to, a, addr), addr = the
+// sender's address(). proof: from, to, a = the challenge answered, b = the prover's own challenge
+// nonce, mac over (from, to, a, b).
+struct hs_msg {
+  std::uint8_t kind = 0;
+  std::int32_t from = -1, to = -1;
+  auth::nonce a{}, b{};
+  auth::digest mac{};
+  std::vector<std::uint8_t> addr;
+};
+
+std::vector<std::uint8_t> encode(const hs_msg& m) {
+  std::vector<std::uint8_t> out(hs_magic, hs_magic + 4);
+  out.push_back(m.kind);
+  auto put32 = [&](std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  };
+  put32(static_cast<std::uint32_t>(m.from));
+  put32(static_cast<std::uint32_t>(m.to));
+  out.insert(out.end(), m.a.begin(), m.a.end());
+  out.insert(out.end(), m.b.begin(), m.b.end());
+  out.insert(out.end(), m.mac.begin(), m.mac.end());
+  put32(static_cast<std::uint32_t>(m.addr.size()));
+  out.insert(out.end(), m.addr.begin(), m.addr.end());
+  return out;
+}
+
+bool decode(const std::vector<std::uint8_t>& in, hs_msg& m) {
+  constexpr std::size_t head = 4 + 1 + 4 + 4 + 16 + 16 + 32 + 4;
+  if (in.size() < head || std::memcmp(in.data(), hs_magic, 4) != 0) return false;
+  std::size_t off = 4;
+  auto get32 = [&] {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= std::uint32_t{in[off + i]} << (8 * i);
+    off += 4;
+    return v;
+  };
+  m.kind = in[off++];
+  m.from = static_cast<std::int32_t>(get32());
+  m.to = static_cast<std::int32_t>(get32());
+  std::memcpy(m.a.data(), in.data() + off, 16);
+  std::memcpy(m.b.data(), in.data() + off + 16, 16);
+  std::memcpy(m.mac.data(), in.data() + off + 32, 32);
+  off += 64;
+  const std::uint32_t n = get32();
+  if (in.size() != head + n || (m.kind != hs_hello && m.kind != hs_proof)) return false;
+  m.addr.assign(in.begin() + static_cast<std::ptrdiff_t>(head), in.end());
+  return true;
+}
+
+auth::digest hello_mac(const std::string& token, const std::string& job, const hs_msg& m) {
+  auth::transcript t;
+  t.add(std::string_view("troupe-ucx hello")).add(job).add(std::int64_t{m.from});
+  t.add(std::int64_t{m.to}).add(m.a).add(m.addr);
+  return auth::hmac(token, t.bytes());
+}
+
+auth::digest proof_mac(const std::string& token, const std::string& job, const hs_msg& m) {
+  auth::transcript t;
+  t.add(std::string_view("troupe-ucx proof")).add(job).add(std::int64_t{m.from});
+  t.add(std::int64_t{m.to}).add(m.a).add(m.b);
+  return auth::hmac(token, t.bytes());
+}
 
 ucp_tag_t make_tag(int sender, std::uint64_t tag) {
   return (static_cast<ucp_tag_t>(sender) << tag_shift) | tag;
@@ -178,6 +255,21 @@ struct peer_state {
   std::atomic<bool> local{false};   // its address carries this host's identity
   std::string failure;              // guarded by mu_
   request_list pending;             // guarded by mu_
+  // Authentication. `proven` is set (release) after the pads are written; connect() clears it.
+  std::atomic<bool> proven{false};
+  std::uint64_t send_pad = 0, recv_pad = 0;  // XORed into the user tag of data to / from it
+  // Guarded by impl::hs_mu_:
+  std::vector<std::uint8_t> registered;  // the address connect() was given
+  auth::nonce challenge{};               // the nonce of our hello to it
+  std::vector<std::pair<ucp_tag_t, std::vector<std::uint8_t>>> deferred;  // before connect()
+};
+
+// One always-posted receive for handshake messages.
+struct hs_slot {
+  ucx_transport::impl* owner = nullptr;
+  std::vector<std::uint8_t> buf = std::vector<std::uint8_t>(hs_max_bytes);
+  void* handle = nullptr;  // inbox_mu_
+  bool posted = false;     // inbox_mu_
 };
 
 struct ucx_transport::impl {
@@ -201,6 +293,20 @@ struct ucx_transport::impl {
   }
   std::mutex connect_mu_;  // serializes connect and endpoint close
   std::atomic<bool> any_close_pending{false};
+
+  // Authentication. hs_mu_ guards the peers' handshake state and is never taken by callbacks
+  // (its holder may call into UCX); inbox_mu_ is taken by the handshake receive callback.
+  std::mutex hs_mu_;
+  std::array<hs_slot, hs_slots> slots;
+  std::mutex inbox_mu_;
+  std::vector<std::pair<ucp_tag_t, std::vector<std::uint8_t>>> inbox;  // inbox_mu_
+  std::vector<std::size_t> repost;                                     // inbox_mu_
+  std::atomic<bool> hs_work{false};
+  std::atomic<bool> hs_stopping{false};
+  mutable std::mutex refuse_mu_;
+  mutable std::condition_variable refuse_cv_;
+  std::vector<std::string> refusal_log;  // refuse_mu_, the last 64
+  std::uint64_t refused_count = 0;       // refuse_mu_
 
   std::atomic<std::uint64_t> sent{0}, received{0};
   std::atomic<std::uint32_t> completions{0};  // futex word bumped by every completion
@@ -295,6 +401,248 @@ struct ucx_transport::impl {
     impl* self = ps->owner;
     int peer = static_cast<int>(ps - self->peers.get());
     self->mark_failed(peer, std::string("UCX endpoint error: ") + status_text(st), true);
+  }
+
+  // ---- authentication ------------------------------------------------------------------------
+  void wake() {
+    completions.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&completions);
+  }
+
+  static void hs_recv_cb(void* handle, ucs_status_t st, const ucp_tag_recv_info_t* info,
+                         void* user) {
+    auto* s = static_cast<hs_slot*>(user);
+    impl* m = s->owner;
+    {
+      std::lock_guard lk(m->inbox_mu_);
+      const ucp_tag_t tag = info != nullptr ? info->sender_tag : hs_bit;
+      if (st == UCS_OK && info != nullptr) {
+        m->inbox.emplace_back(
+            tag, std::vector<std::uint8_t>(
+                     s->buf.begin(), s->buf.begin() + static_cast<std::ptrdiff_t>(info->length)));
+      } else if (st == UCS_ERR_MESSAGE_TRUNCATED) {
+        m->inbox.emplace_back(tag, std::vector<std::uint8_t>{});  // an oversized message
+      }
+      s->handle = nullptr;
+      s->posted = false;
+      if (st != UCS_ERR_CANCELED)
+        m->repost.push_back(static_cast<std::size_t>(s - m->slots.data()));
+    }
+    ucp_request_free(handle);
+    m->hs_work.store(true, std::memory_order_release);
+    m->wake();
+  }
+
+  // Posts the handshake receive of slot i (hs_mu_ held, outside callbacks).
+  void post_slot(std::size_t i) {
+    auto& s = slots[i];
+    {
+      std::lock_guard lk(inbox_mu_);
+      s.posted = true;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &impl::hs_recv_cb;
+    p.user_data = &s;
+    ucs_status_ptr_t sp = ucp_tag_recv_nbx(worker, s.buf.data(), s.buf.size(), hs_tag, hs_mask, &p);
+    std::lock_guard lk(inbox_mu_);
+    if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {
+      s.posted = false;
+      std::fprintf(stderr,
+                   "troupe: ucx_transport rank %d: posting a handshake receive failed: %s\n",
+                   opt.rank, sp == nullptr ? "completed at once" : status_text(UCS_PTR_STATUS(sp)));
+      return;
+    }
+    if (s.posted) s.handle = sp;  // else its callback ran already
+  }
+
+  static void hs_send_cb(void* handle, ucs_status_t, void* user) {
+    delete static_cast<std::vector<std::uint8_t>*>(user);
+    ucp_request_free(handle);
+  }
+
+  // Sends a handshake message on our endpoint to `peer` (outside callbacks).
+  bool hs_send(int peer, const hs_msg& msg) {
+    auto& ps = peers[peer];
+    ps.users.fetch_add(1, std::memory_order_seq_cst);
+    struct leave {
+      std::atomic<int>& u;
+      ~leave() { u.fetch_sub(1, std::memory_order_seq_cst); }
+    } guard{ps.users};
+    if (ps.closing.load(std::memory_order_seq_cst)) return false;
+    auto* buf = new std::vector<std::uint8_t>(encode(msg));
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &impl::hs_send_cb;
+    p.user_data = buf;
+    const ucp_tag_t tag = hs_tag | (static_cast<ucp_tag_t>(opt.rank) << tag_shift);
+    ucs_status_ptr_t sp = ucp_tag_send_nbx(ps.ep, buf->data(), buf->size(), tag, &p);
+    if (sp == nullptr || UCS_PTR_IS_ERR(sp)) delete buf;
+    return sp == nullptr || !UCS_PTR_IS_ERR(sp);
+  }
+
+  void refuse(int claimed, const std::string& why) {
+    std::string line = "rank " + std::to_string(opt.rank) + " refused a UCX peer claiming rank " +
+                       std::to_string(claimed) + ": " + why;
+    std::uint64_t n;
+    {
+      std::lock_guard lk(refuse_mu_);
+      n = ++refused_count;
+      refusal_log.push_back(line);
+      if (refusal_log.size() > 64) refusal_log.erase(refusal_log.begin());
+    }
+    if (n <= 20 || n % 1000 == 0)
+      std::fprintf(stderr, "troupe: %s (%llu refused so far)\n", line.c_str(),
+                   static_cast<unsigned long long>(n));
+    refuse_cv_.notify_all();
+  }
+
+  std::uint64_t pad(const auth::digest& session, int from, int to) const {
+    auth::transcript t;
+    t.add(std::string_view("troupe-ucx pad")).add(std::int64_t{from}).add(std::int64_t{to});
+    auth::digest d = auth::hmac(
+        std::string_view(reinterpret_cast<const char*>(session.data()), session.size()), t.bytes());
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= std::uint64_t{d[i]} << (8 * i);
+    return v & max_tag;
+  }
+
+  // One handshake message (hs_mu_ held).
+  void handle_message(ucp_tag_t tag, const std::vector<std::uint8_t>& bytes) {
+    const int tag_rank = static_cast<int>((tag >> tag_shift) & 0x7fff);
+    if (bytes.empty()) {
+      refuse(tag_rank, "its handshake message exceeds " + std::to_string(hs_max_bytes) + " bytes");
+      return;
+    }
+    hs_msg m;
+    if (!decode(bytes, m)) {
+      refuse(tag_rank, "malformed handshake message (" + std::to_string(bytes.size()) + " bytes)");
+      return;
+    }
+    if (m.from != tag_rank) {
+      refuse(tag_rank, "its handshake names rank " + std::to_string(m.from) + ", its tag rank " +
+                           std::to_string(tag_rank));
+      return;
+    }
+    if (m.from < 0 || m.from >= opt.size || m.from == opt.rank) {
+      refuse(m.from, "not a peer in a world of " + std::to_string(opt.size));
+      return;
+    }
+    if (m.to != opt.rank) {
+      refuse(m.from, "its handshake is addressed to rank " + std::to_string(m.to));
+      return;
+    }
+    auto& ps = peers[m.from];
+    if (ps.registered.empty()) {  // not connected yet: keep it for connect()
+      if (ps.deferred.size() < 16) {
+        ps.deferred.emplace_back(tag, bytes);
+      } else {
+        refuse(m.from, "too many handshake messages before rank " + std::to_string(m.from) +
+                           " was connected");
+      }
+      return;
+    }
+    if (m.kind == hs_hello) {
+      if (!auth::equal(m.mac, hello_mac(opt.token, opt.job, m))) {
+        refuse(m.from, "its hello does not verify: it does not hold this job's token");
+        return;
+      }
+      if (m.addr != ps.registered) {
+        refuse(m.from, "it holds the job token, but its worker address is not rank " +
+                           std::to_string(m.from) + "'s (a member posing as rank " +
+                           std::to_string(m.from) + "?)");
+        return;
+      }
+      // Answer on OUR endpoint to the registered address: only the real rank gets it.
+      hs_msg proof;
+      proof.kind = hs_proof;
+      proof.from = opt.rank;
+      proof.to = m.from;
+      proof.a = m.a;
+      proof.b = ps.challenge;
+      proof.mac = proof_mac(opt.token, opt.job, proof);
+      hs_send(m.from, proof);
+      return;
+    }
+    if (m.a != ps.challenge) {
+      refuse(m.from, "its proof answers a challenge rank " + std::to_string(opt.rank) +
+                         " never sent it (someone posing as rank " + std::to_string(opt.rank) +
+                         " towards rank " + std::to_string(m.from) + "?)");
+      return;
+    }
+    if (!auth::equal(m.mac, proof_mac(opt.token, opt.job, m))) {
+      refuse(m.from, "its proof does not verify: it does not hold this job's token");
+      return;
+    }
+    if (ps.proven.load(std::memory_order_acquire)) return;  // a duplicate
+    const bool low = opt.rank < m.from;
+    auth::transcript t;
+    t.add(std::string_view("troupe-ucx session")).add(opt.job);
+    t.add(std::int64_t{low ? opt.rank : m.from}).add(std::int64_t{low ? m.from : opt.rank});
+    t.add(low ? ps.challenge : m.b).add(low ? m.b : ps.challenge);
+    const auth::digest session = auth::hmac(opt.token, t.bytes());
+    ps.send_pad = pad(session, opt.rank, m.from);
+    ps.recv_pad = pad(session, m.from, opt.rank);
+    ps.proven.store(true, std::memory_order_release);
+    wake();
+  }
+
+  // Handles the handshake messages that arrived and re-posts their receives (outside callbacks).
+  void process_handshakes() {
+    if (!hs_work.exchange(false, std::memory_order_acq_rel)) return;
+    std::unique_lock hk(hs_mu_, std::try_to_lock);
+    if (!hk.owns_lock()) {
+      hs_work.store(true, std::memory_order_release);  // the holder may have swapped already
+      return;
+    }
+    std::vector<std::pair<ucp_tag_t, std::vector<std::uint8_t>>> msgs;
+    std::vector<std::size_t> again;
+    {
+      std::lock_guard lk(inbox_mu_);
+      msgs.swap(inbox);
+      again.swap(repost);
+    }
+    if (!hs_stopping.load(std::memory_order_acquire))
+      for (std::size_t i : again) post_slot(i);
+    for (auto& [tag, bytes] : msgs) {
+      try {
+        handle_message(tag, bytes);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "troupe: ucx_transport rank %d: handshake: %s\n", opt.rank, e.what());
+      }
+    }
+  }
+
+  // Waits (progressing the worker) until `peer` proved membership, is lost, or the timeout
+  // passes (then throws). Returns at once for a peer never connected (the caller reports it).
+  void await_proven(int peer) {
+    auto& ps = peers[peer];
+    if (ps.proven.load(std::memory_order_acquire)) return;
+    const auto deadline = clock::now() + opt.handshake_timeout;
+    active_waiters.fetch_add(1, std::memory_order_acq_rel);
+    struct leave {
+      impl& m;
+      ~leave() { m.leave_active(); }
+    } guard{*this};
+    for (;;) {
+      if (ps.proven.load(std::memory_order_acquire)) return;
+      if (ps.closing.load(std::memory_order_seq_cst)) return;  // lost or not connected
+      const bool progressed = progress_once() != 0;
+      process_handshakes();
+      reap();
+      if (ps.proven.load(std::memory_order_acquire)) return;
+      if (clock::now() >= deadline) {
+        TROUPE_FAIL("ucx_transport rank ", opt.rank, ": rank ", peer,
+                    " has not proven job membership on its UCX endpoint within ",
+                    opt.handshake_timeout.count(),
+                    " ms (does it hold this job's token, and did it connect back?)");
+      }
+      if (!progressed) {
+        timespec ts{0, 100000};
+        nanosleep(&ts, nullptr);
+      }
+    }
   }
 
   // ---- posting -------------------------------------------------------------------------------
@@ -464,6 +812,8 @@ struct ucx_transport::impl {
       while (progress_once() != 0) {
       }
       reap();
+      process_handshakes();
+      if (hs_work.load(std::memory_order_acquire)) continue;
       ucs_status_t st = ucp_worker_arm(worker);
       if (st == UCS_ERR_BUSY) continue;
       int timeout_ms = -1;
@@ -512,8 +862,11 @@ ucx_transport::ucx_transport(ucx_transport_options options)
                "ucx_transport: rank ", m.opt.rank, " outside a world of size ", m.opt.size);
   TROUPE_CHECK(m.opt.size < (1 << 15), "ucx_transport: world size ", m.opt.size,
                " does not fit the 16 sender bits of a UCX tag");
+  TROUPE_CHECK(!m.opt.token.empty(), "ucx_transport rank ", m.opt.rank,
+               ": no job token (every UCX endpoint proves job membership with it)");
   m.peers = std::make_unique<peer_state[]>(m.opt.size);
   for (int p = 0; p < m.opt.size; ++p) m.peers[p].owner = &m;
+  for (auto& s : m.slots) s.owner = &m;
 
   ucp_config_t* config = nullptr;
   TROUPE_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), "rank ", m.opt.rank);
@@ -583,6 +936,10 @@ ucx_transport::ucx_transport(ucx_transport_options options)
     auto* bytes = reinterpret_cast<const std::uint8_t*>(addr);
     m.address.insert(m.address.end(), bytes, bytes + len);
     ucp_worker_release_address(m.worker, addr);
+    {
+      std::lock_guard hk(m.hs_mu_);
+      for (std::size_t i = 0; i < hs_slots; ++i) m.post_slot(i);
+    }
 
     if (m.opt.progress_thread) {
       TROUPE_UCX_CHECK(ucp_worker_get_efd(m.worker, &m.efd), "rank ", m.opt.rank);
@@ -617,6 +974,25 @@ ucx_transport::~ucx_transport() {
                    m.opt.rank);
     }
     m.progress.join();
+  }
+  // The handshake receives go first (cancelled; their callbacks run in the progress below).
+  m.hs_stopping.store(true, std::memory_order_release);
+  {
+    std::vector<void*> handles;
+    {
+      std::lock_guard lk(m.inbox_mu_);
+      for (auto& s : m.slots)
+        if (s.posted && s.handle != nullptr) handles.push_back(s.handle);
+    }
+    std::lock_guard lk(m.progress_mu_);
+    for (void* h : handles) ucp_request_cancel(m.worker, h);
+  }
+  for (auto give_up = clock::now() + std::chrono::seconds(5); clock::now() < give_up;) {
+    m.progress_once();
+    std::lock_guard lk(m.inbox_mu_);
+    bool any = false;
+    for (auto& s : m.slots) any |= s.posted;
+    if (!any) break;
   }
   // Peers may be gone: never flush, force-close every endpoint and fail what is left.
   for (int p = 0; p < m.opt.size; ++p) {
@@ -666,7 +1042,8 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
     TROUPE_CHECK(m.peers[peer].ep == nullptr, "ucx_transport rank ", m.opt.rank, ": rank ", peer,
                  " is already connected");
   }
-  std::lock_guard ck(m.connect_mu_);
+  m.peers[peer].proven.store(false, std::memory_order_seq_cst);
+  std::unique_lock ck(m.connect_mu_);
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -686,6 +1063,81 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
   m.peers[peer].error_handling = error_handling;
   m.peers[peer].local.store(peer_host == m.host);
   m.peers[peer].closing.store(false, std::memory_order_seq_cst);
+  ck.unlock();
+  // The hello: our challenge to `peer`, and proof that we hold the token (replayable, but its
+  // answer goes to the registered address only). Hellos that came before connect() are handled now.
+  std::vector<std::pair<ucp_tag_t, std::vector<std::uint8_t>>> early;
+  {
+    std::lock_guard hk(m.hs_mu_);
+    auto& ps = m.peers[peer];
+    ps.registered.assign(address.begin(), address.end());
+    ps.challenge = auth::fresh_nonce();
+    hs_msg hello;
+    hello.kind = hs_hello;
+    hello.from = m.opt.rank;
+    hello.to = peer;
+    hello.a = ps.challenge;
+    hello.addr = m.address;
+    hello.mac = hello_mac(m.opt.token, m.opt.job, hello);
+    early.swap(ps.deferred);
+    m.hs_send(peer, hello);
+  }
+  {
+    std::lock_guard lk(m.inbox_mu_);
+    for (auto& e : early) m.inbox.push_back(std::move(e));
+  }
+  m.hs_work.store(true, std::memory_order_release);
+  m.process_handshakes();
+}
+
+void ucx_transport::authenticate(std::chrono::milliseconds timeout) {
+  impl& m = *impl_;
+  const auto deadline = clock::now() + timeout;
+  m.active_waiters.fetch_add(1, std::memory_order_acq_rel);
+  struct leave {
+    impl& m;
+    ~leave() { m.leave_active(); }
+  } guard{m};
+  for (;;) {
+    const bool progressed = m.progress_once() != 0;
+    m.process_handshakes();
+    m.reap();
+    std::string unproven;
+    for (int p = 0; p < m.opt.size; ++p) {
+      if (p == m.opt.rank || m.peers[p].closing.load() || m.peers[p].proven.load()) continue;
+      unproven += (unproven.empty() ? "" : ", ") + std::to_string(p);
+    }
+    if (unproven.empty()) return;
+    if (clock::now() >= deadline)
+      TROUPE_FAIL("ucx_transport rank ", m.opt.rank, ": rank(s) ", unproven,
+                  " did not prove job membership on their UCX endpoints within ", timeout.count(),
+                  " ms (do they hold this job's token, and did they connect back?)");
+    if (!progressed) {
+      timespec ts{0, 100000};
+      nanosleep(&ts, nullptr);
+    }
+  }
+}
+
+bool ucx_transport::authenticated(int peer) const {
+  impl& m = *impl_;
+  if (peer < 0 || peer >= m.opt.size || peer == m.opt.rank) return false;
+  return m.peers[peer].proven.load(std::memory_order_acquire);
+}
+
+std::uint64_t ucx_transport::refused() const {
+  std::lock_guard lk(impl_->refuse_mu_);
+  return impl_->refused_count;
+}
+
+std::vector<std::string> ucx_transport::refusals() const {
+  std::lock_guard lk(impl_->refuse_mu_);
+  return impl_->refusal_log;
+}
+
+bool ucx_transport::await_refusals(std::uint64_t count, std::chrono::milliseconds timeout) const {
+  std::unique_lock lk(impl_->refuse_mu_);
+  return impl_->refuse_cv_.wait_for(lk, timeout, [&] { return impl_->refused_count >= count; });
 }
 
 bool ucx_transport::connected(int peer) const {
@@ -706,6 +1158,7 @@ p2p_request ucx_transport::isend(int peer, std::uint64_t tag, const void* data, 
   impl& m = *impl_;
   auto r = m.make_request(peer, tag, bytes, true);
   auto& ps = m.peers[peer];
+  m.await_proven(peer);
   ps.users.fetch_add(1, std::memory_order_seq_cst);
   struct leave {
     std::atomic<int>& u;
@@ -730,7 +1183,8 @@ p2p_request ucx_transport::isend(int peer, std::uint64_t tag, const void* data, 
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &impl::send_cb;
   p.user_data = r.get();
-  ucs_status_ptr_t sp = ucp_tag_send_nbx(ps.ep, data, bytes, make_tag(m.opt.rank, tag), &p);
+  ucs_status_ptr_t sp =
+      ucp_tag_send_nbx(ps.ep, data, bytes, make_tag(m.opt.rank, tag ^ ps.send_pad), &p);
   m.posted(r, sp, bytes);
   return p2p_request(r);
 }
@@ -738,6 +1192,9 @@ p2p_request ucx_transport::isend(int peer, std::uint64_t tag, const void* data, 
 p2p_request ucx_transport::irecv(int peer, std::uint64_t tag, void* data, std::size_t bytes) {
   impl& m = *impl_;
   auto r = m.make_request(peer, tag, bytes, false);
+  m.await_proven(peer);
+  TROUPE_CHECK(m.peers[peer].proven.load(std::memory_order_acquire) || !peer_failure(peer).empty(),
+               "ucx_transport rank ", m.opt.rank, ": irecv from rank ", peer, " before connect()");
   if (!m.enlist(r)) return p2p_request(r);
   // UCX 1.13 reports no length when a message from the unexpected queue completes the receive at
   // once (not even through UCP_OP_ATTR_FIELD_RECV_INFO): deny immediate completion, so that the
@@ -747,7 +1204,8 @@ p2p_request ucx_transport::irecv(int peer, std::uint64_t tag, void* data, std::s
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   p.cb.recv = &impl::recv_cb;
   p.user_data = r.get();
-  ucs_status_ptr_t sp = ucp_tag_recv_nbx(m.worker, data, bytes, make_tag(peer, tag), full_mask, &p);
+  ucs_status_ptr_t sp = ucp_tag_recv_nbx(
+      m.worker, data, bytes, make_tag(peer, tag ^ m.peers[peer].recv_pad), full_mask, &p);
   m.posted(r, sp, 0);
   return p2p_request(r);
 }
@@ -801,6 +1259,7 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
       auto idle = now - last_progress;
       if (idle < spin_idle) continue;
       m.reap();
+      m.process_handshakes();
       if (idle < yield_idle) {
         sched_yield();
         continue;
@@ -821,6 +1280,7 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
         if (!done()) futex_wait(&m.completions, seq, 1000000L);
         m.sleepers.fetch_sub(1, std::memory_order_seq_cst);
         if (!done() && m.progress_once() == 0) m.reap();
+        m.process_handshakes();
       } else {
         timespec ts{0, nap_ns};
         nanosleep(&ts, nullptr);
@@ -828,6 +1288,7 @@ void ucx_transport::wait(p2p_request& r, std::chrono::milliseconds timeout) {
         while (m.progress_once() != 0) {
         }
         m.reap();
+        m.process_handshakes();
       }
       check_deadline(clock::now());
     }

@@ -13,12 +13,23 @@
 // local_ranks), then connect(peer, address) for every peer. Both sides must connect before data
 // flows in both directions. The UCX headers stay in the .cpp (actors/ includes this header).
 //
+// Authentication: every endpoint proves job membership before data moves (collective/ucx/README.md,
+// "Authentication"). On connect(k) this rank sends k a hello carrying a fresh nonce (its
+// challenge) and an HMAC-SHA256 keyed by the job token; k answers with a proof over that nonce,
+// sent on k's own endpoint to the address the membership layer registered for this rank, so only
+// the process at that address can answer. Both nonces key the pair's session; the user tag of
+// every data message is XORed with a 48-bit pad derived from it, so a message from a process that
+// did not complete the handshake (no token, or a member posing as another rank) matches no
+// receive. The token never crosses the wire. Refused handshakes are counted and logged, naming
+// the rank claimed.
+//
 // Failure: fail_peer(k) completes every pending request with k as failed ("rank k lost: ...") and
 // fails later ones immediately; an endpoint error reported by UCX does the same. Destruction never
 // waits for peers: endpoints are force-closed (a peer may be dead), so destroy a transport only
 // after the application knows its last messages were received (e.g. after a barrier).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -58,6 +69,13 @@ struct ucx_transport_options {
   // allreduce); fragments win a one-way stream of single messages of tens of MiB, where sender and
   // receiver copy in parallel (collective/ucx/README.md).
   bool single_copy = true;
+  // The job token every endpoint proves it holds (required; it never crosses the wire) and the
+  // job's name, bound into every proof.
+  std::string token;
+  std::string job;
+  // How long isend/irecv with a peer whose handshake has not finished wait for it (connect() sends
+  // the hello; authenticate() waits for every connected peer).
+  std::chrono::milliseconds handshake_timeout{60000};
 };
 
 class ucx_transport : public transport {
@@ -78,6 +96,17 @@ class ucx_transport : public transport {
   // replaces its endpoint and clears its failure (a re-joined rank).
   void connect(int peer, std::span<const std::uint8_t> address);
   bool connected(int peer) const;
+  // Blocks until every connected peer has proven job membership, progressing the worker; throws
+  // troupe::error naming the ranks still unproven when `timeout` passes. Peers must connect back.
+  void authenticate(std::chrono::milliseconds timeout);
+  // Whether `peer` proved membership on its current endpoint.
+  bool authenticated(int peer) const;
+  // Handshake messages refused so far (wrong token, a rank posing as another, malformed), and
+  // their log lines ("rank 0 refused a UCX peer claiming rank 1: ..."), oldest first.
+  std::uint64_t refused() const;
+  std::vector<std::string> refusals() const;
+  // Blocks until at least `count` handshakes were refused or `timeout` passes; returns whether.
+  bool await_refusals(std::uint64_t count, std::chrono::milliseconds timeout) const;
 
   int rank() const override;
   int size() const override;

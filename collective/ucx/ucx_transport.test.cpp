@@ -19,6 +19,8 @@
 #include "collective/ucx/ucx_transport.hpp"
 #include "memory/error.hpp"
 
+#include <ucp/api/ucp.h>
+
 using namespace troupe::collective;
 using namespace std::chrono_literals;
 
@@ -45,15 +47,29 @@ std::vector<std::uint8_t> pattern(int src, int dst, std::size_t size) {
 }
 
 // Two connected transports in this process (ranks 0 and 1 of a world of 2).
+ucx_transport_options options_for(int rank, int size,
+                                  ucx_error_mode mode = ucx_error_mode::automatic,
+                                  std::string token = "the-job-token") {
+  ucx_transport_options o;
+  o.rank = rank;
+  o.size = size;
+  o.error_mode = mode;
+  o.token = std::move(token);
+  o.job = "ucx-test";
+  return o;
+}
+
 struct pair_of_transports {
   ucx_transport a;
   ucx_transport b;
   explicit pair_of_transports(ucx_error_mode mode = ucx_error_mode::automatic)
-      : a({0, 2, "lo", true, mode}), b({1, 2, "lo", true, mode}) {
+      : a(options_for(0, 2, mode)), b(options_for(1, 2, mode)) {
     auto aa = a.address();
     auto ba = b.address();
     a.connect(1, ba);
     b.connect(0, aa);
+    a.authenticate(60s);
+    b.authenticate(60s);
   }
 };
 
@@ -484,4 +500,120 @@ TEST_CASE("A receive posted after its message arrived gets the bytes and the siz
   auto r = p.b.irecv(0, 4, y.data(), y.size());
   std::string msg = failure_text(p.b, r, 10000ms);
   CHECK_THAT(msg, Catch::Contains("got a message of 32 bytes, expected 64"));
+}
+
+namespace {
+
+// A process that knows rank 0's worker address but not the token, talking plain UCX: it sends
+// `payload` under the tag a rank-1 tensor would carry without the session's pad.
+void inject_as_rank1(const std::vector<std::uint8_t>& target, std::uint64_t user_tag,
+                     const std::vector<std::uint8_t>& payload) {
+  ucp_config_t* cfg = nullptr;
+  REQUIRE(ucp_config_read(nullptr, nullptr, &cfg) == UCS_OK);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_context_h ctx = nullptr;
+  REQUIRE(ucp_init(&params, cfg, &ctx) == UCS_OK);
+  ucp_config_release(cfg);
+  ucp_worker_params_t wp{};
+  ucp_worker_h worker = nullptr;
+  REQUIRE(ucp_worker_create(ctx, &wp, &worker) == UCS_OK);
+  // address() = "trx1", host identity length (2 bytes), host identity, UCX worker address.
+  const std::size_t host_len = target[4] | (std::size_t{target[5]} << 8);
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+  ep.address = reinterpret_cast<const ucp_address_t*>(target.data() + 6 + host_len);
+  ucp_ep_h h = nullptr;
+  REQUIRE(ucp_ep_create(worker, &ep, &h) == UCS_OK);
+  ucp_request_param_t p{};
+  const ucp_tag_t tag = (ucp_tag_t{1} << 48) | user_tag;
+  ucs_status_ptr_t sp = ucp_tag_send_nbx(h, payload.data(), payload.size(), tag, &p);
+  REQUIRE(!UCS_PTR_IS_ERR(sp));
+  if (sp != nullptr) {
+    while (ucp_request_check_status(sp) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    ucp_request_free(sp);
+  }
+  ucp_request_param_t cp{};
+  cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t cs = ucp_ep_close_nbx(h, &cp);
+  if (cs != nullptr && !UCS_PTR_IS_ERR(cs)) {
+    while (ucp_request_check_status(cs) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    ucp_request_free(cs);
+  }
+  ucp_worker_destroy(worker);
+  ucp_cleanup(ctx);
+}
+
+std::string first_refusal(const ucx_transport& t) {
+  auto r = t.refusals();
+  return r.empty() ? std::string("(none)") : r.front();
+}
+
+}  // namespace
+
+TEST_CASE("A UCX peer without the job token is refused and its bytes match no receive",
+          "[collective][ucx][faults]") {
+  pair_of_transports p;
+  REQUIRE(p.a.authenticated(1));
+  // The rogue runs troupe's own transport with a wrong token and claims rank 1.
+  auto ro = options_for(1, 2, ucx_error_mode::automatic, "not-the-job-token");
+  ro.handshake_timeout = 500ms;
+  ucx_transport rogue(ro);
+  rogue.connect(0, p.a.address());
+  REQUIRE(p.a.await_refusals(1, 60s));
+  const std::string refusal = first_refusal(p.a);
+  CHECK(refusal.find("rank 0 refused a UCX peer claiming rank 1") != std::string::npos);
+  CHECK(refusal.find("does not hold this job's token") != std::string::npos);
+  std::uint32_t x = 7;
+  CHECK_THROWS_WITH(rogue.isend(0, 5, &x, 4),
+                    Catch::Contains("rank 0 has not proven job membership"));
+  // Plain UCX with the tag a rank-1 tensor would carry: it reaches rank 0's worker and matches
+  // nothing; the receive gets rank 1's bytes.
+  const std::uint64_t tag = (std::uint64_t{1} << 47) | 3;
+  inject_as_rank1(p.a.address(), tag, std::vector<std::uint8_t>(64, 0xee));
+  std::vector<std::uint8_t> in(64, 0), good(64, 0x11);
+  auto r = p.a.irecv(1, tag, in.data(), in.size());
+  auto s = p.b.isend(0, tag, good.data(), good.size());
+  p.b.wait(s, 60s);
+  p.a.wait(r, 60s);
+  CHECK(in == good);
+  CHECK(p.a.refused() == 1);
+  CHECK(!rogue.authenticated(0));
+  std::printf("faults: a rogue UCX peer (worker address, no token) -> refused: %s\n",
+              refusal.c_str());
+}
+
+TEST_CASE("A member posing as another rank on the UCX data plane is refused",
+          "[collective][ucx][faults]") {
+  ucx_transport a(options_for(0, 3)), b(options_for(1, 3)), c(options_for(2, 3));
+  const auto aa = a.address(), ba = b.address(), ca = c.address();
+  a.connect(1, ba);
+  a.connect(2, ca);
+  b.connect(0, aa);
+  b.connect(2, ca);
+  c.connect(0, aa);
+  c.connect(1, ba);
+  for (auto* t : {&a, &b, &c}) t->authenticate(60s);
+  // Rank 2's process (it holds the token) opens a second endpoint to rank 0 claiming rank 1.
+  auto mo = options_for(1, 3);
+  mo.handshake_timeout = 500ms;
+  ucx_transport impostor(mo);
+  impostor.connect(0, aa);
+  REQUIRE(a.await_refusals(1, 60s));
+  const std::string refusal = first_refusal(a);
+  CHECK(refusal.find("rank 0 refused a UCX peer claiming rank 1") != std::string::npos);
+  CHECK(refusal.find("worker address is not rank 1's") != std::string::npos);
+  std::uint32_t x = 9;
+  CHECK_THROWS_WITH(impostor.isend(0, 5, &x, 4),
+                    Catch::Contains("rank 0 has not proven job membership"));
+  // Rank 1 itself still talks to rank 0.
+  std::uint32_t got = 0, sent = 0xabcdef;
+  auto r = a.irecv(1, 5, &got, 4);
+  auto s = b.isend(0, 5, &sent, 4);
+  b.wait(s, 60s);
+  a.wait(r, 60s);
+  CHECK(got == sent);
+  std::printf("faults: a member posing as another rank on UCX -> refused: %s\n", refusal.c_str());
 }

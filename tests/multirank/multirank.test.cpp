@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -143,7 +144,8 @@ TEST_CASE("Four ranks exchange tensors of 1 KiB to 64 MiB by handle byte for byt
                .empty());
 }
 
-TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[multirank]") {
+TEST_CASE("A rank with the wrong job token is refused and both sides say so",
+          "[multirank][faults]") {
   // A short heartbeat timeout: rank 0 waits longer than that for rank 1 while the world forms.
   child_process launcher({troupe_bin, "launch", "-n", "1", "--world-size", "2", "--token",
                           "the-right-token", "--heartbeat-timeout", "0.5", "--job",
@@ -167,6 +169,7 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so", "[
     auto refusal = launcher.lines_with("wrong job token");
     CHECK(refusal.front().find("refused rank 1") != std::string::npos);
     CHECK(refusal.front().find("pid " + std::to_string(intruder.pid())) != std::string::npos);
+    std::printf("faults: a wrong job token at join -> refused: %s\n", refusal.front().c_str());
   }
   {
     // A rank without any token is refused too, on both sides.
@@ -476,4 +479,35 @@ TEST_CASE("Launched ranks keep the user's kernel settings and drop an outer job'
   CHECK(!launcher.lines_with("[rank 0] TROUPE_JOB=" + job_name("env")).empty());
   CHECK(launcher.lines_with("outer-job").empty());
   CHECK(launcher.lines_with("outer-token").empty());
+}
+
+TEST_CASE("A rogue process with a rank's UCX address but not the token is refused; the job goes on",
+          "[multirank][faults]") {
+  const std::string address_file =
+      "/tmp/troupe-ucx-address-" + std::to_string(::getpid()) + "-" + job_name("rogue");
+  child_process launcher({troupe_bin, "launch", "-n", "2", "--job", job_name("rogue"), "--",
+                          worker_bin, "guarded", "--address-file", address_file});
+  REQUIRE(launcher.wait_for("ucx address written", 60s));
+  child_process rogue(
+      {worker_bin, "rogue-ucx", "--address-file", address_file, "--claim", "1", "--world", "2"});
+  auto rs = rogue.wait(60s);
+  INFO(rogue.output());
+  REQUIRE(rs);
+  CHECK(child_process::code(*rs) == 0);
+  CHECK(!rogue.lines_with("rogue: refused: ").empty());
+  auto st = launcher.wait(120s);
+  std::remove(address_file.c_str());
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 0);
+  const auto refusals = launcher.lines_with("refusal: rank 0 refused a UCX peer claiming rank 1");
+  REQUIRE(!refusals.empty());
+  CHECK(refusals.front().find("does not hold this job's token") != std::string::npos);
+  for (int r = 0; r < 2; ++r)
+    CHECK(!launcher
+               .lines_with("[rank " + std::to_string(r) + "] exchange ok: rank " +
+                           std::to_string(r) + " received 6 tensors")
+               .empty());
+  std::printf("faults: a rogue UCX peer (worker address, no token) -> refused: %s\n",
+              refusals.front().c_str());
 }

@@ -4,6 +4,12 @@
 //   loss --victim V     rank V waits to be killed or stopped; the others keep receives from it
 //                       pending and report how they fail, and the membership callback
 //   hold                join, then a barrier (the partner of the wrong-token test)
+//   guarded --address-file F
+//                       rank 0 writes its UCX address (hex) to F and waits until its transport
+//                       refused a handshake, prints the refusals; then every rank runs exchange
+//   rogue-ucx --address-file F --claim R --world N
+//                       not a rank: knows rank 0's UCX address (from F) but not the token, claims
+//                       rank R on the data plane and tries to send it a tensor
 //   early-exit          rank 1 exits before joining, the others try to join
 //   rejoin              rank 2 is killed; a replacement (TROUPE_REPLACEMENT=1) takes its place and
 //                       exchanges tensors with the survivors
@@ -27,8 +33,11 @@
 
 #include <signal.h>
 
+#include <fstream>
+
 #include "actors/node.hpp"
 #include "actors/roles.hpp"
+#include "collective/ucx/ucx_transport.hpp"
 
 namespace {
 
@@ -404,6 +413,63 @@ int hold(node& n) {
   return 0;
 }
 
+std::string arg(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 2; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  return fallback;
+}
+
+int guarded(node& n, const std::string& address_file) {
+  if (n.rank() == 0) {
+    auto* ucx = dynamic_cast<troupe::collective::ucx_transport*>(&n.transport());
+    if (ucx == nullptr) return 1;
+    static constexpr char hex[] = "0123456789abcdef";
+    std::string text;
+    for (std::uint8_t b : ucx->address()) {
+      text += hex[b >> 4];
+      text += hex[b & 15];
+    }
+    const std::string tmp = address_file + ".tmp";
+    std::ofstream(tmp) << text << "\n";
+    if (std::rename(tmp.c_str(), address_file.c_str()) != 0) return 1;
+    std::printf("ucx address written\n");
+    if (!ucx->await_refusals(1, 120s)) {
+      std::printf("guarded FAILED: no handshake was refused\n");
+      return 1;
+    }
+    for (const auto& line : ucx->refusals()) std::printf("refusal: %s\n", line.c_str());
+  }
+  n.barrier("guarded", 120s);
+  return exchange(n);
+}
+
+int rogue_ucx(int argc, char** argv) {
+  std::ifstream in(arg(argc, argv, "--address-file", ""));
+  std::string text;
+  in >> text;
+  std::vector<std::uint8_t> address;
+  for (std::size_t i = 0; i + 1 < text.size(); i += 2)
+    address.push_back(static_cast<std::uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16)));
+  troupe::collective::ucx_transport_options o;
+  o.rank = std::atoi(arg(argc, argv, "--claim", "1").c_str());
+  o.size = std::atoi(arg(argc, argv, "--world", "2").c_str());
+  o.token = "not-the-job-token";
+  o.job = "rogue";
+  o.handshake_timeout = 2s;
+  troupe::collective::ucx_transport t(o);
+  t.connect(0, address);
+  std::vector<std::uint8_t> bytes(1024, 0xee);
+  try {
+    auto r = t.isend(0, tensor_tag(0, 0), bytes.data(), bytes.size());
+    t.wait(r, 10s);
+  } catch (const std::exception& e) {
+    std::printf("rogue: refused: %s\n", e.what());
+    return 0;
+  }
+  std::printf("rogue: its tensor was sent\n");
+  return 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -417,6 +483,14 @@ int main(int argc, char** argv) {
   int victim = 1;
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], "--victim") == 0) victim = std::atoi(argv[i + 1]);
+  if (mode == "rogue-ucx") {
+    try {
+      return rogue_ucx(argc, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "troupe_multirank_worker: rogue-ucx: %s\n", e.what());
+      return 1;
+    }
+  }
   if (mode == "early-exit") {
     // Rank 1 fails before it joins; the others must not wait for it.
     const char* r = std::getenv("TROUPE_RANK");
@@ -446,6 +520,8 @@ int main(int argc, char** argv) {
       rc = hold(n);
     else if (mode == "rejoin")
       rc = rejoin(n);
+    else if (mode == "guarded")
+      rc = guarded(n, arg(argc, argv, "--address-file", "troupe-ucx-address"));
     else
       std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     n.shutdown();
