@@ -38,6 +38,12 @@ command_fn add_launch_command(CLI::App& app) {
   sub->add_option("--job", o->job, "Job name shown by troupe ps (default: program-XXXXXX)");
   sub->add_option("--net-device", o->net_device,
                   "UCX network device for cross-host data (default: the device of --bind)");
+  sub->add_option("--introspection-bind", o->introspection_bind,
+                  "Address of the job's HTTP introspection endpoint (default 127.0.0.1)");
+  sub->add_option("--introspection-hosts", o->introspection_hosts,
+                  "Host names the endpoint answers besides localhost, 127.0.0.1, [::1] and "
+                  "--introspection-bind, comma separated (\"*\": any; default none)")
+      ->delimiter(',');
   sub->add_flag("--pin", o->pin, "Pin local rank i to the i-th CPU (benchmarks)");
   sub->add_option("--grace", o->grace_s,
                   "Seconds the other ranks get after one fails, before SIGTERM")
