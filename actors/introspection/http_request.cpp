@@ -87,13 +87,14 @@ host_rule make_host_rule(const std::string& bind, std::uint16_t port,
   host_rule r;
   r.port = port;
   r.names = {"localhost", "127.0.0.1", "::1"};
-  std::string b = lower(unbracket(bind));
-  if (!b.empty() && b != "0.0.0.0" && b != "::") r.names.push_back(b);
-  for (const auto& a : allowed) {
-    std::string n = lower(unbracket(trim(a)));
+  auto add = [&](std::string n) {
     if (n == "*") r.any = true;
-    if (!n.empty()) r.names.push_back(n);
-  }
+    if (!n.empty() && n != "0.0.0.0" && n != "::" &&
+        std::find(r.names.begin(), r.names.end(), n) == r.names.end())
+      r.names.push_back(std::move(n));
+  };
+  add(lower(unbracket(bind)));
+  for (const auto& a : allowed) add(lower(unbracket(trim(a))));
   return r;
 }
 

@@ -64,6 +64,7 @@ TEST_CASE("Other Host names get 403 naming the Host (DNS rebinding)", "[introspe
   host_verdict port = check_host(with_host("localhost:80"), rule);
   CHECK(port.status == 403);
   CHECK_THAT(port.error, Catch::Contains("port 80 is not the server's 8123"));
+  CHECK_THAT(port.error, Catch::Contains("answers localhost, 127.0.0.1, [::1] on port 8123"));
   for (std::string malformed : {"[::1", "[::1]x", "localhost:8x", ":8123", "localhost:123456"}) {
     INFO(malformed);
     CHECK(check_host(with_host(malformed), rule).status == 400);
