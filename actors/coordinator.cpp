@@ -626,9 +626,12 @@ coordinator::coordinator(coordinator_options options) : impl_(std::make_unique<i
   impl_->port = *port;
   if (o.serve_http) {
     impl* self = impl_.get();
+    http_server_options ho;
+    ho.bind = o.http_bind;
+    ho.port = o.http_port;
+    ho.allowed_hosts = o.http_allowed_hosts;
     impl_->http = std::make_unique<http_server>(
-        [self] { return self->snapshot(std::chrono::milliseconds(1000)); }, o.http_bind,
-        o.http_port);
+        [self] { return self->snapshot(std::chrono::milliseconds(1000)); }, ho);
     if (o.register_job) {
       job_entry e;
       e.job = o.job;

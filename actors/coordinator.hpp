@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "actors/introspection/snapshot.hpp"
 
@@ -29,6 +30,8 @@ struct coordinator_options {
   bool serve_http = true;                             // the introspection endpoint
   std::string http_bind = "127.0.0.1";
   std::uint16_t http_port = 0;
+  // Host names the endpoint answers besides loopback and http_bind ("*": any; http_server.hpp).
+  std::vector<std::string> http_allowed_hosts;
   bool register_job = true;  // announce the endpoint to `troupe ps` (needs serve_http)
   // Where log lines go (default: stderr, prefixed "troupe coordinator: ").
   std::function<void(const std::string&)> log;

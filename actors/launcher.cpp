@@ -223,6 +223,12 @@ int launch(const launch_options& given) {
     generated = true;
   }
 
+  for (const auto& h : o.introspection_hosts)
+    TROUPE_CHECK(!h.empty() && h.find_first_of(" /\t") == std::string::npos &&
+                     (h.front() == '[' || h.find(':') == std::string::npos),
+                 "troupe launch: --introspection-hosts: '", h,
+                 "' is not a host name (give names or addresses without a port, IPv6 in [])");
+
   const std::string program = resolve_program(o.command[0]);
   if (o.job.empty()) o.job = job_name_for(program);
   const std::string bind = o.bind.empty() ? std::string("127.0.0.1") : o.bind;
@@ -238,6 +244,8 @@ int launch(const launch_options& given) {
     co.world_size = o.world_size;
     co.bind = bind;
     co.port = static_cast<std::uint16_t>(o.port);
+    if (!o.introspection_bind.empty()) co.http_bind = o.introspection_bind;
+    co.http_allowed_hosts = o.introspection_hosts;
     co.heartbeat_timeout =
         std::chrono::milliseconds(static_cast<std::int64_t>(o.heartbeat_timeout_s * 1000.0 + 0.5));
     if (o.quiet)

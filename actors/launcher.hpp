@@ -38,6 +38,10 @@ struct launch_options {
   double grace_s = 30.0;   // after a rank fails, the others get this long before SIGTERM
   bool prefix = true;      // "[rank k] " before every output line
   bool quiet = false;      // no launcher lines on stderr except errors
+  // The coordinator's introspection endpoint: its listen address (default 127.0.0.1) and the Host
+  // names it answers besides loopback and that address ("*": any; see http_server.hpp).
+  std::string introspection_bind;
+  std::vector<std::string> introspection_hosts;
   std::vector<std::pair<std::string, std::string>> env;  // extra environment for every rank
   // Called with (local index, rank, pid) after each rank starts (benchmarks, tests).
   std::function<void(int, int, int)> on_start;

@@ -1,7 +1,9 @@
 // `troupe launch`: run a program as the ranks of a job (actors/launcher.hpp does the work).
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <memory>
+#include <string>
 
 #include "actors/launcher.hpp"
 #include "apps/commands.hpp"
@@ -38,14 +40,25 @@ command_fn add_launch_command(CLI::App& app) {
   sub->add_option("--job", o->job, "Job name shown by troupe ps (default: program-XXXXXX)");
   sub->add_option("--net-device", o->net_device,
                   "UCX network device for cross-host data (default: the device of --bind)");
+  sub->add_option("--introspection-bind", o->introspection_bind,
+                  "Address of the job's HTTP introspection endpoint (default 127.0.0.1)");
+  auto hosts = std::make_shared<std::string>();
+  sub->add_option("--introspection-hosts", *hosts,
+                  "Host names the endpoint answers besides localhost, 127.0.0.1, [::1] and "
+                  "--introspection-bind, comma separated (\"*\": any; default none)");
   sub->add_flag("--pin", o->pin, "Pin local rank i to the i-th CPU (benchmarks)");
   sub->add_option("--grace", o->grace_s,
                   "Seconds the other ranks get after one fails, before SIGTERM")
       ->default_val(30.0);
   sub->add_flag("--quiet", o->quiet, "Only errors from the launcher itself");
   sub->add_option("command", o->command, "PROGRAM ARGS (after --)")->required();
-  return [sub, o]() -> int {
+  return [sub, o, hosts]() -> int {
     if (!sub->parsed()) return -1;
+    for (std::size_t at = 0; !hosts->empty() && at <= hosts->size();) {
+      std::size_t comma = std::min(hosts->find(',', at), hosts->size());
+      o->introspection_hosts.push_back(hosts->substr(at, comma - at));
+      at = comma + 1;
+    }
     return actors::launch(*o);
   };
 }

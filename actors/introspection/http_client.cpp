@@ -35,6 +35,14 @@ std::string host_port(const std::string& host, std::uint16_t port) {
   return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
+// A wildcard listen address (what the job registry holds for an endpoint bound to all
+// interfaces) is reached, and named in Host, as loopback.
+std::string reachable(const std::string& host) {
+  if (host == "0.0.0.0") return "127.0.0.1";
+  if (host == "::") return "::1";
+  return host;
+}
+
 // Waits for `events` on fd until the deadline: 1 ready, 0 timed out, -1 error (errno set).
 int wait_for(int fd, short events, clock::time_point deadline) {
   for (;;) {
@@ -120,10 +128,11 @@ bool parse_head(const std::string& head, http_response& r) {
 
 }  // namespace
 
-expected<http_response> http_exchange(const std::string& host, std::uint16_t port,
+expected<http_response> http_exchange(const std::string& given_host, std::uint16_t port,
                                       const std::string& request,
                                       std::chrono::milliseconds timeout) {
   using result = expected<http_response>;
+  const std::string host = reachable(given_host);
   auto deadline = clock::now() + timeout;
   std::string where = "http://" + host_port(host, port);
   std::string why;
@@ -208,8 +217,9 @@ expected<http_response> http_exchange(const std::string& host, std::uint16_t por
   return r;
 }
 
-expected<std::string> http_get(const std::string& host, std::uint16_t port, const std::string& path,
-                               std::chrono::milliseconds timeout) {
+expected<std::string> http_get(const std::string& given_host, std::uint16_t port,
+                               const std::string& path, std::chrono::milliseconds timeout) {
+  const std::string host = reachable(given_host);
   std::string req = "GET " + path + " HTTP/1.1\r\nHost: " + host_port(host, port) +
                     "\r\nUser-Agent: troupe\r\nAccept: */*\r\nConnection: close\r\n\r\n";
   auto r = http_exchange(host, port, req, timeout);

@@ -21,7 +21,8 @@ struct http_response {
 };
 
 // Sends `request` (the raw bytes of a request, head and body) and reads the response until the
-// server closes the connection or the timeout passes. Failures name host:port.
+// server closes the connection or the timeout passes. Failures name host:port. A wildcard host
+// (0.0.0.0, ::: an endpoint bound to every interface) is reached as loopback.
 expected<http_response> http_exchange(const std::string& host, std::uint16_t port,
                                       const std::string& request,
                                       std::chrono::milliseconds timeout);
