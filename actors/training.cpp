@@ -125,6 +125,8 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   auto comm = [&](const std::vector<std::string>& names, const char* label) {
     st.comms.push_back(collective::make_communicator(n.transport(), st.grid->group(me, names),
                                                      std::string("ucx:") + label));
+    st.comms.back()->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     st.watches.push_back(ctx.watch(*st.comms.back()));
     return st.comms.back().get();
   };
@@ -261,10 +263,16 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (auto& sv : saved)
       if (!sv.written.empty()) sum.checkpoint = sv.written;
   };
+  // A stuck collective fails on the ranks that wait for it at its deadline, with the text that
+  // names the ranks: the driver waits longer than that, so its own timeout does not come first.
+  auto step_wait = o.step_timeout;
+  if (cfg.collective_timeout > 0)
+    step_wait = std::max(step_wait, std::chrono::milliseconds(static_cast<std::int64_t>(
+                                        cfg.collective_timeout * 2000.0 + 60000.0)));
   for (std::int64_t s = resumed; s < cfg.steps; ++s) {
     std::vector<step_reply> replies;
     try {
-      replies = j.ask_all<step_reply>(trainers, step_request{s}, o.step_timeout);
+      replies = j.ask_all<step_reply>(trainers, step_request{s}, step_wait);
     } catch (...) {
       for (const auto& t : trainers) j.stop(t);
       throw;

@@ -314,6 +314,10 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::ckpt_dir>(*c, sub, "--checkpoint-dir", "Folder to save checkpoints to");
   bind<&train_config::ckpt_every>(*c, sub, "--checkpoint-every", "Steps between checkpoints");
   bind<&train_config::resume>(*c, sub, "--resume", "Checkpoint folder to resume from");
+  bind<&train_config::collective_timeout>(
+      *c, sub, "--collective-timeout",
+      "Seconds a collective or transfer of a launched run may take before it fails naming the "
+      "ranks it waits for (0: no deadline)");
   auto plan_flag = [&](CLI::Option* opt, std::function<void(train_config&)> apply) {
     c->plan_flags.emplace_back(opt, std::move(apply));
   };

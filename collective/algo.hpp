@@ -22,6 +22,7 @@
 #include "collective/communicator.hpp"
 #include "collective/p2p_communicator.hpp"
 #include "collective/transport.hpp"
+#include "memory/error.hpp"
 
 namespace troupe::collective::detail {
 
@@ -66,6 +67,12 @@ struct direct_state {
   std::uint32_t stopped_by = 0;  // the first "stop" this op received; 0: none
 };
 
+// What an op past its deadline knew: thrown by op_context's waits, turned into the op's error text
+// (with the flight record and how long it waited) by the communicator, which then aborts.
+struct deadline_error : troupe::error {
+  using troupe::error::error;
+};
+
 struct op_context {
   transport& t;
   const std::vector<int>& ranks;  // group rank -> world rank
@@ -81,6 +88,9 @@ struct op_context {
   // one CPU only, where a peer or helper thread sharing the CPU needs it to get anything done.
   bool yield_poll = false;
   direct_state* direct = nullptr;  // the communicator's; null: no direct path
+  // By group rank: 1 once a message of this op from that rank arrived (the communicator's
+  // buffer, cleared per op; null: not tracked). Says, at a deadline, who has taken part so far.
+  std::vector<std::uint8_t>* heard = nullptr;
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);
@@ -88,11 +98,17 @@ struct op_context {
   p2p_request irecv(int from, void* data, std::size_t bytes) {
     return t.irecv(ranks[from], tag, data, bytes);
   }
-  // Waits for r; throws the transport's error, or on abort, a lost group member or the deadline.
+  // Waits for r; throws the transport's error, or on abort, a lost group member or the deadline
+  // (deadline_error, naming the rank r waits for).
   void wait(p2p_request& r);
+  // At the deadline, the deadline_error names every rank whose request of rs is unfinished.
   void wait_all(std::vector<p2p_request>& rs);
   // Throws if the op should stop (abort, lost member, deadline).
   void check() const;
+  // Notes a finished receive in `heard`.
+  void note_done(const p2p_request& r);
+  // "rank 3 (its message of 4096 bytes has not arrived)" for an unfinished request.
+  std::string waiting_for(const p2p_request& r) const;
 };
 
 // Picks the direct path where allreduce_direct_ready says so, else recursive doubling below

@@ -49,7 +49,24 @@ void op_context::check() const {
     if (!why.empty()) throw troupe::error("rank " + std::to_string(ranks[g]) + " lost: " + why);
   }
   if (std::chrono::steady_clock::now() > deadline)
-    throw troupe::error("timed out after " + std::to_string(timeout.count()) + " ms");
+    throw deadline_error("timed out after " + std::to_string(timeout.count()) +
+                         " ms between messages of the op");
+}
+
+void op_context::note_done(const p2p_request& r) {
+  const detail::p2p_state* s = r.state();
+  if (heard == nullptr || s == nullptr || s->is_send) return;
+  for (int g = 0; g < n; ++g)
+    if (ranks[g] == s->peer && static_cast<std::size_t>(g) < heard->size()) (*heard)[g] = 1;
+}
+
+std::string op_context::waiting_for(const p2p_request& r) const {
+  const detail::p2p_state* s = r.state();
+  if (s == nullptr) return "?";
+  const std::string b = std::to_string(s->bytes) + " bytes";
+  return "rank " + std::to_string(s->peer) +
+         (s->is_send ? " (it has not taken this rank's message of " + b + ")"
+                     : " (its message of " + b + " has not arrived)");
 }
 
 void op_context::wait(p2p_request& r) {
@@ -60,7 +77,10 @@ void op_context::wait(p2p_request& r) {
   // a transport's own progress thread for the worker (see the UCX transport).
   if (yield_poll)
     for (int i = 0; i < 256; ++i) {
-      if (t.test(r)) return;
+      if (t.test(r)) {
+        note_done(r);
+        return;
+      }
       sched_yield();
     }
   for (;;) {
@@ -72,17 +92,42 @@ void op_context::wait(p2p_request& r) {
     }
     try {
       t.wait(r, slice);
+      note_done(r);
       return;
     } catch (const troupe::error&) {
       // Either the request failed (test rethrows its error) or the slice ran out.
-      if (t.test(r)) return;
+      if (t.test(r)) {
+        note_done(r);
+        return;
+      }
     }
-    check();
+    try {
+      check();
+    } catch (const deadline_error&) {
+      throw deadline_error("waiting for " + waiting_for(r));
+    }
   }
 }
 
 void op_context::wait_all(std::vector<p2p_request>& rs) {
-  for (auto& r : rs) wait(r);
+  for (std::size_t i = 0; i < rs.size(); ++i) {
+    try {
+      wait(rs[i]);
+    } catch (const deadline_error& e) {
+      // Name every rank this op still waits for here, not only the first.
+      std::string more;
+      for (std::size_t j = i + 1; j < rs.size(); ++j) {
+        bool done = !rs[j].valid();
+        try {
+          done = done || t.test(rs[j]);
+        } catch (const troupe::error&) {
+          done = true;  // failed: its own error is not the deadline's
+        }
+        if (!done) more += ", " + waiting_for(rs[j]);
+      }
+      throw deadline_error(e.what() + more);
+    }
+  }
 }
 
 void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op) {

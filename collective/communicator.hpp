@@ -35,10 +35,17 @@ enum class op_kind : std::uint8_t {
 };
 const char* op_kind_name(op_kind k);
 
+// The deadline a communicator gives every op whose options::timeout is 0, until set_timeout
+// changes it: generous, so that no slow but healthy run meets it (a launched job sets it from
+// parallel.collective_timeout).
+inline constexpr std::chrono::milliseconds default_op_timeout{std::chrono::minutes(10)};
+
 struct options {
   reduce_op op = reduce_op::sum;
   int root = 0;  // broadcast: the group rank whose buffer is sent
-  // 0 = no deadline of its own (a lost peer still fails it through membership).
+  // This op's deadline, counted from when it starts on this rank; 0 = the communicator's
+  // (set_timeout). At the deadline the op fails naming the ranks it still waits for, and the
+  // communicator is aborted (every pending and later op on it fails pointing to that op).
   std::chrono::milliseconds timeout{0};
   void* stream = nullptr;  // CUDA stream (cudaStream_t) for device backends; ignored on the host
 };
@@ -107,6 +114,10 @@ class communicator {
                     const options& o = {}) = 0;
   virtual work recv(void* data, std::size_t count, dtype t, int peer, const options& o = {}) = 0;
   virtual work barrier(const options& o = {}) = 0;
+
+  // The deadline of ops issued afterwards whose options::timeout is 0 (default_op_timeout until
+  // set; 0 = none: only a lost peer or abort() ends a stuck op).
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
 
   // Fails every pending and later operation with `reason` (used when a peer is lost).
   virtual void abort(const std::string& reason) = 0;

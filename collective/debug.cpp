@@ -51,6 +51,7 @@ class debug_communicator final : public communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string name() const override { return inner_->name(); }
+  void set_timeout(std::chrono::milliseconds timeout) override { inner_->set_timeout(timeout); }
 
   work allreduce(void* data, std::size_t count, dtype t, const options& o) override {
     check(op_kind::allreduce, t, count, -1, o.op, o);

@@ -96,6 +96,7 @@ struct comm_core {
                  " is not a member");
     n = static_cast<int>(group.ranks.size());
     direct.comm_name = name;
+    heard.assign(static_cast<std::size_t>(n), 0);
   }
 
   transport& t;
@@ -107,6 +108,8 @@ struct comm_core {
 
   mutable std::mutex tune_mu;
   algo_tuning tune;
+  // The deadline of ops issued with options::timeout 0, in ms (0: none).
+  std::atomic<std::int64_t> timeout_ms{default_op_timeout.count()};
 
   // The queue of issued ops. `running` is set while the executor or an inline waiter runs one.
   std::mutex mu;
@@ -131,7 +134,12 @@ struct comm_core {
   std::array<flight_record, recorder_size> ring{};
 
   scratch_pool scratch;
-  direct_state direct;  // used by the op that runs (one at a time)
+  direct_state direct;              // used by the op that runs (one at a time)
+  std::vector<std::uint8_t> heard;  // the running collective's op_context::heard
+
+  std::chrono::milliseconds op_timeout(const options& o) const {
+    return o.timeout.count() > 0 ? o.timeout : std::chrono::milliseconds(timeout_ms.load());
+  }
 
   double now_us() const {
     return std::chrono::duration<double, std::micro>(clock::now() - t0).count();
@@ -199,6 +207,43 @@ struct comm_core {
     }
     settle(w, &msg, why);
   }
+  // The error text of an op past its deadline, from what its waits knew (`waiting`: "waiting for
+  // rank 3 (...)" or "timed out ...") and its flight record: how long it waited, what it moves,
+  // the group, which ranks' messages of this op arrived.
+  std::string deadline_text(const work_state& w, const op_context& c, const std::string& waiting,
+                            bool collective) const {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        clock::now() - c.deadline + c.timeout);
+    std::string moves;
+    {
+      std::lock_guard lock(rec_mu);
+      const flight_record& r = ring[w.seq % recorder_size];
+      if (r.seq == w.seq && w.kind != op_kind::barrier)
+        moves = std::string(dtype_name(r.type)) + " x " + std::to_string(r.count) + ", ";
+    }
+    std::string members;
+    for (int g = 0; g < n; ++g) members += (g ? "," : "") + std::to_string(group.ranks[g]);
+    std::string s = "deadline of " + std::to_string(c.timeout.count()) + " ms passed (waited " +
+                    std::to_string(waited.count()) + " ms; " + moves + "group ranks " + members +
+                    "): rank " + std::to_string(group.ranks[me]) + " " +
+                    (waiting.rfind("waiting for", 0) == 0 ? "is " + waiting : waiting);
+    if (collective) {
+      std::string from;
+      for (int g = 0; g < n; ++g)
+        if (g != me && heard[g] != 0)
+          from += (from.empty() ? "" : ", ") + std::to_string(group.ranks[g]);
+      s += from.empty() ? "; no message of this op has arrived from any rank"
+                        : "; messages of this op arrived from rank " + from;
+    }
+    return s;
+  }
+  // After w passed its deadline: every pending and later op of this communicator fails pointing
+  // to it (the peers still blocked in this op meet their own deadlines).
+  void abort_after_deadline(const work_state& w, const std::string& waiting) {
+    abort("rank " + std::to_string(group.ranks[me]) + " gave up " + w.describe() +
+          " at its deadline, " + waiting);
+  }
+
   std::string broken_cause() const {
     std::lock_guard lock(fail_mu);
     if (cancelled.load()) return "aborted: " + abort_reason;
@@ -227,10 +272,15 @@ struct comm_core {
     }
     auto deadline = w.timeout.count() > 0 ? clock::now() + w.timeout : clock::time_point::max();
     op_context c = context(coll_tag(w.seq), w.timeout, deadline, tu);
-    std::string why;
+    std::fill(heard.begin(), heard.end(), std::uint8_t{0});
+    c.heard = &heard;
+    std::string why, waiting;
     try {
       c.check();
       w.body(c);
+    } catch (const deadline_error& e) {
+      waiting = e.what();
+      why = cause(deadline_text(w, c, waiting, true));
     } catch (const std::exception& e) {
       why = cause(e.what());
     }
@@ -239,6 +289,7 @@ struct comm_core {
       settle(w, nullptr, {});
     } else {
       fail_work(w, why);
+      if (!waiting.empty()) abort_after_deadline(w, waiting);
     }
   }
 
@@ -276,6 +327,10 @@ struct comm_core {
       } else if (!t.test(w.req)) {
         return;
       }
+    } catch (const deadline_error& e) {
+      fail_work(w, cause(deadline_text(w, c, e.what(), false)));
+      abort_after_deadline(w, e.what());
+      return;
     } catch (const std::exception& e) {
       fail_work(w, cause(e.what()));
       return;
@@ -491,7 +546,7 @@ work issue_collective(const std::shared_ptr<comm_core>& core, op_kind k, dtype t
                       int peer, const options& o, std::function<void(detail::op_context&)> body) {
   auto w = std::make_shared<coll_work>(k, 0, core->name);
   w->core = core;
-  w->timeout = o.timeout;
+  w->timeout = core->op_timeout(o);
   w->body = std::move(body);
   core->enqueue(w, t, count, peer);
   return work(std::move(w));
@@ -582,7 +637,7 @@ work issue_p2p(const std::shared_ptr<comm_core>& core, bool is_send, const void*
   w->send_buf = sbuf;
   w->recv_buf = rbuf;
   w->bytes = count * dtype_size(t);
-  w->timeout = o.timeout;
+  w->timeout = core->op_timeout(o);
   core->enqueue(w, t, count, peer);
   return work(std::move(w));
 }
@@ -601,6 +656,12 @@ work p2p_communicator::recv(void* data, std::size_t count, dtype t, int peer, co
 work p2p_communicator::barrier(const options& o) {
   return issue_collective(core_, op_kind::barrier, dtype::u8, 0, -1, o,
                           [](detail::op_context& c) { detail::barrier(c); });
+}
+
+void p2p_communicator::set_timeout(std::chrono::milliseconds timeout) {
+  TROUPE_CHECK(timeout.count() >= 0, "set_timeout on ", core_->name, ": negative deadline ",
+               timeout.count(), " ms");
+  core_->timeout_ms.store(timeout.count());
 }
 
 void p2p_communicator::abort(const std::string& reason) {

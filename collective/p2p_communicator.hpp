@@ -11,7 +11,11 @@
 //
 // An op that fails (a lost peer, its timeout, abort()) fails its work with "<op> #<seq> on <name>
 // failed: <cause>"; the communicator is then unusable and every later op fails at once, naming the
-// first failure. Make a new communicator (new group id) over the survivors to go on.
+// first failure. Make a new communicator (new group id) over the survivors to go on. Every op has a
+// deadline (options::timeout, else set_timeout's, default_op_timeout by default): past it the op
+// fails with "deadline of T ms passed (waited W ms; <dtype> x <count>, group ranks ...): rank R is
+// waiting for rank P (...); messages of this op arrived from rank ..." and the communicator is
+// aborted, so this rank's queued ops fail too ("aborted: rank R gave up <op> ...").
 #pragma once
 
 #include <cstddef>
@@ -88,6 +92,7 @@ class p2p_communicator final : public communicator {
   work recv(void* data, std::size_t count, dtype t, int peer, const options& o = {}) override;
   work barrier(const options& o = {}) override;
 
+  void set_timeout(std::chrono::milliseconds timeout) override;
   void abort(const std::string& reason) override;
   std::vector<flight_record> recent() const override;
 

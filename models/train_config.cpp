@@ -132,6 +132,7 @@ const std::map<std::string, setter>& setters() {
          c.plan.partition = *k;
        }},
       {"parallel.order", set_plan_order},
+      {"parallel.collective_timeout", set(&train_config::collective_timeout)},
       {"memory.device", set_size(&train_config::mem_device)},
       {"memory.host", set_size(&train_config::mem_host)},
       {"memory.nvme_dir", set(&train_config::mem_nvme_dir)},
@@ -234,6 +235,8 @@ void train_config::validate() const {
   need(warmup >= 0, "optim.warmup", "must be >= 0");
   need(ckpt_every >= 0, "checkpoint.every", "must be >= 0");
   need(ckpt_every == 0 || !ckpt_dir.empty(), "checkpoint.every", "needs checkpoint.dir");
+  need(collective_timeout >= 0 && collective_timeout <= 1e7, "parallel.collective_timeout",
+       "must be seconds in [0, 1e7] (0: no deadline)");
   validate_memory(*this);
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;
@@ -327,6 +330,7 @@ std::string to_toml(const train_config& c) {
   par.insert("virtual_stages", c.plan.virtual_stages);
   par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
   par.insert("partition", std::string(scheduler::name(c.plan.partition)));
+  par.insert("collective_timeout", c.collective_timeout);
   toml::table mem;
   mem.insert("device", static_cast<std::int64_t>(c.mem_device));
   mem.insert("host", static_cast<std::int64_t>(c.mem_host));

@@ -11,7 +11,9 @@
 //                 partition ("even" | "balanced": blocks per pipeline stage by a FLOP estimate),
 //                 order (scheduler/plan.hpp). A step still reads train.batch x train.grad_accum
 //                 samples: that global batch is split over parallel.dp ranks and
-//                 parallel.microbatches.
+//                 parallel.microbatches. collective_timeout: seconds every collective and
+//                 transfer of a launched run may take before it fails naming the ranks it waits
+//                 for (default 600; 0: no deadline).
 //   [memory]      device, host, nvme_dir, nvme_capacity, offload, offload_params,
 //                 offload_optimizer, params_tier, optimizer_tier: training with memory tiers
 //                 (models/offload). Sizes are integers (bytes) or strings with a suffix ("64M",
@@ -57,6 +59,10 @@ struct train_config {
   // recompute = "none" | "selective" | "full", order = ["dp", "pp", "tp"] (slowest first); the rest
   // are integers, sp a bool.
   scheduler::parallel_plan plan;
+  // parallel.collective_timeout (--collective-timeout): the deadline, in seconds, of every
+  // collective and point-to-point transfer of a launched run (collective/communicator.hpp).
+  // Generous: a slow but healthy rank never meets it. 0: none.
+  double collective_timeout = 600;
   // [memory]: the tiers (models/offload/offload_trainer.hpp). All but device need device > 0.
   std::uint64_t mem_device = 0;         // device budget in bytes (0: no tiers)
   std::uint64_t mem_host = 0;           // host budget for chunks (0: unlimited)

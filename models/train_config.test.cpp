@@ -162,3 +162,19 @@ TEST_CASE("memory table mistakes name the key and the flag") {
     CHECK_THAT(c.error_message(), Catch::Contains(says) && Catch::Contains("job.toml"));
   }
 }
+
+TEST_CASE("parallel.collective_timeout is 600 s unless the job file says otherwise") {
+  CHECK(train_config{}.collective_timeout == 600);
+  auto c = parse_train_config("[parallel]\ncollective_timeout = 2.5\n", "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->collective_timeout == 2.5);
+  auto none = parse_train_config("[parallel]\ncollective_timeout = 0\n", "job.toml");
+  REQUIRE(none.has_value());
+  CHECK(none->collective_timeout == 0);
+  CHECK(parse_train_config(to_toml(*c), "again").value() == *c);
+  auto bad = parse_train_config("[parallel]\ncollective_timeout = -1\n", "job.toml");
+  REQUIRE(!bad.has_value());
+  CHECK(bad.error_message().find(
+            "job.toml: parallel.collective_timeout must be seconds in [0, 1e7]") !=
+        std::string::npos);
+}

@@ -334,7 +334,11 @@ bool nccl_work::poll() {
   } else if (state != ncclSuccess && state != ncclInProgress) {
     m = nccl_msg("asynchronous NCCL operation", state, core->comm, __FILE__, __LINE__);
   } else if (steady::now() > deadline) {
+    // The flight record says what the op moves; NCCL does not say which ranks have arrived.
     std::string after = " after " + std::to_string(timeout.count()) + " ms";
+    if (const flight_record* fr = core->record_locked(seq))
+      after += " (" + std::string(dtype_name(fr->type)) + " x " + std::to_string(fr->count) +
+               " on ranks of " + core->name + "; NCCL does not say which ranks have arrived)";
     m = "timeout: not finished" + after + "; communicator aborted" + at(__FILE__, __LINE__);
     reason = "timeout: " + describe() + " not finished" + after;
   }
@@ -458,6 +462,11 @@ class nccl_communicator final : public communicator {
                    *call = "ncclAllReduce(scratch, scratch, 1, ncclFloat32, ncclSum, comm, stream)";
                    return ncclAllReduce(scratch, scratch, 1, ncclFloat32, ncclSum, comm, s);
                  });
+  }
+
+  void set_timeout(std::chrono::milliseconds timeout) override {
+    std::lock_guard issue_lock(core_->issue_mu);  // issue() reads opts.timeout under it
+    core_->opts.timeout = timeout;
   }
 
   void abort(const std::string& reason) override {

@@ -38,7 +38,7 @@ struct nccl_options {
   std::string group = "world";  // names the communicator in messages: "nccl:<group>"
   // Deadline for creating the communicator, and for each op whose options::timeout is 0. An op
   // past its deadline aborts the communicator with a reason naming the op. 0 = no deadline.
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  std::chrono::milliseconds timeout = default_op_timeout;  // set_timeout changes it for ops
   std::size_t flight_records = 256;  // entries kept by the flight recorder (at least 1)
 };
 
