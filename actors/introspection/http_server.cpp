@@ -10,6 +10,7 @@
 #include <string_view>
 #include <thread>
 
+#include "actors/introspection/dashboard.hpp"
 #include "actors/introspection/http_server.hpp"
 #include "actors/introspection/render.hpp"
 #include "memory/error.hpp"
@@ -227,8 +228,9 @@ response server_state::answer(std::string_view head, bool& head_only) {
   std::string_view path = target.substr(0, target.find_first_of("?#"));
 
   if (path == "/healthz") return {200, "text/plain; charset=utf-8", "ok\n", false};
-  if (path != "/" && path != "/json" && path != "/metrics")
-    return error_response(404, "no such page; try /, /json, /metrics or /healthz");
+  if (path == "/") return {200, "text/html; charset=utf-8", std::string(dashboard_html()), false};
+  if (path != "/table" && path != "/json" && path != "/metrics")
+    return error_response(404, "no such page; try /, /table, /json, /metrics or /healthz");
   try {
     job_snapshot s = provider();
     if (path == "/json") return {200, "application/json", to_json(s) + "\n", false};

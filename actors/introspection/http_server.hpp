@@ -1,6 +1,7 @@
 // The introspection HTTP endpoint of a job: a small read-only server on one background thread
-// (Boost.Asio, kept out of this header) that answers GET and HEAD with the job's snapshot as an
-// HTML page ("/"), JSON ("/json"), Prometheus text ("/metrics") and a liveness check ("/healthz").
+// (Boost.Asio, kept out of this header) that answers GET and HEAD with the dashboard ("/", a static
+// page that polls /json: dashboard.hpp) and the job's snapshot as an HTML table ("/table"), JSON
+// ("/json") and Prometheus text ("/metrics"), and a liveness check ("/healthz").
 //
 // The provider is called once per request on the server thread; if it throws, the answer is a 500
 // carrying the message. Nothing here changes job state. Binds to loopback unless told otherwise.
