@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <ctime>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
@@ -78,6 +79,7 @@ struct coordinator_state {
   std::uint64_t epoch = 0;
   std::map<std::string, barrier_rec> barriers;
   std::set<caf::node_id> warned;
+  std::deque<membership_event> events;  // the snapshot's membership log, the last 200
   clock::time_point born = clock::now();
   clock::time_point last_waiting_log = clock::now();
   std::uint64_t msgs_in = 0, msgs_out = 0;
@@ -89,6 +91,17 @@ using coord_actor = caf::stateful_actor<coordinator_state>;
 
 void log(coord_actor* self, const std::string& line) {
   self->state.opts.log(line);
+}
+
+// Keeps a membership change for the snapshot (the dashboard's event log); note() logs it too.
+void remember(coord_actor* self, int rank, const char* kind, const std::string& line) {
+  auto& st = self->state;
+  st.events.push_back({seconds_since(st.born), st.epoch, rank, kind, line});
+  while (st.events.size() > 200) st.events.pop_front();
+}
+void note(coord_actor* self, int rank, const char* kind, const std::string& line) {
+  log(self, line);
+  remember(self, rank, kind, line);
 }
 
 void publish_status(coord_actor* self) {
@@ -195,9 +208,9 @@ void complete_rejoin(coord_actor* self, int rank) {
   m.status = member_rec::alive;
   m.last_seen = clock::now();
   m.ready_rp.deliver(msg::ready_reply{true, {}, st.epoch});
-  log(self, "rank " + std::to_string(rank) + " (host " + m.info.host + ", pid " +
-                std::to_string(m.info.pid) + ") rejoined; membership epoch " +
-                std::to_string(st.epoch));
+  note(self, rank, "rejoined",
+       "rank " + std::to_string(rank) + " (host " + m.info.host + ", pid " +
+           std::to_string(m.info.pid) + ") rejoined; membership epoch " + std::to_string(st.epoch));
 }
 
 void declare_lost(coord_actor* self, int rank, const std::string& reason) {
@@ -207,9 +220,10 @@ void declare_lost(coord_actor* self, int rank, const std::string& reason) {
   m.status = member_rec::lost;
   m.reason = reason;
   ++st.epoch;
-  log(self, "rank " + std::to_string(rank) + " (host " + m.info.host + ", pid " +
-                std::to_string(m.info.pid) + ") lost: " + reason + "; membership epoch " +
-                std::to_string(st.epoch));
+  note(self, rank, "lost",
+       "rank " + std::to_string(rank) + " (host " + m.info.host + ", pid " +
+           std::to_string(m.info.pid) + ") lost: " + reason + "; membership epoch " +
+           std::to_string(st.epoch));
   if (m.info.node) self->demonitor(m.info.node);
   // Every survivor, and the lost rank itself in case it is only stopped and comes back.
   broadcast(self, caf::make_message(msg::member_lost{rank, reason, st.epoch}), rank);
@@ -288,7 +302,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         const std::string who = "rank " + std::to_string(req.rank) + " (host " + req.host +
                                 ", pid " + std::to_string(req.pid) + ")";
         auto refuse = [&](const std::string& why) {
-          log(self, "refused " + who + ": " + why);
+          note(self, -1, "refused", "refused " + who + ": " + why);
           msg::join_reply r;
           r.accepted = false;
           r.reason = why;
@@ -325,7 +339,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           m.nid = req.node.node();
           m.last_seen = clock::now();
           self->monitor(req.node);
-          log(self, who + " rejoins the running job");
+          note(self, req.rank, "rejoining", who + " rejoins the running job");
           msg::join_reply r;
           r.accepted = true;
           r.job = st.opts.job;
@@ -348,8 +362,8 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         m.last_seen = clock::now();
         self->monitor(req.node);
         ++st.joined;
-        log(self,
-            who + " joined (" + std::to_string(st.joined) + " of " + std::to_string(world) + ")");
+        note(self, req.rank, "joined",
+             who + " joined (" + std::to_string(st.joined) + " of " + std::to_string(world) + ")");
         m.join_rp = self->make_response_promise<msg::join_reply>();
         auto rp = m.join_rp;
         if (st.joined == world) {
@@ -421,7 +435,8 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
             mm.last_seen = clock::now();
             mm.ready_rp.deliver(msg::ready_reply{true, {}, st.epoch});
           }
-          log(self, "all " + std::to_string(st.members.size()) + " ranks joined and connected");
+          note(self, -1, "started",
+               "all " + std::to_string(st.members.size()) + " ranks joined and connected");
           publish_status(self);
         }
         return rp;
@@ -488,6 +503,9 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         m.status = member_rec::left;
         if (m.info.node) self->demonitor(m.info.node);
         ++st.epoch;
+        remember(self, req.rank, "left",
+                 "rank " + std::to_string(req.rank) + " left the job; membership epoch " +
+                     std::to_string(st.epoch));
         broadcast(self, caf::make_message(msg::member_left{req.rank, st.epoch}));
         if (!st.started)
           fail_forming(self,
@@ -542,6 +560,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           g->snap.members.push_back(ms);
         }
         g->snap.actors.push_back(own_state(self));
+        g->snap.events.assign(st.events.begin(), st.events.end());
         auto done = [g] {
           if (--g->pending == 0) g->rp.deliver(std::move(g->snap));
         };

@@ -280,10 +280,19 @@ typename Inspector::result_type inspect(Inspector& f, collective_op& x) {
            x.count, x.peer, x.state, x.start_us, x.end_us, x.age_s);
 }
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, step_sample& x) {
+  return f(caf::meta::type_name("troupe::step_sample"), x.step, x.uptime_s, x.values);
+}
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, actor_state& x) {
   return f(caf::meta::type_name("troupe::actor_state"), x.name, x.role, x.rank, x.mesh, x.activity,
            x.mailbox_depth, x.messages_sent, x.messages_received, x.bytes_sent, x.bytes_received,
-           x.uptime_s, x.metrics, x.collectives);
+           x.uptime_s, x.metrics, x.collectives, x.history);
+}
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, membership_event& x) {
+  return f(caf::meta::type_name("troupe::membership_event"), x.uptime_s, x.epoch, x.rank, x.kind,
+           x.detail);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, member_state& x) {
@@ -293,7 +302,7 @@ typename Inspector::result_type inspect(Inspector& f, member_state& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_snapshot& x) {
   return f(caf::meta::type_name("troupe::job_snapshot"), x.job, x.world_size, x.uptime_s, x.members,
-           x.actors);
+           x.actors, x.events);
 }
 
 // The messages waiting in an actor's mailbox that it has already sorted into its queues (its

@@ -69,6 +69,11 @@ class role_actor_state {
   std::string activity = "idle";
   std::map<std::string, double> metrics;
   std::map<std::string, int> mesh;
+  // role_context::record_step's samples, oldest first: the steps on the stride's grid (counted
+  // from the first), then the latest when it is off the grid (`tail`).
+  std::deque<step_sample> history;
+  std::int64_t history_stride = 1;
+  bool history_tail = false;
   std::atomic<std::uint64_t> msgs_in{0}, msgs_out{0}, bytes_in{0}, bytes_out{0};
   steady::time_point born = steady::now();
   // Communicators watched through role_context::watch (their records go into describe).

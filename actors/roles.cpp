@@ -150,6 +150,7 @@ actor_state role_state_snapshot(const role_handle& h, role_actor_state& s, std::
     a.activity = s.activity;
     a.metrics = s.metrics;
     a.mesh = s.mesh;
+    a.history.assign(s.history.begin(), s.history.end());
   }
   a.mailbox_depth = mailbox;
   a.messages_received = s.msgs_in.load();
@@ -266,6 +267,35 @@ void role_context::set_activity(const std::string& activity) {
 void role_context::set_metric(const std::string& key, double value) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->metrics[key] = value;
+}
+void role_context::record_step(std::int64_t step, const std::map<std::string, double>& values) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (const auto& [k, v] : values) state_->metrics[k] = v;
+  state_->metrics["step"] = static_cast<double>(step);
+  step_sample h;
+  h.step = step;
+  h.uptime_s = std::chrono::duration<double>(steady::now() - state_->born).count();
+  h.values = values;
+  auto& hist = state_->history;
+  auto& stride = state_->history_stride;
+  if (state_->history_tail) hist.pop_back();        // the previous latest, off the grid
+  if (!hist.empty() && step <= hist.back().step) {  // a new run (resumed or restarted): start over
+    hist.clear();
+    stride = 1;
+  }
+  const std::int64_t first = hist.empty() ? step : hist.front().step;
+  const auto on_grid = [&](std::int64_t s) { return (s - first) % stride == 0; };
+  state_->history_tail = !on_grid(step);
+  hist.push_back(std::move(h));
+  while (hist.size() > step_history_limit) {  // thin to every other grid step
+    stride *= 2;
+    std::deque<step_sample> kept;
+    for (std::size_t i = 0; i < hist.size(); ++i)
+      if (on_grid(hist[i].step) || i + 1 == hist.size())  // the latest stays
+        kept.push_back(std::move(hist[i]));
+    hist = std::move(kept);
+    state_->history_tail = !on_grid(step);
+  }
 }
 void role_context::set_mesh(const std::string& axis, int coordinate) {
   std::lock_guard<std::mutex> lock(state_->mu);

@@ -63,6 +63,12 @@ class role_context {
   void set_activity(const std::string& activity);
   void set_metric(const std::string& key, double value);
   void set_mesh(const std::string& axis, int coordinate);
+  // Records one finished step (1-based) in the actor's step history, the per-step series the
+  // dashboard charts. The history spans the whole run in at most `step_history_limit` samples:
+  // every step until it is full, then every 2nd, 4th, ... step (the stride doubles each time it
+  // fills), always ending with the latest step. Also sets the values as metrics (`troupe ps`).
+  static constexpr std::size_t step_history_limit = 200;
+  void record_step(std::int64_t step, const std::map<std::string, double>& values);
   // Shows `c`'s recent operations (its flight recorder) in this actor's describe answer, so a
   // hang names the collective it waits in. Keep the handle next to the communicator, declared
   // after it: the communicator must outlive the registration (collective_watch, actors/node.hpp).

@@ -114,9 +114,13 @@ void add_tier_manager_role(role_registry& roles, tier_session_factory make) {
         c.set_activity("step " + std::to_string(st->steps + 1));
         out.losses.push_back(st->session->step());
         ++st->steps;
-        c.set_metric("step", static_cast<double>(st->steps));
-        c.set_metric("loss", out.losses.back());
         publish(c, *st->session);
+        // The dashboard's series: the loss and the bytes of each tier the chunks live in.
+        const auto rep = st->session->report();
+        c.record_step(st->steps, {{"loss", out.losses.back()},
+                                  {"memory.device_bytes", static_cast<double>(rep.device_used)},
+                                  {"memory.host_bytes", static_cast<double>(rep.host_used)},
+                                  {"memory.nvme_bytes", static_cast<double>(rep.nvme_bytes)}});
       }
       out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       c.set_activity("idle");

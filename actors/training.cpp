@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -184,10 +185,24 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
   out.step = res.step;
   out.bubble = st.hybrid->last_bubble_fraction();
   out.comm_wait = st.hybrid->last_comm_wait_seconds();
-  ctx.set_metric("step", static_cast<double>(res.step));
-  ctx.set_metric("loss", res.loss);
-  ctx.set_metric("tokens_per_s", res.tokens / std::max(res.seconds, 1e-9));
-  ctx.set_metric("bubble", out.bubble);
+  // The step's series for introspection (the dashboard's charts): the bytes each memory tier this
+  // process has used holds as the step ends.
+  std::map<std::string, double> values = {
+      {"loss", res.loss},
+      {"grad_norm", res.grad_norm},
+      {"lr", res.lr},
+      {"tokens_per_s", res.tokens / std::max(res.seconds, 1e-9)},
+      {"step_seconds", res.seconds},
+      {"bubble", out.bubble},
+      {"comm_wait_s", out.comm_wait}};
+  for (int t = 0; t < memory::tier_count; ++t) {
+    const auto tier = static_cast<memory::tier>(t);
+    const auto used = memory::stats(tier);
+    if (used.peak > 0)
+      values["memory." + std::string(memory::tier_name(tier)) + "_bytes"] =
+          static_cast<double>(used.in_use);
+  }
+  ctx.record_step(res.step, values);
   ctx.set_activity("idle");
   return out;
 }

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <thread>
 
+#include "actors/introspection/dashboard.hpp"
 #include "actors/introspection/http_request.hpp"
 #include "actors/introspection/http_server.hpp"
 #include "actors/introspection/render.hpp"
@@ -53,7 +54,7 @@ namespace {
 // is constant. Every page answers GET and HEAD only. To add a page, add a line here.
 std::vector<snapshot_view> snapshot_pages() {
   return {
-      {"/", "text/html; charset=utf-8", [](const job_snapshot& s) { return render_html(s); }},
+      {"/table", "text/html; charset=utf-8", [](const job_snapshot& s) { return render_html(s); }},
       {"/json", "application/json", [](const job_snapshot& s) { return to_json(s) + "\n"; }},
       {"/metrics", "text/plain; version=0.0.4; charset=utf-8",
        [](const job_snapshot& s) { return to_prometheus(s); }},
@@ -68,6 +69,7 @@ struct fixed_page {
 
 std::vector<fixed_page> fixed_pages() {
   return {
+      {"/", "text/html; charset=utf-8", std::string(dashboard_html())},
       {"/healthz", "text/plain; charset=utf-8", "ok\n"},
   };
 }

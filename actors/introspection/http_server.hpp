@@ -1,7 +1,8 @@
 // The introspection HTTP endpoint of a job: a small read-only server on one background thread
-// (Boost.Asio, kept out of this header) that answers GET and HEAD with the job's snapshot as an
-// HTML page ("/"), JSON ("/json"), Prometheus text ("/metrics") and a liveness check ("/healthz").
-// Every other method gets 405, on every path: nothing here changes job state.
+// (Boost.Asio, kept out of this header) that answers GET and HEAD with the dashboard ("/", a static
+// page that polls /json: dashboard.hpp) and the job's snapshot as an HTML table ("/table"), JSON
+// ("/json") and Prometheus text ("/metrics"), and a liveness check ("/healthz"). Every other
+// method gets 405, on every path: nothing here changes job state.
 //
 // Safe by default:
 // - Binds to loopback unless told otherwise, and answers only requests whose Host is a loopback

@@ -147,7 +147,7 @@ TEST_CASE("The endpoint serves Prometheus text that parses", "[introspection]") 
 
 TEST_CASE("The endpoint serves a page with every actor and a health check", "[introspection]") {
   http_server server([] { return sample_snapshot(); });
-  auto page = get(server, "/");
+  auto page = get(server, "/table");
   CHECK(page.status == 200);
   CHECK_THAT(page.headers["content-type"], Catch::StartsWith("text/html"));
   CHECK(page.body.find("stage/1") != std::string::npos);

@@ -28,11 +28,21 @@ json to_j(const collective_op& c) {
           {"age_s", number(c.age_s)}};
 }
 
+json to_j(const std::map<std::string, double>& values) {
+  json out = json::object();
+  for (const auto& [k, v] : values) out[k] = number(v);
+  return out;
+}
+
+json to_j(const step_sample& h) {
+  return {{"step", h.step}, {"uptime_s", number(h.uptime_s)}, {"values", to_j(h.values)}};
+}
+
 json to_j(const actor_state& a) {
-  json metrics = json::object();
-  for (const auto& [k, v] : a.metrics) metrics[k] = number(v);
   json collectives = json::array();
   for (const auto& c : a.collectives) collectives.push_back(to_j(c));
+  json history = json::array();
+  for (const auto& h : a.history) history.push_back(to_j(h));
   return {{"name", a.name},
           {"role", a.role},
           {"rank", a.rank},
@@ -44,8 +54,17 @@ json to_j(const actor_state& a) {
           {"bytes_sent", a.bytes_sent},
           {"bytes_received", a.bytes_received},
           {"uptime_s", number(a.uptime_s)},
-          {"metrics", metrics},
-          {"collectives", collectives}};
+          {"metrics", to_j(a.metrics)},
+          {"collectives", collectives},
+          {"history", history}};
+}
+
+json to_j(const membership_event& e) {
+  return {{"uptime_s", number(e.uptime_s)},
+          {"epoch", e.epoch},
+          {"rank", e.rank},
+          {"kind", e.kind},
+          {"detail", e.detail}};
 }
 
 json to_j(const member_state& m) {
@@ -94,6 +113,16 @@ class reader {
         out = v->get<std::uint64_t>();
       else
         fail(at(key), "expected an unsigned integer");
+    }
+  }
+  void get(const char* key, std::int64_t& out) {
+    if (const json* v = find(key)) {
+      if (v->is_number_integer() &&
+          (!v->is_number_unsigned() ||
+           v->get<std::uint64_t>() <= std::uint64_t(std::numeric_limits<std::int64_t>::max())))
+        out = v->get<std::int64_t>();
+      else
+        fail(at(key), "expected an integer");
     }
   }
   void get(const char* key, double& out) {
@@ -149,14 +178,12 @@ class reader {
 }  // namespace
 
 std::string to_json(const job_snapshot& s) {
-  json members = json::array(), actors = json::array();
+  json members = json::array(), actors = json::array(), events = json::array();
   for (const auto& m : s.members) members.push_back(to_j(m));
   for (const auto& a : s.actors) actors.push_back(to_j(a));
-  json j = {{"job", s.job},
-            {"world_size", s.world_size},
-            {"uptime_s", number(s.uptime_s)},
-            {"members", members},
-            {"actors", actors}};
+  for (const auto& e : s.events) events.push_back(to_j(e));
+  json j = {{"job", s.job},       {"world_size", s.world_size}, {"uptime_s", number(s.uptime_s)},
+            {"members", members}, {"actors", actors},           {"events", events}};
   // Names and activities come from user code: replace invalid UTF-8 instead of throwing.
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
@@ -219,7 +246,29 @@ expected<job_snapshot> snapshot_from_json(std::string_view text, const std::stri
           a.collectives.push_back(std::move(c));
         }
       }
+      if (const json* hs = r.array("history")) {
+        for (std::size_t k = 0; k < hs->size() && problem.empty(); ++k) {
+          step_sample h;
+          reader rh((*hs)[k], r.at("history[" + std::to_string(k) + "]"), &problem);
+          rh.get("step", h.step);
+          rh.get("uptime_s", h.uptime_s);
+          rh.get("values", h.values);
+          a.history.push_back(std::move(h));
+        }
+      }
       s.actors.push_back(std::move(a));
+    }
+  }
+  if (const json* es = top.array("events")) {
+    for (std::size_t i = 0; i < es->size() && problem.empty(); ++i) {
+      membership_event e;
+      reader r((*es)[i], "events[" + std::to_string(i) + "]", &problem);
+      r.get("uptime_s", e.uptime_s);
+      r.get("epoch", e.epoch);
+      r.get("rank", e.rank);
+      r.get("kind", e.kind);
+      r.get("detail", e.detail);
+      s.events.push_back(std::move(e));
     }
   }
   if (!problem.empty()) return expected<job_snapshot>::failure(source + ": " + problem);

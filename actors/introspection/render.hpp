@@ -1,5 +1,5 @@
 // Renderings of a job_snapshot: JSON (and back), Prometheus text exposition format 0.0.4, the
-// `troupe ps` / `troupe top` table and the HTML page of the HTTP endpoint. Pure functions.
+// `troupe ps` / `troupe top` table and the endpoint's HTML table (/table). Pure functions.
 #pragma once
 
 #include <cstdint>

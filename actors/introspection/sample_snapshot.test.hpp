@@ -48,6 +48,8 @@ inline job_snapshot sample_snapshot() {
       {"ucx:tp#3[0,1]", 12, "allreduce", "f32", 1024, -1, "running", 1600.0, 0.0, 2.125},
       {"ucx:tp#3[0,1]", 13, "broadcast", "f32", 16, 0, "issued", 1700.0, 0.0, 2.0},
       {"ucx:dp#0[1,2]", 4, "all_gather", "bf16", 1ull << 40, -1, "done", 10.0, 45.0, 7.5}};
+  stage.history = {{119, 3700.5, {{"loss", 2.5}, {"tokens_per_s", 15000.0}, {"bubble", 0.25}}},
+                   {120, 3701.0, {{"loss", 2.3125}, {"memory.host_bytes", 3.0 * (1 << 30)}}}};
   actor_state odd;
   odd.name = "odd \"quoted\" \\ back\nslash";
   odd.role = "user role";
@@ -59,6 +61,9 @@ inline job_snapshot sample_snapshot() {
   odd.collectives = {{"odd \"comm\"\n", 7, "send", "u8", 3, 2,
                       "failed: rank 2 lost: process exited", 5.0, 900.0, 60.0}};
   s.actors = {coord, stage, odd};
+  s.events = {{0.5, 0, 0, "joined", "rank 0 (host node-a, pid 4101) joined (1 of 3)"},
+              {1.25, 1, -1, "started", "all 3 ranks joined and connected"},
+              {3000.0, 2, 2, "lost", "rank 2 (host \"node-c\") lost: heartbeat timeout\n"}};
   return s;
 }
 
@@ -109,12 +114,28 @@ inline void check_equal(const job_snapshot& a, const job_snapshot& b) {
       CHECK(same_number(c.end_us, d.end_us));
       CHECK(same_number(c.age_s, d.age_s));
     }
+    REQUIRE(x.history.size() == y.history.size());
+    for (std::size_t k = 0; k < x.history.size(); ++k) {
+      INFO("history " << k);
+      CHECK(x.history[k].step == y.history[k].step);
+      CHECK(same_number(x.history[k].uptime_s, y.history[k].uptime_s));
+      CHECK(x.history[k].values == y.history[k].values);
+    }
     REQUIRE(x.metrics.size() == y.metrics.size());
     for (const auto& [k, v] : x.metrics) {
       INFO("metric " << k);
       REQUIRE(y.metrics.count(k) == 1);
       CHECK(same_number(v, y.metrics.at(k)));
     }
+  }
+  REQUIRE(a.events.size() == b.events.size());
+  for (std::size_t i = 0; i < a.events.size(); ++i) {
+    INFO("event " << i);
+    CHECK(same_number(a.events[i].uptime_s, b.events[i].uptime_s));
+    CHECK(a.events[i].epoch == b.events[i].epoch);
+    CHECK(a.events[i].rank == b.events[i].rank);
+    CHECK(a.events[i].kind == b.events[i].kind);
+    CHECK(a.events[i].detail == b.events[i].detail);
   }
 }
 

@@ -1,5 +1,5 @@
 // What introspection reports: plain structs, free of CAF, filled by the actors and rendered as
-// JSON, Prometheus text, `troupe ps` and `troupe top`.
+// JSON, Prometheus text, `troupe ps` and `troupe top`, and shown by the dashboard (dashboard.hpp).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +30,14 @@ struct collective_op {
   bool finished() const { return state != "issued" && state != "running"; }
 };
 
+// One finished step of a role actor, as it recorded it (role_context::record_step): the per-step
+// series of the dashboard's charts.
+struct step_sample {
+  std::int64_t step = 0;                 // 1-based: steps done when it was recorded
+  double uptime_s = 0;                   // the actor's uptime then
+  std::map<std::string, double> values;  // "loss", "tokens_per_s", "memory.host_bytes", ...
+};
+
 // The answer of one role actor to `describe`.
 struct actor_state {
   std::string name;                 // unique in the job, e.g. "stage/1" or "echo@2"
@@ -43,6 +51,7 @@ struct actor_state {
   double uptime_s = 0;
   std::map<std::string, double> metrics;   // role-specific numbers (loss, step, bytes per tier...)
   std::vector<collective_op> collectives;  // of the watched communicators, by communicator and seq
+  std::vector<step_sample> history;        // its recent steps, oldest first (a bounded ring)
 };
 
 // One member (rank process) of the job as the coordinator sees it.
@@ -54,12 +63,22 @@ struct member_state {
   double last_heartbeat_age_s = 0;
 };
 
+// A change of the job's membership as the coordinator saw it.
+struct membership_event {
+  double uptime_s = 0;      // the coordinator's uptime at the event
+  std::uint64_t epoch = 0;  // the membership epoch after it (0 while the job forms)
+  int rank = -1;            // the rank concerned; -1: the whole job
+  std::string kind;    // "joined", "started", "lost", "left", "rejoining", "rejoined", "refused"
+  std::string detail;  // the coordinator's log line
+};
+
 struct job_snapshot {
   std::string job;  // job name
   int world_size = 0;
   double uptime_s = 0;
   std::vector<member_state> members;
   std::vector<actor_state> actors;
+  std::vector<membership_event> events;  // oldest first, the most recent ones (a bounded log)
 };
 
 }  // namespace troupe::actors

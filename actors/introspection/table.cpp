@@ -389,7 +389,8 @@ std::string render_html(const job_snapshot& s, int refresh_s) {
          "pre{font-size:13px;line-height:1.3}</style></head>\n<body><h2>troupe job " +
          title + "</h2>\n<pre>" + html_escape(render_table(s, 0)) +
          "</pre>\n<h3>recent collectives</h3>\n<pre>" + html_escape(render_collectives(s, 0)) +
-         "</pre>\n<p><a href=\"/json\">json</a> &middot; <a href=\"/metrics\">metrics</a> "
+         "</pre>\n<p><a href=\"/\">dashboard</a> &middot; <a href=\"/json\">json</a> &middot; "
+         "<a href=\"/metrics\">metrics</a> "
          "&middot; refreshes every " +
          std::to_string(std::max(1, refresh_s)) + " s</p>\n</body></html>\n";
 }
