@@ -83,7 +83,7 @@ TEST_CASE("Readers within the snapshot age share one snapshot; others get a fres
   shared.limits.snapshot_max_age = std::chrono::hours(1);
   {
     http_server server(provider, shared);
-    for (const char* path : {"/json", "/metrics", "/", "/json?x=1"})
+    for (const char* path : {"/json", "/metrics", "/table", "/json?x=1"})
       REQUIRE(http_get(loopback, server.port(), path, 5s).has_value());
     CHECK(calls == 1);  // one snapshot rendered every page
     CHECK(server.snapshots_built() == 1);
@@ -174,7 +174,7 @@ TEST_CASE("Methods other than GET and HEAD get 405 naming the allowed ones, on e
     ++calls;
     return sample_snapshot();
   });
-  for (std::string path : {"/", "/json", "/metrics", "/healthz", "/nope"})
+  for (std::string path : {"/", "/table", "/json", "/metrics", "/healthz", "/nope"})
     for (std::string method :
          std::vector<std::string>{"POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "get"}) {
       INFO(method << " " << path);
@@ -195,7 +195,7 @@ TEST_CASE("A request naming a foreign Host gets 403 naming it, and nothing of th
     return sample_snapshot();
   });
   const std::string port = std::to_string(server.port());
-  for (std::string path : {"/", "/json", "/metrics"}) {
+  for (std::string path : {"/", "/table", "/json", "/metrics"}) {
     INFO(path);
     auto r =
         send_raw(server, "GET " + path + " HTTP/1.1\r\nHost: rebound.example:" + port + "\r\n\r\n");
