@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/gpu.hpp"
+#include "models/hf/bounded_json.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 #include "tensor/ops.hpp"
@@ -65,12 +66,8 @@ safetensors_file open_or_fail(const fs::path& p) {
 // Reads model.safetensors.index.json: tensor name -> shard file name.
 std::map<std::string, std::string> read_index(const fs::path& path) {
   const std::string where = "index '" + path.string() + "'";
-  json j;
-  try {
-    j = json::parse(read_text_file(path));
-  } catch (const json::exception& e) {
-    fail(where, ": not valid JSON (", e.what(), ")");
-  }
+  const json j = parse_bounded_json<json>(read_bounded_text(path, index_json_bounds),
+                                          index_json_bounds, where);
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     fail(where, ": needs an object \"weight_map\" of tensor name -> shard file");
   std::map<std::string, std::string> map;
