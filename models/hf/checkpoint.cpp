@@ -14,6 +14,7 @@
 
 #include "memory/gpu.hpp"
 #include "models/hf/bounded_json.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 #include "tensor/ops.hpp"
@@ -397,8 +398,10 @@ expected<fs::path> save_folder_atomically(
     std::error_code ec;
     fs::remove_all(*staged, ec);
     const fs::path dir = folder.has_filename() ? folder : folder.parent_path();
-    return result::failure(written.error_message() + " (the checkpoint in '" + dir.string() +
-                           "' is unchanged)");
+    const auto step = checkpoint_step(dir);
+    return result::failure(written.error_message() + " (the checkpoint in '" + dir.string() + "'" +
+                           (step ? ", step " + std::to_string(*step) + "," : std::string()) +
+                           " is unchanged)");
   }
   return as_expected([&] {
     publish_folder(folder);
