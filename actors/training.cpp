@@ -18,6 +18,7 @@
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "models/text/token_file.hpp"
@@ -92,8 +93,10 @@ std::int64_t vocab_of(const models::hf::model_config& m) {
 }
 
 // Fails now, naming the folder, rather than after the last step when a checkpoint cannot be
-// written there.
+// written there, or could not replace it without deleting files troupe did not write.
 void probe_folder(const std::string& dir) {
+  auto replaceable = models::hf::check_checkpoint_dir(dir);
+  TROUPE_CHECK(replaceable.has_value(), "checkpoint.dir: ", replaceable.error_message());
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   TROUPE_CHECK(!ec, "checkpoint.dir ", dir, ": cannot create it: ", ec.message());
@@ -272,11 +275,13 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     TROUPE_CHECK(l.step == resumed, "drive_training: the trainers resumed at different steps (",
                  resumed, " and ", l.step, ")");
   if (o.on_setup) o.on_setup(sum.ranks);
-  auto save = [&] {
+  auto save = [&](std::int64_t step) {
+    const auto held = models::hf::checkpoint_step(cfg.ckpt_dir);  // rank 0 writes it
     auto saved =
         j.ask_all<save_reply>(trainers, save_request{cfg.ckpt_dir}, std::chrono::minutes(5));
     for (auto& sv : saved)
       if (!sv.written.empty()) sum.checkpoint = sv.written;
+    if (o.on_save) o.on_save(step, cfg.ckpt_dir, held);
   };
   // A stuck collective fails on the ranks that wait for it at its deadline, with the text that
   // names the ranks: the driver waits longer than that, so its own timeout does not come first.
@@ -311,7 +316,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     sum.steps = rep.result.step;
     if (o.on_step) o.on_step(rep);
     const bool every = cfg.ckpt_every > 0 && rep.result.step % cfg.ckpt_every == 0;
-    if (!cfg.ckpt_dir.empty() && (every || s + 1 == cfg.steps)) save();
+    if (!cfg.ckpt_dir.empty() && (every || s + 1 == cfg.steps)) save(rep.result.step);
   }
   for (auto& m : j.ask_all<memory_reply>(trainers, memory_request{}, std::chrono::minutes(1)))
     sum.memory.push_back(m.line);

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,10 @@ struct training_summary {
 struct drive_options {
   std::function<void(const std::vector<std::string>& ranks)> on_setup;  // once every rank is ready
   std::function<void(const step_report&)> on_step;
+  // After each checkpoint save: the step saved, the folder, and the step it held before (if any).
+  std::function<void(std::int64_t step, const std::string& folder,
+                     std::optional<std::int64_t> held)>
+      on_save;
   std::chrono::milliseconds step_timeout{600000};
 };
 

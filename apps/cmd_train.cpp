@@ -25,6 +25,7 @@
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/run_state.hpp"
 #include "models/text/token_file.hpp"
 #include "models/trainer.hpp"
@@ -115,6 +116,14 @@ std::unique_ptr<std::FILE, int (*)(std::FILE*)> open_json(const std::string& pat
   return json;
 }
 
+// The checkpoint folder checked when the run is configured (hf::check_checkpoint_dir): the log
+// line saying what it holds, or the refusal, naming the setting.
+std::string checked_checkpoint_dir(const std::string& dir) {
+  auto line = hf::check_checkpoint_dir(dir);
+  if (!line) throw error("checkpoint.dir (--checkpoint-dir): " + line.error_message());
+  return *line;
+}
+
 // One rank of a launched job: rank 0 drives the trainer actors of every rank.
 int run_hybrid(train_cli& c, const train_config& cfg) {
   actors::role_registry roles;
@@ -142,6 +151,10 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
       bubble += r.bubble;
       wait += r.comm_wait;
       ++ran;
+    };
+    d.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
+      fmt::print("{}\n", hf::saved_line(dir, step, held));
+      std::fflush(stdout);
     };
     auto sum = actors::drive_training(n, cfg, d);
     fmt::print(
@@ -179,11 +192,20 @@ int run_train(train_cli& c) {
   c.sample.seed = cfg.seed;
   if (c.threads > 0) parallel::set_num_threads(c.threads);
   // Started by a launcher (troupe launch, Slurm, torchrun): one rank of a hybrid-parallel run.
-  if (actors::join_info_from_env().has_value() && !cfg.tiers()) return run_hybrid(c, cfg);
+  // Rank 0 writes the checkpoints: it checks their folder before it joins, so that a refusal
+  // ends the job at once.
+  if (auto join = actors::join_info_from_env(); join.has_value() && !cfg.tiers()) {
+    if (join->rank == 0 && !cfg.ckpt_dir.empty())
+      fmt::print("{}\n", checked_checkpoint_dir(cfg.ckpt_dir));
+    return run_hybrid(c, cfg);
+  }
   TROUPE_CHECK(cfg.plan.world_size() == 1,
                "parallel.dp x parallel.pp x parallel.tp = ", cfg.plan.world_size(),
                " ranks: start them with `troupe launch -n ", cfg.plan.world_size(),
                " -- troupe train ...`");
+  // Before any work: a checkpoint folder a save could not replace without deleting the user's
+  // files is refused now, not after the last step.
+  if (!cfg.ckpt_dir.empty()) fmt::print("{}\n", checked_checkpoint_dir(cfg.ckpt_dir));
 
   // The model: resumed, loaded from an HF folder, or a named size from scratch.
   std::string from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
@@ -255,8 +277,11 @@ int run_train(train_cli& c) {
     tokens += r.tokens;
     bar.report(r);
     bool at_interval = cfg.ckpt_every > 0 && r.step % cfg.ckpt_every == 0;
-    if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps))
+    if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps)) {
+      const auto held = hf::checkpoint_step(cfg.ckpt_dir);
       tr.save(cfg.ckpt_dir, mcfg).value();
+      fmt::print("{}\n", hf::saved_line(cfg.ckpt_dir, r.step, held));
+    }
   }
   fmt::print(
       "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "

@@ -16,6 +16,7 @@
 #include "memory/error.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/offload/offload_trainer.hpp"
 #include "models/run_state.hpp"
 #include "tensor/parallel.hpp"
@@ -134,8 +135,10 @@ int train_loop(const train_config& cfg, const models::hf::model_config& mcfg,
                  tr.replaced() ? " (chunks moved)" : " (unchanged)");
     const bool at_interval = cfg.ckpt_every > 0 && r.step % cfg.ckpt_every == 0;
     if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps)) {
+      const auto held = models::hf::checkpoint_step(cfg.ckpt_dir);
       tr.save(cfg.ckpt_dir, mcfg, staging).value();
       saved = r.step;
+      fmt::print("{}\n", models::hf::saved_line(cfg.ckpt_dir, r.step, held));
     }
   }
   fmt::print("trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}\n",

@@ -3,9 +3,39 @@
 
 #include <cstdio>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "apps/commands.hpp"
+
+namespace {
+
+// The first argument before "--" that looks like a flag but is none of its (sub)command's. CLI11
+// may report other arguments instead: `troupe launch --nprocz 2 -- prog` takes "--nprocz" for a
+// value and names only "prog", after "--". Empty when every flag is known.
+std::string unknown_flag(CLI::App& app, int argc, char** argv) {
+  CLI::App* at = &app;
+  int i = 1;
+  for (; i < argc; ++i) {  // down the subcommands named first ("bench p2p ...")
+    CLI::App* sub = nullptr;
+    try {
+      sub = at->get_subcommand(argv[i]);
+    } catch (const CLI::OptionNotFound&) {
+      break;
+    }
+    at = sub;
+  }
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-' || (a[1] >= '0' && a[1] <= '9') || a[1] == '.') continue;
+    if (const auto eq = a.find('='); eq != std::string::npos) a.resize(eq);
+    if (at->get_option_no_throw(a) == nullptr && app.get_option_no_throw(a) == nullptr) return a;
+  }
+  return "";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"troupe: train transformer models across many devices, on actors"};
@@ -27,6 +57,11 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() != 0)  // not --help or --version
+      if (const std::string flag = unknown_flag(app, argc, argv); !flag.empty()) {
+        std::fprintf(stderr, "troupe: unknown flag '%s' (--help lists the flags)\n", flag.c_str());
+        return e.get_exit_code();
+      }
     return app.exit(e);
   }
   try {

@@ -2,13 +2,79 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <sstream>
 
 namespace troupe::models {
 namespace {
+
+constexpr std::uintmax_t max_job_file_bytes = 1 << 20;
+
+// toml++ makes a table of every part of a dotted key ([a.b.c], a.b.c = 1) and frees them
+// recursively: a key of 100000 parts (200 KB) overflows the stack. A job file's keys have two
+// parts ("section.key"); a text with a key of more parts than this is refused before parsing.
+constexpr std::size_t max_key_parts = 16;
+
+// The most parts of a dotted key in TOML text: runs of bare parts (letters, digits, '_', '-', '+')
+// and quoted ones joined by dots, outside strings and comments. A value chains at most two parts
+// (1.5, 1e-3), so the count is an upper bound on the depth of tables a key makes.
+std::size_t longest_dotted_key(std::string_view t) {
+  std::size_t best = 1, dots = 0;
+  bool last_part = false, after_dot = false;
+  auto bare = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '+';
+  };
+  auto begin_part = [&] {
+    if (!after_dot) dots = 0;
+    after_dot = false;
+    last_part = true;
+  };
+  std::size_t i = 0;
+  while (i < t.size()) {
+    const char c = t[i];
+    if (c == ' ' || c == '\t') {
+      ++i;
+    } else if (c == '.') {
+      if (last_part) {
+        best = std::max(best, ++dots + 1);
+        after_dot = true;
+      } else {
+        dots = 0;
+        after_dot = false;
+      }
+      last_part = false;
+      ++i;
+    } else if (bare(c)) {
+      begin_part();
+      while (i < t.size() && bare(t[i])) ++i;
+    } else if (c == '"' || c == '\'') {
+      begin_part();
+      const std::string_view triple = c == '"' ? "\"\"\"" : "'''";
+      if (t.substr(i, 3) == triple) {  // a multi-line string
+        const auto end = t.find(triple, i + 3);
+        i = end == std::string_view::npos ? t.size() : end + 3;
+      } else {
+        for (++i; i < t.size() && t[i] != c && t[i] != '\n'; ++i)
+          if (c == '"' && t[i] == '\\') ++i;  // an escaped character
+        ++i;
+      }
+    } else {
+      if (c == '#')
+        while (i < t.size() && t[i] != '\n') ++i;
+      dots = 0;
+      last_part = after_dot = false;
+      ++i;
+    }
+  }
+  return best;
+}
 
 // One setter per "section.key", reading a toml node into a field of train_config.
 using setter = std::function<void(train_config&, const toml::node&, const std::string& where)>;
@@ -278,14 +344,27 @@ expected<train_config> parse_failure(const std::string& origin, const toml::pars
 }  // namespace
 
 expected<train_config> load_train_config(const std::string& path) {
-  try {
-    return from_table(toml::parse_file(path), path);
-  } catch (const toml::parse_error& e) {
-    return parse_failure(path, e);
-  }
+  // A job file is a few lines: one over the bound is refused unread.
+  std::error_code ec;
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (!ec && size > max_job_file_bytes)
+    return expected<train_config>::failure(path + ": " + std::to_string(size) +
+                                           " bytes, more than the 1 MiB bound for a job file " +
+                                           "(refused unread)");
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    return expected<train_config>::failure(path + ": cannot open it: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return expected<train_config>::failure(path + ": cannot read it");
+  return parse_train_config(text.str(), path);
 }
 
 expected<train_config> parse_train_config(std::string_view text, const std::string& origin) {
+  if (const std::size_t parts = longest_dotted_key(text); parts > max_key_parts)
+    return expected<train_config>::failure(
+        origin + ": a dotted key of " + std::to_string(parts) + " parts, more than the " +
+        std::to_string(max_key_parts) + " a job file may have (refused unparsed)");
   try {
     return from_table(toml::parse(text, origin), origin);
   } catch (const toml::parse_error& e) {

@@ -83,7 +83,8 @@ struct train_config {
 };
 
 // Reads a TOML job file over the defaults; unknown sections or keys, wrong types and bad values
-// are errors naming the file and "section.key".
+// are errors naming the file and "section.key". A file over 1 MiB is refused unread (toml++
+// bounds the nesting of inline arrays and tables itself, at 256).
 expected<train_config> load_train_config(const std::string& path);
 // The same from TOML text; errors name `origin` as they would name the file.
 expected<train_config> parse_train_config(std::string_view text, const std::string& origin);

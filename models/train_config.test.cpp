@@ -50,7 +50,7 @@ every = 5
   std::remove(path.c_str());
 }
 
-TEST_CASE("job file mistakes are errors naming the file and the key") {
+TEST_CASE("job file mistakes are errors naming the file and the key", "[faults]") {
   struct bad_case {
     const char* text;
     const char* says;
@@ -62,14 +62,50 @@ TEST_CASE("job file mistakes are errors naming the file and the key") {
         bad_case{"[optim]\nbeta2 = 1.5\n", "optim.beta2 must be in [0, 1)"},
         bad_case{"[train]\nrecompute = \"yes\"\n", "train.recompute must be true or false"},
         bad_case{"[checkpoint]\nevery = 5\n", "checkpoint.every needs checkpoint.dir"},
-        bad_case{"steps = 3\n", "'steps' must be a [section]"}, bad_case{"[train\n", ".toml:"}}) {
+        bad_case{"steps = 3\n", "'steps' must be a [section]"}, bad_case{"[train\n", ".toml:"},
+        bad_case{"[train]\nsteps = 3\nbatch = = 4\n", ".toml:3:"},
+        bad_case{"[train]\nsteps = 3\nsteps = 4\n", ".toml:3:"}}) {
     auto path = write_job(text);
     auto c = load_train_config(path);
     INFO(text);
     REQUIRE(!c.has_value());
     CHECK_THAT(c.error_message(), Catch::Contains(says) && Catch::Contains(path));
+    std::printf("faults: job file %s -> refused: %s\n", says, c.error_message().c_str());
     std::remove(path.c_str());
   }
+  // A job file is small: one over the bound (1 MiB) is refused before it is parsed.
+  auto huge = write_job("[train]\nsteps = 3\n# " + std::string(std::size_t{2} << 20, 'x') + "\n");
+  auto c = load_train_config(huge);
+  REQUIRE(!c.has_value());
+  CHECK_THAT(c.error_message(),
+             Catch::Contains(huge) && Catch::Contains("more than the 1 MiB bound for a job file"));
+  std::printf("faults: job file of 2 MiB -> refused: %s\n", c.error_message().c_str());
+  std::remove(huge.c_str());
+  // A dotted key of 100000 parts (toml++ would build, then free recursively, 100000 nested tables
+  // and overflow the stack) is refused before parsing, in a header or in an inline table; keys
+  // and values of a real job file are far from the bound.
+  std::string parts = "a";
+  for (int i = 0; i < 100000; ++i) parts += ".a";
+  for (const std::string& text :
+       {"[" + parts + "]\nx = 1\n", "[train]\nx = {" + parts + " = 1}\n"}) {
+    auto deep = write_job(text);
+    auto d = load_train_config(deep);
+    REQUIRE(!d.has_value());
+    CHECK_THAT(
+        d.error_message(),
+        Catch::Contains(deep) && Catch::Contains("a dotted key of 100001 parts, more than the 16"));
+    std::printf("faults: job file with a dotted key of 100001 parts -> refused: %s\n",
+                d.error_message().c_str());
+    std::remove(deep.c_str());
+  }
+  auto fine = write_job(
+      "# a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r (a comment)\n[model]\nhf = "
+      "\"/m/a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q\"\n"
+      "[optim]\nlr = 1.5e-2\n");
+  auto fine_config = load_train_config(fine);
+  INFO((fine_config.has_value() ? std::string() : fine_config.error_message()));
+  CHECK(fine_config.has_value());
+  std::remove(fine.c_str());
   auto missing = load_train_config("/no/such/job.toml");
   REQUIRE(!missing.has_value());
   CHECK_THAT(missing.error_message(), Catch::Contains("/no/such/job.toml"));

@@ -22,6 +22,7 @@ namespace {
 using json = nlohmann::json;
 
 constexpr std::size_t max_entry_bytes = 64 * 1024;
+constexpr int max_entry_depth = 8;
 
 std::string errno_text() {
   return std::strerror(errno);
@@ -108,7 +109,21 @@ bool read_file(const std::string& path, std::string& out, std::string& problem) 
 
 bool parse_entry(const std::string& path, const std::string& text, job_entry& e,
                  std::string& problem) {
-  json j = json::parse(text, nullptr, false);
+  // An entry is a flat object: anything nested deeper than max_entry_depth is refused before it
+  // is built (the size is bounded by read_file).
+  bool too_deep = false;
+  json::parser_callback_t depth_bound = [&](int depth, json::parse_event_t ev, json&) {
+    if ((ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start) &&
+        depth + 1 > max_entry_depth)
+      too_deep = true;
+    return !too_deep;  // false: the deeper container is dropped, not built
+  };
+  json j = json::parse(text, depth_bound, false);
+  if (too_deep) {
+    problem = path + ": nested deeper than " + std::to_string(max_entry_depth) +
+              " levels, the bound for a job registry entry";
+    return false;
+  }
   if (j.is_discarded() || !j.is_object()) {
     problem = path + ": not a JSON object (corrupt registry entry)";
     return false;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -116,6 +117,31 @@ TEST_CASE("A corrupt registry file is reported by name and skipped", "[introspec
   CHECK_THAT(problems[1], Catch::Contains((jobs_dir / "renamed.json").string()));
   CHECK_THAT(problems[2],
              Catch::Contains((jobs_dir / "typed.json").string()) && Catch::Contains("endpoint"));
+}
+
+// The bounds on a registry entry (job_registry.cpp): 64 KiB, nesting 8 levels. An entry over
+// either is reported by name and skipped, and the good entry beside it is still listed.
+TEST_CASE("A registry entry nested too deep or too large is refused by name",
+          "[introspection][faults]") {
+  temp_run_dir tmp;
+  register_job({"good", "127.0.0.1:1", ::getpid(), 0});
+  const fs::path jobs_dir = tmp.dir / "jobs";
+  const std::string deep = std::string(9, '[') + std::string(9, ']');
+  std::ofstream(jobs_dir / "deep.json")
+      << R"({"job": "deep", "endpoint": "h:1", "pid": 1, "started": 0, "x": )" << deep << "}";
+  std::ofstream(jobs_dir / "huge.json")
+      << R"({"job": "huge", "endpoint": ")" << std::string(70 * 1024, 'a') << R"("})";
+  std::vector<std::string> problems;
+  auto jobs = list_jobs(problems);
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].job == "good");
+  REQUIRE(problems.size() == 2);
+  CHECK_THAT(problems[0], Catch::Contains((jobs_dir / "deep.json").string()) &&
+                              Catch::Contains("nested deeper than 8 levels"));
+  CHECK_THAT(problems[1],
+             Catch::Contains((jobs_dir / "huge.json").string()) && Catch::Contains("larger than"));
+  std::printf("faults: job registry entry nested 10 deep -> refused: %s\n", problems[0].c_str());
+  std::printf("faults: job registry entry of 70 KiB -> refused: %s\n", problems[1].c_str());
 }
 
 TEST_CASE("Job names that are not plain file names are refused", "[introspection]") {

@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/gpu.hpp"
+#include "models/hf/bounded_json.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 #include "tensor/ops.hpp"
@@ -65,12 +67,8 @@ safetensors_file open_or_fail(const fs::path& p) {
 // Reads model.safetensors.index.json: tensor name -> shard file name.
 std::map<std::string, std::string> read_index(const fs::path& path) {
   const std::string where = "index '" + path.string() + "'";
-  json j;
-  try {
-    j = json::parse(read_text_file(path));
-  } catch (const json::exception& e) {
-    fail(where, ": not valid JSON (", e.what(), ")");
-  }
+  const json j = parse_bounded_json<json>(read_bounded_text(path, index_json_bounds),
+                                          index_json_bounds, where);
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     fail(where, ": needs an object \"weight_map\" of tensor name -> shard file");
   std::map<std::string, std::string> map;
@@ -400,8 +398,10 @@ expected<fs::path> save_folder_atomically(
     std::error_code ec;
     fs::remove_all(*staged, ec);
     const fs::path dir = folder.has_filename() ? folder : folder.parent_path();
-    return result::failure(written.error_message() + " (the checkpoint in '" + dir.string() +
-                           "' is unchanged)");
+    const auto step = checkpoint_step(dir);
+    return result::failure(written.error_message() + " (the checkpoint in '" + dir.string() + "'" +
+                           (step ? ", step " + std::to_string(*step) + "," : std::string()) +
+                           " is unchanged)");
   }
   return as_expected([&] {
     publish_folder(folder);

@@ -101,7 +101,9 @@ class checkpoint_writer {
 // stage_folder in file_io.hpp; its files must be committed, i.e. synced, as atomic_file does);
 // only when it succeeds does the new folder replace `folder` (publish_folder: one synced swap,
 // then the previous one is removed). A failed write (a full disk, an I/O error) leaves `folder`
-// exactly as it was and removes the partial one; the error says so. Returns `folder`.
+// exactly as it was and removes the partial one; the error says so (and the step the folder
+// holds). A `folder` that is neither empty nor a troupe checkpoint is refused before anything is
+// written, naming it and its files (checkpoint_folder.hpp). Returns `folder`.
 expected<std::filesystem::path> save_folder_atomically(
     const std::filesystem::path& folder,
     const std::function<expected<std::filesystem::path>(const std::filesystem::path& staging)>&

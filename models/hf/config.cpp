@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/hf/bounded_json.hpp"
 #include "models/hf/file_io.hpp"
 
 namespace troupe::models::hf {
@@ -157,12 +158,7 @@ json source_object(const std::string& source) {
 expected<model_config> parse_config(std::string_view text, std::string_view origin) {
   return as_expected([&]() -> model_config {
     const std::string where = "config '" + std::string(origin) + "'";
-    json j;
-    try {
-      j = json::parse(text);
-    } catch (const json::exception& e) {
-      fail(where, ": not valid JSON (", e.what(), ")");
-    }
+    const json j = parse_bounded_json<json>(text, config_json_bounds, where);
     if (!j.is_object()) fail(where, ": not a JSON object");
     field_reader r(j, where);
     const std::string type = r.string("model_type", "");
@@ -177,7 +173,7 @@ expected<model_config> read_config(const fs::path& path) {
   fs::path file = fs::is_directory(path) ? path / "config.json" : path;
   std::string text;
   try {
-    text = read_text_file(file);
+    text = read_bounded_text(file, config_json_bounds);
   } catch (const troupe::error& e) {
     return expected<model_config>::failure(e.what() + interrupted_save_note(path));
   }

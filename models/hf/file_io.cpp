@@ -1,6 +1,8 @@
 // Memory maps and atomic writes (see file_io.hpp).
 #include "models/hf/file_io.hpp"
 
+#include "models/hf/checkpoint_folder.hpp"
+
 #include <fcntl.h>
 #include <stdio.h>  // renameat2
 #include <sys/mman.h>
@@ -204,20 +206,36 @@ fs::path staging_folder(const fs::path& folder) {
   return with_suffix(folder, ".partial");
 }
 
+fs::path old_folder(const fs::path& folder) {
+  return with_suffix(folder, ".old");
+}
+
 fs::path stage_folder(const fs::path& folder) {
   const fs::path dir = plain(folder), staged = staging_folder(folder);
+  // Nothing is removed or replaced that troupe did not write (checkpoint_folder.hpp).
+  check_replaceable(dir, "checkpoint folder");
+  check_replaceable(staged, "the folder a checkpoint save writes first");
+  check_replaceable(old_folder(folder), "the folder a checkpoint save moves the previous one to");
   create_directories_synced(parent_of(dir));
   std::error_code ec;
   fs::remove_all(staged, ec);
   if (ec) fail("cannot empty '", staged.string(), "': ", ec.message());
   fs::create_directory(staged, ec);
   if (ec) fail("cannot create folder '", staged.string(), "': ", ec.message());
+  write_checkpoint_marker(staged);  // first: a save cut off from here on is recognised as ours
   return staged;
 }
 
 void publish_folder(const fs::path& folder, bool one_rename) {
   const fs::path dir = plain(folder), staged = staging_folder(folder);
-  const fs::path old = with_suffix(folder, ".old"), parent = parent_of(dir);
+  const fs::path old = old_folder(folder), parent = parent_of(dir);
+  // Checked again: the folder may have changed since the save began (hours, for a large model).
+  try {
+    check_replaceable(dir, "checkpoint folder");
+    check_replaceable(old, "the folder a checkpoint save moves the previous one to");
+  } catch (const troupe::error& e) {
+    fail(e.what(), " (the new checkpoint is in '", staged.string(), "')");
+  }
   sync_directory(staged);
   std::error_code ec;
   const bool had = fs::exists(dir, ec);
@@ -246,16 +264,20 @@ void publish_folder(const fs::path& folder, bool one_rename) {
   }
   sync_directory(parent);  // the new `folder` is durable before the previous one goes
   if (swapped) fs::remove_all(staged, ec);  // the previous one, now under `.partial`
-  fs::remove_all(old, ec);  // also one an earlier save cut off between its renames left
+  // The previous one moved there, or one an earlier save cut off between its renames left
+  // (checked above; checked again as the remove is the one step that deletes).
+  if (survey_folder(old).replaceable()) fs::remove_all(old, ec);
 }
 
 std::string interrupted_save_note(const fs::path& folder) {
-  const fs::path dir = plain(folder), old = with_suffix(folder, ".old");
+  const fs::path dir = plain(folder), old = old_folder(folder);
   std::error_code ec;
   if (fs::exists(dir, ec) || !fs::is_directory(old, ec)) return "";
+  const auto step = checkpoint_step(old);
   return " ('" + dir.string() + "' is missing but '" + old.string() +
          "' is there: a save was cut off while it replaced the checkpoint, and '" + old.string() +
-         "' is the previous one, complete; rename it to '" + dir.string() + "' to resume from it)";
+         "' is the previous one" + (step ? ", step " + std::to_string(*step) : std::string()) +
+         ", complete; rename it to '" + dir.string() + "' to resume from it)";
 }
 
 }  // namespace troupe::models::hf

@@ -107,7 +107,12 @@ void sync_directory(const std::filesystem::path& dir);
 //                           between the two renames leaves only `<folder>.old` (complete), which
 //                           interrupted_save_note names.
 // Both throw troupe::error naming the folder; a failed publish leaves `folder` as it was.
+// Neither removes or replaces a folder troupe did not write: stage_folder first checks `folder`,
+// `<folder>.partial` and `<folder>.old` (checkpoint_folder.hpp: each absent, empty or a troupe
+// checkpoint with nothing else in it) and writes the marker into the new `<folder>.partial`;
+// publish_folder checks `folder` and `<folder>.old` again before it swaps.
 std::filesystem::path staging_folder(const std::filesystem::path& folder);  // `<folder>.partial`
+std::filesystem::path old_folder(const std::filesystem::path& folder);      // `<folder>.old`
 std::filesystem::path stage_folder(const std::filesystem::path& folder);
 // one_rename = false takes the two renames even where the exchange works (for tests).
 void publish_folder(const std::filesystem::path& folder, bool one_rename = true);

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/gpu.hpp"
+#include "models/hf/bounded_json.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models::hf {
@@ -102,6 +103,8 @@ void safetensors_file::parse() {
   std::set<std::string> seen;
   std::string duplicate;
   json::parser_callback_t on_event = [&](int depth, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start)
+      check_json_depth(depth + 1, safetensors_header_bounds, file);  // throws troupe::error
     if (ev == json::parse_event_t::key && depth == 1 &&
         !seen.insert(parsed.get<std::string>()).second)
       duplicate = parsed.get<std::string>();

@@ -2,6 +2,7 @@
 // file the reader must reject (with the file and tensor named), and atomic writes.
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -147,8 +148,14 @@ TEST_CASE("read_into converts dtypes and transposes", "[cpu]") {
   for (int k = 0; k < 4; ++k) CHECK(h.data_as<float>()[k] == static_cast<float>(k % 13 - 6) / 4);
 }
 
-TEST_CASE("Malformed safetensors files are rejected naming the file and the tensor", "[cpu]") {
+TEST_CASE("Malformed safetensors files are rejected naming the file and the tensor",
+          "[cpu][faults]") {
   temp_dir dir;
+  // The fault matrix's line for a case (ctest -L faults).
+  auto refused = [](const char* what, std::string message) {
+    std::printf("faults: safetensors %s -> refused: %s\n", what, message.c_str());
+    return message;
+  };
   const fs::path p = dir / "bad.safetensors";
   auto with_header = [&](const std::string& header, std::size_t data_bytes = 20) {
     write_bytes(p, raw_safetensors(header, std::string(data_bytes, '\x01')));
@@ -160,7 +167,8 @@ TEST_CASE("Malformed safetensors files are rejected naming the file and the tens
 
   SECTION("a file shorter than the header length") {
     write_bytes(p, "abc");
-    CHECK_THAT(open_error(p), Contains("shorter than the 8-byte header length"));
+    CHECK_THAT(refused("of 3 bytes", open_error(p)),
+               Contains("shorter than the 8-byte header length"));
     write_bytes(p, "");
     CHECK_THAT(open_error(p), Contains("0 bytes"));
   }
@@ -168,10 +176,12 @@ TEST_CASE("Malformed safetensors files are rejected naming the file and the tens
     std::string bytes = two_tensors(good_header);
     bytes[5] = '\x01';  // a header of about a terabyte
     write_bytes(p, bytes);
-    CHECK_THAT(open_error(p), Contains("runs past the end of the file"));
+    CHECK_THAT(refused("header length past the end", open_error(p)),
+               Contains("runs past the end of the file"));
   }
   SECTION("a header that is not JSON") {
-    CHECK_THAT(with_header(R"({"a": {"dtype": "F32",)"), Contains("not valid JSON"));
+    CHECK_THAT(refused("corrupt header", with_header(R"({"a": {"dtype": "F32",)")),
+               Contains("not valid JSON"));
   }
   SECTION("a header that is not an object") {
     CHECK_THAT(with_header("[1, 2, 3]"), Contains("not a JSON object"));
@@ -179,7 +189,7 @@ TEST_CASE("Malformed safetensors files are rejected naming the file and the tens
   SECTION("an unknown dtype") {
     std::string h = good_header;
     h.replace(h.find("F32"), 3, "F8_E4M3");
-    CHECK_THAT(with_header(h),
+    CHECK_THAT(refused("unknown dtype", with_header(h)),
                Contains("tensor 'a'") && Contains("unknown or unsupported dtype 'F8_E4M3'"));
   }
   SECTION("a shape that does not match the byte span") {
@@ -195,7 +205,8 @@ TEST_CASE("Malformed safetensors files are rejected naming the file and the tens
   SECTION("a truncated file") {
     std::string bytes = two_tensors(good_header);
     write_bytes(p, bytes.substr(0, bytes.size() - 3));
-    CHECK_THAT(open_error(p), Contains("tensor 'b'") && Contains("truncated"));
+    CHECK_THAT(refused("truncated by 3 bytes", open_error(p)),
+               Contains("tensor 'b'") && Contains("truncated"));
   }
   SECTION("overlapping tensors") {
     const std::string h = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"

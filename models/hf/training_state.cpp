@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/hf/bounded_json.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/safetensors.hpp"
 
@@ -124,12 +125,8 @@ expected<training_state_file> training_state_file::open(const fs::path& folder,
         fail(in_quotes((folder / name).string()), ": cannot open it (no such file): not a ",
              "checkpoint to resume from; a folder of weights only starts a run with model.hf ",
              "(--model-hf)", interrupted_save_note(folder));
-    json j;
-    try {
-      j = json::parse(read_text_file(state_path));
-    } catch (const json::exception& e) {
-      fail(where, ": not valid JSON (", e.what(), ")");
-    }
+    const json j = parse_bounded_json<json>(read_bounded_text(state_path, trainer_state_bounds),
+                                            trainer_state_bounds, where);
     if (!j.is_object()) fail(where, ": not a JSON object");
     if (!j.contains("format") || j["format"] != format_name)
       fail(where, ": field 'format' must be \"", format_name, "\"");

@@ -260,7 +260,8 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   };
   auto agree = [&] { agree_on_failure(failed, *I.g.dp, *I.g.mp, what); };
   // The writer streams the files into `<folder>.partial`, put in place once every byte is there
-  // (hf::publish_folder); a failed save removes it and leaves `folder` as it was.
+  // (hf::publish_folder); a failed save removes it (a failed publish keeps it and names it) and
+  // leaves `folder` as it was.
   staged_folder staged;
   std::unique_ptr<hf::checkpoint_writer> weights;
   std::unique_ptr<hf::training_state_writer> moments;
@@ -329,8 +330,8 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
       hf::write_text_file_atomically(staged.dir / "troupe_parallel.json",
                                      fmt::format("{{\"step\": {}, \"plan\": \"{}\"}}\n", st.step,
                                                  scheduler::describe(I.cfg.plan)));
+      staged.published = true;  // from here on kept: a failed publish names it as the new one
       hf::publish_folder(folder);
-      staged.published = true;
     });
   agree();
   return writer ? folder.string() : std::string();

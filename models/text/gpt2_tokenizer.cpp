@@ -13,6 +13,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "models/hf/bounded_json.hpp"
 #include "models/text/gpt2_pretokenize.hpp"
 #include "models/text/tokenizer.hpp"
 #include "models/text/unicode.hpp"
@@ -96,9 +97,9 @@ class gpt2_tokenizer final : public tokenizer {
   void load_vocab(const fs::path& path) {
     nlohmann::json vocab;
     try {
-      vocab = nlohmann::json::parse(read_file(path));
-    } catch (const nlohmann::json::exception& e) {
-      TROUPE_FAIL("gpt2 tokenizer: ", path.string(), " is not valid JSON: ", e.what());
+      vocab = hf::read_bounded_json(path, hf::vocab_json_bounds);
+    } catch (const error& e) {
+      TROUPE_FAIL("gpt2 tokenizer: ", e.what());
     }
     TROUPE_CHECK(vocab.is_object() && !vocab.empty(), "gpt2 tokenizer: ", path.string(),
                  " must be a non-empty JSON object of token -> id");

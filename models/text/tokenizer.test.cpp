@@ -214,7 +214,7 @@ TEST_CASE("Tokenizer errors name the spec or file at fault", "[cpu]") {
   d.write("merges.txt", "#version: 0.2\na b\n");
   r = load_tokenizer(spec);
   REQUIRE(!r.has_value());
-  CHECK_THAT(r.error_message(), Catch::Contains("vocab.json is not valid JSON"));
+  CHECK_THAT(r.error_message(), Catch::Contains("vocab.json': not valid JSON"));
 
   d.write("vocab.json", "{\"a\": 0, \"b\": \"one\"}");
   CHECK_THAT(load_tokenizer(spec).error_message(),
