@@ -16,6 +16,7 @@
 #include <string>
 
 #include "actors/introspection/snapshot.hpp"
+#include "actors/tls.hpp"
 
 namespace troupe::actors {
 
@@ -26,7 +27,8 @@ struct coordinator_options {
   std::string bind = "127.0.0.1";                     // listen address
   std::uint16_t port = 0;                             // 0: any free port
   std::chrono::milliseconds heartbeat_timeout{3000};  // heartbeats go every timeout / 4
-  bool serve_http = true;                             // the introspection endpoint
+  tls_options tls;         // enabled: ranks join over TLS only (checked by the caller: check_tls)
+  bool serve_http = true;  // the introspection endpoint
   std::string http_bind = "127.0.0.1";
   std::uint16_t http_port = 0;
   bool register_job = true;  // announce the endpoint to `troupe ps` (needs serve_http)
