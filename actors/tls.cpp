@@ -2,7 +2,10 @@
 // fail each handshake, or prompt on the terminal for an encrypted key's passphrase).
 #include "actors/tls.hpp"
 
+#include <openssl/bio.h>
 #include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <unistd.h>
@@ -84,11 +87,17 @@ void check_tls(const tls_options& t, tls_source source) {
   SSL_CTX_set_default_passwd_cb(ctx.get(), no_passphrase);
   if (SSL_CTX_use_certificate_chain_file(ctx.get(), t.cert.c_str()) != 1)
     TROUPE_FAIL(cert, " ", t.cert, ": not a usable PEM certificate: ", openssl_errors());
-  if (SSL_CTX_use_PrivateKey_file(ctx.get(), t.key.c_str(), SSL_FILETYPE_PEM) != 1)
+  // Read apart from the certificate, so that a key of another certificate is named as such.
+  std::unique_ptr<BIO, decltype(&BIO_free)> kb(BIO_new_file(t.key.c_str(), "r"), BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      kb ? PEM_read_bio_PrivateKey(kb.get(), nullptr, no_passphrase, nullptr) : nullptr,
+      EVP_PKEY_free);
+  if (!pkey)
     TROUPE_FAIL(key, " ", t.key,
                 ": not a usable unencrypted PEM private key (passphrases are not supported): ",
                 openssl_errors());
-  if (SSL_CTX_check_private_key(ctx.get()) != 1)
+  if (SSL_CTX_use_PrivateKey(ctx.get(), pkey.get()) != 1 ||
+      SSL_CTX_check_private_key(ctx.get()) != 1)
     TROUPE_FAIL(key, " ", t.key, " does not match the certificate of ", cert, " ", t.cert, ": ",
                 openssl_errors());
   const std::string& ca_file = t.ca_file();
