@@ -56,6 +56,9 @@ void fill_common(join_info& j, const env_lookup& get) {
     j.net_device = d;
   else
     j.net_device = net_device_for(j.bind);
+  if (const char* v = get("TROUPE_TLS_CERT")) j.tls.cert = v;
+  if (const char* v = get("TROUPE_TLS_KEY")) j.tls.key = v;
+  if (const char* v = get("TROUPE_TLS_CA")) j.tls.ca = v;
 }
 
 // Expands one host pattern with bracket groups ("rack[1-2]-n[01-02]") into `out`.

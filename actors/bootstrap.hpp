@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "actors/tls.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::actors {
@@ -27,7 +28,8 @@ struct join_info {
   std::string coordinator_bind;
   std::string bind = "127.0.0.1";  // the address this rank's own listener binds to
   std::string net_device;          // the UCX network device ("lo", "eth0"; empty: UCX's choice)
-  std::string source;              // "troupe launch", "slurm", "torchrun" or "options"
+  tls_options tls;     // TROUPE_TLS_CERT / _KEY / _CA: the control plane over TLS (actors/tls.hpp)
+  std::string source;  // "troupe launch", "slurm", "torchrun" or "options"
 };
 
 // Reads the environment through `get` (getenv by default). A failure names the variable.

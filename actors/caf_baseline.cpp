@@ -25,6 +25,10 @@ caf::behavior echo_actor(caf::event_based_actor*, int) {
 std::uint16_t start_raw_echo(node& n) {
   auto& I = n.internals();
   TROUPE_CHECK(I.sys, "start_raw_echo: the node is shut down");
+  // A plain listener beside TLS would carry control traffic in the clear (and CAF 0.17 breaks a
+  // second connection between two TLS-connected processes): not offered with TLS.
+  TROUPE_CHECK(!detail::uses_tls(*I.sys),
+               "start_raw_echo: the raw CAF baseline is not available in a job with TLS");
   auto echo = I.sys->spawn(echo_actor, 0);
   const bool wildcard = I.info.bind.empty() || I.info.bind == "0.0.0.0";
   auto port = I.sys->middleman().publish(echo, 0, wildcard ? nullptr : I.info.bind.c_str(), true);

@@ -632,10 +632,10 @@ coordinator::coordinator(coordinator_options options) : impl_(std::make_unique<i
       std::fflush(stderr);
     };
   impl_->opts = o;
-  impl_->cfg = detail::make_caf_config(0);
+  impl_->cfg = detail::make_caf_config(0, &o.tls);
   impl_->sys = std::make_unique<caf::actor_system>(*impl_->cfg);
   impl_->actor = impl_->sys->spawn(coordinator_actor, o, impl_->shared);
-  auto port = impl_->sys->middleman().publish(impl_->actor, o.port, o.bind.c_str(), true);
+  auto port = detail::publish_actor(*impl_->sys, impl_->actor, o.port, o.bind.c_str());
   if (!port) {
     const std::string why = impl_->sys->render(port.error());
     caf::anon_send_exit(impl_->actor, caf::exit_reason::user_shutdown);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "actors/introspection/snapshot.hpp"
+#include "actors/tls.hpp"
 
 namespace troupe::actors {
 
@@ -27,7 +28,8 @@ struct coordinator_options {
   std::string bind = "127.0.0.1";                     // listen address
   std::uint16_t port = 0;                             // 0: any free port
   std::chrono::milliseconds heartbeat_timeout{3000};  // heartbeats go every timeout / 4
-  bool serve_http = true;                             // the introspection endpoint
+  tls_options tls;         // enabled: ranks join over TLS only (checked by the caller: check_tls)
+  bool serve_http = true;  // the introspection endpoint
   std::string http_bind = "127.0.0.1";
   std::uint16_t http_port = 0;
   // Host names the endpoint answers besides loopback and http_bind ("*": any; http_server.hpp).

@@ -228,6 +228,17 @@ int launch(const launch_options& given) {
                      (h.front() == '[' || h.find(':') == std::string::npos),
                  "troupe launch: --introspection-hosts: '", h,
                  "' is not a host name (give names or addresses without a port, IPv6 in [])");
+  // TLS: refused up front, naming the flag and the file, rather than at every rank's handshake.
+  if (o.use_tls) {
+    o.tls = absolute_tls_paths(o.tls);
+    check_tls(o.tls, tls_source::flags);
+  } else {
+    TROUPE_CHECK(!o.tls.enabled(), "troupe launch: ",
+                 !o.tls.cert.empty()  ? "--tls-cert"
+                 : !o.tls.key.empty() ? "--tls-key"
+                                      : "--tls-ca",
+                 " is given without --tls: add --tls for a TLS control plane");
+  }
 
   const std::string program = resolve_program(o.command[0]);
   if (o.job.empty()) o.job = job_name_for(program);
@@ -246,6 +257,7 @@ int launch(const launch_options& given) {
     co.port = static_cast<std::uint16_t>(o.port);
     if (!o.introspection_bind.empty()) co.http_bind = o.introspection_bind;
     co.http_allowed_hosts = o.introspection_hosts;
+    if (o.use_tls) co.tls = o.tls;
     co.heartbeat_timeout =
         std::chrono::milliseconds(static_cast<std::int64_t>(o.heartbeat_timeout_s * 1000.0 + 0.5));
     if (o.quiet)
@@ -259,6 +271,7 @@ int launch(const launch_options& given) {
         (wildcard ? std::string("127.0.0.1") : bind) + ":" + std::to_string(coord->port());
     if (!o.quiet) {
       say("job " + o.job + ": coordinator on " + bind + ":" + std::to_string(coord->port()) +
+          (o.use_tls ? " (TLS)" : "") +
           (coord->http_endpoint().empty()
                ? std::string()
                : ", introspection http://" + coord->http_endpoint() + "/") +
@@ -266,7 +279,8 @@ int launch(const launch_options& given) {
       if (o.world_size > o.nprocs)
         say("other hosts join with: troupe launch -n M --coordinator " +
             (wildcard ? this_host() : bind) + ":" + std::to_string(coord->port()) +
-            " --rank-offset R --token" + (generated ? " " + o.token : "-file F") + " -- ...");
+            " --rank-offset R --token" + (generated ? " " + o.token : "-file F") +
+            (o.use_tls ? " --tls --tls-cert C --tls-key K --tls-ca A" : "") + " -- ...");
     }
   }
 
@@ -287,6 +301,11 @@ int launch(const launch_options& given) {
   base_env.push_back("TROUPE_BIND=" + bind);
   if (!net_device.empty()) base_env.push_back("TROUPE_NET_DEVICE=" + net_device);
   if (o.world_size > 0) base_env.push_back("TROUPE_WORLD_SIZE=" + std::to_string(o.world_size));
+  if (o.use_tls) {
+    base_env.push_back("TROUPE_TLS_CERT=" + o.tls.cert);
+    base_env.push_back("TROUPE_TLS_KEY=" + o.tls.key);
+    if (!o.tls.ca.empty()) base_env.push_back("TROUPE_TLS_CA=" + o.tls.ca);
+  }
   for (const auto& [k, v] : o.env) base_env.push_back(k + "=" + v);
 
   // Signals: forwarded to the ranks; the self-pipe wakes the poll loop.

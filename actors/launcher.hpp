@@ -10,13 +10,16 @@
 //          or  launch --hostfile F --bind ADDR --token-file T -- ...  on every host ("host slots=N"
 //              lines; the first host runs the coordinator, each launcher finds its own line).
 // Each rank gets TROUPE_COORDINATOR, TROUPE_TOKEN, TROUPE_RANK, TROUPE_WORLD_SIZE,
-// TROUPE_LOCAL_RANK, TROUPE_JOB, TROUPE_BIND and TROUPE_NET_DEVICE (actors/bootstrap.hpp).
+// TROUPE_LOCAL_RANK, TROUPE_JOB, TROUPE_BIND and TROUPE_NET_DEVICE (actors/bootstrap.hpp), and with
+// --tls TROUPE_TLS_CERT, TROUPE_TLS_KEY and TROUPE_TLS_CA (actors/tls.hpp).
 #pragma once
 
 #include <functional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "actors/tls.hpp"
 
 namespace troupe::actors {
 
@@ -42,6 +45,8 @@ struct launch_options {
   // names it answers besides loopback and that address ("*": any; see http_server.hpp).
   std::string introspection_bind;
   std::vector<std::string> introspection_hosts;
+  bool use_tls = false;  // the control plane over TLS with `tls` (--tls; checked up front)
+  tls_options tls;       // --tls-cert, --tls-key, --tls-ca
   std::vector<std::pair<std::string, std::string>> env;  // extra environment for every rank
   // Called with (local index, rank, pid) after each rank starts (benchmarks, tests).
   std::function<void(int, int, int)> on_start;

@@ -566,7 +566,15 @@ caf::actor node::impl::peer(int r) {
     std::lock_guard<std::mutex> l2(mu);
     m = members[r];
   }
-  auto a = sys->middleman().remote_actor(m.endpoint_host, m.endpoint_port);
+  // Over TLS only the lower rank of a pair connects: CAF 0.17's openssl module breaks a second
+  // connection between two processes already connected (requests on both, and the coordinator's,
+  // time out; a small program showed it), which plain BASP absorbs. The higher rank's messages go
+  // through the coordinator's process until the lower rank connects, then over that connection.
+  if (detail::uses_tls(*sys) && r < rank) {
+    direct[r] = m.node;
+    return direct[r];
+  }
+  auto a = detail::connect_actor(*sys, m.endpoint_host, m.endpoint_port);
   if (a) {
     direct[r] = *a;
   } else {
@@ -674,6 +682,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
     auto [chost, cport] = detail::split_endpoint(I.info.coordinator);
     if (chost.empty())
       TROUPE_FAIL(me, ": the coordinator address \"", I.info.coordinator, "\" is not host:port");
+    if (I.info.tls.enabled()) check_tls(I.info.tls, tls_source::environment);
     if (I.info.host_coordinator) {
       coordinator_options co;
       co.job = job_name_from_env();
@@ -682,24 +691,29 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
       co.bind = I.info.coordinator_bind;
       co.port = cport;
       co.heartbeat_timeout = I.opts.heartbeat_timeout;
+      co.tls = I.info.tls;
       I.hosted = std::make_unique<actors::coordinator>(co);
     }
-    I.cfg = detail::make_caf_config(I.opts.caf_threads);
+    I.cfg = detail::make_caf_config(I.opts.caf_threads, &I.info.tls);
     I.sys = std::make_unique<caf::actor_system>(*I.cfg);
     I.node_actor = I.sys->spawn(node_actor, &I);
     const char* bind = is_wildcard(I.info.bind) ? nullptr : I.info.bind.c_str();
-    auto port = I.sys->middleman().publish(I.node_actor, 0, bind, true);
+    auto port = detail::publish_actor(*I.sys, I.node_actor, 0, bind);
     if (!port)
       TROUPE_FAIL(me, ": cannot listen on ", I.info.bind, ": ", I.sys->render(port.error()));
     const std::string endpoint_host = bind ? I.info.bind : this_host();
 
     // The coordinator may start after us (Slurm, torchrun): retry until the deadline.
     for (;;) {
-      auto c = I.sys->middleman().remote_actor(chost, cport);
+      auto c = detail::connect_actor(*I.sys, chost, cport);
       if (c) {
         I.coordinator_actor = *c;
         break;
       }
+      // It listens, but the handshake failed: waiting will not help (TLS on one side only).
+      if (c.error() == caf::sec::disconnect_during_handshake)
+        TROUPE_FAIL(me, ": cannot join the coordinator at ", I.info.coordinator, ": ",
+                    I.sys->render(c.error()), detail::handshake_hint(*I.sys, c.error()));
       if (steady::now() >= deadline)
         TROUPE_FAIL(me, ": cannot reach the coordinator at ", I.info.coordinator, ": ",
                     I.sys->render(c.error()), " (tried for ", I.opts.join_timeout.count(), " ms)");

@@ -51,6 +51,14 @@ command_fn add_launch_command(CLI::App& app) {
                   "Seconds the other ranks get after one fails, before SIGTERM")
       ->default_val(30.0);
   sub->add_flag("--quiet", o->quiet, "Only errors from the launcher itself");
+  sub->add_flag("--tls", o->use_tls,
+                "Control plane (CAF) over TLS between the ranks and the coordinator; needs "
+                "--tls-cert and --tls-key");
+  sub->add_option("--tls-cert", o->tls.cert, "PEM certificate every process presents (--tls)");
+  sub->add_option("--tls-key", o->tls.key, "Its PEM private key, unencrypted (--tls)");
+  sub->add_option("--tls-ca", o->tls.ca,
+                  "PEM CA certificates peers must chain to (default: the certificate, "
+                  "self-signed)");
   sub->add_option("command", o->command, "PROGRAM ARGS (after --)")->required();
   return [sub, o, hosts]() -> int {
     if (!sub->parsed()) return -1;
