@@ -6,9 +6,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,7 +99,33 @@ const actor_state* find_actor(const job_snapshot& s, const std::string& name) {
   return nullptr;
 }
 
+// Counts events; a test waits for a count on a condition variable.
+class event_count {
+ public:
+  void operator++() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++n_;
+    cv_.notify_all();
+  }
+  // Whether the count reached `want` (false only after `limit`, a hang guard).
+  bool wait_for(int want, std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return n_ >= want; });
+  }
+  int value() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return n_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_ = 0;
+};
+
 // Polls the coordinator until `pred` holds for a snapshot (or the time is up); returns the last.
+// A poll, not a synchronisation: the snapshot has no change event, and a predicate may need time
+// to pass in the product (an operation's age); `limit` only guards against a hang.
 job_snapshot snapshot_until(coordinator& c, const std::function<bool(const job_snapshot&)>& pred,
                             std::chrono::milliseconds limit = 15s) {
   const auto end = std::chrono::steady_clock::now() + limit;
@@ -207,7 +235,7 @@ TEST_CASE("Collectives of watched communicators reach the coordinator's snapshot
   std::promise<void> driver_done;
   std::shared_future<void> done_future = driver_done.get_future().share();
   std::vector<std::unique_ptr<node>> nodes(2);
-  std::atomic<int> ready{0};
+  event_count ready;
   auto rank_main = [&](int rank) {
     node_options o;
     join_info j;
@@ -266,9 +294,9 @@ TEST_CASE("Collectives of watched communicators reach the coordinator's snapshot
     }
   } join_all{driver_done, threads, nodes};
 
-  for (int i = 0; i < 3000 && ready < 2; ++i) std::this_thread::sleep_for(10ms);
+  REQUIRE(ready.wait_for(2, 120s));  // both ranks ready, or failed
   INFO("rank 0: " << errors[0] << " rank 1: " << errors[1]);
-  REQUIRE(ready == 2);
+  REQUIRE(ready.value() == 2);
   REQUIRE(errors[0].empty());
   REQUIRE(errors[1].empty());
 
