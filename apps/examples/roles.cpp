@@ -3,8 +3,10 @@
 // (the announcement goes over CAF, the bytes over UCX) and checks it arrived intact.
 //
 //   build/apps/troupe launch -n 4 -- build/apps/examples/troupe_example_roles
-//   ... --hold 30     keeps the job up for 30 s afterwards (try `troupe ps` meanwhile)
+//   ... --hold 30     keeps the job up for 30 s afterwards (try `troupe ps` meanwhile); a SIGUSR1
+//                     to rank 0 ends the hold early
 #include <fmt/core.h>
+#include <signal.h>
 
 #include <chrono>
 #include <cstdio>
@@ -119,6 +121,7 @@ int drive(node& n, double hold_s) {
     const auto& to = workers.front();
     const std::int64_t elements = 1 << 20;
     const double sent = j.ask<double>(from, pass_tensor{to, elements}, 20s);
+    // The receiver checksums the bytes after they arrived: ask until it did (20 s at most).
     received_reply got;
     const auto deadline = std::chrono::steady_clock::now() + 20s;
     while (got.elements == 0 && std::chrono::steady_clock::now() < deadline) {
@@ -131,9 +134,22 @@ int drive(node& n, double hold_s) {
     if (!ok) return 1;
   }
   if (hold_s > 0) {
-    fmt::print("holding the job for {} s (troupe ps / troupe top)\n", hold_s);
+    fmt::print("holding the job for {} s (troupe ps / troupe top; SIGUSR1 ends it)\n", hold_s);
     std::fflush(stdout);
-    std::this_thread::sleep_for(std::chrono::duration<double>(hold_s));
+    // main() blocked SIGUSR1 in every thread: it waits here until it comes or the time is up.
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(hold_s);
+    for (auto left = until - std::chrono::steady_clock::now(); left > 0s;
+         left = until - std::chrono::steady_clock::now()) {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      const timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      if (sigtimedwait(&usr1, nullptr, &ts) == SIGUSR1) {
+        fmt::print("hold ended by SIGUSR1\n");
+        break;
+      }
+    }
   }
   return 0;
 }
@@ -145,6 +161,11 @@ int main(int argc, char** argv) {
   double hold_s = 0;
   for (int i = 1; i < argc; ++i)
     if (std::strcmp(argv[i], "--hold") == 0 && i + 1 < argc) hold_s = std::atof(argv[++i]);
+  // SIGUSR1 ends a hold (drive): blocked before any thread starts, so only sigtimedwait takes it.
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &usr1, nullptr);
   try {
     role_registry roles;
     roles.add("worker", make_worker);

@@ -77,10 +77,10 @@ double seconds_between(child_process::clock::time_point a, child_process::clock:
   return std::chrono::duration<double>(b - a).count();
 }
 
-// SIGKILL or SIGSTOP one rank of four; every survivor must see it within `bound_s`, for one of
-// `reasons` (whichever detection comes first).
-void loss_test(int sig, double heartbeat_s, double bound_s,
-               const std::vector<std::string>& reasons) {
+// SIGKILL or SIGSTOP one rank of four; every survivor must see it for one of `reasons` (whichever
+// detection comes first). The reason is what tells the detections apart, not how long they took:
+// the waits' bounds only guard against a hang, and the seconds go into the message.
+void loss_test(int sig, double heartbeat_s, const std::vector<std::string>& reasons) {
   const int victim = 2;
   child_process launcher({troupe_bin, "launch", "-n", "4", "--heartbeat-timeout",
                           std::to_string(heartbeat_s), "--grace", "20", "--job",
@@ -102,9 +102,7 @@ void loss_test(int sig, double heartbeat_s, double bound_s,
     const std::string who = "rank " + std::to_string(r) + ":";
     auto t = launcher.time_of("pending receive failed: " + who);
     REQUIRE(t);
-    const double s = seconds_between(t0, *t);
-    INFO("rank " << r << " noticed after " << s << " s");
-    CHECK(s < bound_s);
+    INFO("rank " << r << " noticed after " << seconds_between(t0, *t) << " s");
     auto lines = launcher.lines_with("pending receive failed: " + who);
     REQUIRE(!lines.empty());
     CHECK(lines.front().find("rank 2 lost") != std::string::npos);
@@ -187,7 +185,8 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so",
               .front()
               .find("pid " + std::to_string(tokenless.pid())) != std::string::npos);
   }
-  // The job still forms with the right token, later than one heartbeat timeout.
+  // The job still forms with the right token, later than one heartbeat timeout. The sleep makes
+  // that time pass (a lower bound, which holds under any load); it synchronises nothing.
   std::this_thread::sleep_for(1500ms);
   child_process rank1({worker_bin, "hold"}, {{"TROUPE_COORDINATOR", endpoint},
                                              {"TROUPE_TOKEN", "the-right-token"},
@@ -205,22 +204,31 @@ TEST_CASE("A rank with the wrong job token is refused and both sides say so",
 
 TEST_CASE("A killed rank is detected by every other rank and its pending receives fail",
           "[multirank]") {
-  // The connection drops, or the launcher reports the signal to the coordinator first.
-  loss_test(SIGKILL, 3.0, 2.5, {"connection lost", "killed by signal 9"});
+  // The connection drops, or the launcher reports the signal to the coordinator first: either comes
+  // before the heartbeat timeout, which would name "no heartbeat".
+  loss_test(SIGKILL, 3.0, {"connection lost", "killed by signal 9"});
 }
 
 TEST_CASE("A stopped rank is detected by heartbeat although its connection stays open",
           "[multirank]") {
   // Heartbeat timeout 1 s: lost after 1 s of silence, checked every 0.25 s.
-  loss_test(SIGSTOP, 1.0, 3.0, {"no heartbeat"});
+  loss_test(SIGSTOP, 1.0, {"no heartbeat"});
 }
 
 TEST_CASE("The example actor script runs and troupe ps lists every actor", "[multirank]") {
   const std::string job = job_name("ps");
+  // The job holds until the test is done with it (a SIGUSR1 to rank 0); 120 s only bounds a hang.
   child_process launcher(
-      {troupe_bin, "launch", "-n", "4", "--job", job, "--", example_bin, "--hold", "4"});
+      {troupe_bin, "launch", "-n", "4", "--job", job, "--", example_bin, "--hold", "120"});
   REQUIRE(launcher.wait_for("holding the job", 60s));
   auto [rc, out] = run_command({troupe_bin, "ps", "--job", job}, 20s);
+  int rank0 = -1;
+  for (const auto& l : launcher.lines_with("rank 0 (host "))
+    if (const auto at = l.find(", pid "); at != std::string::npos && l.find(" joined (") != l.npos)
+      rank0 = std::atoi(l.c_str() + at + 6);
+  INFO(launcher.output());
+  REQUIRE(rank0 > 0);
+  REQUIRE(::kill(rank0, SIGUSR1) == 0);
   INFO(out);
   CHECK(rc == 0);
   for (const char* name : {"coordinator", "node@0", "node@1", "node@2", "node@3", "worker@0",
@@ -233,6 +241,7 @@ TEST_CASE("The example actor script runs and troupe ps lists every actor", "[mul
   INFO(launcher.output() << stacks);
   REQUIRE(st);
   CHECK(child_process::code(*st) == 0);
+  CHECK(!launcher.lines_with("hold ended by SIGUSR1").empty());
   CHECK(!launcher.lines_with("weighted sum 40").empty());
   CHECK(!launcher.lines_with("(match)").empty());
 }
@@ -408,15 +417,13 @@ TEST_CASE("An actor script gets typed replies and errors that name the actor and
 
 TEST_CASE("A rank that exits before joining makes the others fail fast instead of waiting",
           "[multirank]") {
-  const auto t0 = child_process::clock::now();
   child_process launcher({troupe_bin, "launch", "-n", "3", "--job", job_name("early"), "--",
                           worker_bin, "early-exit"});
   auto st = launcher.wait(60s);
-  const double s = std::chrono::duration<double>(child_process::clock::now() - t0).count();
   INFO(launcher.output());
   REQUIRE(st);
   CHECK(child_process::code(*st) == 1);
-  CHECK(s < 15);
+  // Failing fast shows in the reason: a rank that waited would fail on its join timeout instead.
   for (int r : {0, 2}) {
     auto lines =
         launcher.lines_with("[rank " + std::to_string(r) + "] troupe_multirank_worker: error");

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -58,6 +59,30 @@ void fill(std::vector<std::uint8_t>& buf, int src, std::size_t size) {
     std::memcpy(buf.data() + i, &x, n);
   }
 }
+
+// Membership events as a callback sees them; a rank waits for one on a condition variable.
+struct member_events {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<member_event> got;
+  void add(const member_event& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    got.push_back(e);
+    cv.notify_all();
+  }
+  // The first event of `kind` about `rank`; nullopt after `limit` (a hang guard).
+  std::optional<member_event> wait_for(int rank, member_event::kind_t kind,
+                                       std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(mu);
+    std::optional<member_event> found;
+    cv.wait_for(lock, limit, [&] {
+      for (const auto& e : got)
+        if (e.rank == rank && e.kind == kind) found = e;
+      return found.has_value();
+    });
+    return found;
+  }
+};
 
 // Removes a membership callback that refers to a function's locals on every way out.
 struct callback_guard {
@@ -117,19 +142,12 @@ int loss(node& n, int victim) {
   const int me = n.rank();
   if (me == victim) {
     std::printf("ready rank %d pid %d (victim)\n", me, static_cast<int>(::getpid()));
-    std::this_thread::sleep_for(120s);  // killed or stopped by the test long before
+    // Waits to be killed or stopped by the test; the bound only ends a victim the test forgot.
+    std::this_thread::sleep_for(120s);
     return 3;
   }
-  std::mutex mu;
-  std::string callback;
-  std::atomic<bool> called{false};
-  const int callback_id = n.on_membership([&](const member_event& e) {
-    if (e.kind != member_event::lost || e.rank != victim) return;
-    std::lock_guard<std::mutex> lock(mu);
-    callback = "rank " + std::to_string(e.rank) + " lost: " + e.reason + " (epoch " +
-               std::to_string(e.epoch) + ")";
-    called = true;
-  });
+  member_events events;
+  const int callback_id = n.on_membership([&](const member_event& e) { events.add(e); });
   callback_guard guard{n, callback_id};  // the callback refers to this frame
   // Two receives from the victim that can never complete: one by handle, one on the raw transport
   // (the collectives' half of the tag space).
@@ -159,15 +177,12 @@ int loss(node& n, int victim) {
   } catch (const std::exception& e) {
     std::printf("next_tensor failed: rank %d: %s\n", me, e.what());
   }
-  for (int i = 0; i < 500 && !called; ++i) std::this_thread::sleep_for(10ms);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!called) {
-      std::printf("UNEXPECTED: rank %d: no membership callback\n", me);
-      bad = 1;
-    } else {
-      std::printf("membership callback: rank %d: %s\n", me, callback.c_str());
-    }
+  if (auto e = events.wait_for(victim, member_event::lost, 60s); !e) {
+    std::printf("UNEXPECTED: rank %d: no membership callback\n", me);
+    bad = 1;
+  } else {
+    std::printf("membership callback: rank %d: rank %d lost: %s (epoch %llu)\n", me, e->rank,
+                e->reason.c_str(), static_cast<unsigned long long>(e->epoch));
   }
   for (int r : n.alive())
     if (r == victim) {
@@ -198,6 +213,12 @@ struct fail_request {
 struct slow_request {
   std::int32_t ms = 0;
 };
+struct hold_request {  // answered once a release_request came to any actor of its rank
+  std::uint8_t unused = 0;
+};
+struct release_request {
+  std::uint8_t unused = 0;
+};
 struct unknown_request {
   std::int32_t x = 0;
 };
@@ -214,6 +235,17 @@ std::uint64_t checksum(const std::uint8_t* p, std::size_t n) {
   return h;
 }
 
+// The gate hold_request waits at, one per process.
+struct gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+};
+gate& hold_gate() {
+  static gate g;
+  return g;
+}
+
 void make_calc(role_builder& b, role_context&) {
   auto last = std::make_shared<std::atomic<std::uint64_t>>(0);
   b.on<add_request>([](role_context& c, const add_request& r) {
@@ -227,6 +259,19 @@ void make_calc(role_builder& b, role_context&) {
   b.on<slow_request>([](role_context&, const slow_request& r) {
     std::this_thread::sleep_for(std::chrono::milliseconds(r.ms));
     return r.ms;
+  });
+  b.on<hold_request>([](role_context&, const hold_request&) {
+    auto& g = hold_gate();
+    std::unique_lock<std::mutex> lock(g.mu);
+    // The bound only ends a hold that the driver never releases.
+    return g.cv.wait_for(lock, 120s, [&] { return g.open; }) ? 1 : 0;
+  });
+  b.on<release_request>([](role_context&, const release_request&) {
+    auto& g = hold_gate();
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.open = true;
+    g.cv.notify_all();
+    return 0;
   });
   b.on<checksum_request>([last](role_context&, const checksum_request&) { return last->load(); });
   b.on<die_request>([](role_context&, const die_request&) {
@@ -276,8 +321,11 @@ int roles_driver(node& n) {
               error_of([&] { j.ask<int>(calcs[2], unknown_request{}, 10s); }).c_str());
   std::printf("wrong reply type: %s\n",
               error_of([&] { j.ask<std::string>(calcs[1], slow_request{1}, 10s); }).c_str());
+  // The handler holds until released, so the ask times out whatever the machine's load.
   std::printf("timeout: %s\n",
-              error_of([&] { j.ask<std::int32_t>(calcs[2], slow_request{1500}, 200ms); }).c_str());
+              error_of([&] { j.ask<std::int32_t>(calcs[2], hold_request{}, 200ms); }).c_str());
+  // Released through a second actor on its rank (the first is busy holding): it replies late.
+  j.ask<std::int32_t>(j.spawn("calc", 2), release_request{}, 10s);
   // A late reply does not confuse the next ask.
   expect(j.ask<std::int32_t>(calcs[2], slow_request{1}, 10s) == 1, "the ask after a timeout");
   // A tensor to a role actor, by handle.
@@ -285,8 +333,10 @@ int roles_driver(node& n) {
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 7 + 3);
   const std::int64_t shape[1] = {static_cast<std::int64_t>(data.size())};
   n.send_tensor(calcs[world - 1], data.data(), troupe::dtype::u8, shape, "to-role").wait(30s);
+  // The send completes when the bytes left; the actor checksums them after. Polled (the actor
+  // has nothing to wait on for that); the deadline only guards against a hang.
   std::uint64_t got = 0;
-  for (int i = 0; i < 500 && got == 0; ++i) {
+  for (const auto give_up = clock_type::now() + 60s; got == 0 && clock_type::now() < give_up;) {
     got = j.ask<std::uint64_t>(calcs[world - 1], checksum_request{}, 10s);
     if (got == 0) std::this_thread::sleep_for(10ms);
   }
@@ -299,9 +349,11 @@ int roles_driver(node& n) {
       "the role actor on the driver's rank got the tensor byte-exact");
   // The last rank's actor kills its process: asks to it fail naming the rank.
   const role_handle victim = calcs[world - 1];
+  member_events events;
+  const int callback_id = n.on_membership([&](const member_event& e) { events.add(e); });
+  callback_guard guard{n, callback_id};  // the callback refers to this frame
   j.try_ask_all<int>(std::span<const role_handle>(&victim, 1), die_request{}, 2000ms);
-  for (int i = 0; i < 500 && n.lost_reason(victim.rank).empty(); ++i)
-    std::this_thread::sleep_for(10ms);
+  if (n.lost_reason(victim.rank).empty()) events.wait_for(victim.rank, member_event::lost, 60s);
   std::printf("lost rank: %s\n",
               error_of([&] { j.ask<add_reply>(victim, add_request{}, 10s); }).c_str());
   auto partial = j.try_ask_all<add_reply>(calcs, add_request{{1}}, 10s);
@@ -358,31 +410,20 @@ int rejoin(node& n) {
     }
   } else if (me == 2) {
     std::printf("ready rank %d pid %d (victim)\n", me, static_cast<int>(::getpid()));
+    // Waits to be killed by the test; the bound only ends a victim the test forgot.
     std::this_thread::sleep_for(120s);
     return 3;
   } else {
-    std::mutex mu;
-    std::vector<member_event> events;
-    const int callback = n.on_membership([&](const member_event& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      events.push_back(e);
-    });
+    member_events events;
+    const int callback = n.on_membership([&](const member_event& e) { events.add(e); });
     callback_guard guard{n, callback};  // it refers to this frame
     std::printf("ready rank %d pid %d\n", me, static_cast<int>(::getpid()));
-    auto seen = [&](member_event::kind_t k) -> std::optional<member_event> {
-      std::lock_guard<std::mutex> lock(mu);
-      for (const auto& e : events)
-        if (e.rank == 2 && e.kind == k) return e;
-      return std::nullopt;
-    };
-    for (int i = 0; i < 3000 && !seen(member_event::lost); ++i) std::this_thread::sleep_for(10ms);
-    if (!seen(member_event::lost)) {
+    if (!events.wait_for(2, member_event::lost, 60s)) {
       std::printf("UNEXPECTED: rank %d never saw rank 2 lost\n", me);
       return 1;
     }
     std::printf("saw rank 2 lost: rank %d\n", me);
-    for (int i = 0; i < 6000 && !seen(member_event::joined); ++i) std::this_thread::sleep_for(10ms);
-    auto j = seen(member_event::joined);
+    auto j = events.wait_for(2, member_event::joined, 120s);
     if (!j) {
       std::printf("UNEXPECTED: rank %d never saw rank 2 rejoin\n", me);
       return 1;
