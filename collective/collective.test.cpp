@@ -510,7 +510,9 @@ TEST_CASE("a lost rank fails the survivors' allreduce naming it and a rebuilt co
   std::vector<std::vector<float>> d(4, std::vector<float>(count, 1.0f));
   std::vector<work> works(3);
   for (int r = 0; r < 3; ++r) works[r] = comms[r]->allreduce(d[r].data(), count, dtype::f32);
-  // Rank 3 never joins; it is declared lost while the survivors are in the middle of the op.
+  // Rank 3 never joins; it is declared lost while the survivors are in the middle of the op. The
+  // sleep only lets them get going (they cannot finish without rank 3, so the check below holds
+  // under any load; a loss before they started fails them the same way).
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   for (int r = 0; r < 3; ++r) REQUIRE_FALSE(works[r].test());
   world->fail_peer(3, "killed by the test");
@@ -564,6 +566,7 @@ TEST_CASE("abort fails the running and the queued ops with the reason", "[collec
   std::vector<float> a(1000), b(1000);
   work w1 = comms[0]->allreduce(a.data(), a.size(), dtype::f32);  // rank 1 never joins
   work w2 = comms[0]->allreduce(b.data(), b.size(), dtype::f32);
+  // Lets the first op start (not needed: queued or running, both fail with the reason).
   std::this_thread::sleep_for(std::chrono::milliseconds(10));
   comms[0]->abort("membership changed");
   std::string e1 = error_of(w1), e2 = error_of(w2), e3 = error_of(comms[0]->barrier());
@@ -601,6 +604,7 @@ TEST_CASE("the flight recorder keeps the last 64 ops with their state", "[collec
   // An unfinished op shows as issued or running, with no end time.
   std::vector<float> x(4), y(4);  // one buffer per rank
   work w = comms[0]->allreduce(x.data(), 4, dtype::f32);
+  // Not a synchronisation: it cannot finish (rank 1 has not joined), and both states pass.
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto last = comms[0]->recent().back();
   REQUIRE(last.seq == 71);

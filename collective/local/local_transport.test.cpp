@@ -103,6 +103,7 @@ TEST_CASE("local world fail_peer fails pending and later requests naming the ran
       waiter_error = e.what();
     }
   });
+  // Lets the waiter block first; not needed: a wait that starts after the failure fails the same.
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   w.fail_peer(2, "oom-killed");
   waiter.join();

@@ -195,16 +195,15 @@ TEST_CASE("fail_peer unblocks pending requests naming the lost rank", "[collecti
   // A 64 MiB send nobody receives: its rendezvous waits for a match that never comes.
   std::vector<std::uint8_t> big(64 << 20, 3);
   auto s = p.a.isend(1, 6, big.data(), big.size());
+  // The failure may come before or during the waits: both must end naming the lost rank (not on
+  // their 20 s timeout, which would say "timeout").
   std::thread membership([&] {
-    std::this_thread::sleep_for(100ms);
     p.b.fail_peer(0, "heartbeat missed");
     p.a.fail_peer(1, "heartbeat missed");
   });
-  auto t0 = std::chrono::steady_clock::now();
   std::string msg = failure_text(p.b, r, 20000ms);
   std::string send_msg = failure_text(p.a, s, 20000ms);
   membership.join();
-  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
   CHECK_THAT(msg, Catch::Contains("rank 0 lost: heartbeat missed"));
   CHECK_THAT(send_msg, Catch::Contains("rank 1 lost: heartbeat missed"));
   CHECK(p.b.peer_failure(0) == "heartbeat missed");
@@ -223,9 +222,9 @@ TEST_CASE("A wait with a timeout fails naming the peer and the tag", "[collectiv
   auto r = p.b.irecv(0, 77, in.data(), in.size());
   auto t0 = std::chrono::steady_clock::now();
   std::string msg = failure_text(p.b, r, 50ms);
-  auto took = std::chrono::steady_clock::now() - t0;
-  CHECK(took >= 50ms);
-  CHECK(took < 2s);
+  // A lower bound only (a timeout never fires early, whatever the load); the text says it timed
+  // out.
+  CHECK(std::chrono::steady_clock::now() - t0 >= 50ms);
   CHECK_THAT(msg, Catch::Contains("timeout"));
   CHECK_THAT(msg, Catch::Contains("rank 0"));
   CHECK_THAT(msg, Catch::Contains("tag 77"));
@@ -293,23 +292,28 @@ TEST_CASE("A SIGKILLed peer fails the receive waiting on it", "[collective][ucx]
         [supervisor_only](ucx_transport& t) {
           RANK_CHECK(t.peer_error_handling((t.rank() + 1) % 3) != supervisor_only,
                      "unexpected error handling mode");
+          std::uint8_t posted = 0;
           if (t.rank() == 1) {
-            std::this_thread::sleep_for(200ms);
+            // Dies once rank 0 says its receive is posted.
+            auto go = t.irecv(0, 5, &posted, 1);
+            t.wait(go, 60000ms);
             kill(getpid(), SIGKILL);
           }
           if (t.rank() == 2) return 0;  // a bystander finishes normally
           std::vector<std::uint8_t> in(1 << 20);
           auto r = t.irecv(1, 4, in.data(), in.size());
-          auto t0 = std::chrono::steady_clock::now();
+          auto go = t.isend(1, 5, &posted, 1);
+          t.wait(go, 60000ms);
           try {
-            t.wait(r, 20000ms);
+            // Ends on the loss (its reason says which), not on this hang guard ("timeout after").
+            t.wait(r, 60000ms);
           } catch (const troupe::error& e) {
-            double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             std::string msg = e.what();
             RANK_CHECK(msg.find("rank 1 lost") != std::string::npos, "wrong error: ", msg);
             RANK_CHECK(!supervisor_only || msg.find("rank 1 died: signal 9") != std::string::npos,
                        "not the supervisor's reason: ", msg);
-            RANK_CHECK(s < 5, "took ", s, " s to notice the dead peer");
+            RANK_CHECK(msg.find("ucx_transport: timeout after") == std::string::npos,
+                       "timed out instead: ", msg);
             return 0;
           }
           return 3;  // the wait succeeded: impossible
@@ -399,15 +403,14 @@ TEST_CASE("A hanging rank is killed after the timeout and reported",
   local_ranks_options opt;
   opt.outcomes = &outcomes;
   opt.timeout = 500ms;
-  auto t0 = std::chrono::steady_clock::now();
   int rc = run_local_ranks(
       2,
       [](ucx_transport& t) {
-        if (t.rank() == 1) std::this_thread::sleep_for(60s);
+        if (t.rank() == 1) std::this_thread::sleep_for(60s);  // the hang itself, not a wait
         return 0;
       },
       opt);
-  CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+  // Killed on the timeout: reported as hung (a rank left to end its 60 s would return 0).
   CHECK(rc == 1);
   REQUIRE(outcomes.size() == 2);
   CHECK(outcomes[1].hung);
@@ -488,6 +491,8 @@ TEST_CASE("A receive posted after its message arrived gets the bytes and the siz
     std::vector<std::uint8_t> y(n, 0);
     auto s = p.a.isend(1, 3, x.data(), n);
     p.a.wait(s, 10000ms);
+    // Gives the message time to arrive before the receive is posted; on a loaded machine the
+    // receive may come first, which is still correct (the test then checks the ordinary path).
     std::this_thread::sleep_for(20ms);
     auto r = p.b.irecv(0, 3, y.data(), n);
     CHECK_NOTHROW(p.b.wait(r, 10000ms));
