@@ -9,9 +9,11 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -100,7 +102,9 @@ struct pipeline {
     const int pp = static_cast<int>(stages.size());
     error.assign(pp, "");
     loss.assign(pp, 0.0);
-    std::atomic<int> ended{0};
+    std::mutex ended_mu;
+    std::condition_variable ended_cv;
+    int ended = 0;
     std::vector<std::thread> threads;
     for (int s = 0; s < pp; ++s)
       threads.emplace_back([&, s] {
@@ -114,16 +118,19 @@ struct pipeline {
         } catch (...) {
           error[s] = what_of(std::current_exception());
         }
+        std::lock_guard<std::mutex> lock(ended_mu);
         ++ended;
+        ended_cv.notify_all();
       });
     // A stage left waiting for a message that never comes is a failure of the runner, not a
-    // hang of the test: after 20 s the communicators are aborted so that the threads end.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (ended.load() < pp && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    hung = ended.load() < pp;
+    // hang of the test: after 120 s (a hang guard, far above a step on a loaded machine) the
+    // communicators are aborted so that the threads end.
+    {
+      std::unique_lock<std::mutex> lock(ended_mu);
+      hung = !ended_cv.wait_for(lock, std::chrono::seconds(120), [&] { return ended == pp; });
+    }
     if (hung)
-      for (auto& c : comms) c->abort("the test's watchdog: the step did not end within 20 s");
+      for (auto& c : comms) c->abort("the test's watchdog: the step did not end within 120 s");
     for (auto& t : threads) t.join();
   }
 
