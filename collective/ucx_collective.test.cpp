@@ -392,8 +392,8 @@ TEST_CASE("a rank whose direct allreduce fails stops its peers writing into its 
         // The failing rank's own deadline fires either inside the direct algorithm's copy loop
         // ("timed out") or in the wait on a peer's message (the communicator's deadline text).
         const char* want = t.rank() == failing ? "timed out" : "rank 1 failed its part";
-        const bool own_deadline = t.rank() == failing &&
-                                  err.find("deadline of 1 ms passed") != std::string::npos;
+        const bool own_deadline =
+            t.rank() == failing && err.find("deadline of 1 ms passed") != std::string::npos;
         if (err.find(want) == std::string::npos && !own_deadline) {
           std::fprintf(stderr, "rank %d: expected the allreduce to fail with '%s', got '%s'\n",
                        t.rank(), want, err.c_str());
