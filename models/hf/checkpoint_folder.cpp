@@ -7,6 +7,7 @@
 
 #include "models/hf/bounded_json.hpp"
 #include "models/hf/file_io.hpp"
+#include "models/hf/training_state.hpp"
 
 namespace troupe::models::hf {
 
@@ -16,8 +17,8 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* marker_format = "troupe-checkpoint";
-constexpr const char* state_file = "trainer_state.json";
-constexpr const char* state_format = "troupe-trainer-state";
+constexpr const char* state_file = trainer_state_file_name;
+constexpr const char* state_format = trainer_state_format;
 
 bool five_digits(std::string_view d) {
   return d.size() == 5 && d.find_first_not_of("0123456789") == std::string_view::npos;

@@ -15,8 +15,8 @@ using json = nlohmann::ordered_json;
 namespace {
 
 constexpr const char* optimizer_file = "optimizer.safetensors";
-constexpr const char* state_file = "trainer_state.json";
-constexpr const char* format_name = "troupe-trainer-state";
+constexpr const char* state_file = trainer_state_file_name;
+constexpr const char* format_name = trainer_state_format;
 constexpr std::int64_t format_version = 1;
 
 json shape_json(const shape& s) {

@@ -28,6 +28,11 @@
 
 namespace troupe::models::hf {
 
+// The trainer state's file in a checkpoint folder and the format it declares (checkpoint_folder
+// recognises troupe's older checkpoints by them).
+inline constexpr const char* trainer_state_file_name = "trainer_state.json";
+inline constexpr const char* trainer_state_format = "troupe-trainer-state";
+
 struct training_state {
   std::int64_t step = 0;             // training steps completed
   std::int64_t optimizer_steps = 0;  // AdamW updates applied (bias correction; may lag `step`

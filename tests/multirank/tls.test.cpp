@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "tests/multirank/process.hpp"
+#include "tests/multirank/train_runs.hpp"
 
 namespace {
 
 using troupe::tests::child_process;
 using troupe::tests::run_command;
+using troupe::tests::scratch_dir;
 using namespace std::chrono_literals;
 
 const std::string troupe_bin = TROUPE_BIN;
@@ -32,17 +34,9 @@ std::string job_name(const std::string& what) {
 // A temporary folder with two self-signed certificates (CN=localhost) and their keys, made with
 // the openssl command: a.crt / a.key (the job's) and b.crt / b.key (a stranger's).
 struct cert_dir {
-  std::string path;
-  bool ok = false;
-  cert_dir() {
-    char tmpl[] = "/tmp/troupe-tls-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return;
-    path = tmpl;
-    ok = make("a") && make("b");
-  }
-  ~cert_dir() {
-    if (!path.empty()) std::filesystem::remove_all(path);
-  }
+  scratch_dir dir{"tls"};  // removed with the certificates when the test ends
+  const std::string& path = dir.path;
+  bool ok = make("a") && make("b");
   bool make(const std::string& n) {
     auto [rc, out] = run_command(
         {"/usr/bin/env", "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj",
@@ -187,33 +181,25 @@ TEST_CASE("TLS settings, a rank without TLS and an untrusted certificate are ref
                                                           {"TROUPE_TOKEN", "tok"},
                                                           {"TROUPE_RANK", "1"},
                                                           {"TROUPE_WORLD_SIZE", "2"}};
-  {
-    child_process plain({worker_bin, "hold"}, env);
-    auto st = plain.wait(30s);
-    INFO(plain.output());
+  // A rank started with `rank_env` is refused at the handshake, saying `why`.
+  auto refused = [&](const std::vector<std::pair<std::string, std::string>>& rank_env,
+                     const std::string& why, const char* what) {
+    child_process rank({worker_bin, "hold"}, rank_env);
+    auto st = rank.wait(30s);
+    INFO(rank.output());
     REQUIRE(st);
     CHECK(child_process::code(*st) != 0);
-    auto lines = plain.lines_with("cannot join the coordinator at " + endpoint);
+    auto lines = rank.lines_with("cannot join the coordinator at " + endpoint);
     REQUIRE(!lines.empty());
-    CHECK(lines.front().find("this process does not use TLS") != std::string::npos);
-    std::printf("faults: a rank without TLS joining a TLS coordinator -> refused: %s\n",
-                lines.front().c_str());
-  }
-  {
-    auto stranger_env = env;
-    stranger_env.push_back({"TROUPE_TLS_CERT", other_crt});
-    stranger_env.push_back({"TROUPE_TLS_KEY", other_key});
-    child_process stranger({worker_bin, "hold"}, stranger_env);
-    auto st = stranger.wait(30s);
-    INFO(stranger.output());
-    REQUIRE(st);
-    CHECK(child_process::code(*st) != 0);
-    auto lines = stranger.lines_with("cannot join the coordinator at " + endpoint);
-    REQUIRE(!lines.empty());
-    CHECK(lines.front().find("this process uses TLS") != std::string::npos);
-    std::printf("faults: a rank with a certificate the job does not trust -> refused: %s\n",
-                lines.front().c_str());
-  }
+    CHECK(lines.front().find(why) != std::string::npos);
+    std::printf("faults: %s -> refused: %s\n", what, lines.front().c_str());
+  };
+  refused(env, "this process does not use TLS", "a rank without TLS joining a TLS coordinator");
+  auto stranger_env = env;
+  stranger_env.push_back({"TROUPE_TLS_CERT", other_crt});
+  stranger_env.push_back({"TROUPE_TLS_KEY", other_key});
+  refused(stranger_env, "this process uses TLS",
+          "a rank with a certificate the job does not trust");
   auto good_env = env;
   good_env.push_back({"TROUPE_TLS_CERT", crt});
   good_env.push_back({"TROUPE_TLS_KEY", key});
