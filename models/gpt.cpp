@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <string>
 
 #include "memory/error.hpp"
@@ -56,7 +55,7 @@ gpt_ends::gpt_ends(const gpt_config& c)
     : dim(c.dim),
       vocab(c.vocab),
       wte({.vocab = c.vocab, .dim = c.dim}),
-      wpe({.vocab = c.max_seq, .dim = c.dim}),
+      wpe({.vocab = c.max_seq, .dim = c.dim, .split_vocab = false}),
       ln_f({.dim = c.dim, .eps = c.ln_eps}) {}
 
 void gpt_ends::declare_front(slot_list& s, batch_dims d) {
@@ -139,6 +138,7 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
   ends_.declare_front(slots_, dims);
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    const auto mark = slots_.mark_block(i);
     h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
@@ -157,30 +157,10 @@ void gpt::init_weights(std::uint64_t seed) {
 }
 
 void gpt::init_values(std::uint64_t seed, const init_sink& each) const {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> normal(0.0, cfg_.init_std);
-  const double resid_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer));
-  for (const auto& s : slots_.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto host = empty(s.sizes, dtype::f64);
-    double* p = host.data_as<double>();
-    const std::string& n = s.name;
-    auto ends_with = [&](std::string_view suf) {
-      return n.size() >= suf.size() && n.compare(n.size() - suf.size(), suf.size(), suf) == 0;
-    };
-    bool is_norm = n.find("ln_") != std::string::npos;
-    for (std::int64_t i = 0; i < host.numel(); ++i) {
-      if (is_norm)
-        p[i] = ends_with(".weight") ? 1.0 : 0.0;
-      else if (ends_with(".bias"))
-        p[i] = 0.0;
-      else
-        p[i] = normal(gen);
-    }
-    if (ends_with("attn.o_proj.weight") || ends_with("mlp.proj.weight"))
-      for (std::int64_t i = 0; i < host.numel(); ++i) p[i] *= resid_scale;
-    each(s, host);
-  }
+  // The residual projections (o_proj, mlp.proj: param_spec::residual_out) get N(0, init_std /
+  // sqrt(2 n_layer)), as GPT2PreTrainedModel._init_weights.
+  draw_init(slots_, seed, cfg_.init_std, 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer)),
+            each);
 }
 
 double gpt::forward(const tensor& ids, const tensor& targets) {

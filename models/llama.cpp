@@ -2,7 +2,6 @@
 #include "models/llama.hpp"
 
 #include <cmath>
-#include <random>
 #include <string>
 
 #include "memory/error.hpp"
@@ -94,7 +93,7 @@ llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
       dims_(dims),
       embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}),
       norm_({.dim = cfg_.dim, .eps = cfg_.rms_eps}),
-      lm_head_({.in = cfg_.dim, .out = cfg_.vocab, .bias = false}),
+      lm_head_({.in = cfg_.dim, .out = cfg_.vocab, .bias = false, .split = tp_split::column}),
       dtype_(t),
       dev_(dev) {
   TROUPE_CHECK(dims.batch > 0 && dims.seq > 0, "llama: the planned batch [", dims.batch, ", ",
@@ -109,6 +108,7 @@ llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
   embed_tokens_.declare(slots_, "embed_tokens", dims);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    const auto mark = slots_.mark_block(i);
     layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
@@ -136,19 +136,7 @@ void llama::init_weights(std::uint64_t seed) {
 }
 
 void llama::init_values(std::uint64_t seed, const init_sink& each) const {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> normal(0.0, cfg_.init_std);
-  for (const auto& s : slots_.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto host = empty(s.sizes, dtype::f64);
-    double* p = host.data_as<double>();
-    const std::string& n = s.name;
-    bool is_norm = n.find("layernorm.") != std::string::npos || n == "norm.weight";
-    bool is_bias = n.size() >= 5 && n.compare(n.size() - 5, 5, ".bias") == 0;
-    for (std::int64_t i = 0; i < host.numel(); ++i)
-      p[i] = is_norm ? 1.0 : is_bias ? 0.0 : normal(gen);
-    each(s, host);
-  }
+  draw_init(slots_, seed, cfg_.init_std, /*residual_scale=*/1.0, each);
 }
 
 void llama::check_ids(const tensor& ids, const char* what) const {

@@ -21,7 +21,7 @@ adamw_optimizer::adamw_optimizer(const tensor& params, const ops::adamw_options&
       v_(zeros(params.sizes(), params.type(), params.dev())) {}
 
 void adamw_optimizer::exempt_from_decay(const slot_list& slots, const tensor& params,
-                                        bool (*no_decay)(std::string_view, int)) {
+                                        bool (*no_decay)(const tensor_slot&)) {
   TROUPE_CHECK(params.sizes() == m_.sizes() && params.dim() == 1, "adamw_optimizer: parameters ",
                params.describe(),
                " differ from the ones it was "
@@ -31,7 +31,7 @@ void adamw_optimizer::exempt_from_decay(const slot_list& slots, const tensor& pa
   std::vector<bool> exempt(static_cast<std::size_t>(params.numel()), false);
   const auto elem = static_cast<std::ptrdiff_t>(params.element_size());
   for (const auto& s : slots.slots()) {
-    if (s.kind != slot_kind::param || !no_decay(s.name, s.sizes.rank())) continue;
+    if (s.kind != slot_kind::param || !no_decay(s)) continue;
     std::ptrdiff_t off =
         (static_cast<const char*>(s.field->data()) - static_cast<const char*>(params.data())) /
         elem;
@@ -67,11 +67,8 @@ void adamw_optimizer::step(const tensor& params, const tensor& grads, double lr)
   }
 }
 
-bool biases_norms_embeddings(std::string_view name, int rank) {
-  if (rank < 2) return true;
-  for (std::string_view e : {"wte.", "wpe.", "embed_tokens."})
-    if (name.substr(0, e.size()) == e) return true;
-  return false;
+bool biases_norms_embeddings(const tensor_slot& parameter) {
+  return parameter.sizes.rank() < 2 || parameter.spec.embedding;
 }
 
 double warmup_cosine_lr(std::int64_t step, std::int64_t warmup, std::int64_t total, double lr,

@@ -11,6 +11,7 @@
 namespace troupe::models {
 
 class slot_list;
+struct tensor_slot;
 
 // torch.nn.utils.clip_grad_norm_ over one flat gradient buffer: returns the global L2 norm before
 // clipping and scales the gradients by max_norm / (norm + 1e-6) when the norm exceeds max_norm
@@ -24,7 +25,7 @@ class adamw_optimizer {
   // Applies weight decay 0 to the parameters of `slots` (whose values live in `params`) for which
   // `no_decay(name, rank)` holds; by default (torch's AdamW) every parameter decays.
   void exempt_from_decay(const slot_list& slots, const tensor& params,
-                         bool (*no_decay)(std::string_view name, int rank));
+                         bool (*no_decay)(const tensor_slot& parameter));
   // One update with learning rate lr (the schedule is the caller's); increments the step count.
   void step(const tensor& params, const tensor& grads, double lr);
   std::int64_t steps_taken() const { return step_; }
@@ -44,8 +45,8 @@ class adamw_optimizer {
 };
 
 // The usual exemption (nanoGPT, HF Trainer): biases and norm weights (rank < 2) and embedding
-// tables (wte, wpe, embed_tokens) do not decay.
-bool biases_norms_embeddings(std::string_view name, int rank);
+// tables (param_spec::embedding: wte, wpe, embed_tokens) do not decay.
+bool biases_norms_embeddings(const tensor_slot& parameter);
 
 // Learning rate at `step` (0-based): linear warmup over `warmup` steps to `lr`, then cosine decay
 // to `min_lr` at `total` steps.

@@ -71,7 +71,7 @@ trainer::trainer(causal_lm& model, const train_config& cfg)
       master_views_.push_back(master_.narrow(0, off, s.field->numel()).reshape(s.sizes));
       master_views_.push_back(grads32_.narrow(0, off, s.field->numel()).reshape(s.sizes));
       master_slots_.param(s.name, s.sizes, master_views_[master_views_.size() - 2],
-                          master_views_.back());
+                          master_views_.back(), s.spec);
     }
   }
   if (cfg.precision == "f16") loss_scale_ = f16_initial_scale;

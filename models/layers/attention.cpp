@@ -10,14 +10,16 @@ attention::attention(const config& c) : cfg(c) {
   if (cfg.n_kv_head == 0) cfg.n_kv_head = cfg.n_head;
   if (cfg.head_dim == 0 && cfg.n_head > 0) cfg.head_dim = cfg.dim / cfg.n_head;
   std::int64_t hq = cfg.n_head * cfg.head_dim, hkv = cfg.n_kv_head * cfg.head_dim;
+  // Under tensor parallelism the heads are split: q, k and v column-parallel (the fused rows as
+  // three sections, each split by heads), o_proj row-parallel.
   if (cfg.fused_qkv) {
-    qkv_proj = linear({cfg.dim, hq + 2 * hkv, cfg.qkv_bias});
+    qkv_proj = linear({cfg.dim, hq + 2 * hkv, cfg.qkv_bias, tp_split::column, {hq, hkv, hkv}});
   } else {
-    q_proj = linear({cfg.dim, hq, cfg.qkv_bias});
-    k_proj = linear({cfg.dim, hkv, cfg.qkv_bias});
-    v_proj = linear({cfg.dim, hkv, cfg.qkv_bias});
+    q_proj = linear({cfg.dim, hq, cfg.qkv_bias, tp_split::column});
+    k_proj = linear({cfg.dim, hkv, cfg.qkv_bias, tp_split::column});
+    v_proj = linear({cfg.dim, hkv, cfg.qkv_bias, tp_split::column});
   }
-  o_proj = linear({hq, cfg.dim, cfg.out_bias});
+  o_proj = linear({hq, cfg.dim, cfg.out_bias, tp_split::row, {}, /*residual_out=*/true});
 }
 
 void attention::declare(slot_list& s, std::string_view name, batch_dims b) {

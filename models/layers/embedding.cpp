@@ -11,7 +11,9 @@ void embedding::declare(slot_list& s, std::string_view name, batch_dims) {
                "': vocab and dim must be > 0, got ", cfg.vocab, " and ", cfg.dim);
   auto scope = s.enter(name);
   label = "embedding '" + s.prefix() + "'";
-  s.param("weight", {cfg.vocab, cfg.dim}, weight, dweight);
+  param_spec spec = cfg.split_vocab ? param_spec::split_along(0) : param_spec::replicated();
+  spec.embedding = true;
+  s.param("weight", {cfg.vocab, cfg.dim}, weight, dweight, std::move(spec));
 }
 
 void embedding::forward(const tensor& ids_in, const tensor& y) {

@@ -17,6 +17,9 @@ struct embedding {
   struct config {
     std::int64_t vocab = 0;
     std::int64_t dim = 0;
+    // Under tensor parallelism the rows (the vocabulary) are split across the group (a token
+    // embedding, also a tied head); false: replicated (GPT-2's positions).
+    bool split_vocab = true;
   };
 
   config cfg;

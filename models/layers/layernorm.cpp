@@ -10,8 +10,8 @@ void layernorm::declare(slot_list& s, std::string_view name, batch_dims b) {
   TROUPE_CHECK(cfg.dim > 0, "layernorm '", name, "': dim must be > 0, got ", cfg.dim);
   auto scope = s.enter(name);
   label = "layernorm '" + s.prefix() + "'";
-  s.param("weight", {cfg.dim}, weight, dweight);
-  if (cfg.bias) s.param("bias", {cfg.dim}, bias, dbias);
+  s.param("weight", {cfg.dim}, weight, dweight, param_spec::replicated(param_init::ones));
+  if (cfg.bias) s.param("bias", {cfg.dim}, bias, dbias, param_spec::replicated(param_init::zeros));
   s.activation("mean", {b.rows()}, mean);
   s.activation("rstd", {b.rows()}, rstd);
 }

@@ -12,8 +12,24 @@ void linear::declare(slot_list& s, std::string_view name, batch_dims) {
                cfg.in, " and ", cfg.out);
   auto scope = s.enter(name);
   label = "linear '" + s.prefix() + "'";
-  s.param("weight", {cfg.out, cfg.in}, weight, dweight);
-  if (cfg.bias) s.param("bias", {cfg.out}, bias, dbias);
+  param_spec w, b;
+  switch (cfg.split) {
+    case tp_split::none:
+      w = param_spec::replicated(param_init::normal);
+      b = param_spec::replicated(param_init::zeros);
+      break;
+    case tp_split::column:
+      w = param_spec::split_along(0, param_init::normal, cfg.sections);
+      b = param_spec::split_along(0, param_init::zeros, cfg.sections);
+      break;
+    case tp_split::row:
+      w = param_spec::split_along(1, param_init::normal);
+      b = param_spec::replicated(param_init::zeros);
+      break;
+  }
+  w.residual_out = cfg.residual_out;
+  s.param("weight", {cfg.out, cfg.in}, weight, dweight, std::move(w));
+  if (cfg.bias) s.param("bias", {cfg.out}, bias, dbias, std::move(b));
 }
 
 void linear::forward(const tensor& x_in, const tensor& y) {

@@ -9,17 +9,27 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
 
 namespace troupe::models {
 
+// How a tensor-parallel group splits a linear layer (declared on its parameters, param_spec):
+// column-parallel (Megatron) splits W's rows and the bias, row-parallel W's columns (the bias is
+// then replicated, added once after the reduction); none replicates both.
+enum class tp_split : std::uint8_t { none, column, row };
+
 struct linear {
   struct config {
     std::int64_t in = 0;
     std::int64_t out = 0;
     bool bias = true;
+    tp_split split = tp_split::none;
+    // column: sections of `out` split separately (fused q, k, v rows); empty: one.
+    std::vector<std::int64_t> sections = {};
+    bool residual_out = false;  // writes into the residual stream (param_spec::residual_out)
   };
 
   config cfg;

@@ -33,7 +33,9 @@ struct mlp {
 
   mlp() = default;
   explicit mlp(const config& c)
-      : cfg(c), fc({c.dim, c.hidden, c.bias}), proj({c.hidden, c.dim, c.bias}) {}
+      : cfg(c),
+        fc({c.dim, c.hidden, c.bias, tp_split::column}),
+        proj({c.hidden, c.dim, c.bias, tp_split::row, {}, /*residual_out=*/true}) {}
 
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);  // x, y [..., dim]

@@ -10,7 +10,7 @@ void rmsnorm::declare(slot_list& s, std::string_view name, batch_dims b) {
   TROUPE_CHECK(cfg.dim > 0, "rmsnorm '", name, "': dim must be > 0, got ", cfg.dim);
   auto scope = s.enter(name);
   label = "rmsnorm '" + s.prefix() + "'";
-  s.param("weight", {cfg.dim}, weight, dweight);
+  s.param("weight", {cfg.dim}, weight, dweight, param_spec::replicated(param_init::ones));
   s.activation("rstd", {b.rows()}, rstd);
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <random>
 
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
@@ -46,6 +47,7 @@ std::string slot_list::full_name(std::string_view name) const {
 }
 
 void slot_list::add(tensor_slot s) {
+  s.block = block_;
   for (auto d : s.sizes)
     TROUPE_CHECK(d >= 0, "slot '", s.name, "': negative extent in ", s.sizes.str());
   for (const auto& o : slots_)
@@ -53,9 +55,33 @@ void slot_list::add(tensor_slot s) {
   slots_.push_back(std::move(s));
 }
 
-void slot_list::param(std::string_view name, const shape& sizes, tensor& value, tensor& grad) {
-  add({slot_kind::param, full_name(name), sizes, &value, &grad, 0,
-       std::numeric_limits<std::int64_t>::max()});
+slot_list::block_mark slot_list::mark_block(std::int64_t index) {
+  TROUPE_CHECK(index >= 0, "slot_list: block index ", index, " must be >= 0");
+  block_mark m(this, block_);
+  block_ = index;
+  return m;
+}
+
+void slot_list::param(std::string_view name, const shape& sizes, tensor& value, tensor& grad,
+                      param_spec spec) {
+  TROUPE_CHECK(!spec.split || (spec.axis >= 0 && spec.axis < sizes.rank()), "parameter '",
+               full_name(name), "': split axis ", int(spec.axis), " is not an axis of ",
+               sizes.str());
+  if (spec.split && !spec.sections.empty()) {
+    std::int64_t sum = 0;
+    for (auto e : spec.sections) sum += e;
+    TROUPE_CHECK(sum == sizes[spec.axis], "parameter '", full_name(name), "': sections add up to ",
+                 sum, ", not to extent ", sizes[spec.axis], " of ", sizes.str());
+  }
+  tensor_slot s{slot_kind::param,
+                full_name(name),
+                sizes,
+                &value,
+                &grad,
+                0,
+                std::numeric_limits<std::int64_t>::max()};
+  s.spec = std::move(spec);
+  add(std::move(s));
 }
 
 // The slot is live from when `closes_with` opened until it closes (leave() fills in `last`).
@@ -197,6 +223,32 @@ param_placement place_params(const slot_list& slots, dtype t) {
   // The arena's size (memory::arena): the plan's total rounded up to 64 bytes.
   out.numel = static_cast<std::int64_t>((plan.total + 63) / 64 * 64) / elem;
   return out;
+}
+
+void draw_init(const slot_list& slots, std::uint64_t seed, double std, double residual_scale,
+               const init_sink& each) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal(0.0, std);
+  for (const auto& s : slots.slots()) {
+    if (s.kind != slot_kind::param) continue;
+    auto host = empty(s.sizes, dtype::f64);
+    double* p = host.data_as<double>();
+    for (std::int64_t i = 0; i < host.numel(); ++i) {
+      switch (s.spec.init) {
+        case param_init::normal:
+          p[i] = normal(gen);
+          if (s.spec.residual_out) p[i] *= residual_scale;
+          break;
+        case param_init::zeros:
+          p[i] = 0.0;
+          break;
+        case param_init::ones:
+          p[i] = 1.0;
+          break;
+      }
+    }
+    each(s, host);
+  }
 }
 
 void store_param(const tensor_slot& slot, const tensor& values) {

@@ -52,6 +52,47 @@ struct batch_dims {
 
 enum class slot_kind : std::uint8_t { param, activation, scratch };
 
+// What a parameter's family draws for it at init: N(0, init_std) (weights and embeddings; a
+// family may scale a residual_out projection), zeros (biases, norm biases) or ones (norm weights).
+enum class param_init : std::uint8_t { normal, zeros, ones };
+
+// A parameter's facts, declared by the layer that declares the parameter (slot_list::param) and
+// read by everything that would otherwise guess them from its name or shape: how a
+// tensor-parallel group holds it, how its family initialises it. The layers of models/layers
+// declare what their parameter would be in a tensor-parallel shard (a column-parallel weight is
+// split along its rows, a norm replicated), so a whole model and its shards agree.
+struct param_spec {
+  // Tensor parallelism: replicated (every shard holds all of it, and its gradient is the same
+  // on every shard) or split along `axis` into the group's equal parts. With `sections` (extents
+  // along the axis that add up to it, in the declaring model's own extents) each section is split
+  // separately: GPT-2's fused qkv rows are the sections q, k and v, each split by heads. A shard
+  // declares its own extents (the sections of its part), the unsharded model the whole ones.
+  bool split = false;
+  std::int8_t axis = 0;
+  std::vector<std::int64_t> sections = {};
+  param_init init = param_init::normal;
+  // A projection that writes into the residual stream (attention's o_proj, the MLP's output):
+  // GPT-2 scales its init by 1 / sqrt(2 n_layer).
+  bool residual_out = false;
+  // An embedding table (or a tied head's copy of one): with train.decay_exempt it does not decay.
+  bool embedding = false;
+
+  static param_spec replicated(param_init i = param_init::normal) {
+    param_spec s;
+    s.init = i;
+    return s;
+  }
+  static param_spec split_along(int axis, param_init i = param_init::normal,
+                                std::vector<std::int64_t> sections = {}) {
+    param_spec s;
+    s.split = true;
+    s.axis = static_cast<std::int8_t>(axis);
+    s.sections = std::move(sections);
+    s.init = i;
+    return s;
+  }
+};
+
 struct tensor_slot {
   slot_kind kind = slot_kind::param;
   std::string name;  // dotted, e.g. "h.0.attn.qkv_proj.weight"
@@ -62,6 +103,10 @@ struct tensor_slot {
   // its scope and for activations in a recomputed scope the interval of the outermost one.
   std::int64_t first = 0;
   std::int64_t last = 0;
+  param_spec spec = {};  // params: layout and init (above)
+  // The block (the model's layer index) whose declare() declared the slot, from the enclosing
+  // slot_list::block_mark; -1 outside the blocks (embeddings, final norm, head).
+  std::int64_t block = -1;
 };
 
 class slot_list {
@@ -90,7 +135,28 @@ class slot_list {
   [[nodiscard]] scope enter_recomputed(std::string_view name);
   std::string prefix() const;  // the dotted name of the open scopes ("" at top level)
 
-  void param(std::string_view name, const shape& sizes, tensor& value, tensor& grad);
+  // Marks every slot declared while it lives as block `index`'s (tensor_slot::block): a model
+  // holds one around each block's declare. Unmarks when destroyed.
+  class block_mark {
+   public:
+    block_mark(block_mark&& o) noexcept : list_(o.list_), outer_(o.outer_) { o.list_ = nullptr; }
+    block_mark(const block_mark&) = delete;
+    block_mark& operator=(const block_mark&) = delete;
+    block_mark& operator=(block_mark&&) = delete;
+    ~block_mark() {
+      if (list_ != nullptr) list_->block_ = outer_;
+    }
+
+   private:
+    friend class slot_list;
+    block_mark(slot_list* l, std::int64_t outer) : list_(l), outer_(outer) {}
+    slot_list* list_;
+    std::int64_t outer_;
+  };
+  [[nodiscard]] block_mark mark_block(std::int64_t index);
+
+  void param(std::string_view name, const shape& sizes, tensor& value, tensor& grad,
+             param_spec spec = {});
   void activation(std::string_view name, const shape& sizes, tensor& t);
   void scratch(std::string_view name, const shape& sizes, tensor& t);
 
@@ -114,6 +180,7 @@ class slot_list {
   std::vector<tensor_slot> slots_;
   std::vector<open_scope> scopes_;
   std::int64_t clock_ = 0;
+  std::int64_t block_ = -1;
 };
 
 // Process-wide ledger of parameter memory: the bytes of every layer_memory's params() alive now
@@ -189,6 +256,12 @@ param_placement place_params(const slot_list& slots, dtype t);
 // llama::init_values): the slot and its values, a host f64 tensor of its shape (valid during the
 // call).
 using init_sink = std::function<void(const tensor_slot& slot, const tensor& values)>;
+// A family's initial values for every parameter of `slots`, in declaration order, into `each`,
+// as their param_spec::init says: N(0, std) (times residual_scale for a residual_out parameter),
+// zeros or ones. One generator seeded with `seed` draws the normal values in declaration order,
+// so the values depend on the seed and the parameters only.
+void draw_init(const slot_list& slots, std::uint64_t seed, double std, double residual_scale,
+               const init_sink& each);
 // The sink of init_weights: `values` into the slot's bound parameter (on any device), rounded to
 // the parameter's dtype; an f64 parameter gets the value rounded to f32 (the f32 model's weight),
 // so an f64 model is the exact-arithmetic twin of the f32 model from the same seed.

@@ -35,9 +35,9 @@ struct swiglu_mlp {
   swiglu_mlp() = default;
   explicit swiglu_mlp(const config& c)
       : cfg(c),
-        gate_proj({c.dim, c.hidden, c.bias}),
-        up_proj({c.dim, c.hidden, c.bias}),
-        down_proj({c.hidden, c.dim, c.bias}) {}
+        gate_proj({c.dim, c.hidden, c.bias, tp_split::column}),
+        up_proj({c.dim, c.hidden, c.bias, tp_split::column}),
+        down_proj({c.hidden, c.dim, c.bias, tp_split::row, {}, /*residual_out=*/true}) {}
 
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);  // x, y [..., dim]

@@ -114,7 +114,7 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
   }
   for (std::int32_t j = 0; j < nt; ++j) {
     const auto& s = all[param_slots_[j]];
-    decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s.name, s.sizes.rank())));
+    decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s)));
   }
   place(tiers_, model_.non_model_bytes());
 }

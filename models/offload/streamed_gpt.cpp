@@ -47,6 +47,7 @@ streamed_gpt::streamed_gpt(const gpt_config& cfg, batch_dims dims)
   ends_.declare_front(slots_, dims);
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    const auto mark = slots_.mark_block(i);
     h_[i].declare(slots_, "h." + std::to_string(i), dims, false);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);

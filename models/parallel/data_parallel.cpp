@@ -51,25 +51,10 @@ std::vector<bool> exempt_mask(const slot_list& slots, const tensor& p, bool deca
   std::vector<bool> exempt(static_cast<std::size_t>(p.numel()), false);
   if (!decay_exempt) return exempt;
   for (const auto& s : slots.slots()) {
-    if (s.kind != slot_kind::param || !biases_norms_embeddings(s.name, s.sizes.rank())) continue;
+    if (s.kind != slot_kind::param || !biases_norms_embeddings(s)) continue;
     std::fill_n(exempt.begin() + flat_offset(s, p), s.field->numel(), true);
   }
   return exempt;
-}
-
-// The block of a parameter named "<scope>.<i>.<rest>" (h.3.attn.c_attn.weight, layers.0.mlp...),
-// or -1.
-std::int64_t block_of(const std::string& name) {
-  auto a = name.find('.');
-  if (a == std::string::npos) return -1;
-  auto b = name.find('.', a + 1);
-  if (b == std::string::npos || b == a + 1) return -1;
-  std::int64_t v = 0;
-  for (auto i = a + 1; i < b; ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-    v = v * 10 + (name[i] - '0');
-  }
-  return v;
 }
 
 // Sorted, merged ranges.
@@ -140,7 +125,7 @@ namespace {
 std::vector<param_gather::group> make_groups(const slot_list& slots, const tensor& p) {
   std::vector<std::pair<std::int64_t, std::int64_t>> starts;  // offset, block
   for (const auto& s : slots.slots())
-    if (s.kind == slot_kind::param) starts.emplace_back(flat_offset(s, p), block_of(s.name));
+    if (s.kind == slot_kind::param) starts.emplace_back(flat_offset(s, p), s.block);
   std::sort(starts.begin(), starts.end());
   std::vector<param_gather::group> groups;
   auto group_for = [&](std::int64_t block) -> param_gather::group& {
@@ -172,7 +157,7 @@ range_list bucket_ranges(const std::vector<param_gather::group>& groups, const s
                          const tensor& p) {
   range_list outside;
   for (const auto& s : slots.slots())
-    if (s.kind == slot_kind::param && block_of(s.name) < 0 && s.field->numel() > 0)
+    if (s.kind == slot_kind::param && s.block < 0 && s.field->numel() > 0)
       outside.emplace_back(flat_offset(s, p), s.field->numel());
   std::sort(outside.begin(), outside.end());
   range_list out;
@@ -318,7 +303,7 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   range_list counted;
   for (const auto& s : slots.slots()) {
     if (s.kind != slot_kind::param) continue;
-    if (piece_.counts_in_norm(s.name))
+    if (piece_.counts_in_norm(s))
       counted.emplace_back(flat_offset(s, p), s.field->numel());
     else
       all_count = false;
@@ -362,7 +347,7 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
     std::int64_t blocks = 0;
     for (const auto& s : slots.slots()) {
       if (s.kind != slot_kind::param) continue;
-      std::int64_t block = block_of(s.name), off = flat_offset(s, p);
+      std::int64_t block = s.block, off = flat_offset(s, p);
       blocks = std::max(blocks, block + 1);
       for (std::size_t i = 0; i < buckets_.size(); ++i) {
         const auto& b = buckets_[i];

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models::parallel {
@@ -24,17 +24,13 @@ shape gpt_boundary(const gpt_config& cfg, batch_dims dims, tp_group tp) {
   return {dims.batch, t, cfg.dim};
 }
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 }  // namespace
 
 gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options& o, tp_group tp)
     : pipeline_stage("gpt_stage", cfg.n_layer, dims, o, tp, gpt_boundary(cfg, dims, tp)),
       cfg_(cfg),
       wte_({.vocab = cfg.vocab, .dim = cfg.dim}, tp),
-      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
+      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim, .split_vocab = false}),
       ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}, tp),
       loss_({.vocab = cfg.vocab}, tp) {
   seq_local_ = boundary()[1];
@@ -57,6 +53,7 @@ gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options
     for (std::int64_t i = first_block(c); i < end_block(c); ++i) {
       h_[i] = std::make_unique<tp_gpt_block>(bc, tp);
       slots_.activation("x." + std::to_string(i), bt, x_[i]);
+      const auto mark = slots_.mark_block(i);
       h_[i]->declare(slots_, "h." + std::to_string(i), dims);
     }
     if (holds_last(c)) {
@@ -68,7 +65,9 @@ gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options
       }
       if (!first_) {
         auto sc = slots_.enter("wte");
-        slots_.param("weight", {wte_.local_vocab, cfg.dim}, head_w_, head_dw_);
+        param_spec spec = param_spec::split_along(0);
+        spec.embedding = true;  // the tied head's copy of wte
+        slots_.param("weight", {wte_.local_vocab, cfg.dim}, head_w_, head_dw_, std::move(spec));
       }
       slots_.activation("ln_f_out", bt, ln_f_out_);
       slots_.activation("logits", {dims.rows(), wte_.local_vocab}, logits_);
@@ -97,26 +96,12 @@ gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options
     pos_ids_.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
 }
 
-void gpt_stage::match(const slot_list& full, bool full_grads, bool own_grads, bool into_own) const {
-  std::map<std::string, const tensor_slot*> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  for (const auto& s : slots_.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), "gpt_stage: the full model has no parameter '", s.name, "'");
-    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
-    const tensor& own = own_grads ? *s.grad : *s.field;
-    copy_gpt_slice(s.name, f, own, cfg_.n_head, tp().rank(), tp().size(), into_own, "gpt_stage");
-  }
-}
-
 void gpt_stage::load_from(const slot_list& full, bool from_grads, bool to_grads) {
-  match(full, from_grads, to_grads, /*into_own=*/true);
+  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp(), "gpt_stage");
 }
 
 void gpt_stage::store_to(const slot_list& full, bool from_grads, bool to_grads) const {
-  match(full, to_grads, from_grads, /*into_own=*/false);
+  copy_slices_by_name(slots_, full, to_grads, from_grads, /*into_piece=*/false, tp(), "gpt_stage");
 }
 
 void gpt_stage::init_weights(std::uint64_t seed) {
@@ -124,15 +109,7 @@ void gpt_stage::init_weights(std::uint64_t seed) {
   whole.unbound = true;
   const gpt full(whole, {1, 1});
   init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp(),
-              "gpt_stage", cfg_.n_head);
-}
-
-bool gpt_stage::replicated_over_tp(std::string_view p) const {
-  for (std::string_view sharded :
-       {"wte.weight", "attn.qkv_proj.weight", "attn.qkv_proj.bias", "attn.o_proj.weight",
-        "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight"})
-    if (ends_with(p, sharded)) return false;
-  return true;
+              "gpt_stage");
 }
 
 double gpt_stage::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {

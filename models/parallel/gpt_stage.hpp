@@ -8,9 +8,10 @@
 //                        stage 0: "wte.weight", summed with stage 0's gradient by the runner);
 //                        loss = vocab-parallel cross-entropy
 //
-// Parameter names and slicing are tp_gpt's (copy_gpt_slice); see pipeline_stage.hpp for the
-// chunks, the memory and the activation stash. cfg.recompute: stashes keep the stage input only
-// and a restored microbatch's chunk runs forward again before its backward (pipeline_stage.hpp).
+// Parameter names and layouts are tp_gpt's (declared with each parameter: param_slices.hpp); see
+// pipeline_stage.hpp for the chunks, the memory and the activation stash. cfg.recompute: stashes
+// keep the stage input only and a restored microbatch's chunk runs forward again before its
+// backward (pipeline_stage.hpp).
 #pragma once
 
 #include <cstdint>
@@ -43,9 +44,6 @@ class gpt_stage final : public pipeline_stage {
                     const block_hook& after_block) override;
   void save_extra(int chunk, std::size_t slot) override;
   void restore_extra(int chunk, std::size_t slot) override;
-  bool replicated_over_tp(std::string_view parameter) const override;
-  // For each parameter: the unsharded model's parameter of that name (full) and its own.
-  void match(const slot_list& full, bool full_grads, bool own_grads, bool into_own) const;
 
   gpt_config cfg_;
   std::int64_t seq_local_;        // T / tp with SP, else T

@@ -85,7 +85,7 @@ class grad_producer {
   // LayerNorm on every tensor shard, a tied embedding on the first and last stage) is counted by
   // exactly one of them.
   virtual collective::communicator* norm_group() { return nullptr; }
-  virtual bool counts_in_norm(std::string_view parameter) const {
+  virtual bool counts_in_norm(const tensor_slot& parameter) const {
     (void)parameter;
     return true;
   }

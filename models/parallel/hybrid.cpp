@@ -157,8 +157,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       lc.recompute = recompute;
       I.model = std::make_unique<causal_lm_of<tp_llama>>(lc, dims, tg);
     }
-    I.piece = std::make_unique<model_producer>(
-        *I.model, *g.tp, replicated_by_shape(I.model->slots(), I.whole->slots()));
+    I.piece = std::make_unique<model_producer>(*I.model, *g.tp);
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
   }
@@ -167,12 +166,8 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.layout.base = I.piece->memory().params();
   I.layout.tp_rank = g.tp->rank();
   I.layout.tp = plan.tp;
-  if (is_gpt) {
-    const auto& c = std::get<hf::gpt2_config>(model);
-    I.layout.n_head = c.n_head;
-  }
   grad_producer* piece = I.piece.get();
-  I.layout.owns = [piece](std::string_view name) { return piece->counts_in_norm(name); };
+  I.layout.owns = [piece](const tensor_slot& s) { return piece->counts_in_norm(s); };
   // The piece's weights, one whole parameter at a time: a checkpoint's (checkpoint.resume, else
   // model.hf), or the single-process model's init.
   const std::string& from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "models/parallel/tp_compose.hpp"
 #include "tensor/ops.hpp"
 
@@ -39,6 +39,7 @@ llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stag
     for (std::int64_t i = first_block(c); i < end_block(c); ++i) {
       h_[i] = std::make_unique<tp_llama_block>(cfg_, tp);
       slots_.activation("x." + std::to_string(i), bt, x_[i]);
+      const auto mark = slots_.mark_block(i);
       h_[i]->declare(slots_, "layers." + std::to_string(i), dims);
     }
     if (holds_last(c)) {
@@ -76,13 +77,6 @@ void llama_stage::init_weights(std::uint64_t seed) {
   const llama full(whole, {1, 1});
   init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp(),
               "llama_stage");
-}
-
-bool llama_stage::replicated_over_tp(std::string_view p) const {
-  for (std::string_view sharded : {"embed_tokens.weight", "lm_head.weight", "_proj.weight",
-                                   "q_proj.bias", "k_proj.bias", "v_proj.bias"})
-    if (p.ends_with(sharded)) return false;
-  return true;  // the RMSNorms and o_proj's bias
 }
 
 double llama_stage::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {

@@ -44,7 +44,6 @@ class llama_stage final : public pipeline_stage {
                     const block_hook& after_block) override;
   void save_extra(int chunk, std::size_t slot) override;
   void restore_extra(int chunk, std::size_t slot) override;
-  bool replicated_over_tp(std::string_view parameter) const override;
 
   llama_config cfg_;
   bool first_ = false, last_ = false;

@@ -1,21 +1,14 @@
 // model_producer: a causal_lm as a grad_producer (see model_producer.hpp).
 #include "models/parallel/model_producer.hpp"
 
-#include <map>
-#include <memory>
-
-#include "memory/error.hpp"
+#include "models/parallel/param_slices.hpp"
 
 namespace troupe::models::parallel {
 
 model_producer::model_producer(causal_lm& model) : model_(model) {}
 
-model_producer::model_producer(causal_lm& shard, collective::communicator& tp,
-                               std::function<bool(std::string_view)> replicated)
-    : model_(shard), tp_(&tp), replicated_(std::move(replicated)) {
-  TROUPE_CHECK(replicated_ != nullptr, "model_producer: the tensor-parallel shard on rank ",
-               tp.rank(), " of ", tp.name(), " needs a predicate for its replicated parameters");
-}
+model_producer::model_producer(causal_lm& shard, collective::communicator& tp)
+    : model_(shard), tp_(&tp) {}
 
 model_producer::~model_producer() {
   if (hook_ || mb_hook_) model_.set_block_grads_hook({});
@@ -61,26 +54,8 @@ bool model_producer::set_microbatch_grads_hook(std::function<void(int k, std::in
   return ok;
 }
 
-bool model_producer::counts_in_norm(std::string_view parameter) const {
-  return tp_ == nullptr || tp_->rank() == 0 || !replicated_(parameter);
-}
-
-std::function<bool(std::string_view)> replicated_by_shape(const slot_list& shard,
-                                                          const slot_list& full) {
-  std::map<std::string, shape, std::less<>> full_shapes;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) full_shapes.emplace(s.name, s.sizes);
-  auto replicated = std::make_shared<std::set<std::string, std::less<>>>();
-  for (const auto& s : shard.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = full_shapes.find(s.name);
-    TROUPE_CHECK(it != full_shapes.end(),
-                 "replicated_by_shape: the unsharded model has no "
-                 "parameter '",
-                 s.name, "'");
-    if (it->second == s.sizes) replicated->insert(s.name);
-  }
-  return [replicated](std::string_view name) { return replicated->count(name) > 0; };
+bool model_producer::counts_in_norm(const tensor_slot& parameter) const {
+  return tp_ == nullptr || tp_->rank() == 0 || !replicated_over_tp(parameter);
 }
 
 }  // namespace troupe::models::parallel

@@ -7,16 +7,12 @@
 // Gradient norm of a tensor-parallel shard: the norm group is the tp communicator and a parameter
 // is counted on every shard when it is sharded (each shard holds a disjoint slice) but on tp rank 0
 // only when it is replicated (every shard holds the whole tensor and, after backward, the same
-// gradient: LayerNorms, wpe, row-parallel biases). The rule that tells them apart is the shape: a
-// parameter is replicated exactly when its shard shape equals the unsharded model's shape of the
-// same name (a sharded dimension is divided by tp >= 2, so it cannot agree). replicated_by_shape
-// builds that predicate from the two slot lists; any other predicate may be given.
+// gradient: LayerNorms, wpe, row-parallel biases), as each parameter's declaration says
+// (param_spec, models/layers/slots.hpp).
 #pragma once
 
 #include <functional>
-#include <set>
 #include <string>
-#include <string_view>
 #include <utility>
 
 #include "models/causal_lm.hpp"
@@ -28,10 +24,9 @@ class model_producer final : public grad_producer {
  public:
   // A whole model: no norm group, every parameter counted.
   explicit model_producer(causal_lm& model);
-  // A tensor-parallel shard: the norm is summed over `tp`; parameters for which replicated(name)
-  // holds count on tp rank 0 only.
-  model_producer(causal_lm& shard, collective::communicator& tp,
-                 std::function<bool(std::string_view)> replicated);
+  // A tensor-parallel shard: the norm is summed over `tp`; replicated parameters count on tp
+  // rank 0 only.
+  model_producer(causal_lm& shard, collective::communicator& tp);
   ~model_producer() override;
   model_producer(const model_producer&) = delete;
   model_producer& operator=(const model_producer&) = delete;
@@ -47,23 +42,16 @@ class model_producer final : public grad_producer {
     return model_.set_block_use_hook(std::move(f));
   }
   collective::communicator* norm_group() override { return tp_; }
-  bool counts_in_norm(std::string_view parameter) const override;
+  bool counts_in_norm(const tensor_slot& parameter) const override;
 
  private:
   causal_lm& model_;
   collective::communicator* tp_ = nullptr;
-  std::function<bool(std::string_view)> replicated_;
   bool install_grads_hook();  // the model's hook, serving hook_ and mb_hook_
   std::function<void(std::int64_t)> hook_;
   std::function<void(int, std::int64_t)> mb_hook_;
   int k_ = 0;          // the microbatch whose backward is running
   bool last_ = false;  // the last microbatch's backward is running
 };
-
-// The parameters of `shard` whose shape equals the parameter of the same name in `full` (the
-// unsharded model, e.g. a gpt or a tp_gpt built without a group), as a predicate over names.
-// Fails naming the parameter when `full` lacks one of the shard's parameters.
-std::function<bool(std::string_view)> replicated_by_shape(const slot_list& shard,
-                                                          const slot_list& full);
 
 }  // namespace troupe::models::parallel

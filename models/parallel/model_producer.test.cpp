@@ -14,9 +14,11 @@
 #include "collective/local/local_transport.hpp"
 #include "collective/p2p_communicator.hpp"
 #include "models/gpt.hpp"
+#include "models/llama.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
 #include "tests/rounding.hpp"
@@ -95,11 +97,8 @@ grid_run dp_tp(const train_config& base, int zero, bool sp, bool tp_norm, int st
         batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
         causal_lm_of<tp_gpt> shard(cfg, dims, tp_group{tps[r].get(), sp});
         shard.init_weights(3);
-        gpt full(cfg, {1, c.seq});  // for its parameter shapes
-        auto producer = tp_norm
-                            ? std::make_unique<model_producer>(
-                                  shard, *tps[r], replicated_by_shape(shard.slots(), full.slots()))
-                            : std::make_unique<model_producer>(shard);
+        auto producer = tp_norm ? std::make_unique<model_producer>(shard, *tps[r])
+                                : std::make_unique<model_producer>(shard);
         dp_trainer t(*producer, c, *dps[r],
                      {.bucket_bytes = 4 * 1009, .poison_released = zero == 3});
         for (int s = 0; s < steps; ++s) out.steps[r].push_back(t.step(synthetic_rows));
@@ -111,7 +110,7 @@ grid_run dp_tp(const train_config& base, int zero, bool sp, bool tp_norm, int st
         out.weights[r] = tests::as_accurate_as(
             testing::as_f64(shard.memory().params()), testing::as_f64(want.memory().params()),
             testing::exact_slices(shard.slots(), shard.memory().params(), tps[r]->rank(), 2,
-                                  cfg.n_head, exact->slots(), /*grads=*/false));
+                                  exact->slots(), /*grads=*/false));
       },
       all);
   return out;
@@ -119,32 +118,56 @@ grid_run dp_tp(const train_config& base, int zero, bool sp, bool tp_norm, int st
 
 }  // namespace
 
-TEST_CASE("Replicated parameters of a tensor parallel GPT-2 shard are told apart by shape",
-          "[parallel]") {
+// The declarations (param_spec) are checked against an independent rule: a shard's parameter is
+// replicated exactly when its shape equals the unsharded model's shape of the same name (a split
+// axis is divided by tp = 2, so it cannot agree). Both families, fused and separate projections.
+template <class Shard, class Whole, class Config>
+void check_declared_replication(const Config& cfg) {
   auto comms = collective::make_local_group(2);
-  const gpt_config cfg = tiny();
-  causal_lm_of<tp_gpt> shard(cfg, batch_dims{1, 8}, tp_group{comms[0].get(), false});
-  gpt full(cfg, {1, 8});
-  auto replicated = replicated_by_shape(shard.slots(), full.slots());
-  CHECK(replicated("h.0.ln_1.weight"));
-  CHECK(replicated("ln_f.bias"));
-  CHECK(replicated("wpe.weight"));
-  CHECK_FALSE(replicated("wte.weight"));
+  causal_lm_of<Shard> shard(cfg, batch_dims{1, 8}, tp_group{comms[0].get(), false});
+  Whole full(cfg, {1, 8});
   int counted = 0, total = 0;
-  model_producer rank0(shard, *comms[0], replicated), rank1(shard, *comms[1], replicated);
+  model_producer rank0(shard, *comms[0]), rank1(shard, *comms[1]);
   for (const auto& s : shard.slots().slots()) {
     if (s.kind != slot_kind::param) continue;
+    INFO(s.name);
     ++total;
-    CHECK(rank0.counts_in_norm(s.name));
-    counted += rank1.counts_in_norm(s.name) ? 1 : 0;
-    // Sharded parameters count on every shard: a sharded dimension is full / 2.
-    bool sharded = false;
-    for (const auto& f : full.slots().slots())
-      if (f.name == s.name) sharded = f.sizes != s.sizes;
-    CHECK(rank1.counts_in_norm(s.name) == sharded);
+    const tensor_slot* f = testing::param_slot(full.slots(), s.name);
+    REQUIRE(f != nullptr);
+    const bool same_shape = f->sizes == s.sizes;
+    CHECK(replicated_over_tp(s) == same_shape);
+    CHECK(f->spec.split == s.spec.split);  // the whole model declares what its shards hold
+    CHECK(rank0.counts_in_norm(s));
+    counted += rank1.counts_in_norm(s) ? 1 : 0;
+    CHECK(rank1.counts_in_norm(s) == !same_shape);
   }
   CHECK(counted > 0);
   CHECK(counted < total);
+}
+
+TEST_CASE("Replicated parameters of tensor parallel shards are the ones declared replicated",
+          "[parallel]") {
+  SECTION("GPT-2") {
+    const gpt_config cfg = tiny();
+    check_declared_replication<tp_gpt, gpt>(cfg);
+    auto comms = collective::make_local_group(2);
+    causal_lm_of<tp_gpt> shard(cfg, batch_dims{1, 8}, tp_group{comms[0].get(), false});
+    for (const char* name : {"h.0.ln_1.weight", "ln_f.bias", "wpe.weight", "h.0.attn.o_proj.bias"})
+      CHECK(replicated_over_tp(*testing::param_slot(shard.slots(), name)));
+    CHECK_FALSE(replicated_over_tp(*testing::param_slot(shard.slots(), "wte.weight")));
+  }
+  SECTION("Llama with grouped-query heads and an untied head") {
+    llama_config cfg;
+    cfg.vocab = 32;
+    cfg.dim = 16;
+    cfg.n_layer = 2;
+    cfg.n_head = 4;
+    cfg.n_kv_head = 2;
+    cfg.hidden = 24;
+    cfg.max_seq = 8;
+    cfg.attention_bias = true;
+    check_declared_replication<tp_llama, llama>(cfg);
+  }
 }
 
 // The tp-aware norm: with a clip below every step's norm, each update is scaled by clip / norm, so
@@ -212,8 +235,10 @@ class recording_producer final : public grad_producer {
     double weight = 0;
   };
   recording_producer() {
-    slots_.param("h.0.w", {4}, w_[0], g_[0]);
-    slots_.param("h.1.w", {4}, w_[1], g_[1]);
+    for (int i = 0; i < 2; ++i) {
+      const auto mark = slots_.mark_block(i);
+      slots_.param("h." + std::to_string(i) + ".w", {4}, w_[i], g_[i]);
+    }
     slots_.param("head.w", {3}, w_[2], g_[2]);
     mem_ = layer_memory(slots_, dtype::f32);
   }

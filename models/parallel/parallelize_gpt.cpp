@@ -15,7 +15,7 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
       dims_(dims),
       tp_(tp),
       wte_({.vocab = cfg.vocab, .dim = cfg.dim}, tp),
-      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim}),
+      wpe_({.vocab = cfg.max_seq, .dim = cfg.dim, .split_vocab = false}),
       ln_f_({.dim = cfg.dim, .eps = cfg.ln_eps}, tp),
       loss_({.vocab = cfg.vocab}, tp) {
   TROUPE_CHECK(cfg.dim % cfg.n_head == 0, "tp_gpt: dim (", cfg.dim,
@@ -38,6 +38,7 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
   wpe_.declare(slots_, "wpe", {1, dims.seq});
   for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    const auto mark = slots_.mark_block(i);
     h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg.recompute);
   }
   slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
@@ -64,16 +65,14 @@ tp_gpt::tp_gpt(const gpt_config& cfg, batch_dims dims, tp_group tp)
 }
 
 void tp_gpt::load_from(const slot_list& full, bool from_grads, bool to_grads) {
-  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp_, "tp_gpt",
-                      cfg_.n_head);
+  copy_slices_by_name(slots_, full, from_grads, to_grads, /*into_piece=*/true, tp_, "tp_gpt");
 }
 
 void tp_gpt::init_weights(std::uint64_t seed) {
   gpt_config whole = cfg_;
   whole.unbound = true;
   const gpt full(whole, {1, 1});
-  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp_, "tp_gpt",
-              cfg_.n_head);
+  init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp_, "tp_gpt");
 }
 
 double tp_gpt::forward(const tensor& ids, const tensor& targets) {
@@ -152,71 +151,6 @@ void tp_gpt::begin_generation(std::int64_t, std::int64_t) {
 
 tensor tp_gpt::step_logits(const tensor&) {
   TROUPE_FAIL("tp_gpt: generation is not supported on a tensor-parallel model");
-}
-
-void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& shard,
-                    std::int64_t n_head, int rank, int tp, bool into_shard, std::string_view what) {
-  const shape& fs = full.sizes();
-  const shape& ls = shard.sizes();
-  bool qkv = name.find("qkv_proj.") != std::string::npos;
-  auto copy = [&](const tensor& f, const tensor& l) {
-    if (into_shard)
-      ops::copy(f, l);
-    else
-      ops::copy(l, f);
-  };
-  if (fs == ls && !(qkv && tp > 1)) {
-    copy(full, shard);
-  } else if (qkv && into_shard) {
-    std::int64_t d = fs[0] / (3 * n_head);
-    copy_qkv_shard(full, n_head, n_head, d, rank, tp, shard);
-  } else if (qkv) {
-    std::int64_t d = fs[0] / (3 * n_head);
-    std::int64_t lq = divide_by_tp(n_head, tp, "copy_gpt_slice: n_head") * d;
-    TROUPE_CHECK(fs[0] == 3 * n_head * d && ls[0] == 3 * lq, what, ": parameter '", name, "' is ",
-                 ls.str(), " on shard ", rank, " of ", tp, " but ", fs.str(),
-                 " in the unsharded model: no qkv slicing matches");
-    for (int part = 0; part < 3; ++part)
-      copy(full.narrow(0, part * n_head * d + rank * lq, lq), shard.narrow(0, part * lq, lq));
-  } else if (fs.rank() == ls.rank() && fs[0] == ls[0] * tp && (fs.rank() == 1 || fs[1] == ls[1])) {
-    copy(full.narrow(0, rank * ls[0], ls[0]), shard);
-  } else if (fs.rank() == 2 && ls.rank() == 2 && fs[0] == ls[0] && fs[1] == ls[1] * tp) {
-    copy(full.narrow(1, rank * ls[1], ls[1]), shard);
-  } else {
-    TROUPE_FAIL(what, ": parameter '", name, "' is ", ls.str(), " on shard ", rank, " of ", tp,
-                " but ", fs.str(), " in the unsharded model: no slicing matches");
-  }
-}
-
-void init_slices(const std::function<void(const init_sink&)>& draw, const slot_list& piece,
-                 const tp_group& tp, std::string_view who, std::int64_t n_head) {
-  std::map<std::string, const tensor_slot*, std::less<>> own;
-  for (const auto& s : piece.slots())
-    if (s.kind == slot_kind::param) own[s.name] = &s;
-  draw([&](const tensor_slot& s, const tensor& values) {
-    auto it = own.find(s.name);
-    if (it == own.end()) return;  // someone else's: drawn all the same, the stream stays in step
-    const tensor& mine = *it->second->field;
-    owned_tensor full = empty(s.sizes, mine.type());  // the rounding store_param does
-    ops::copy(values, full);
-    copy_gpt_slice(s.name, full, mine, n_head, tp.rank(), tp.size(), /*into_shard=*/true, who);
-  });
-}
-
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who,
-                         std::int64_t n_head) {
-  std::map<std::string, const tensor_slot*, std::less<>> by_name;
-  for (const auto& s : full.slots())
-    if (s.kind == slot_kind::param) by_name[s.name] = &s;
-  for (const auto& s : piece.slots()) {
-    if (s.kind != slot_kind::param) continue;
-    auto it = by_name.find(s.name);
-    TROUPE_CHECK(it != by_name.end(), who, ": the unsharded model has no parameter '", s.name, "'");
-    const tensor& f = full_grads ? *it->second->grad : *it->second->field;
-    const tensor& own = own_grads ? *s.grad : *s.field;
-    copy_gpt_slice(s.name, f, own, n_head, tp.rank(), tp.size(), into_piece, who);
-  }
 }
 
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

@@ -28,6 +28,7 @@
 
 #include "models/block_use.hpp"
 #include "models/gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "models/parallel/tp_layers.hpp"
 #include "models/parallel/tp_vocab.hpp"
 
@@ -81,30 +82,6 @@ class tp_gpt {
   slot_list slots_;
   layer_memory mem_;
 };
-
-// Copies between an unsharded GPT-2 parameter `full` and shard `rank` of `tp` of it, sliced the
-// way tp_gpt (and the pipeline's gpt_stage) hold it: the full tensor when the shapes agree (norms,
-// wpe, row-parallel biases), else qkv rows by heads, fc rows, o_proj and mlp.proj columns, wte
-// rows. into_shard: full's slice into shard; else shard into full's slice. Fails naming `what`
-// and the parameter when no slicing matches the shapes.
-void copy_gpt_slice(const std::string& name, const tensor& full, const tensor& shard,
-                    std::int64_t n_head, int rank, int tp, bool into_shard, std::string_view what);
-
-// For every parameter of `piece` (a tp shard or a pipeline stage of GPT-2 or Llama): the parameter
-// of the same name in `full` (full_grads: its gradient), sliced for shard rank/tp by
-// copy_gpt_slice (n_head: GPT-2's, for its fused qkv_proj; 0 for Llama's separate projections),
-// into the piece's parameter (own_grads: its gradient) when into_piece, else the piece's into
-// full's slice. Fails naming `who` and the parameter when `full` lacks it.
-void copy_slices_by_name(const slot_list& piece, const slot_list& full, bool full_grads,
-                         bool own_grads, bool into_piece, const tp_group& tp, std::string_view who,
-                         std::int64_t n_head = 0);
-
-// init_weights of a piece without the unsharded model's memory: draw(sink) runs the unsharded
-// model's init_values (an unbound gpt or llama: gpt_config::unbound) and every parameter the
-// piece holds gets its slice (copy_gpt_slice for shard tp) of the values drawn, rounded to the
-// piece's dtype as init_weights rounds them: one whole parameter of scratch at a time.
-void init_slices(const std::function<void(const init_sink&)>& draw, const slot_list& piece,
-                 const tp_group& tp, std::string_view who, std::int64_t n_head = 0);
 
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "models/parallel/tp_compose.hpp"
 #include "models/targets.hpp"
 
@@ -27,6 +27,7 @@ tp_llama::tp_llama(const llama_config& cfg, batch_dims dims, tp_group tp)
   embed_tokens_.declare(slots_, "embed_tokens", dims);
   for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
     slots_.activation("x." + std::to_string(i), bt, x_[i]);
+    const auto mark = slots_.mark_block(i);
     layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
   }
   slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);

@@ -9,10 +9,10 @@
 //            embed_tokens (tie_embeddings); loss = vocab-parallel cross-entropy (the same on every
 //            shard)
 //
-// Parameters keep llama's (HF) names and layouts; a shard's parameter is the full one when the
-// shapes agree (the RMSNorms, o_proj's bias) and otherwise its slice (copy_gpt_slice's rules by
-// shape). tp must divide n_head, n_kv_head, intermediate_size and vocab_size, with SP also the
-// sequence length (errors name parallel.tp and the field). With cfg.recompute the blocks'
+// Parameters keep llama's (HF) names and layouts; a shard's parameter is the full one when it is
+// declared replicated (the RMSNorms, o_proj's bias) and otherwise its part (copy_slice,
+// param_slices.hpp). tp must divide n_head, n_kv_head, intermediate_size and vocab_size, with SP
+// also the sequence length (errors name parallel.tp and the field). With cfg.recompute the blocks'
 // activations share one set of bytes (slots.hpp) and backward runs each block's forward (but the
 // last's, still in those bytes) again first, between the block's before_backward and after_backward
 // (all shards together: the recomputed forward holds the same collectives), as tp_gpt does.

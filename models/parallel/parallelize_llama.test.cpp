@@ -196,9 +196,7 @@ TEST_CASE("ZeRO 3 over recomputing tensor parallel Llama shards matches the sing
         const batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
         causal_lm_of<tp_llama> shard(cfg, dims, tp_group{tps[dp][tp].get(), false});
         shard.init_weights(3);
-        llama unsharded(tiny(), {1, c.seq});  // for its parameter shapes
-        model_producer piece(shard, *tps[dp][tp],
-                             replicated_by_shape(shard.slots(), unsharded.slots()));
+        model_producer piece(shard, *tps[dp][tp]);
         dp_trainer t(piece, c, *dps[tp][dp],
                      {.bucket_bytes = 4 * 1009, .poison_released = true, .prefetch = 0});
         for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));

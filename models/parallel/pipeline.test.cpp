@@ -265,8 +265,10 @@ void check_run(const single_process<M>& want, pipeline_run& run,
       if (!holds) continue;
       auto slice = empty(st.tied_grad().sizes(), dtype::f32);
       auto exact_slice = empty(st.tied_grad().sizes(), dtype::f64);
-      copy_gpt_slice(tied, ref, slice, 1, st.tp().rank(), st.tp().size(), true, "test");
-      copy_gpt_slice(tied, exact, exact_slice, 1, st.tp().rank(), st.tp().size(), true, "test");
+      const tensor_slot* own = testing::param_slot(st.slots(), tied);
+      REQUIRE(own != nullptr);
+      copy_slice(*own, ref, slice, st.tp().rank(), st.tp().size(), true, "test");
+      copy_slice(*own, exact, exact_slice, st.tp().rank(), st.tp().size(), true, "test");
       auto v = tests::as_accurate_as(testing::as_f64(st.tied_grad()), testing::as_f64(slice),
                                      testing::as_f64(exact_slice));
       INFO("tied gradient on rank " << r << ": " << v.str());
@@ -284,7 +286,7 @@ void check_run(const single_process<M>& want, pipeline_run& run,
   for (int r = 0; r < n; ++r) {
     CHECK(run.runners[r]->norm_group() == run.comms[r].norm.get());
     for (const auto& s : run.stages[r]->slots().slots())
-      if (s.kind == slot_kind::param && run.runners[r]->counts_in_norm(s.name))
+      if (s.kind == slot_kind::param && run.runners[r]->counts_in_norm(s))
         got_sq += sum_squares(*s.grad);
   }
   auto vn = tests::as_accurate_as(std::vector<double>{got_sq},

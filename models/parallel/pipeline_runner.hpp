@@ -124,7 +124,7 @@ class pipeline_runner final : public grad_producer {
                           const std::function<microbatch_data(int k)>& fetch) override;
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override;
   collective::communicator* norm_group() override { return norm_group_; }
-  bool counts_in_norm(std::string_view parameter) const override {
+  bool counts_in_norm(const tensor_slot& parameter) const override {
     return stage_.counts_in_norm(parameter);
   }
 

@@ -1,6 +1,7 @@
 // pipeline_stage: partition, per-microbatch activation stash and the checks shared by the GPT-2
 // and Llama stages (see pipeline_stage.hpp).
 #include "models/parallel/pipeline_stage.hpp"
+#include "models/parallel/param_slices.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -228,8 +229,10 @@ std::size_t pipeline_stage::stash_bytes() const {
   return n;
 }
 
-bool pipeline_stage::counts_in_norm(std::string_view parameter) const {
-  if (stages_ > 1 && stage_ != 0 && !tied_name_.empty() && parameter == tied_name_) return false;
+bool pipeline_stage::counts_in_norm(const tensor_slot& parameter) const {
+  if (stages_ > 1 && stage_ != 0 && !tied_name_.empty() && parameter.name == tied_name_)
+    return false;
+  // Replicated parameters (declared so: param_spec) are counted on tensor rank 0 only.
   if (tp_.size() > 1 && tp_.rank() != 0 && replicated_over_tp(parameter)) return false;
   return true;
 }

@@ -134,7 +134,7 @@ class pipeline_stage {
   // True when this stage's copy of `parameter` enters the global gradient norm: false for the
   // last stage's copy of the tied embedding and, on tensor ranks > 0, for parameters every
   // tensor shard holds whole.
-  bool counts_in_norm(std::string_view parameter) const;
+  bool counts_in_norm(const tensor_slot& parameter) const;
 
   // This stage's part of `full`'s parameters (from_grads: of its gradients) into its parameters
   // (to_grads: its gradients), matched by name; with tensor parallelism the shard's slice.
@@ -178,8 +178,6 @@ class pipeline_stage {
     (void)chunk;
     (void)slot;
   }
-  // Parameters every tensor shard holds whole (counted in the norm on tensor rank 0 only).
-  virtual bool replicated_over_tp(std::string_view parameter) const = 0;
 
   const tensor& ids_buffer() const { return ids_; }
   const tensor& targets_buffer() const { return targets_; }

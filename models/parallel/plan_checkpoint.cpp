@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "scheduler/plan.hpp"
 #include "tensor/ops.hpp"
 
@@ -37,7 +37,7 @@ std::vector<place> places_of(const piece_layout& p, const whole_layout& w, const
     if (s.kind != slot_kind::param) continue;
     const whole_param* wp = w.find(s.name);
     TROUPE_CHECK(wp != nullptr, what, ": the whole model has no parameter '", s.name, "'");
-    out.push_back({&s, wp, offset_in(*s.field, p.base), wp->offset, !p.owns || p.owns(s.name)});
+    out.push_back({&s, wp, offset_in(*s.field, p.base), wp->offset, !p.owns || p.owns(s)});
   }
   std::sort(out.begin(), out.end(),
             [](const place& a, const place& b) { return a.whole_at < b.whole_at; });
@@ -162,9 +162,9 @@ void gather_moment_windows(const piece_layout& piece, const dp_trainer::optimize
           if (!window.defined()) continue;
           ops::fill(part, 0.0);
           copy_runs(runs, state, p.piece_at, part, false);
-          copy_gpt_slice(p.piece->name, view_of(window, p.whole_at - a, *p.whole),
-                         part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, false,
-                         "gather_moments");
+          copy_slice(*p.piece, view_of(window, p.whole_at - a, *p.whole),
+                     part.reshape(p.piece->sizes), piece.tp_rank, piece.tp, false,
+                     "gather_moments");
         }
       }
     } catch (...) {
@@ -232,9 +232,8 @@ void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v
   for (const auto& p : places) {
     const tensor part = scratch.narrow(0, 0, p.piece->field->numel());
     for (auto [from, state] : {std::pair{m, mine.m}, std::pair{v, mine.v}}) {
-      copy_gpt_slice(p.piece->name, view_of(from, p.whole_at, *p.whole),
-                     part.reshape(p.piece->sizes), piece.n_head, piece.tp_rank, piece.tp, true,
-                     "scatter_moments");
+      copy_slice(*p.piece, view_of(from, p.whole_at, *p.whole), part.reshape(p.piece->sizes),
+                 piece.tp_rank, piece.tp, true, "scatter_moments");
       copy_runs(runs, state, p.piece_at, part, true);
     }
   }

@@ -5,7 +5,7 @@
 // A rank's state (dp_trainer::optimizer_view) is the moments of its piece (the whole model, a
 // tensor shard, a pipeline stage, a shard of a stage), all of it (ZeRO 0) or its ZeRO shard: runs
 // of the piece's flat buffer. Moving a moment between the two layouts is reshard.hpp's rule per
-// parameter (copy_gpt_slice), composed with the runs:
+// parameter (copy_slice), composed with the runs:
 //   gather  every rank writes the parameters it owns (replicated ones once, as gather_from_piece)
 //           restricted to its runs (ZeRO 0: dp rank 0 only) into a zeroed window of the whole
 //           layout; the window is summed over dp, then over mp (each element has exactly one

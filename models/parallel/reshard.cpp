@@ -5,7 +5,7 @@
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 
 namespace troupe::models::parallel {
 namespace {
@@ -27,8 +27,7 @@ const tensor_slot* param_named(const slot_list& slots, std::string_view name) {
 // Whole parameter `full` <-> the piece's parameter `s` (its view in `pflat`) by copy_gpt_slice.
 void move_one(const tensor_slot& s, const tensor& full, const piece_layout& p, const tensor& pflat,
               bool into_piece) {
-  copy_gpt_slice(s.name, full, same_place(*s.field, p.base, pflat), p.n_head, p.tp_rank, p.tp,
-                 into_piece, "reshard");
+  copy_slice(s, full, same_place(*s.field, p.base, pflat), p.tp_rank, p.tp, into_piece, "reshard");
 }
 
 // For every parameter of the piece (those it owns when owned_only), its view in `pflat` and the
@@ -38,7 +37,7 @@ void move_parts(const whole_layout& w, const tensor& wflat, const piece_layout& 
   TROUPE_CHECK(p.slots != nullptr, "reshard: the piece's layout has no slot list");
   for (const auto& s : p.slots->slots()) {
     if (s.kind != slot_kind::param) continue;
-    if (owned_only && p.owns && !p.owns(s.name)) continue;
+    if (owned_only && p.owns && !p.owns(s)) continue;
     const whole_param* wp = w.find(s.name);
     TROUPE_CHECK(wp != nullptr, "reshard: the whole model has no parameter '", s.name, "'");
     move_one(s, w.view(wflat, *wp), p, pflat, into_piece);
@@ -90,7 +89,7 @@ bool gather_param(const piece_layout& piece, const tensor& from, std::string_vie
                   const tensor& full) {
   TROUPE_CHECK(piece.slots != nullptr, "reshard: the piece's layout has no slot list");
   const tensor_slot* s = param_named(*piece.slots, name);
-  if (s == nullptr || (piece.owns && !piece.owns(s->name))) return false;
+  if (s == nullptr || (piece.owns && !piece.owns(*s))) return false;
   move_one(*s, full, piece, from, false);
   return true;
 }

@@ -5,11 +5,9 @@
 // so a piece never needs the whole model's memory: whole buffers, or one parameter at a time.
 //
 // A piece's parameter is matched to the whole model's parameter of the same name and copied with
-// copy_gpt_slice (parallelize_gpt.hpp), the rules tp_gpt, gpt_stage, tp_llama and llama_stage
-// slice by: the whole of it when the shapes agree (stages, replicated tensors such as LayerNorms
-// and RMSNorms on every shard), else GPT-2's fused q/k/v projection by heads, or a slice along dim
-// 0 (Llama's q/k/v_proj by heads, GQA included, gate/up_proj, embed_tokens, lm_head) or dim 1
-// (o_proj, down_proj). Names the piece lacks are someone else's.
+// copy_slice (param_slices.hpp) as the piece's declaration of it says (param_spec): the whole of
+// it when replicated (norms on every shard; any parameter of an unsharded stage), else the shard's
+// part of each section along the split axis. Names the piece lacks are someone else's.
 #pragma once
 
 #include <cstdint>
@@ -26,10 +24,9 @@ struct piece_layout {
   const slot_list* slots = nullptr;  // the piece's parameters
   tensor base;                       // the piece's flat parameter buffer (offsets are from it)
   int tp_rank = 0, tp = 1;
-  std::int64_t n_head = 0;  // for GPT-2's fused qkv projections (unused for Llama)
   // Whether this piece writes `parameter` when gathering (of the ranks holding a replicated
   // parameter exactly one should); empty: every parameter.
-  std::function<bool(std::string_view)> owns;
+  std::function<bool(const tensor_slot&)> owns;
 };
 
 // The whole model's parameters as data (no memory): names, shapes and offsets in the whole flat

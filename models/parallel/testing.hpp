@@ -128,11 +128,9 @@ inline named_verdict worst_by_name(const slot_list& got, const slot_list& ref,
 
 // A piece's (a tensor shard's or a pipeline stage's) slices of the f64 model `full`'s gradients
 // (grads, else its weights), in f64, laid out like the piece's flat parameter buffer `base`: cut
-// by copy_gpt_slice as the piece cuts its own, without rounding them to f32. n_head: GPT-2's, for
-// its fused qkv projections (0 for Llama).
+// by copy_slice as the piece cuts its own, without rounding them to f32.
 inline std::vector<double> exact_slices(const slot_list& piece, const tensor& base, int tp_rank,
-                                        int tp, std::int64_t n_head, const slot_list& full,
-                                        bool grads = true) {
+                                        int tp, const slot_list& full, bool grads = true) {
   owned_tensor out = zeros({base.numel()}, dtype::f64);
   for (const auto& s : piece.slots()) {
     if (s.kind != slot_kind::param) continue;
@@ -140,8 +138,8 @@ inline std::vector<double> exact_slices(const slot_list& piece, const tensor& ba
     REQUIRE(f != nullptr);
     const tensor dst =
         out.narrow(0, parallel::offset_in(*s.field, base), s.field->numel()).reshape(s.sizes);
-    copy_gpt_slice(s.name, grads ? *f->grad : *f->field, dst, n_head, tp_rank, tp,
-                   /*into_shard=*/true, "exact_slices");
+    copy_slice(s, grads ? *f->grad : *f->field, dst, tp_rank, tp, /*into_shard=*/true,
+               "exact_slices");
   }
   return as_f64(out);
 }
@@ -234,14 +232,13 @@ struct shard_step {
 template <class Whole, class Make>
 std::vector<shard_step> shard_steps(int tp, const whole_step<Whole>& w, const token_batch& b,
                                     Make make) {
-  const std::int64_t n_head = std::is_same_v<Whole, gpt> ? w.full.config().n_head : 0;
   std::vector<shard_step> out(tp);
   run_ranks(tp, [&](int r, collective::communicator& comm) {
     auto m = make(comm);
     out[r].loss = one_step(*m, b);
     out[r].grads = flat(m->memory().grads());
     out[r].activation_bytes = m->memory().activation_bytes();
-    out[r].exact = exact_slices(m->slots(), m->memory().params(), r, tp, n_head, w.exact.slots());
+    out[r].exact = exact_slices(m->slots(), m->memory().params(), r, tp, w.exact.slots());
     m->load_from(w.full.slots(), /*from_grads=*/true, /*to_grads=*/false);
     out[r].want = flat(m->memory().params());
   });

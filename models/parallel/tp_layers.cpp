@@ -70,7 +70,7 @@ void tp_exit::declare(slot_list& s, batch_dims b, std::int64_t width, bool with_
   has_bias = with_bias;
   if (has_bias) {
     auto sc = s.enter(bias_scope);
-    s.param("bias", {width}, bias, dbias);
+    s.param("bias", {width}, bias, dbias, param_spec::replicated(param_init::zeros));
   }
   if (!tp.sequence_parallel) return;
   s.scratch("tp_exit_full", {b.batch, b.seq, width}, full);
@@ -115,7 +115,8 @@ tensor tp_exit::backward(const tensor& dy) {
 column_parallel_linear::column_parallel_linear(const config& c, tp_group g)
     : cfg(c),
       tp(g),
-      local({c.in, divide_by_tp(c.out, g.size(), "column_parallel_linear: out features"), c.bias}) {
+      local({c.in, divide_by_tp(c.out, g.size(), "column_parallel_linear: out features"), c.bias,
+             tp_split::column}) {
   TROUPE_CHECK(!(c.gather_output && g.sequence_parallel),
                "column_parallel_linear: gather_output cannot be combined with sequence "
                "parallelism");
@@ -174,7 +175,8 @@ void column_parallel_linear::load_from(const linear& full) {
 row_parallel_linear::row_parallel_linear(const config& c, tp_group g)
     : cfg(c),
       tp(g),
-      local({divide_by_tp(c.in, g.size(), "row_parallel_linear: in features"), c.out, false}) {
+      local({divide_by_tp(c.in, g.size(), "row_parallel_linear: in features"), c.out, false,
+             tp_split::row}) {
   exit.tp = g;
 }
 

@@ -2,7 +2,7 @@
 #include "models/parallel/tp_llama_layers.hpp"
 
 #include "memory/error.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/param_slices.hpp"
 #include "models/parallel/tp_compose.hpp"
 #include "tensor/ops.hpp"
 
@@ -105,7 +105,11 @@ void tp_llama_block::backward(const tensor& dy, const tensor& dx) {
 // ---- tp_llama_head ----------------------------------------------------------------------------
 
 tp_llama_head::tp_llama_head(const llama_config& c, tp_group g)
-    : tp(g), dim(c.dim), norm({.dim = c.dim, .eps = c.rms_eps}, g), loss({.vocab = c.vocab}, g) {
+    : tp(g),
+      dim(c.dim),
+      tied(c.tie_embeddings),
+      norm({.dim = c.dim, .eps = c.rms_eps}, g),
+      loss({.vocab = c.vocab}, g) {
   entry.tp = g;
 }
 
@@ -113,7 +117,9 @@ void tp_llama_head::declare(slot_list& s, batch_dims b, std::string_view weight_
   norm.declare(s, "norm", b);
   if (!weight_scope.empty()) {
     auto sc = s.enter(weight_scope);
-    s.param("weight", {local_vocab(), dim}, weight, dweight);
+    param_spec spec = param_spec::split_along(0);
+    spec.embedding = tied;  // the last stage's copy of embed_tokens
+    s.param("weight", {local_vocab(), dim}, weight, dweight, std::move(spec));
   }
   {
     auto sc = s.enter("head");

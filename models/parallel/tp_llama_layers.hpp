@@ -11,9 +11,9 @@
 //   tp_llama_head   logits = norm(x) @ W^T on the shard's vocabulary rows of W (lm_head's, or
 //                   embed_tokens' when tied; SP: norm's output gathered first), loss =
 //                   vocab-parallel cross-entropy (the same on every shard).
-// Parameter names and layouts are llama's (HF); a shard's slice of a parameter is the one
-// copy_gpt_slice (parallelize_gpt.hpp) gives by shape: rows of q/k/v, gate/up, embed_tokens and
-// lm_head, columns of o_proj and down_proj, the whole of the norms and of o_proj's bias.
+// Parameter names and layouts are llama's (HF); each parameter declares how a shard holds it
+// (param_spec): rows of q/k/v, gate/up, embed_tokens and lm_head, columns of o_proj and
+// down_proj, the whole of the norms and of o_proj's bias.
 #pragma once
 
 #include <cstdint>
@@ -74,6 +74,7 @@ struct tp_llama_block {
 struct tp_llama_head {
   tp_group tp;
   std::int64_t dim = 0;
+  bool tied = false;  // the head is embed_tokens (tie_word_embeddings)
   sp_rmsnorm norm;
   tp_entry entry;
   vocab_parallel_cross_entropy loss;

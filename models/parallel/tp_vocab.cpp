@@ -40,7 +40,9 @@ void vocab_parallel_embedding::declare(slot_list& s, std::string_view name, batc
   auto sc = s.enter(name);
   label = "vocab_parallel_embedding '" + s.prefix() + "'";
   if (tp.sequence_parallel) divide_by_tp(b.seq, tp.size(), label + ": sequence length");
-  s.param("weight", {local_vocab, cfg.dim}, weight, dweight);
+  param_spec spec = param_spec::split_along(0);
+  spec.embedding = true;
+  s.param("weight", {local_vocab, cfg.dim}, weight, dweight, std::move(spec));
   s.scratch("tp_dy_masked", {b.rows(), cfg.dim}, dy_masked);
   if (tp.sequence_parallel) {
     s.scratch("tp_full", {b.batch, b.seq, cfg.dim}, full);

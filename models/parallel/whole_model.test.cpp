@@ -86,10 +86,8 @@ void check_pieces(const hf::model_config& model, const tensor& whole_params, con
     std::vector<std::unique_ptr<causal_lm>> lms;
     std::vector<std::unique_ptr<pipeline_stage>> stages;
     std::vector<piece> pieces;
-    std::int64_t n_head = 0;
     if (is_gpt) {
       const gpt_config gc = hf::to_gpt_config(std::get<hf::gpt2_config>(model));
-      n_head = gc.n_head;
       lms.push_back(std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, g));
       for (int st = 0; st < 2; ++st)
         stages.push_back(std::make_unique<gpt_stage>(
@@ -109,7 +107,7 @@ void check_pieces(const hf::model_config& model, const tensor& whole_params, con
                         "shard of stage " + std::to_string(st)});
     for (const auto& p : pieces) {
       INFO(p.what << " " << r << " of 2");
-      const piece_layout pl{p.slots, p.base, r, 2, n_head, {}};
+      const piece_layout pl{p.slots, p.base, r, 2, {}};
       owned_tensor got = zeros(p.base.sizes()), want = zeros(p.base.sizes());
       fill(wm, pl, got.view());
       scatter_to_piece(wm.layout(), whole_params, pl, want);
@@ -185,7 +183,7 @@ TEST_CASE("A folder of weights that lacks a tensor fails loading a piece naming 
   const whole_model wm(model);
   const gpt_config gc = hf::to_gpt_config(std::get<hf::gpt2_config>(model));
   gpt piece(gc, {1, 16});
-  const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, gc.n_head, {}};
+  const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, {}};
   CHECK_THROWS_WITH(load_piece(wm, dir.path, pl, pl.base),
                     Catch::Contains("missing") && Catch::Contains("h.1."));
 }
@@ -202,7 +200,7 @@ TEST_CASE("A piece that does not fit the folder's tensors fails loading naming f
   wider.n_embd = 48;  // the same names, other shapes: slicing the first tensor read fails
   const gpt_config gc = hf::to_gpt_config(wider);
   gpt piece(gc, {1, 16});
-  const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, gc.n_head, {}};
+  const piece_layout pl{&piece.slots(), piece.memory().params(), 0, 1, {}};
   CHECK_THROWS_WITH(load_piece(wm, dir.path, pl, pl.base),
                     Catch::StartsWith("load_piece: '" + dir.path.string() + "', tensor '"));
 }
