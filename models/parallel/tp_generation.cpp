@@ -74,7 +74,7 @@ tensor tp_generation::local_logits(std::int64_t b) const {
 }
 
 tensor tp_generation::gather(std::int64_t b) {
-  tensor out = full_.narrow(0, 0, b);
+  tensor out = full_logits(b);
   gather_last_dim(tp_, local_logits(b), out, scratch_);
   return out;
 }

@@ -63,6 +63,8 @@ class tp_generation {
   // local_logits(b) of every shard side by side: [B, V], the same on every shard (valid until the
   // next step).
   tensor gather(std::int64_t b);
+  // Where gather(b) writes, for a rank that receives the logits instead (pipeline_generation.hpp).
+  tensor full_logits(std::int64_t b) const { return full_.narrow(0, 0, b); }
 
  private:
   tp_generation_plan plan_;
