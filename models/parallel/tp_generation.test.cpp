@@ -194,8 +194,9 @@ TEST_CASE("Greedy generation on Llama tensor shards with GQA gives the single pr
     }
 }
 
-TEST_CASE("Tensor shards step two sequences as the single process does, in passes under SP",
-          "[parallel]") {
+TEST_CASE(
+    "Tensor shards generate two sequences at once as the single process does, in passes under SP",
+    "[parallel]") {
   for (bool sp : {false, true}) {
     INFO("sp " << sp);
     check_batch_steps<gpt, tp_gpt>(tiny_gpt(), sp);
@@ -203,7 +204,7 @@ TEST_CASE("Tensor shards step two sequences as the single process does, in passe
   }
 }
 
-TEST_CASE("Generation on tensor shards refuses what does not fit, naming the model", "[parallel]") {
+TEST_CASE("Tensor shards refuse generation steps that do not fit, naming the model", "[parallel]") {
   using Catch::Matchers::Contains;
   run_ranks(2, [&](int, collective::communicator& comm) {
     tp_gpt m(tiny_gpt(), dims, tp_group{&comm, true});
