@@ -94,6 +94,8 @@ gpt_stage::gpt_stage(const gpt_config& cfg, batch_dims dims, const stage_options
   pos_ids_ = empty({cfg.max_seq}, dtype::i32);
   for (std::int64_t i = 0; i < cfg.max_seq; ++i)
     pos_ids_.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
+  set_generation_shape(divide_by_tp(cfg.n_head, tp.size(), "gpt_stage: n_head"),
+                       cfg.dim / cfg.n_head, cfg.vocab, cfg.max_seq);
 }
 
 void gpt_stage::load_from(const slot_list& full, bool from_grads, bool to_grads) {
@@ -133,6 +135,31 @@ double gpt_stage::run_forward(int c, const tensor& in, const tensor& targets, co
   tensor hf = head_.forward(ln_f_out_);  // [B, T, C] (SP: gathered)
   ops::matmul(hf.reshape({rows, cfg_.dim}), head_w_.transpose(0, 1), logits_);
   return loss_.forward(logits_, targets.reshape({rows}));
+}
+
+void gpt_stage::step_chunk(int c, const tensor& in, const tensor& y, std::int64_t start) {
+  const std::int64_t a = first_block(c), e = end_block(c);
+  const std::int64_t b = in.size(0), n = in.size(1);
+  auto x = [&](std::int64_t i) { return planned_view(x_[i], {b, n, cfg_.dim}, "gpt_stage", "x"); };
+  tensor x0 = in;
+  if (holds_first(c)) {
+    x0 = x(a);
+    tensor pos = planned_view(pos_emb_, {n, cfg_.dim}, "gpt_stage", "pos_emb");
+    wte_.forward_full_sequence(in, x0);
+    wpe_.forward(pos_ids_.narrow(0, start, n), pos);
+    for (std::int64_t r = 0; r < b; ++r) {
+      tensor xr = x0.select(0, r);
+      ops::add(xr, pos, xr);
+    }
+  }
+  for (std::int64_t i = a; i < e; ++i)
+    h_[i]->forward_step(i == a ? x0 : x(i), i + 1 == e && !holds_last(c) ? y : x(i + 1), cached(i),
+                        start);
+  if (!holds_last(c)) return;
+  // The tied head on the last position: the shard's vocabulary rows of wte.
+  tensor hf = planned_view(ln_f_out_, {b, n, cfg_.dim}, "gpt_stage", "ln_f_out");
+  ln_f_.forward(x(cfg_.n_layer), hf);
+  ops::matmul(hf.select(1, n - 1), head_w_.transpose(0, 1), generation().local_logits(b));
 }
 
 void gpt_stage::run_backward(int c, const tensor& dy, const tensor& dx, double weight,

@@ -8,6 +8,9 @@
 //                        stage 0: "wte.weight", summed with stage 0's gradient by the runner);
 //                        loss = vocab-parallel cross-entropy
 //
+// Generation (step_chunk, pipeline_generation.hpp) runs the same pieces as tp_gpt's: wte's shard
+// and wpe at the new positions, each block over its kv cache, the tied head on the last position.
+//
 // Parameter names and layouts are tp_gpt's (declared with each parameter: param_slices.hpp); see
 // pipeline_stage.hpp for the chunks, the memory and the activation stash. cfg.recompute: stashes
 // keep the stage input only and a restored microbatch's chunk runs forward again before its
@@ -37,6 +40,7 @@ class gpt_stage final : public pipeline_stage {
   void store_to(const slot_list& full, bool from_grads = false,
                 bool to_grads = false) const override;
   void init_weights(std::uint64_t seed) override;
+  void step_chunk(int chunk, const tensor& in, const tensor& y, std::int64_t start) override;
 
  private:
   double run_forward(int chunk, const tensor& in, const tensor& targets, const tensor& y) override;

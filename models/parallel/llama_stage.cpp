@@ -60,6 +60,7 @@ llama_stage::llama_stage(const llama_config& cfg_in, batch_dims dims, const stag
   }
   if (cfg_.tie_embeddings && stages() > 1 && (first_ || last_))
     set_tied("embed_tokens.weight", first_ ? embed_tokens_.dweight : head_.dweight);
+  set_generation_shape(cfg_.n_kv_head / tp.size(), cfg_.head_dim, cfg_.vocab, cfg_.max_seq);
 }
 
 void llama_stage::load_from(const slot_list& full, bool from_grads, bool to_grads) {
@@ -89,6 +90,23 @@ double llama_stage::run_forward(int c, const tensor& in, const tensor& targets, 
     h_[i]->forward(x_[i], i + 1 == b && !holds_last(c) ? y : x_[i + 1]);
   if (!holds_last(c)) return 0.0;
   return head_.forward(x_[cfg_.n_layer], targets);
+}
+
+void llama_stage::step_chunk(int c, const tensor& in, const tensor& y, std::int64_t start) {
+  const std::int64_t a = first_block(c), e = end_block(c);
+  const std::int64_t b = in.size(0), n = in.size(1);
+  auto x = [&](std::int64_t i) {
+    return planned_view(x_[i], {b, n, cfg_.dim}, "llama_stage", "x");
+  };
+  tensor x0 = in;
+  if (holds_first(c)) {
+    x0 = x(a);
+    embed_tokens_.forward_full_sequence(in, x0);
+  }
+  for (std::int64_t i = a; i < e; ++i)
+    h_[i]->forward_step(i == a ? x0 : x(i), i + 1 == e && !holds_last(c) ? y : x(i + 1), cached(i),
+                        start);
+  if (holds_last(c)) head_.last_logits(x(cfg_.n_layer), generation().local_logits(b));
 }
 
 void llama_stage::run_backward(int c, const tensor& dy, const tensor& dx, double weight,

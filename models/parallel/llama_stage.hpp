@@ -10,6 +10,10 @@
 //                        embed_tokens: the last stage, when it is not stage 0, holds its own copy
 //                        "embed_tokens.weight" (the runner sums its gradient with stage 0's).
 //
+// Generation (step_chunk, pipeline_generation.hpp) runs the same pieces as tp_llama's: the
+// embedding's shard at the new positions, each layer over its kv cache, the head on the last
+// position.
+//
 // Parameter names and slicing are tp_llama's (parallelize_llama.hpp). See pipeline_stage.hpp for
 // the chunks, the memory and the activation stash.
 #pragma once
@@ -37,6 +41,7 @@ class llama_stage final : public pipeline_stage {
   void store_to(const slot_list& full, bool from_grads = false,
                 bool to_grads = false) const override;
   void init_weights(std::uint64_t seed) override;
+  void step_chunk(int chunk, const tensor& in, const tensor& y, std::int64_t start) override;
 
  private:
   double run_forward(int chunk, const tensor& in, const tensor& targets, const tensor& y) override;

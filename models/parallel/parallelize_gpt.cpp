@@ -145,12 +145,45 @@ void tp_gpt::backward(double loss_scale) {
   wpe_.backward(dpos);
 }
 
-void tp_gpt::begin_generation(std::int64_t, std::int64_t) {
-  TROUPE_FAIL("tp_gpt: generation is not supported on a tensor-parallel model");
+void tp_gpt::begin_generation(std::int64_t batch, std::int64_t capacity) {
+  const auto& a = h_[0].attn.local.cfg;  // the shard's heads
+  begin_tp_generation(gen_,
+                      {.n_layer = cfg_.n_layer,
+                       .batch = batch,
+                       .capacity = capacity,
+                       .n_kv_head = a.n_kv_head,
+                       .head_dim = a.head_dim,
+                       .vocab = cfg_.vocab,
+                       .rows = seq_local_,
+                       .max_batch = dims_.batch,
+                       .max_step = dims_.seq,
+                       .max_seq = cfg_.max_seq},
+                      tp_, "tp_gpt");
 }
 
-tensor tp_gpt::step_logits(const tensor&) {
-  TROUPE_FAIL("tp_gpt: generation is not supported on a tensor-parallel model");
+tensor tp_gpt::step_logits(const tensor& ids) {
+  TROUPE_CHECK(gen_ != nullptr, "tp_gpt: step_logits called before begin_generation");
+  const std::int64_t b = ids.dim() == 2 ? ids.size(0) : 0;
+  auto x = [&](std::int64_t i, std::int64_t n) {
+    return planned_view(x_[i], {b, n, cfg_.dim}, "tp_gpt", "x");
+  };
+  const std::int64_t n = gen_->run(ids, "tp_gpt", [&](const tensor& part, std::int64_t start) {
+    const std::int64_t t = part.size(1);
+    tensor pos = planned_view(pos_emb_, {t, cfg_.dim}, "tp_gpt", "pos_emb");
+    wte_.forward_full_sequence(part, x(0, t));
+    wpe_.forward(pos_ids_.narrow(0, start, t), pos);
+    for (std::int64_t r = 0; r < b; ++r) {
+      tensor xr = x(0, t).select(0, r);
+      ops::add(xr, pos, xr);
+    }
+    for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
+      h_[i].forward_step(x(i, t), x(i + 1, t), gen_->layer(i), start);
+  });
+  // The tied head on the last position: the shard's vocabulary rows of wte, then all of them.
+  tensor hf = planned_view(ln_f_out_, {b, n, cfg_.dim}, "tp_gpt", "ln_f_out");
+  ln_f_.forward(x(cfg_.n_layer, n), hf);
+  ops::matmul(hf.select(1, n - 1), wte_.weight.transpose(0, 1), gen_->local_logits(b));
+  return gen_->gather(b);
 }
 
 std::unique_ptr<tp_gpt> parallelize_gpt(const gpt& model, batch_dims dims,

@@ -11,12 +11,16 @@
 // Parameters keep gpt's names (wte.weight, h.0.attn.qkv_proj.weight, ...); a shard's parameter is
 // the full one when the shapes agree (norms, wpe, row-parallel biases: replicated, their gradients
 // equal on every shard), else its slice: qkv rows by heads, fc rows, o_proj and mlp.proj columns,
-// wte rows. tp_gpt has gpt's training interface (causal_lm_of<tp_gpt> drives it through the
-// trainer); generation is not supported. With cfg.recompute the blocks' activations share one set
-// of bytes (slots.hpp) and backward runs each block's forward (but the last's, still in those
-// bytes) again first, as gpt does (all shards together: the recomputed forward holds the same
-// collectives). Host (CPU) only: the vocab-parallel layers read ids and statistics with plain
-// loops.
+// wte rows. tp_gpt has gpt's training and generation interface (causal_lm_of<tp_gpt> drives it
+// through the trainer and generate()). Generation (tp_generation.hpp): every shard runs a step's
+// new positions whole, also with SP (the region's full-sequence path: a step need not divide tp;
+// with SP a prompt longer than T/tp runs as several cached passes), its attention over a kv cache
+// of its n_head/tp heads, wte's shard and wpe at the new positions in front, and the tied head on
+// the last position, whose vocabulary columns are gathered so that step_logits returns the full
+// [B, V] on every shard. With cfg.recompute the blocks' activations share one set of bytes
+// (slots.hpp) and backward runs each block's forward (but the last's, still in those bytes) again
+// first, as gpt does (all shards together: the recomputed forward holds the same collectives).
+// Host (CPU) only: the vocab-parallel layers read ids and statistics with plain loops.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +33,7 @@
 #include "models/block_use.hpp"
 #include "models/gpt.hpp"
 #include "models/parallel/param_slices.hpp"
+#include "models/parallel/tp_generation.hpp"
 #include "models/parallel/tp_layers.hpp"
 #include "models/parallel/tp_vocab.hpp"
 
@@ -59,8 +64,14 @@ class tp_gpt {
   // Called around every use of block i's parameters (models/block_use.hpp). Empty: not called.
   block_use_hook on_block_use;
 
-  void begin_generation(std::int64_t batch, std::int64_t capacity);  // fails: not supported
-  tensor step_logits(const tensor& ids);                             // fails: not supported
+  // Incremental decoding as gpt's (all shards together): begin_generation plans the shard's kv
+  // cache for `batch` sequences of up to `capacity` positions (0: max_seq); step_logits runs new
+  // tokens ids [B, t] (i32 on the host, the same on every shard, t <= the planned seq) at the next
+  // positions and returns the logits of the last one, [B, V] on every shard (valid until the next
+  // call). Steps reuse the training activations: run forward again before backward.
+  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
+  tensor step_logits(const tensor& ids);
+  std::int64_t generated_length() const { return gen_ ? gen_->length() : 0; }
 
  private:
   gpt_config cfg_;
@@ -81,6 +92,7 @@ class tp_gpt {
   std::int64_t b_ = 0, t_ = 0;
   slot_list slots_;
   layer_memory mem_;
+  std::unique_ptr<tp_generation> gen_;
 };
 
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.

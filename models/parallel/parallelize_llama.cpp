@@ -87,12 +87,36 @@ void tp_llama::backward(double loss_scale) {
   embed_tokens_.backward(db);
 }
 
-void tp_llama::begin_generation(std::int64_t, std::int64_t) {
-  TROUPE_FAIL("tp_llama: generation is not supported on a tensor-parallel model");
+void tp_llama::begin_generation(std::int64_t batch, std::int64_t capacity) {
+  const auto& a = layers_[0].self_attn.local.cfg;  // the shard's heads
+  begin_tp_generation(gen_,
+                      {.n_layer = cfg_.n_layer,
+                       .batch = batch,
+                       .capacity = capacity,
+                       .n_kv_head = a.n_kv_head,
+                       .head_dim = a.head_dim,
+                       .vocab = cfg_.vocab,
+                       .rows = shard_rows(dims_, cfg_.dim, tp_, "tp_llama")[1],
+                       .max_batch = dims_.batch,
+                       .max_step = dims_.seq,
+                       .max_seq = cfg_.max_seq},
+                      tp_, "tp_llama");
 }
 
-tensor tp_llama::step_logits(const tensor&) {
-  TROUPE_FAIL("tp_llama: generation is not supported on a tensor-parallel model");
+tensor tp_llama::step_logits(const tensor& ids) {
+  TROUPE_CHECK(gen_ != nullptr, "tp_llama: step_logits called before begin_generation");
+  const std::int64_t b = ids.dim() == 2 ? ids.size(0) : 0;
+  auto x = [&](std::int64_t i, std::int64_t n) {
+    return planned_view(x_[i], {b, n, cfg_.dim}, "tp_llama", "x");
+  };
+  const std::int64_t n = gen_->run(ids, "tp_llama", [&](const tensor& part, std::int64_t start) {
+    const std::int64_t t = part.size(1);
+    embed_tokens_.forward_full_sequence(part, x(0, t));
+    for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
+      layers_[i].forward_step(x(i, t), x(i + 1, t), gen_->layer(i), start);
+  });
+  head_.last_logits(x(cfg_.n_layer, n), gen_->local_logits(b));
+  return gen_->gather(b);
 }
 
 std::unique_ptr<tp_llama> parallelize_llama(const llama& model, batch_dims dims,

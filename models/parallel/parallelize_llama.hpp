@@ -16,7 +16,10 @@
 // activations share one set of bytes (slots.hpp) and backward runs each block's forward (but the
 // last's, still in those bytes) again first, between the block's before_backward and after_backward
 // (all shards together: the recomputed forward holds the same collectives), as tp_gpt does.
-// Generation is not supported. Host (CPU) only.
+// Generation as tp_gpt's (tp_generation.hpp): every shard runs a step's new positions whole, also
+// with SP, its attention over a kv cache of its n_kv_head/tp heads (RoPE at the global positions),
+// and the head's vocabulary columns of the last position are gathered into the full [B, V] on
+// every shard. Host (CPU) only.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,7 @@
 
 #include "models/block_use.hpp"
 #include "models/llama.hpp"
+#include "models/parallel/tp_generation.hpp"
 #include "models/parallel/tp_llama_layers.hpp"
 #include "models/parallel/tp_vocab.hpp"
 
@@ -55,8 +59,10 @@ class tp_llama {
   // Called around every use of block i's parameters (models/block_use.hpp). Empty: not called.
   block_use_hook on_block_use;
 
-  void begin_generation(std::int64_t batch, std::int64_t capacity);  // fails: not supported
-  tensor step_logits(const tensor& ids);                             // fails: not supported
+  // Incremental decoding as llama's, all shards together (see tp_gpt::begin_generation).
+  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
+  tensor step_logits(const tensor& ids);  // [B, V] on every shard
+  std::int64_t generated_length() const { return gen_ ? gen_->length() : 0; }
 
  private:
   llama_config cfg_;
@@ -70,6 +76,7 @@ class tp_llama {
   std::int64_t b_ = 0, t_ = 0;
   slot_list slots_;
   layer_memory mem_;
+  std::unique_ptr<tp_generation> gen_;
 };
 
 // The shard of `model` for the group `tp` (sequence_parallel: SP as well), planned for `dims`.

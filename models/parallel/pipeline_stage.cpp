@@ -205,6 +205,47 @@ void pipeline_stage::begin_step(int microbatches) {
   }
 }
 
+void pipeline_stage::set_generation_shape(std::int64_t n_kv_head, std::int64_t head_dim,
+                                          std::int64_t vocab, std::int64_t max_seq) {
+  gen_shape_.n_layer = 0;  // the blocks held
+  for (int c = 0; c < chunks_; ++c) gen_shape_.n_layer += end_block(c) - first_block(c);
+  gen_shape_.n_kv_head = n_kv_head;
+  gen_shape_.head_dim = head_dim;
+  gen_shape_.vocab = vocab;
+  gen_shape_.rows = boundary_[1];
+  gen_shape_.max_batch = dims_.batch;
+  gen_shape_.max_step = dims_.seq;
+  gen_shape_.max_seq = max_seq;
+}
+
+void pipeline_stage::begin_generation(std::int64_t batch, std::int64_t capacity) {
+  TROUPE_CHECK(gen_shape_.n_layer > 0, what_, ": generation is not set up for this model");
+  TROUPE_CHECK(in_flight() == 0, what_, ": generation cannot begin with ", in_flight(),
+               " microbatches of a step in flight");
+  tp_generation_plan p = gen_shape_;
+  p.batch = batch;
+  p.capacity = capacity;
+  begin_tp_generation(gen_, p, tp_, what_);
+}
+
+tp_generation& pipeline_stage::generation() {
+  TROUPE_CHECK(gen_ != nullptr, what_, ": a generation step before begin_generation");
+  TROUPE_CHECK(in_flight() == 0, what_, ": a generation step with ", in_flight(),
+               " microbatches of a training step in flight");
+  return *gen_;
+}
+
+const kv_layer& pipeline_stage::cached(std::int64_t block) const {
+  TROUPE_CHECK(gen_ != nullptr, what_, ": a generation step before begin_generation");
+  std::int64_t k = 0;  // the caches follow the held blocks in chunk order
+  for (int c = 0; c < chunks_; ++c) {
+    if (block >= first_block(c) && block < end_block(c))
+      return gen_->layer(k + block - first_block(c));
+    k += end_block(c) - first_block(c);
+  }
+  TROUPE_FAIL(what_, ": block ", block, " is not held by stage ", stage_);
+}
+
 int pipeline_stage::in_flight() const {
   int n = 0;
   for (char p : pending_) n += p != 0;

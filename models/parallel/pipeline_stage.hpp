@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,6 +47,7 @@
 #include "models/layers/slots.hpp"
 #include "models/layers/weight_grads.hpp"
 #include "models/parallel/page_swap.hpp"
+#include "models/parallel/tp_generation.hpp"
 #include "models/parallel/tp_mappings.hpp"
 #include "scheduler/plan.hpp"
 
@@ -146,6 +148,20 @@ class pipeline_stage {
   // The weights the full model's init_weights(seed) gives.
   virtual void init_weights(std::uint64_t seed) = 0;
 
+  // Generation through the stages (pipeline_generation.hpp drives them). begin_generation plans
+  // this stage's decoding state (tp_generation.hpp: the kv caches of its blocks over their tensor
+  // shard's heads, the passes, the logits) for `batch` sequences of up to `capacity` positions
+  // (0: max_seq) and empties it; between training steps only (no microbatch in flight: a
+  // generation step overwrites the chunks' activations). generation(): that state.
+  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
+  tp_generation& generation();
+  // One cached pass of chunk c over the new positions start..start+n-1, every tensor shard
+  // holding the rows whole (the region's full-sequence path, tp_compose.hpp). in: the ids, i32
+  // [B, n], when holds_first(c), else the previous virtual stage's output [B, n, C]; y receives
+  // the output [B, n, C] unless holds_last(c), which writes the shard's vocabulary columns of the
+  // last position into generation().local_logits(B).
+  virtual void step_chunk(int chunk, const tensor& in, const tensor& y, std::int64_t start) = 0;
+
  protected:
   // Checks the options against n_layer and sets the partition; `what` names the model in errors.
   pipeline_stage(std::string what, std::int64_t n_layer, batch_dims dims, const stage_options& o,
@@ -178,6 +194,12 @@ class pipeline_stage {
     (void)chunk;
     (void)slot;
   }
+  // What begin_generation plans the caches and logits for (the model's constructor sets it): the
+  // shard's key/value heads, the head size, the whole vocabulary and the model's positions.
+  void set_generation_shape(std::int64_t n_kv_head, std::int64_t head_dim, std::int64_t vocab,
+                            std::int64_t max_seq);
+  // The kv cache of block `block` (global index, held here), after begin_generation.
+  const kv_layer& cached(std::int64_t block) const;
 
   const tensor& ids_buffer() const { return ids_; }
   const tensor& targets_buffer() const { return targets_; }
@@ -234,6 +256,8 @@ class pipeline_stage {
   std::string broken_;     // a swap failed half way: the error; begin_step refuses
   std::string tied_name_;
   tensor tied_grad_;
+  tp_generation_plan gen_shape_;  // set_generation_shape's part
+  std::unique_ptr<tp_generation> gen_;
 };
 
 }  // namespace troupe::models::parallel

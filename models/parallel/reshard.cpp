@@ -24,14 +24,14 @@ const tensor_slot* param_named(const slot_list& slots, std::string_view name) {
   return nullptr;
 }
 
-// Whole parameter `full` <-> the piece's parameter `s` (its view in `pflat`) by copy_gpt_slice.
+// Whole parameter `full` <-> the piece's parameter `s` (its view in `pflat`) by copy_slice.
 void move_one(const tensor_slot& s, const tensor& full, const piece_layout& p, const tensor& pflat,
               bool into_piece) {
   copy_slice(s, full, same_place(*s.field, p.base, pflat), p.tp_rank, p.tp, into_piece, "reshard");
 }
 
 // For every parameter of the piece (those it owns when owned_only), its view in `pflat` and the
-// whole parameter's view in `wflat`, copied by copy_gpt_slice (into_piece: whole -> piece).
+// whole parameter's view in `wflat`, copied by copy_slice (into_piece: whole -> piece).
 void move_parts(const whole_layout& w, const tensor& wflat, const piece_layout& p,
                 const tensor& pflat, bool owned_only, bool into_piece) {
   TROUPE_CHECK(p.slots != nullptr, "reshard: the piece's layout has no slot list");

@@ -110,6 +110,11 @@ tensor tp_exit::backward(const tensor& dy) {
   return df;
 }
 
+void tp_exit::forward_full_sequence(const tensor& y) {
+  allreduce_sum(tp, y);  // reduce_from_region
+  if (has_bias && y.numel() > 0) ops::add_bias(y.reshape({y.numel() / dim, dim}), bias);
+}
+
 // ---- column_parallel_linear -------------------------------------------------------------------
 
 column_parallel_linear::column_parallel_linear(const config& c, tp_group g)
@@ -245,6 +250,17 @@ void tp_mlp::backward(const tensor& dy, const tensor& dx) {
   fc.backward(dhv, dx);
 }
 
+void tp_mlp::forward_step(const tensor& x, const tensor& y) {
+  TROUPE_CHECK(x.defined() && x.dim() == 3, label, ": a step's x must be [B, t, C], got ",
+               describe(x));
+  shape hs = with_last(x.sizes(), fc.local.cfg.out);
+  tensor hv = planned_view(h, hs, label, "h"), av = planned_view(a, hs, label, "a");
+  fc.local.forward(x, hv);  // entered by identity: x is whole on every shard
+  ops::gelu(hv, av);
+  proj.local.forward(av, y);
+  proj.exit.forward_full_sequence(y);
+}
+
 void tp_mlp::load_from(const mlp& full) {
   fc.load_from(full.fc);
   proj.load_from(full.proj);
@@ -289,6 +305,12 @@ void tp_attention::forward(const tensor& x, const tensor& y) {
 
 void tp_attention::backward(const tensor& dy, const tensor& dx) {
   region_backward(entry, local, exit, dy, dx);
+}
+
+void tp_attention::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
+                                std::int64_t start) {
+  attention_step(local, x, y, cache, start);  // entered by identity; y: the partial o_proj
+  exit.forward_full_sequence(y);
 }
 
 void tp_attention::load_from(const attention& full) {
@@ -402,6 +424,13 @@ void tp_gpt_block::recompute(const tensor& x) {
 
 void tp_gpt_block::backward(const tensor& dy, const tensor& dx) {
   residual_backward(ln_1, attn, ln_2, ff, buf, dy, dx, "tp_gpt_block");
+}
+
+void tp_gpt_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
+                                std::int64_t start) {
+  cached_region<tp_attention> step{attn, cache, start};
+  region_step<tp_mlp> mlp_step{ff};
+  residual_forward(ln_1, step, ln_2, mlp_step, buf, x, y, "tp_gpt_block");
 }
 
 void tp_gpt_block::load_from(const gpt_block& full) {

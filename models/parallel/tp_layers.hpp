@@ -28,6 +28,7 @@
 #include <string_view>
 
 #include "models/gpt.hpp"
+#include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
 #include "models/layers/layernorm.hpp"
 #include "models/layers/linear.hpp"
@@ -74,6 +75,9 @@ struct tp_exit {
   void forward(const tensor& partial, const tensor& y);
   // The region's output gradient for dy (SP: gathered); accumulates dbias.
   tensor backward(const tensor& dy);
+  // reduce_from_region whatever the group's sequence parallelism: y holds the shard's partial sum
+  // of rows every shard holds whole (a generation step's) and gets their sum and the bias.
+  void forward_full_sequence(const tensor& y);
 };
 
 struct column_parallel_linear {
@@ -133,6 +137,9 @@ struct tp_mlp {
   void forward(const tensor& x, const tensor& y);
   void backward(const tensor& dy, const tensor& dx);
   void load_from(const mlp& full);
+  // forward through the region's full-sequence path (tp_compose.hpp, generation steps): x, y
+  // [B, t, C] whole on every shard, also with SP.
+  void forward_step(const tensor& x, const tensor& y);
 };
 
 struct tp_attention {
@@ -149,6 +156,10 @@ struct tp_attention {
   void forward(const tensor& x, const tensor& y);
   void backward(const tensor& dy, const tensor& dx);
   void load_from(const attention& full);
+  // forward for new positions start..start+t-1 through the region's full-sequence path
+  // (tp_compose.hpp): x, y [B, t, C] whole on every shard, also with SP; the shard's heads attend
+  // over `cache` (its Hkv/tp heads, models/kv_cache.hpp) and append their k and v to it.
+  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
 };
 
 // A LayerNorm or RMSNorm (Norm) on the shard's rows (sp_layernorm, sp_rmsnorm).
@@ -185,6 +196,9 @@ struct tp_gpt_block {
   void recompute(const tensor& x);
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
   void load_from(const gpt_block& full);
+  // forward for new positions start.. with the attention over the shard's kv cache, every shard
+  // holding the step's rows whole (also with SP: the region's full-sequence path, tp_compose.hpp).
+  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
 };
 
 }  // namespace troupe::models

@@ -62,6 +62,11 @@ void tp_swiglu_mlp::backward(const tensor& dy, const tensor& dx) {
   region_backward(entry, local, exit, dy, dx);
 }
 
+void tp_swiglu_mlp::forward_step(const tensor& x, const tensor& y) {
+  local.forward(x, y);  // entered by identity: x is whole on every shard
+  exit.forward_full_sequence(y);
+}
+
 void tp_swiglu_mlp::load_from(const swiglu_mlp& full) {
   int r = tp.rank(), n = tp.size();
   copy_shard(full.gate_proj.weight, 0, r, n, local.gate_proj.weight);
@@ -100,6 +105,14 @@ void tp_llama_block::forward(const tensor& x, const tensor& y) {
 void tp_llama_block::backward(const tensor& dy, const tensor& dx) {
   residual_backward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, dy, dx,
                     "tp_llama_block");
+}
+
+void tp_llama_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
+                                  std::int64_t start) {
+  cached_region<tp_attention> step{self_attn, cache, start};
+  region_step<tp_swiglu_mlp> mlp_step{mlp};
+  residual_forward(input_layernorm, step, post_attention_layernorm, mlp_step, buf, x, y,
+                   "tp_llama_block");
 }
 
 // ---- tp_llama_head ----------------------------------------------------------------------------
@@ -158,6 +171,19 @@ void tp_llama_head::backward(double loss_scale, const tensor& scratch, const ten
   ops::matmul(logits_cur_, weight, dhf.reshape({b_ * t_, dim}));
   entry.backward(dhf, scratch);
   norm.backward(scratch, dx);
+}
+
+void tp_llama_head::last_logits(const tensor& x, const tensor& logits) {
+  TROUPE_CHECK(x.defined() && x.dim() == 3, "tp_llama head: a step's x must be [B, t, C], got ",
+               describe(x));
+  const std::int64_t b = x.size(0), t = x.size(1);
+  const shape want{b, local_vocab()};
+  TROUPE_CHECK(logits.defined() && logits.sizes() == want,
+               "tp_llama head: a step's logits must be [", b, ", ", local_vocab(), "], got ",
+               describe(logits));
+  tensor hn = planned_view(norm_out_, x.sizes(), "tp_llama head", "norm_out");
+  norm.forward(x, hn);
+  ops::matmul(hn.select(1, t - 1), weight.transpose(0, 1), logits);
 }
 
 }  // namespace troupe::models

@@ -46,6 +46,9 @@ struct tp_swiglu_mlp {
   void forward(const tensor& x, const tensor& y);
   void backward(const tensor& dy, const tensor& dx);
   void load_from(const swiglu_mlp& full);
+  // forward through the region's full-sequence path (tp_compose.hpp, generation steps): x, y
+  // [B, t, C] whole on every shard, also with SP.
+  void forward_step(const tensor& x, const tensor& y);
 };
 
 struct tp_llama_block {
@@ -66,6 +69,9 @@ struct tp_llama_block {
   // so every shard must recompute together): restores what backward reads.
   void recompute(const tensor& x) { forward(x, tensor{}); }
   void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
+  // forward for new positions start.. with the attention over the shard's kv cache, every shard
+  // holding the step's rows whole (also with SP: the region's full-sequence path, tp_compose.hpp).
+  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
 
  private:
   tp_llama_block(const llama_block& unsharded, tp_group g);  // its layers' configs, sharded
@@ -91,6 +97,10 @@ struct tp_llama_head {
   // d(loss_scale * loss)/d(x) into dx (shaped like x), scratch another such buffer; accumulates
   // the weight's and the norm's gradients.
   void backward(double loss_scale, const tensor& scratch, const tensor& dx);
+  // A generation step's head: x [B, t, C] whole on every shard (also with SP) -> the shard's
+  // vocabulary columns of the last position into logits [B, V/tp]. Overwrites the activations of
+  // the last forward.
+  void last_logits(const tensor& x, const tensor& logits);
 
  private:
   tensor norm_out_, logits_, norm_cur_, logits_cur_;

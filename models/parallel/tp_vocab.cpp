@@ -62,13 +62,20 @@ void vocab_parallel_embedding::zero_foreign(const tensor& rows) const {
 }
 
 void vocab_parallel_embedding::forward(const tensor& ids_in, const tensor& y) {
+  lookup(ids_in, y, tp.sequence_parallel);
+}
+
+void vocab_parallel_embedding::forward_full_sequence(const tensor& ids_in, const tensor& y) {
+  lookup(ids_in, y, /*split=*/false);
+}
+
+void vocab_parallel_embedding::lookup(const tensor& ids_in, const tensor& y, bool split) {
   TROUPE_CHECK(weight.defined(), label, ": parameters are not bound");
   check_ids(ids_in, label, "ids");
   TROUPE_CHECK(ids_in.dim() == 2, label, ": ids must be [B, T], got ", describe(ids_in));
   shape want{ids_in.size(0), ids_in.size(1), cfg.dim};
   shape local = want;
-  if (tp.sequence_parallel)
-    local[1] = divide_by_tp(want[1], tp.size(), label + ": sequence length");
+  if (split) local[1] = divide_by_tp(want[1], tp.size(), label + ": sequence length");
   TROUPE_CHECK(y.defined() && y.sizes() == local && y.is_contiguous(), label, ": y must be ",
                local.str(), ", got ", describe(y));
   ids = ids_in;
@@ -88,12 +95,12 @@ void vocab_parallel_embedding::forward(const tensor& ids_in, const tensor& y) {
     else
       foreign_.emplace_back(i, 1);
   }
-  tensor out = tp.sequence_parallel ? planned_view(full, want, label, "tp_full") : y;
+  tensor out = split ? planned_view(full, want, label, "tp_full") : y;
   if (n == 0) return;
   tensor out2 = out.reshape({n, cfg.dim});
   ops::embedding(lid, weight, out2);
   zero_foreign(out2);
-  if (tp.sequence_parallel)
+  if (split)
     reduce_scatter_sequence(tp, out, y, scratch);
   else
     allreduce_sum(tp, y);

@@ -44,8 +44,13 @@ struct vocab_parallel_embedding {
   void forward(const tensor& ids, const tensor& y);
   void backward(const tensor& dy);
   void load_from(const embedding& full);
+  // forward without the sequence split whatever the group's sequence parallelism: y [B, t, dim]
+  // whole on every shard (allreduced), as a generation step needs (tp_compose.hpp). Not for
+  // training: backward expects forward's layout.
+  void forward_full_sequence(const tensor& ids, const tensor& y);
 
  private:
+  void lookup(const tensor& ids, const tensor& y, bool split);
   std::vector<std::int32_t> local_ids_;  // the shard's row of each id (0 if not owned)
   std::vector<std::pair<std::int64_t, std::int64_t>> foreign_;  // runs of rows not owned
   tensor local_ids_view(std::int64_t n);
