@@ -46,8 +46,8 @@ struct train_cli {
   sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
   int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
-  bool sp = false;
-  std::string schedule = "1f1b";
+  bool sp = false, dp_overlap = true;
+  std::string schedule = "1f1b", pipe_p2p = "async", dp_bucket_bytes;
   std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
 };
 
@@ -376,6 +376,33 @@ command_fn add_train_command(CLI::App& app) {
                             "Model chunks per pipeline stage (interleaved)")
                 ->capture_default_str(),
             [pc](train_config& t) { t.plan.virtual_stages = pc->virtual_stages; });
+  plan_flag(sub->add_flag("--dp-overlap,!--no-dp-overlap", c->dp_overlap,
+                          "Reduce gradient buckets during backward (--no-dp-overlap: after it)"),
+            [pc](train_config& t) { t.plan.dp_overlap = pc->dp_overlap; });
+  plan_flag(sub->add_option("--dp-bucket-bytes", c->dp_bucket_bytes,
+                            "Gradient bucket size of the data-parallel reduction (e.g. 256K)")
+                ->default_str("25M"),
+            [pc](train_config& t) {
+              auto v = models::parse_byte_size(pc->dp_bucket_bytes);
+              TROUPE_CHECK(v.has_value() && *v <= (1ULL << 50),
+                           "--dp-bucket-bytes must be a size like 256K or 25M, got '",
+                           pc->dp_bucket_bytes, "'");
+              t.plan.dp_bucket_bytes = static_cast<long long>(*v);
+            });
+  plan_flag(sub->add_option("--pipe-p2p", c->pipe_p2p,
+                            "How pipeline stages wait for transfers: async, or batched (each "
+                            "batch of the schedule's transfers waited where it stands)")
+                ->capture_default_str(),
+            [pc](train_config& t) {
+              auto m = scheduler::parse_p2p_mode(pc->pipe_p2p);
+              TROUPE_CHECK(m.has_value() && *m != scheduler::p2p_mode::blocking,
+                           "--pipe-p2p must be async or batched, got '", pc->pipe_p2p, "'");
+              t.plan.pipe_p2p = *m;
+            });
+  bind<&train_config::pipe_trace>(
+      *c, sub, "--pipe-trace",
+      "Path prefix: pipeline stages append each step's actions and times to "
+      "PREFIX.stage<s>.<pid>.txt (scripts/bench/pipe_trace.py reads them)");
   // [memory] flags: sizes take suffixes (64M, 2G), so they are parsed here.
   auto size_flag = [&](const std::string& name, std::uint64_t train_config::*field,
                        const std::string& help) {

@@ -88,6 +88,13 @@ range_list merged(range_list r) {
 
 }  // namespace
 
+dp_options dp_options::of(const scheduler::parallel_plan& plan) {
+  dp_options o;
+  o.bucket_bytes = static_cast<std::size_t>(plan.dp_bucket_bytes);
+  o.overlap = plan.dp_overlap;
+  return o;
+}
+
 std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_elems) {
   TROUPE_CHECK(dp >= 1 && n >= 0, "make_buckets: dp ", dp, ", n ", n);
   const std::int64_t chunk = (std::max<std::int64_t>(bucket_elems, dp) + dp - 1) / dp;
