@@ -717,8 +717,7 @@ double dp_trainer::reduce_gradients() {
   if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
   double norm = std::sqrt(sq);
-  // As clip_grad_norm does.
-  if (cfg_.clip > 0 && norm > cfg_.clip) ops::scale(g, cfg_.clip / (norm + 1e-6));
+  if (const double f = clip_factor(norm, cfg_.clip); f != 1.0) ops::scale(g, f);
   return norm;
 }
 
