@@ -21,7 +21,6 @@
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
 #include "models/parallel/hybrid.hpp"
-#include "models/text/token_file.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -78,15 +77,6 @@ struct trainer_state {
   std::string broken;  // why a step failed: the piece's state is undefined from then on
 };
 
-models::hf::model_config model_of(const models::train_config& cfg) {
-  if (!cfg.resume.empty()) return models::hf::read_config(cfg.resume).value();
-  if (!cfg.model_hf.empty()) return models::hf::read_config(cfg.model_hf).value();
-  std::int64_t vocab = 0;
-  if (!cfg.data_tokens.empty())
-    vocab = models::token_dataset::open(cfg.data_tokens).value().vocab_size();
-  return models::named_model_config(cfg.model_size, vocab).value();
-}
-
 std::int64_t vocab_of(const models::hf::model_config& m) {
   if (const auto* g = std::get_if<models::hf::gpt2_config>(&m)) return g->vocab_size;
   return std::get<models::hf::llama_config>(m).vocab_size;
@@ -118,7 +108,7 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
   TROUPE_CHECK(plan.world_size() == n.world_size(),
                "parallel.dp x parallel.pp x parallel.tp = ", plan.dp, " x ", plan.pp, " x ",
                plan.tp, " = ", plan.world_size(), " but the job has ", n.world_size(), " ranks");
-  st.model = model_of(st.cfg);
+  st.model = models::model_config_of(st.cfg);
   std::vector<collective::grid_axis> axes;
   for (const auto& a : plan.order) {
     int d = a == "dp" ? plan.dp : a == "pp" ? plan.pp : a == "tp" ? plan.tp : 1;
@@ -275,29 +265,19 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     TROUPE_CHECK(l.step == resumed, "drive_training: the trainers resumed at different steps (",
                  resumed, " and ", l.step, ")");
   if (o.on_setup) o.on_setup(sum.ranks);
-  auto save = [&](std::int64_t step) {
-    const auto held = models::hf::checkpoint_step(cfg.ckpt_dir);  // rank 0 writes it
-    auto saved =
-        j.ask_all<save_reply>(trainers, save_request{cfg.ckpt_dir}, std::chrono::minutes(5));
-    for (auto& sv : saved)
-      if (!sv.written.empty()) sum.checkpoint = sv.written;
-    if (o.on_save) o.on_save(step, cfg.ckpt_dir, held);
-  };
   // A stuck collective fails on the ranks that wait for it at its deadline, with the text that
   // names the ranks: the driver waits longer than that, so its own timeout does not come first.
   auto step_wait = o.step_timeout;
   if (cfg.collective_timeout > 0)
     step_wait = std::max(step_wait, std::chrono::milliseconds(static_cast<std::int64_t>(
                                         cfg.collective_timeout * 2000.0 + 60000.0)));
-  for (std::int64_t s = resumed; s < cfg.steps; ++s) {
-    std::vector<step_reply> replies;
-    try {
-      replies = j.ask_all<step_reply>(trainers, step_request{s}, step_wait);
-    } catch (...) {
-      for (const auto& t : trainers) j.stop(t);
-      throw;
-    }
-    step_report rep;
+  // The launched run's policy on the one loop: a step is every trainer's step (the first rank's
+  // loss, the slowest rank's time, the largest bubble and wait), a save every trainer's part of it.
+  step_report rep;  // the last step's
+  models::train_policy policy;
+  policy.step = [&](std::int64_t s) {
+    const auto replies = j.ask_all<step_reply>(trainers, step_request{s}, step_wait);
+    rep = {};
     const auto& first = replies.front();
     rep.result.step = first.step;
     rep.result.loss = first.loss;
@@ -309,15 +289,21 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       rep.bubble = std::max(rep.bubble, r.bubble);
       rep.comm_wait = std::max(rep.comm_wait, r.comm_wait);
     }
-    if (s == resumed) sum.first_loss = rep.result.loss;
-    sum.last_loss = rep.result.loss;
-    sum.seconds += rep.result.seconds;
-    sum.tokens += rep.result.tokens;
-    sum.steps = rep.result.step;
+    return rep.result;
+  };
+  policy.save = [&](const std::string& folder) {
+    for (auto& sv : j.ask_all<save_reply>(trainers, save_request{folder}, std::chrono::minutes(5)))
+      if (!sv.written.empty()) sum.checkpoint = sv.written;
+  };
+  policy.failed = [&](std::exception_ptr, const models::train_progress&) {
+    for (const auto& t : trainers) j.stop(t);
+  };
+  models::train_hooks hooks;
+  hooks.on_step = [&](const models::step_result&) {
     if (o.on_step) o.on_step(rep);
-    const bool every = cfg.ckpt_every > 0 && rep.result.step % cfg.ckpt_every == 0;
-    if (!cfg.ckpt_dir.empty() && (every || s + 1 == cfg.steps)) save(rep.result.step);
-  }
+  };
+  hooks.on_save = o.on_save;
+  sum.progress = models::run_train_loop(cfg, resumed, policy, hooks);
   for (auto& m : j.ask_all<memory_reply>(trainers, memory_request{}, std::chrono::minutes(1)))
     sum.memory.push_back(m.line);
   for (const auto& t : trainers) j.stop(t);

@@ -27,6 +27,7 @@
 #include "actors/node.hpp"
 #include "actors/roles.hpp"
 #include "models/train_config.hpp"
+#include "models/train_loop.hpp"
 #include "models/trainer.hpp"
 
 namespace troupe::actors {
@@ -42,10 +43,10 @@ struct step_report {
 };
 
 struct training_summary {
-  // steps: the step reached (a resumed run counts its checkpoint's steps too); tokens, seconds and
-  // first_loss: of the steps run here (first_loss: the first of them).
-  std::int64_t steps = 0, tokens = 0;
-  double seconds = 0, first_loss = 0, last_loss = 0;
+  // The loop's totals (models/train_loop.hpp): progress.step is the step reached (a resumed run
+  // counts its checkpoint's steps too); ran, tokens, seconds and the losses are of the steps run
+  // here (the slowest rank's seconds per step).
+  models::train_progress progress;
   std::vector<std::string> ranks;  // one line per rank: "rank 1: dp 0 pp 1 tp 0, stage 1 of 2 ..."
   std::string checkpoint;          // where the whole model was written ("" when not)
   // One line per rank at the end of the run: the most parameter bytes it held at once against the
@@ -64,9 +65,11 @@ struct drive_options {
 };
 
 // On the driver rank: spawns a trainer on every rank, sets them up with `cfg` (its plan's degrees
-// must multiply to the world size), runs cfg.steps steps and, when cfg.ckpt_dir is set, writes the
-// whole model there in HF layout (config.json, safetensors, troupe_parallel.json with the step and
-// plan) every cfg.ckpt_every steps and at the end; rank 0 checks at setup that it can write there.
+// must multiply to the world size), runs the steps up to cfg.steps on the one training loop
+// (models/train_loop.hpp: each step asked of every trainer, the first rank's loss, the slowest
+// rank's seconds) and, when cfg.ckpt_dir is set, writes the whole model there in HF layout
+// (config.json, safetensors, troupe_parallel.json with the step and plan) every cfg.ckpt_every
+// steps and at the end; rank 0 checks at setup that it can write there.
 // Throws an error naming the rank when a trainer fails: the first failure ends the wait for the
 // others (which may be blocked on the failed one) and the trainers are stopped.
 training_summary drive_training(node& n, const models::train_config& cfg,

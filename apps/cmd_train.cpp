@@ -27,7 +27,7 @@
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/run_state.hpp"
-#include "models/text/token_file.hpp"
+#include "models/train_loop.hpp"
 #include "models/trainer.hpp"
 #include "tensor/parallel.hpp"
 
@@ -46,8 +46,8 @@ struct train_cli {
   sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
   int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
-  bool sp = false;
-  std::string schedule = "1f1b";
+  bool sp = false, dp_overlap = true;
+  std::string schedule = "1f1b", pipe_p2p = "async", dp_bucket_bytes;
   std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
 };
 
@@ -116,6 +116,12 @@ std::unique_ptr<std::FILE, int (*)(std::FILE*)> open_json(const std::string& pat
   return json;
 }
 
+// The log line of each checkpoint save (the loop's on_save).
+void print_saved(std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
+  fmt::print("{}\n", hf::saved_line(dir, step, held));
+  std::fflush(stdout);
+}
+
 // The checkpoint folder checked when the run is configured (hf::check_checkpoint_dir): the log
 // line saying what it holds, or the refusal, naming the setting.
 std::string checked_checkpoint_dir(const std::string& dir) {
@@ -144,26 +150,20 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
       std::fflush(stdout);
     };
     double bubble = 0, wait = 0;
-    std::int64_t ran = 0;  // steps run here (sum.steps is the step reached, resumed ones included)
     d.on_step = [&](const actors::step_report& r) {
       if (!bar) bar.emplace(r.result.step - 1, cfg.steps, cfg.log_every, json.get());
       bar->report(r.result);
       bubble += r.bubble;
       wait += r.comm_wait;
-      ++ran;
     };
-    d.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
-      fmt::print("{}\n", hf::saved_line(dir, step, held));
-      std::fflush(stdout);
-    };
+    d.on_save = print_saved;
     auto sum = actors::drive_training(n, cfg, d);
+    const auto ran = static_cast<double>(sum.progress.ran);
     fmt::print(
-        "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; pipeline "
-        "bubble {:.1f}% of the pipelined section; waiting for gradient collectives {:.2f} ms per "
-        "step\n",
-        sum.steps, sum.seconds, sum.tokens / std::max(sum.seconds, 1e-9), sum.first_loss,
-        sum.last_loss, ran > 0 ? 100.0 * bubble / static_cast<double>(ran) : 0.0,
-        ran > 0 ? 1e3 * wait / static_cast<double>(ran) : 0.0);
+        "{}; pipeline bubble {:.1f}% of the pipelined section; waiting for gradient collectives "
+        "{:.2f} ms per step\n",
+        models::trained_line(sum.progress), ran > 0 ? 100.0 * bubble / ran : 0.0,
+        ran > 0 ? 1e3 * wait / ran : 0.0);
     for (const auto& m : sum.memory) fmt::print("  {}\n", m);
     if (!sum.checkpoint.empty()) {
       fmt::print(
@@ -208,23 +208,16 @@ int run_train(train_cli& c) {
   if (!cfg.ckpt_dir.empty()) fmt::print("{}\n", checked_checkpoint_dir(cfg.ckpt_dir));
 
   // The model: resumed, loaded from an HF folder, or a named size from scratch.
-  std::string from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
-  hf::model_config mcfg;
-  std::int64_t vocab_hint = 0;
-  if (from.empty() && !cfg.data_tokens.empty()) {
-    auto ds = models::token_dataset::open(cfg.data_tokens);
-    vocab_hint = ds.value().vocab_size();
-  }
-  mcfg = from.empty() ? models::named_model_config(cfg.model_size, vocab_hint).value()
-                      : hf::read_config(from).value();
+  const hf::model_config mcfg = models::model_config_of(cfg);
   if (cfg.tiers()) {  // memory tiers: apps/cmd_train_tiers.cpp
     tiered_hooks h;
-    h.model_label = from.empty() ? cfg.model_size : from;
+    h.model_label = models::model_label(cfg);
     auto json = std::make_shared<decltype(open_json(c.json_path))>(open_json(c.json_path));
     h.progress = [&cfg, json](std::int64_t first) {
       auto bar = std::make_shared<progress>(first, cfg.steps, cfg.log_every, json->get());
       return [bar](const models::step_result& r) { bar->report(r); };
     };
+    h.on_save = print_saved;
     h.done = [&](models::causal_lm& m) {
       if (c.sample.tokens > 0)
         fmt::print("sample ({}):\n{}\n", sample_settings, sample_text(m, c.sample));
@@ -253,11 +246,10 @@ int run_train(train_cli& c) {
     fmt::print("resumed {} at step {}\n", cfg.resume, step);
   }
   auto& mem = model->memory();
-  fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}\n",
-             from.empty() ? cfg.model_size : from,
-             std::holds_alternative<hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
-             static_cast<double>(model->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
-             cfg.grad_accum);
+  fmt::print(
+      "troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}\n",
+      models::model_label(cfg), std::holds_alternative<hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
+      static_cast<double>(model->slots().param_count()) / 1e6, cfg.batch, cfg.seq, cfg.grad_accum);
   fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
   fmt::print(
       "memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
@@ -267,27 +259,13 @@ int run_train(train_cli& c) {
 
   auto json = open_json(c.json_path);
   progress bar(tr.steps_done(), cfg.steps, cfg.log_every, json.get());
-  double first_loss = -1, last_loss = 0, secs = 0;
-  std::int64_t tokens = 0;
-  while (tr.steps_done() < cfg.steps) {
-    auto r = tr.step(data.rows);
-    if (first_loss < 0) first_loss = r.loss;
-    last_loss = r.loss;
-    secs += r.seconds;
-    tokens += r.tokens;
-    bar.report(r);
-    bool at_interval = cfg.ckpt_every > 0 && r.step % cfg.ckpt_every == 0;
-    if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps)) {
-      const auto held = hf::checkpoint_step(cfg.ckpt_dir);
-      tr.save(cfg.ckpt_dir, mcfg).value();
-      fmt::print("{}\n", hf::saved_line(cfg.ckpt_dir, r.step, held));
-    }
-  }
-  fmt::print(
-      "trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}; host memory "
-      "peak {:.1f} MB\n",
-      tr.steps_done(), secs, tokens / std::max(secs, 1e-9), first_loss, last_loss,
-      memory::stats(memory::tier::host).peak / 1e6);
+  models::train_hooks hooks;
+  hooks.on_step = [&bar](const models::step_result& r) { bar.report(r); };
+  hooks.on_save = print_saved;
+  const auto run = models::run_train_loop(cfg, tr.steps_done(),
+                                          models::trainer_policy(tr, mcfg, data.rows), hooks);
+  fmt::print("{}; host memory peak {:.1f} MB\n", models::trained_line(run),
+             memory::stats(memory::tier::host).peak / 1e6);
   if (!cfg.ckpt_dir.empty())
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
 
@@ -376,6 +354,33 @@ command_fn add_train_command(CLI::App& app) {
                             "Model chunks per pipeline stage (interleaved)")
                 ->capture_default_str(),
             [pc](train_config& t) { t.plan.virtual_stages = pc->virtual_stages; });
+  plan_flag(sub->add_flag("--dp-overlap,!--no-dp-overlap", c->dp_overlap,
+                          "Reduce gradient buckets during backward (--no-dp-overlap: after it)"),
+            [pc](train_config& t) { t.plan.dp_overlap = pc->dp_overlap; });
+  plan_flag(sub->add_option("--dp-bucket-bytes", c->dp_bucket_bytes,
+                            "Gradient bucket size of the data-parallel reduction (e.g. 256K)")
+                ->default_str("25M"),
+            [pc](train_config& t) {
+              auto v = models::parse_byte_size(pc->dp_bucket_bytes);
+              TROUPE_CHECK(v.has_value() && *v <= (1ULL << 50),
+                           "--dp-bucket-bytes must be a size like 256K or 25M, got '",
+                           pc->dp_bucket_bytes, "'");
+              t.plan.dp_bucket_bytes = static_cast<long long>(*v);
+            });
+  plan_flag(sub->add_option("--pipe-p2p", c->pipe_p2p,
+                            "How pipeline stages wait for transfers: async, or batched (each "
+                            "batch of the schedule's transfers waited where it stands)")
+                ->capture_default_str(),
+            [pc](train_config& t) {
+              auto m = scheduler::parse_p2p_mode(pc->pipe_p2p);
+              TROUPE_CHECK(m.has_value() && *m != scheduler::p2p_mode::blocking,
+                           "--pipe-p2p must be async or batched, got '", pc->pipe_p2p, "'");
+              t.plan.pipe_p2p = *m;
+            });
+  bind<&train_config::pipe_trace>(
+      *c, sub, "--pipe-trace",
+      "Path prefix: pipeline stages append each step's actions and times to "
+      "PREFIX.stage<s>.<pid>.txt (scripts/bench/pipe_trace.py reads them)");
   // [memory] flags: sizes take suffixes (64M, 2G), so they are parsed here.
   auto size_flag = [&](const std::string& name, std::uint64_t train_config::*field,
                        const std::string& help) {

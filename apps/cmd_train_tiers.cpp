@@ -16,9 +16,9 @@
 #include "memory/error.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
-#include "models/hf/checkpoint_folder.hpp"
 #include "models/offload/offload_trainer.hpp"
 #include "models/run_state.hpp"
+#include "models/train_loop.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::apps {
@@ -107,42 +107,38 @@ class train_session : public actors::tier_session {
   models::step_result last_;
 };
 
-// Runs the steps, by hand or through the tier-manager actor; `one` runs one step.
+// Runs the steps on the one loop (models/train_loop.hpp), by hand or through the tier-manager
+// actor; `one` runs one step. A failed step names the last checkpoint this run wrote.
 int train_loop(const train_config& cfg, const models::hf::model_config& mcfg,
                models::offload_trainer& tr, models::causal_lm& staging,
                const std::function<models::step_result()>& one, const tiered_hooks& hooks) {
   auto report = hooks.progress(tr.steps_done());
-  double first_loss = -1, last_loss = 0, secs = 0;
-  std::int64_t tokens = 0, saved = -1;
-  while (tr.steps_done() < cfg.steps) {
-    models::step_result r;
+  models::train_policy policy;
+  policy.step = [&one](std::int64_t) { return one(); };
+  policy.save = [&](const std::string& folder) { tr.save(folder, mcfg, staging).value(); };
+  policy.failed = [&cfg](std::exception_ptr e, const models::train_progress& before) {
     try {
-      r = one();
-    } catch (const std::exception& e) {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
       throw error(fmt::format(
-          "troupe train: training stopped in step {}: {}{}", tr.steps_done() + 1, e.what(),
-          saved >= 0
-              ? fmt::format(" (the last checkpoint, step {}, in {} is intact)", saved, cfg.ckpt_dir)
-              : std::string(" (no checkpoint was written)")));
+          "troupe train: training stopped in step {}: {}{}", before.step + 1, x.what(),
+          before.saved >= 0 ? fmt::format(" (the last checkpoint, step {}, in {} is intact)",
+                                          before.saved, cfg.ckpt_dir)
+                            : std::string(" (no checkpoint was written)")));
+    } catch (...) {
+      // Not a std::exception: it goes on as it is.
     }
-    if (first_loss < 0) first_loss = r.loss;
-    last_loss = r.loss;
-    secs += r.seconds;
-    tokens += r.tokens;
+  };
+  models::train_hooks h;
+  h.on_step = [&](const models::step_result& r) {
     report(r);
     if (r.step == 1 && tr.measured_non_model_bytes() > 0)
       fmt::print("automatic placement after measuring step 1: {}{}\n", placement_line(tr),
                  tr.replaced() ? " (chunks moved)" : " (unchanged)");
-    const bool at_interval = cfg.ckpt_every > 0 && r.step % cfg.ckpt_every == 0;
-    if (!cfg.ckpt_dir.empty() && (at_interval || r.step == cfg.steps)) {
-      const auto held = models::hf::checkpoint_step(cfg.ckpt_dir);
-      tr.save(cfg.ckpt_dir, mcfg, staging).value();
-      saved = r.step;
-      fmt::print("{}\n", models::hf::saved_line(cfg.ckpt_dir, r.step, held));
-    }
-  }
-  fmt::print("trained to step {} in {:.1f} s ({:.0f} tokens/s); loss {:.3f} -> {:.3f}\n",
-             tr.steps_done(), secs, tokens / std::max(secs, 1e-9), first_loss, last_loss);
+  };
+  h.on_save = hooks.on_save;
+  const auto run = models::run_train_loop(cfg, tr.steps_done(), policy, h);
+  fmt::print("{}\n", models::trained_line(run));
   fmt::print("{}\n", tiers_line(tr));
   if (!cfg.ckpt_dir.empty())
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);

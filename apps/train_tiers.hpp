@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "models/causal_lm.hpp"
@@ -22,6 +23,10 @@ struct tiered_hooks {
   std::string model_label;  // the model's name for the banner
   // Called once the first step is known (after a resume); returns the per-step reporter.
   std::function<std::function<void(const models::step_result&)>(std::int64_t first_step)> progress;
+  // After each checkpoint save (models/train_loop.hpp's on_save).
+  std::function<void(std::int64_t step, const std::string& folder,
+                     std::optional<std::int64_t> held)>
+      on_save;
   // Called at the end with the trained weights in a batch-1 model (e.g. to sample from it).
   std::function<void(models::causal_lm&)> done;
 };

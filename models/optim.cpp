@@ -9,9 +9,13 @@
 
 namespace troupe::models {
 
+double clip_factor(double norm, double max_norm) {
+  return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+}
+
 double clip_grad_norm(const tensor& grads, double max_norm) {
   double norm = std::sqrt(ops::sum_squares(grads));
-  if (max_norm > 0 && norm > max_norm) ops::scale(grads, max_norm / (norm + 1e-6));
+  if (const double f = clip_factor(norm, max_norm); f != 1.0) ops::scale(grads, f);
   return norm;
 }
 

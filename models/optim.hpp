@@ -13,9 +13,13 @@ namespace troupe::models {
 class slot_list;
 struct tensor_slot;
 
-// torch.nn.utils.clip_grad_norm_ over one flat gradient buffer: returns the global L2 norm before
-// clipping and scales the gradients by max_norm / (norm + 1e-6) when the norm exceeds max_norm
-// (max_norm <= 0: no clipping).
+// The factor torch.nn.utils.clip_grad_norm_ scales gradients of global L2 norm `norm` by:
+// max_norm / (norm + 1e-6) when the norm exceeds max_norm, else 1 (max_norm <= 0: no clipping).
+// Every trainer clips with it, whichever way it sums the norm (one buffer, shards, chunks).
+double clip_factor(double norm, double max_norm);
+
+// clip_factor over one flat gradient buffer: returns the global L2 norm before clipping and scales
+// the gradients by the factor.
 double clip_grad_norm(const tensor& grads, double max_norm);
 
 // torch.optim.AdamW over one flat parameter buffer, with its moments m and v held here.

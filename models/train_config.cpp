@@ -123,6 +123,16 @@ setter set_size(std::uint64_t train_config::*field) {
   };
 }
 
+// parallel.dp_bucket_bytes: bytes, or a string with a suffix ("256K", "25M").
+void set_plan_bucket_bytes(train_config& c, const toml::node& n, const std::string& where) {
+  std::optional<std::uint64_t> v;
+  if (auto i = n.value_exact<std::int64_t>(); i && *i >= 0) v = static_cast<std::uint64_t>(*i);
+  if (auto t = n.value_exact<std::string>()) v = parse_byte_size(*t);
+  if (!v || *v > (1ULL << 50))
+    throw error(where + " must be a size: bytes, or a string like \"256K\" or \"25M\"");
+  c.plan.dp_bucket_bytes = static_cast<long long>(*v);
+}
+
 void set_plan_order(train_config& c, const toml::node& n, const std::string& where) {
   const auto* arr = n.as_array();
   if (arr == nullptr)
@@ -198,6 +208,21 @@ const std::map<std::string, setter>& setters() {
          c.plan.partition = *k;
        }},
       {"parallel.order", set_plan_order},
+      {"parallel.dp_overlap",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value_exact<bool>();
+         if (!v) throw error(where + " must be true or false");
+         c.plan.dp_overlap = *v;
+       }},
+      {"parallel.dp_bucket_bytes", set_plan_bucket_bytes},
+      {"parallel.pipe_p2p",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto m = v ? scheduler::parse_p2p_mode(*v) : std::nullopt;
+         if (!m) throw error(where + " must be \"async\" or \"batched\"");
+         c.plan.pipe_p2p = *m;
+       }},
+      {"parallel.pipe_trace", set(&train_config::pipe_trace)},
       {"parallel.collective_timeout", set(&train_config::collective_timeout)},
       {"memory.device", set_size(&train_config::mem_device)},
       {"memory.host", set_size(&train_config::mem_host)},
@@ -409,7 +434,11 @@ std::string to_toml(const train_config& c) {
   par.insert("virtual_stages", c.plan.virtual_stages);
   par.insert("recompute", std::string(scheduler::name(c.plan.recompute)));
   par.insert("partition", std::string(scheduler::name(c.plan.partition)));
+  par.insert("dp_overlap", c.plan.dp_overlap);
+  par.insert("dp_bucket_bytes", static_cast<std::int64_t>(c.plan.dp_bucket_bytes));
+  par.insert("pipe_p2p", std::string(scheduler::name(c.plan.pipe_p2p)));
   par.insert("collective_timeout", c.collective_timeout);
+  if (!c.pipe_trace.empty()) par.insert("pipe_trace", c.pipe_trace);
   toml::table mem;
   mem.insert("device", static_cast<std::int64_t>(c.mem_device));
   mem.insert("host", static_cast<std::int64_t>(c.mem_host));

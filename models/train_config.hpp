@@ -13,7 +13,12 @@
 //                 samples: that global batch is split over parallel.dp ranks and
 //                 parallel.microbatches. collective_timeout: seconds every collective and
 //                 transfer of a launched run may take before it fails naming the ranks it waits
-//                 for (default 600; 0: no deadline).
+//                 for (default 600; 0: no deadline). dp_bucket_bytes (gradient buckets of the
+//                 data-parallel reduction: bytes or "256K"; default 25M), dp_overlap (issue them
+//                 during backward; default true), pipe_p2p ("async", the default, or "batched":
+//                 how pipeline stages wait for transfers), pipe_trace (a path prefix: each stage
+//                 appends every step's actions and their times to <prefix>.stage<s>.<pid>.txt;
+//                 default "": none).
 //   [memory]      device, host, nvme_dir, nvme_capacity, offload, offload_params,
 //                 offload_optimizer, params_tier, optimizer_tier: training with memory tiers
 //                 (models/offload). Sizes are integers (bytes) or strings with a suffix ("64M",
@@ -63,6 +68,10 @@ struct train_config {
   // collective and point-to-point transfer of a launched run (collective/communicator.hpp).
   // Generous: a slow but healthy rank never meets it. 0: none.
   double collective_timeout = 600;
+  // parallel.pipe_trace (--pipe-trace): where pipeline stages append each step's trace
+  // (models/parallel/pipeline_runner.hpp); "": no trace. Output, not a part of the plan: it
+  // changes nothing the run computes.
+  std::string pipe_trace;
   // [memory]: the tiers (models/offload/offload_trainer.hpp). All but device need device > 0.
   std::uint64_t mem_device = 0;         // device budget in bytes (0: no tiers)
   std::uint64_t mem_host = 0;           // host budget for chunks (0: unlimited)

@@ -38,6 +38,10 @@ schedule = "interleaved"
 virtual_stages = 2
 recompute = "selective"
 order = ["pp", "dp", "tp"]
+dp_overlap = false
+dp_bucket_bytes = "256K"
+pipe_p2p = "batched"
+pipe_trace = "/tmp/trace"
 )");
   auto c = load_train_config(path);
   std::remove(path.c_str());
@@ -48,8 +52,42 @@ order = ["pp", "dp", "tp"]
   want.virtual_stages = 2;
   want.recompute = sched::recompute_policy::selective;
   want.order = {"pp", "dp", "tp"};
+  want.dp_overlap = false;
+  want.dp_bucket_bytes = 256 << 10;
+  want.pipe_p2p = sched::p2p_mode::batched;
   CHECK(c->plan == want);
   CHECK(c->batch == 8);
+  CHECK(c->pipe_trace == "/tmp/trace");
+  // Sent to the ranks of a launched run as TOML: every setting arrives.
+  auto sent = parse_train_config(to_toml(*c), "the driver's job");
+  REQUIRE(sent.has_value());
+  CHECK(*sent == *c);
+}
+
+// The settings that were environment variables (TROUPE_DP_OVERLAP, TROUPE_DP_BUCKET_BYTES,
+// TROUPE_PIPE_P2P, TROUPE_PIPE_TRACE) keep their defaults: overlap on, 25 MiB buckets, async
+// transfers, no trace.
+TEST_CASE("The data-parallel and pipeline transfer settings default to what the engine did") {
+  auto c = parse_train_config("[train]\nsteps = 3\n", "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->plan.dp_overlap);
+  CHECK(c->plan.dp_bucket_bytes == 25 << 20);
+  CHECK(c->plan.pipe_p2p == sched::p2p_mode::async);
+  CHECK(c->pipe_trace.empty());
+  auto bytes = parse_train_config("[parallel]\ndp_bucket_bytes = 65536\n", "job.toml");
+  REQUIRE(bytes.has_value());
+  CHECK(bytes->plan.dp_bucket_bytes == 65536);
+  // describe() names them only where they differ from the defaults.
+  CHECK(sched::describe(c->plan) ==
+        "dp1 x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none");
+  sched::parallel_plan p;
+  p.dp = 2;
+  p.dp_overlap = false;
+  p.dp_bucket_bytes = 4096;
+  p.pipe_p2p = sched::p2p_mode::batched;
+  CHECK(sched::describe(p) ==
+        "dp2 x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none, dp buckets 4096 bytes, "
+        "dp overlap off, pipe p2p batched");
 }
 
 TEST_CASE("a job file without a parallel table runs the single-process plan") {
@@ -83,6 +121,18 @@ TEST_CASE("parallel table mistakes are errors naming the file and the key") {
                     "parallel.order must hold strings"},
            bad_case{"[parallel]\norder = [\"dp\", \"tp\"]\n", "parallel.order = [\"dp\", \"tp\"]"},
            bad_case{"[parallel]\nzero = 4\n", "parallel.zero = 4 must be 0, 1, 2 or 3"},
+           bad_case{"[parallel]\ndp_overlap = 0\n", "parallel.dp_overlap must be true or false"},
+           bad_case{"[parallel]\ndp_bucket_bytes = \"lots\"\n",
+                    "parallel.dp_bucket_bytes must be a size"},
+           bad_case{"[parallel]\ndp_bucket_bytes = -1\n",
+                    "parallel.dp_bucket_bytes must be a size"},
+           bad_case{"[parallel]\ndp_bucket_bytes = 0\n",
+                    "parallel.dp_bucket_bytes = 0 must be at least 4 (one f32 gradient)"},
+           bad_case{"[parallel]\npipe_p2p = \"sync\"\n",
+                    "parallel.pipe_p2p must be \"async\" or \"batched\""},
+           bad_case{"[parallel]\npipe_p2p = \"blocking\"\n",
+                    "parallel.pipe_p2p = \"blocking\" is the simulator's only"},
+           bad_case{"[parallel]\npipe_trace = 1\n", "parallel.pipe_trace must be a string"},
            bad_case{"[parallel]\npp = 0\n", "parallel.pp = 0 must be >= 1"},
            bad_case{"[parallel]\nsp = true\n", "parallel.sp = true needs parallel.tp > 1"},
            bad_case{"[parallel]\nvirtual_stages = 2\n", "parallel.virtual_stages = 2 needs"},

@@ -57,6 +57,24 @@ std::optional<partition_kind> parse_partition_kind(std::string_view s) {
   return std::nullopt;
 }
 
+std::string_view name(p2p_mode m) {
+  switch (m) {
+    case p2p_mode::batched:
+      return "batched";
+    case p2p_mode::blocking:
+      return "blocking";
+    case p2p_mode::async:
+      return "async";
+  }
+  return "?";
+}
+
+std::optional<p2p_mode> parse_p2p_mode(std::string_view s) {
+  for (auto m : {p2p_mode::batched, p2p_mode::blocking, p2p_mode::async})
+    if (name(m) == s) return m;
+  return std::nullopt;
+}
+
 namespace {
 
 // Collects problems as sentences built from streamable pieces.
@@ -99,6 +117,12 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
   if (p.microbatches < 1) out.add("parallel.microbatches = ", p.microbatches, " must be >= 1");
   if (p.virtual_stages < 1)
     out.add("parallel.virtual_stages = ", p.virtual_stages, " must be >= 1");
+  if (p.dp_bucket_bytes < 4)
+    out.add("parallel.dp_bucket_bytes = ", p.dp_bucket_bytes,
+            " must be at least 4 (one f32 gradient)");
+  if (p.pipe_p2p == p2p_mode::blocking)
+    out.add("parallel.pipe_p2p = \"blocking\" is the simulator's only: pipeline stages run ",
+            "\"async\" or \"batched\"");
 
   // The schedule and its virtual stages.
   if (p.schedule == schedule_kind::interleaved) {
@@ -173,6 +197,11 @@ std::string describe(const parallel_plan& p) {
   os << ", zero " << p.zero << ", " << name(p.schedule);
   if (p.schedule == schedule_kind::interleaved) os << " (" << p.virtual_stages << " chunks)";
   os << " x " << p.microbatches << " microbatches, recompute " << name(p.recompute);
+  const parallel_plan defaults;
+  if (p.dp_bucket_bytes != defaults.dp_bucket_bytes)
+    os << ", dp buckets " << p.dp_bucket_bytes << " bytes";
+  if (!p.dp_overlap) os << ", dp overlap off";
+  if (p.pipe_p2p != defaults.pipe_p2p) os << ", pipe p2p " << name(p.pipe_p2p);
   return os.str();
 }
 

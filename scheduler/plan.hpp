@@ -40,6 +40,15 @@ enum class partition_kind { even, balanced };
 std::string_view name(partition_kind k);  // "even", "balanced"
 std::optional<partition_kind> parse_partition_kind(std::string_view s);
 
+// How a stage posts and waits for its transfers (simulate.hpp models all three; pipeline stages
+// run async or batched, models/parallel/pipeline_runner.hpp). batched: each batch of consecutive
+// transfers posted together and waited for where it stands (Megatron's batch_isend_irecv);
+// blocking: each transfer posted once the one before it completed; async: sends never waited for
+// in place, receives posted one compute action ahead, each compute waiting only for its input.
+enum class p2p_mode { batched, blocking, async };
+std::string_view name(p2p_mode m);  // "batched", "blocking", "async"
+std::optional<p2p_mode> parse_p2p_mode(std::string_view s);
+
 struct parallel_plan {
   int dp = 1, tp = 1, pp = 1;
   bool sp = false;       // sequence parallel norms/dropout over the tp group (needs tp > 1)
@@ -49,6 +58,12 @@ struct parallel_plan {
   int virtual_stages = 1;  // model chunks per pipeline stage (interleaved only; 1 otherwise)
   recompute_policy recompute = recompute_policy::none;
   partition_kind partition = partition_kind::balanced;
+  // Data-parallel gradient reduction (models/parallel/data_parallel.hpp): buckets of this many
+  // bytes (25 MiB, PyTorch DDP's default), issued during backward as soon as their blocks'
+  // gradients are final (dp_overlap), else all after backward.
+  bool dp_overlap = true;
+  long long dp_bucket_bytes = 25LL << 20;
+  p2p_mode pipe_p2p = p2p_mode::async;  // how pipeline stages wait for their transfers
   // Grid axes, slowest first. (Initialized by a call: a braced list here makes GCC 12 crash,
   // "internal compiler error in check_noexcept_r", on `train_config{}.*field` in apps/.)
   std::vector<std::string> order = default_order();
@@ -76,7 +91,9 @@ std::vector<std::string> validate(const parallel_plan& plan, const model_shape& 
 // The problems joined by "; " (empty when there are none), for an error message.
 std::string join(const std::vector<std::string>& problems);
 
-// One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none".
+// One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none"; the
+// gradient buckets, overlap and pipeline transfers are named only where they differ from the
+// defaults (", dp buckets 262144 bytes, dp overlap off, pipe p2p batched").
 std::string describe(const parallel_plan& plan);
 
 }  // namespace troupe::scheduler

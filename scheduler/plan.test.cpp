@@ -125,6 +125,15 @@ TEST_CASE("each rule of a plan fails on its own") {
        0,
        "parallel.microbatches = 3 does not divide the batch per data-parallel rank = 8 (global "
        "batch 32 / parallel.dp 4)"},
+      {plan([](auto& p) { p.dp_bucket_bytes = 3; }),
+       {},
+       0,
+       "parallel.dp_bucket_bytes = 3 must be at least 4 (one f32 gradient)"},
+      {plan([](auto& p) { p.pipe_p2p = p2p_mode::blocking; }),
+       {},
+       0,
+       "parallel.pipe_p2p = \"blocking\" is the simulator's only: pipeline stages run \"async\" "
+       "or \"batched\""},
   };
   for (const auto& c : cases) {
     INFO(c.says);
@@ -134,7 +143,7 @@ TEST_CASE("each rule of a plan fails on its own") {
   }
 }
 
-TEST_CASE("schedule recompute and partition names round trip") {
+TEST_CASE("schedule recompute partition and p2p mode names round trip") {
   for (auto k : {schedule_kind::gpipe, schedule_kind::one_f_one_b, schedule_kind::interleaved,
                  schedule_kind::eager_1f1b, schedule_kind::zero_bubble})
     CHECK(parse_schedule_kind(name(k)) == k);
@@ -148,6 +157,10 @@ TEST_CASE("schedule recompute and partition names round trip") {
     CHECK(parse_partition_kind(name(k)) == k);
   CHECK(!parse_partition_kind("uniform"));
   CHECK(parallel_plan{}.partition == partition_kind::balanced);
+  for (auto m : {p2p_mode::batched, p2p_mode::blocking, p2p_mode::async})
+    CHECK(parse_p2p_mode(name(m)) == m);
+  CHECK(!parse_p2p_mode("sync"));
+  CHECK(parallel_plan{}.pipe_p2p == p2p_mode::async);
 }
 
 TEST_CASE("describe lists the axes in grid order") {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "scheduler/pipeline.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::scheduler {
 
@@ -38,7 +39,7 @@ struct cost {
   double weight = 0.0;
 };
 
-enum class p2p_mode { batched, blocking, async };
+// p2p_mode (batched, blocking, async): scheduler/plan.hpp.
 
 struct simulation {
   std::string error;  // empty on success; otherwise what went wrong (stage, action, cause)

@@ -77,8 +77,9 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
       auto sum = actors::drive_training(n, cfg, d);
-      fmt::print("loss {:.3f} -> {:.3f} in {:.1f} s; whole model written to {}\n", sum.first_loss,
-                 sum.last_loss, sum.seconds, sum.checkpoint);
+      fmt::print("loss {:.3f} -> {:.3f} in {:.1f} s; whole model written to {}\n",
+                 sum.progress.first_loss, sum.progress.last_loss, sum.progress.seconds,
+                 sum.checkpoint);
       if (sample.tokens > 0 && !sum.checkpoint.empty())
         fmt::print("sample from the checkpoint ({}):\n{}\n", apps::sample_settings,
                    apps::sample_checkpoint(sum.checkpoint, cfg.seq, sample));

@@ -435,8 +435,7 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
 
   // Clip and update chunk by chunk where each chunk's optimizer runs.
   r.grad_norm = std::sqrt(sumsq);
-  const double clip =
-      cfg_.clip > 0 && r.grad_norm > cfg_.clip ? cfg_.clip / (r.grad_norm + 1e-6) : 1.0;
+  const double clip = clip_factor(r.grad_norm, cfg_.clip);
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   ops::adamw_options o{.lr = r.lr,
                        .beta1 = cfg_.beta1,

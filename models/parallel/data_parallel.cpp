@@ -73,6 +73,13 @@ range_list merged(range_list r) {
 
 }  // namespace
 
+dp_options dp_options::of(const scheduler::parallel_plan& plan) {
+  dp_options o;
+  o.bucket_bytes = static_cast<std::size_t>(plan.dp_bucket_bytes);
+  o.overlap = plan.dp_overlap;
+  return o;
+}
+
 std::vector<dp_bucket> make_buckets(std::int64_t n, int dp, std::int64_t bucket_elems) {
   TROUPE_CHECK(dp >= 1 && n >= 0, "make_buckets: dp ", dp, ", n ", n);
   const std::int64_t chunk = (std::max<std::int64_t>(bucket_elems, dp) + dp - 1) / dp;
@@ -695,8 +702,7 @@ double dp_trainer::reduce_gradients() {
   if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
   double norm = std::sqrt(sq);
-  // As clip_grad_norm does.
-  if (cfg_.clip > 0 && norm > cfg_.clip) ops::scale(g, cfg_.clip / (norm + 1e-6));
+  if (const double f = clip_factor(norm, cfg_.clip); f != 1.0) ops::scale(g, f);
   return norm;
 }
 

@@ -97,6 +97,10 @@ struct dp_options {
   // would exceed it first waits for the oldest (back-pressure: a rank running ahead of the group
   // holds no more than this). 0: 2 x bucket_bytes. One bucket may always be in flight.
   std::size_t grads_in_flight_bytes = 0;
+
+  // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
+  // from parallel.dp_overlap.
+  static dp_options of(const scheduler::parallel_plan& plan);
 };
 
 // One bucket of the flat buffers: [begin, begin + length) with chunk = ceil(length / dp) elements

@@ -5,7 +5,6 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <string>
@@ -135,6 +134,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       I.stage = std::make_unique<llama_stage>(lc, dims, so, tg);
     }
     auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
+    runner->trace_to(cfg.pipe_trace);
     I.runner = runner.get();
     I.piece = std::move(runner);
     I.description =
@@ -175,15 +175,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     load_piece(*I.whole, from, I.layout, I.layout.base);
   else
     init_piece(*I.whole, cfg.seed, I.layout, I.layout.base);
-  dp_options dpo;
-  // A benchmark knob (scripts/bench/hybrid.sh): TROUPE_DP_OVERLAP=0 reduces after backward only.
-  if (const char* v = std::getenv("TROUPE_DP_OVERLAP"); v != nullptr && std::string(v) == "0")
-    dpo.overlap = false;
-  // TROUPE_DP_BUCKET_BYTES: the gradient bucket size (default 25 MiB: one bucket for a tiny model,
-  // which then cannot overlap with backward).
-  if (const char* v = std::getenv("TROUPE_DP_BUCKET_BYTES"); v != nullptr && std::atoll(v) > 0)
-    dpo.bucket_bytes = static_cast<std::size_t>(std::atoll(v));
-  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dpo);
+  // parallel.dp_bucket_bytes and parallel.dp_overlap (the default 25 MiB is one bucket for a tiny
+  // model, which then cannot overlap with backward).
+  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dp_options::of(plan));
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
 

@@ -1,8 +1,10 @@
-// hybrid_trainer's recompute gate on threads (ranks of local groups): parallel.recompute full over
-// pipeline stages against the single-process trainer without recompute at the same tokens per
-// step; selective refused naming the setting.
+// hybrid_trainer on threads (ranks of local groups): parallel.recompute full over pipeline stages
+// against the single-process trainer without recompute at the same tokens per step; selective
+// refused naming the setting; parallel.dp_bucket_bytes and dp_overlap handed to the data-parallel
+// engine.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <memory>
@@ -11,6 +13,7 @@
 
 #include "collective/local/local_transport.hpp"
 #include "models/causal_lm.hpp"
+#include "models/parallel/data_parallel.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "models/trainer.hpp"
 #include "tests/rounding.hpp"
@@ -101,4 +104,71 @@ TEST_CASE("Pipeline stages with parallel recompute full train like the single pr
     INFO("losses: " << v.str());
     CHECK(v.ok());
   }
+}
+
+// parallel.dp_bucket_bytes and parallel.dp_overlap are the engine's options, and the hybrid
+// trainer hands them over: dp 2 with 64 KiB buckets reduced after backward issues no gradient
+// reduction over 16384 elements on the dp group (its flight recorder), the default 25 MiB bucket
+// holds the whole model in one; both train to the same losses bit for bit (a sum of two
+// gradients is the same whichever bucket carries it). A bucket of 0 bytes is refused naming the
+// key.
+TEST_CASE("The data-parallel bucket and overlap settings reach the engine", "[parallel]") {
+  scheduler::parallel_plan p;
+  p.dp_bucket_bytes = 65536;
+  p.dp_overlap = false;
+  const auto o = dp_options::of(p);
+  CHECK(o.bucket_bytes == 65536);
+  CHECK_FALSE(o.overlap);
+  CHECK(dp_options::of(scheduler::parallel_plan{}).bucket_bytes == dp_options{}.bucket_bytes);
+  CHECK(dp_options::of(scheduler::parallel_plan{}).overlap);
+
+  const int steps = 2;
+  auto model = named_model_config("gpt2-demo").value();
+  struct run_result {
+    std::vector<double> losses;
+    std::size_t widest = 0;  // the most elements of one allreduce on the dp group
+  };
+  auto run = [&](const train_config& c) {
+    auto dp = collective::make_local_group(2);
+    std::vector<run_result> out(2);
+    std::vector<std::exception_ptr> err(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          auto pp = collective::make_local_group(1), tp = collective::make_local_group(1),
+               mp = collective::make_local_group(1);
+          hybrid_groups g{dp[r].get(), pp[0].get(), tp[0].get(), mp[0].get()};
+          hybrid_trainer t(model, c, g);
+          for (int s = 0; s < steps; ++s) out[r].losses.push_back(t.step(rows_of).loss);
+          for (const auto& rec : dp[r]->recent())
+            if (rec.kind == collective::op_kind::allreduce)
+              out[r].widest = std::max(out[r].widest, rec.count);
+        } catch (...) {
+          err[r] = std::current_exception();
+          for (auto& d : dp) d->abort("rank failed");
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (auto& e : err)
+      if (e) std::rethrow_exception(e);
+    CHECK(out[0].losses == out[1].losses);
+    return out[0];
+  };
+  train_config c = small_run();
+  c.plan.dp = 2;
+  const auto whole = run(c);
+  c.plan.dp_bucket_bytes = 65536;
+  c.plan.dp_overlap = false;
+  const auto small = run(c);
+  CHECK(whole.widest > 16384);
+  CHECK(small.widest > 0);
+  CHECK(small.widest <= 16384);
+  CHECK(small.losses == whole.losses);
+
+  c.plan.dp_bucket_bytes = 0;
+  auto one = collective::make_local_group(1);
+  hybrid_groups g{one[0].get(), one[0].get(), one[0].get(), one[0].get()};
+  c.plan.dp = 1;
+  CHECK_THROWS_WITH(hybrid_trainer(model, c, g), Catch::Contains("parallel.dp_bucket_bytes = 0"));
 }

@@ -4,8 +4,6 @@
 // shard, the gradient sum_k w_k d loss_k / d params of the unsharded model at the same weights.
 #include <catch2/catch.hpp>
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -345,8 +343,8 @@ void check_hook_final(pipeline_run& run, const std::string& scope) {
 // Every GPT-2 configuration: loss and gradients as accurate as the single process's against its
 // f64 twin (check_run; pp only: the same f32 operations but the loss's f64 sums and the tied
 // gradient's summation order; tp: sums split across shards). `batched`: run with
-// TROUPE_PIPE_P2P=batched (the benchmark knob: each batch of the list's transfers posted together
-// and waited where it stands, as Megatron runs them).
+// parallel.pipe_p2p = batched (each batch of the list's transfers posted together and waited where
+// it stands, as Megatron runs them).
 TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "[parallel]") {
   struct config {
     int pp;
@@ -368,8 +366,8 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::zero_bubble, 5, 1, 2, true},
                  config{2, schedule_kind::zero_bubble, 5, 1, 1, false, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
-    INFO(scheduler::describe(plan) << (c.batched ? " batched" : ""));
-    if (c.batched) ::setenv("TROUPE_PIPE_P2P", "batched", 1);
+    if (c.batched) plan.pipe_p2p = scheduler::p2p_mode::batched;
+    INFO(scheduler::describe(plan));
     batches data(c.m);
     gpt full(tiny_gpt(), {rows, seq});
     full.init_weights(5);
@@ -381,10 +379,67 @@ TEST_CASE("GPT-2 pipeline stages match the single process loss and gradients", "
                                              stage_options::of(p, s), tp);
         },
         data, "h");
-    ::unsetenv("TROUPE_PIPE_P2P");
     check_run(want, run, plan, "wte.weight", 4);
     check_hook_final(run, "h");
   }
+}
+
+// parallel.pipe_p2p reaches the runner: seen in the order the transfers reach the pp communicator
+// (its flight recorder). Batched, a receive is posted with its batch, after every send the list
+// has before it; async (the default), receives are posted one compute action ahead, so in 1F1B
+// the first stage posts its first gradient receive before the activation send that precedes it in
+// the list. A pipe_p2p of "blocking" is refused naming the setting.
+TEST_CASE("The pipe_p2p setting decides when a stage posts its receives", "[parallel]") {
+  const int m = 4;
+  batches data(m);
+  auto make = [](const scheduler::parallel_plan& p, int s, tp_group tp) {
+    return std::make_unique<gpt_stage>(tiny_gpt(), batch_dims{rows, seq}, stage_options::of(p, s),
+                                       tp);
+  };
+  // For each receive of the step's first transfers, the sends posted before it: as the list has
+  // them (list), and as the communicator saw them (posted).
+  struct order {
+    std::vector<int> list, posted;
+  };
+  auto orders = [&](scheduler::p2p_mode mode) {
+    auto plan = make_plan(2, schedule_kind::one_f_one_b, m);
+    plan.pipe_p2p = mode;
+    auto run = run_pipeline(plan, make, data, "h");
+    std::vector<order> out(2);
+    for (int r = 0; r < 2; ++r) {
+      int sends = 0;
+      std::size_t transfers = 0;
+      for (const auto& a : run.runners[r]->schedule(m)) {
+        if (scheduler::is_recv(a.kind)) out[r].list.push_back(sends);
+        if (scheduler::is_send(a.kind)) ++sends;
+        if (!scheduler::is_compute(a.kind)) ++transfers;
+      }
+      const auto records = run.comms[r].pp->recent();  // the schedule's, then the loss exchange
+      REQUIRE(records.size() >= transfers);
+      sends = 0;
+      for (std::size_t i = 0; i < transfers; ++i) {
+        if (records[i].kind == collective::op_kind::recv) out[r].posted.push_back(sends);
+        if (records[i].kind == collective::op_kind::send) ++sends;
+      }
+      REQUIRE(out[r].posted.size() == out[r].list.size());
+    }
+    return out;
+  };
+  const auto batched = orders(scheduler::p2p_mode::batched);
+  const auto async = orders(scheduler::p2p_mode::async);
+  bool ahead = false;  // some receive posted before a send the list has before it
+  for (int r = 0; r < 2; ++r) {
+    INFO("stage " << r);
+    for (std::size_t k = 0; k < batched[r].list.size(); ++k) {
+      CHECK(batched[r].posted[k] >= batched[r].list[k]);
+      ahead = ahead || async[r].posted[k] < async[r].list[k];
+    }
+  }
+  CHECK(ahead);
+  auto plan = make_plan(2, schedule_kind::one_f_one_b, m);
+  plan.pipe_p2p = scheduler::p2p_mode::blocking;
+  CHECK_THROWS_WITH(run_pipeline(plan, make, data, "h"),
+                    Catch::Contains("parallel.pipe_p2p = \"blocking\""));
 }
 
 // The zero-bubble schedule runs eager 1F1B's list with the backwards of stages > 0 split into the
@@ -800,7 +855,8 @@ TEST_CASE("Data parallel training over pipeline stages equals the single process
 
 // The measured bubble against (p - 1) / (v m + p - 1), not a test: a GPT-2 of 8 x 128 (seq 64,
 // 4 rows per microbatch), one compute thread per rank, one warm-up step, then the median over 3
-// steps of each rank's bubble_fraction(). Run: troupe_models_tests "[.pipe_bench]".
+// steps of each rank's bubble_fraction(), with the runner's default transfers and with
+// parallel.pipe_p2p = batched. Run: troupe_models_tests "[.pipe_bench]".
 TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
   troupe::parallel::set_num_threads(1);
   const gpt_config cfg = testing::gpt_shape(256, 64, 128, 8, 4);
@@ -814,43 +870,46 @@ TEST_CASE("Pipeline bubble against the schedule's ideal", "[.pipe_bench]") {
        {config{2, schedule_kind::gpipe, 2, 1}, config{2, schedule_kind::gpipe, 8, 1},
         config{2, schedule_kind::one_f_one_b, 2, 1}, config{2, schedule_kind::one_f_one_b, 4, 1},
         config{2, schedule_kind::one_f_one_b, 8, 1}, config{2, schedule_kind::interleaved, 4, 2},
-        config{4, schedule_kind::one_f_one_b, 8, 1}}) {
-    auto plan = make_plan(c.pp, c.kind, c.m, c.v);
-    auto comms = collective::make_local_group(c.pp);
-    std::vector<std::vector<double>> bubble(c.pp), wall(c.pp);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < c.pp; ++r)
-      threads.emplace_back([&, r] {
-        gpt_stage st(cfg, dims, stage_options::of(plan, r));
-        st.init_weights(1);
-        pipeline_runner run(st, *comms[r], plan);
-        std::vector<owned_tensor> ids;
-        for (int k = 0; k < c.m; ++k) {
-          ids.push_back(empty({dims.batch, dims.seq}, dtype::i32));
-          for (std::int64_t i = 0; i < ids[k].numel(); ++i)
-            ids[k].data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 31 + k) % 256);
-        }
-        auto fetch = [&](int k) { return microbatch_data{ids[k], ids[k], 1.0 / c.m}; };
-        for (int step = 0; step < 4; ++step) {
-          st.memory().zero_grads();
-          run.forward_backward(c.m, fetch);
-          if (step == 0) continue;
-          bubble[r].push_back(run.bubble_fraction());
-          wall[r].push_back(run.last_timing().wall_s);
-        }
-      });
-    for (auto& t : threads) t.join();
-    std::string label = std::string(scheduler::name(c.kind)) + " pp" + std::to_string(c.pp) + " m" +
-                        std::to_string(c.m) + " v" + std::to_string(c.v);
-    std::printf("%-22s ideal %.3f measured", label.c_str(),
-                pipeline_runner::ideal_bubble_fraction(c.pp, c.m, c.v));
-    for (int r = 0; r < c.pp; ++r) {
-      std::sort(bubble[r].begin(), bubble[r].end());
-      std::sort(wall[r].begin(), wall[r].end());
-      std::printf(" s%d %.3f", r, bubble[r][1]);
+        config{4, schedule_kind::one_f_one_b, 8, 1}})
+    for (auto mode : {scheduler::p2p_mode::async, scheduler::p2p_mode::batched}) {
+      auto plan = make_plan(c.pp, c.kind, c.m, c.v);
+      plan.pipe_p2p = mode;
+      auto comms = collective::make_local_group(c.pp);
+      std::vector<std::vector<double>> bubble(c.pp), wall(c.pp);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < c.pp; ++r)
+        threads.emplace_back([&, r] {
+          gpt_stage st(cfg, dims, stage_options::of(plan, r));
+          st.init_weights(1);
+          pipeline_runner run(st, *comms[r], plan);
+          std::vector<owned_tensor> ids;
+          for (int k = 0; k < c.m; ++k) {
+            ids.push_back(empty({dims.batch, dims.seq}, dtype::i32));
+            for (std::int64_t i = 0; i < ids[k].numel(); ++i)
+              ids[k].data_as<std::int32_t>()[i] = static_cast<std::int32_t>((i * 31 + k) % 256);
+          }
+          auto fetch = [&](int k) { return microbatch_data{ids[k], ids[k], 1.0 / c.m}; };
+          for (int step = 0; step < 4; ++step) {
+            st.memory().zero_grads();
+            run.forward_backward(c.m, fetch);
+            if (step == 0) continue;
+            bubble[r].push_back(run.bubble_fraction());
+            wall[r].push_back(run.last_timing().wall_s);
+          }
+        });
+      for (auto& t : threads) t.join();
+      std::string label = std::string(scheduler::name(c.kind)) + " pp" + std::to_string(c.pp) +
+                          " m" + std::to_string(c.m) + " v" + std::to_string(c.v) + " " +
+                          std::string(scheduler::name(mode));
+      std::printf("%-22s ideal %.3f measured", label.c_str(),
+                  pipeline_runner::ideal_bubble_fraction(c.pp, c.m, c.v));
+      for (int r = 0; r < c.pp; ++r) {
+        std::sort(bubble[r].begin(), bubble[r].end());
+        std::sort(wall[r].begin(), wall[r].end());
+        std::printf(" s%d %.3f", r, bubble[r][1]);
+      }
+      std::printf("  (step %.0f ms)\n", wall[0][1] * 1e3);
     }
-    std::printf("  (step %.0f ms)\n", wall[0][1] * 1e3);
-  }
 }
 
 // Memory with and without recompute, not a test: gpt2-demo's shape (4 x 128, vocabulary 256), one

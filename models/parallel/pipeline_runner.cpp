@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <exception>
@@ -113,14 +112,13 @@ pipeline_runner::pipeline_runner(pipeline_stage& stage, collective::communicator
   TROUPE_CHECK(norm_group == nullptr || norm_group->size() == plan.pp * plan.tp,
                "pipeline_runner: the norm group ", norm_group ? norm_group->name() : "",
                " must hold the pp x tp = ", plan.pp * plan.tp, " ranks of one replica");
+  TROUPE_CHECK(plan.pipe_p2p != scheduler::p2p_mode::blocking,
+               "pipeline_runner: parallel.pipe_p2p = \"blocking\" is the simulator's only: ",
+               "pipeline stages run \"async\" or \"batched\"");
   schedule(plan.microbatches);
-  // Benchmark knobs (scripts/bench/hybrid.sh): TROUPE_PIPE_P2P=batched waits for each of the
-  // list's transfer batches where it stands (the schedule as Megatron runs it).
-  if (const char* b = std::getenv("TROUPE_PIPE_P2P"); b != nullptr && std::string(b) == "batched")
-    batched_ = true;
-  if (const char* t = std::getenv("TROUPE_PIPE_TRACE"); t != nullptr && *t != 0)
-    trace_path_ = std::string(t) + ".stage" + std::to_string(stage.stage()) + "." +
-                  std::to_string(::getpid()) + ".txt";
+  // parallel.pipe_p2p = "batched" waits for each of the list's transfer batches where it stands
+  // (the schedule as Megatron runs it).
+  batched_ = plan.pipe_p2p == scheduler::p2p_mode::batched;
   after_block_ = [this](std::int64_t block) {
     if (last_backward_ && hook_) hook_(block);
   };
@@ -416,9 +414,24 @@ void pipeline_runner::reap_sends(bool all) {
   if (all) timing_.wait_s += now() - tw;
 }
 
+void pipeline_runner::trace_to(const std::string& prefix) {
+  if (prefix.empty()) {
+    trace_path_.clear();
+    return;
+  }
+  const std::string path = prefix + ".stage" + std::to_string(stage_.stage()) + "." +
+                           std::to_string(::getpid()) + ".txt";
+  // Opened (and created) now, so a folder that is not there fails before the first step.
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  TROUPE_CHECK(f != nullptr, "parallel.pipe_trace (--pipe-trace) ", prefix, ": cannot open ", path,
+               " for appending: ", std::strerror(errno));
+  std::fclose(f);
+  trace_path_ = path;
+}
+
 void pipeline_runner::write_trace() {
   std::FILE* f = std::fopen(trace_path_.c_str(), "a");
-  TROUPE_CHECK(f != nullptr, "pipeline_runner: TROUPE_PIPE_TRACE: cannot open ", trace_path_,
+  TROUPE_CHECK(f != nullptr, "parallel.pipe_trace (--pipe-trace): cannot open ", trace_path_,
                " for appending: ", std::strerror(errno));
   for (const auto& e : trace_)
     std::fprintf(f, "%d %s %d %d %.3f %.3f %.3f\n", steps_, std::string(name(e.what.kind)).c_str(),

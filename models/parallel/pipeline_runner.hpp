@@ -62,16 +62,16 @@
 // forward / backward section, the quantity (p - 1) / (v m + p - 1) predicts
 // (ideal_bubble_fraction(); Narayanan et al. 2021); step_bubble_fraction() = 1 - compute / wall
 // also counts the tied-embedding gradient exchange and the loss broadcast after the schedule.
-// TROUPE_PIPE_P2P=batched (a benchmark knob) runs the list as Megatron does instead: each batch of
-// consecutive transfers posted together and waited for where it stands.
-// last_trace() holds every action of the last step with its times; with the environment variable
-// TROUPE_PIPE_TRACE=<prefix> each step's trace is appended to <prefix>.stage<s>.<pid>.txt, one
-// line per action: step, kind, microbatch, chunk, start and end in ms from the step's start
-// (compute: the run; receive: the wait for it; send: posted, and seen complete) and the thread's
-// CPU ms in it (compute only, else 0), then "step wall -1 -1 0 <wall ms> 0" and "step t0 -1 -1 0
-// <the step's start in ms on steady_clock> 0" (one clock for the processes of a host). `troupe
-// launch` drops TROUPE_* variables from its ranks' environment: set these through env(1) on the
-// ranks' command line (scripts/bench/hybrid.sh).
+// The plan's pipe_p2p = batched (parallel.pipe_p2p, --pipe-p2p batched) runs the list as Megatron
+// does instead: each batch of consecutive transfers posted together and waited for where it
+// stands; "async" is the default described above, "blocking" (the simulator's) is refused.
+// last_trace() holds every action of the last step with its times; after trace_to(prefix)
+// (parallel.pipe_trace, --pipe-trace PREFIX) each step's trace is appended to
+// <prefix>.stage<s>.<pid>.txt, one line per action: step, kind, microbatch, chunk, start and end
+// in ms from the step's start (compute: the run; receive: the wait for it; send: posted, and seen
+// complete) and the thread's CPU ms in it (compute only, else 0), then "step wall -1 -1 0 <wall
+// ms> 0" and "step t0 -1 -1 0 <the step's start in ms on steady_clock> 0" (one clock for the
+// processes of a host); scripts/bench/pipe_trace.py reads them.
 #pragma once
 
 #include <chrono>
@@ -138,6 +138,9 @@ class pipeline_runner final : public grad_producer {
   // 1 - compute / wall of the last step: the exchanges after the schedule count as idle too.
   double step_bubble_fraction() const;
   const std::vector<pipeline_event>& last_trace() const { return trace_; }
+  // Appends each step's trace to <prefix>.stage<s>.<pid>.txt from now on ("": no more); the file
+  // is opened at once, so a bad prefix throws here, naming parallel.pipe_trace.
+  void trace_to(const std::string& prefix);
   // Sends allowed in flight before the oldest is waited for (>= 1).
   static constexpr int max_sends = 4;
   // The schedule's idle share with equal forward and backward times and free transfers:
@@ -200,8 +203,8 @@ class pipeline_runner final : public grad_producer {
   std::size_t next_recv_ = 0;          // the first action index not yet looked at for posting
   std::chrono::steady_clock::time_point t0_;
   std::vector<pipeline_event> trace_;
-  std::string trace_path_;  // TROUPE_PIPE_TRACE: where each step's trace is appended
-  bool batched_ = false;    // TROUPE_PIPE_P2P=batched: wait for each transfer batch in place
+  std::string trace_path_;  // trace_to: where each step's trace is appended
+  bool batched_ = false;    // parallel.pipe_p2p = batched: wait for each transfer batch in place
   int steps_ = 0;
   int fetched_ = -1;  // the last microbatch fetched
   microbatch_data data_;

@@ -5,9 +5,9 @@
 # process, the pipeline bubble next to (p-1)/(m+p-1), and the share of the gradient allreduce that
 # overlap hides behind backward (dp2 with and without overlap, 256 KiB gradient buckets).
 #
-# The pp2 run is traced (TROUPE_PIPE_TRACE, see models/parallel/pipeline_runner.hpp) and run four
+# The pp2 run is traced (--pipe-trace, see models/parallel/pipeline_runner.hpp) and run four
 # times:
-# with the list's transfer batches waited where they stand (TROUPE_PIPE_P2P=batched, Megatron's
+# with the list's transfer batches waited where they stand (--pipe-p2p batched, Megatron's
 # batch_isend_irecv) and with the runner's default (sends never waited in place, receives posted
 # one compute action ahead), and a third time with the eager 1F1B schedule (scheduler/pipeline.hpp:
 # one more microbatch in flight per link, the runner's default transfers; same ideal bubble), and
@@ -34,15 +34,13 @@ field() { grep -o "$1 [0-9.]*" | awk '{print $NF}'; }
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 single=$("$T" "${common[@]}" --threads 2 | tps)
 echo "1 rank x 2 threads: $single tokens/s"
-# `troupe launch` gives its ranks its environment without TROUPE_* variables, so the knobs below
-# travel through env(1) on the ranks' command line: RANK_ENV="NAME=value ...".
+# The knobs (gradient buckets and overlap, pipeline transfers, traces) are troupe train flags
+# (the [parallel] table of a job file): every rank gets them on its command line.
 run() {  # name, flags...
   local name=$1
   shift
   local out
-  # shellcheck disable=SC2086  # RANK_ENV: words on purpose
-  out=$("$T" launch -n 2 --job "bench-$name-$$" -- env $RANK_ENV "$T" "${common[@]}" --threads 1 \
-    "$@" 2>&1)
+  out=$("$T" launch -n 2 --job "bench-$name-$$" -- "$T" "${common[@]}" --threads 1 "$@" 2>&1)
   local t
   t=$(echo "$out" | grep 'trained to step' | tps)
   echo "$out" | grep 'trained to step' | sed 's/^\[rank 0\] //' >"/tmp/troupe-bench-$name.txt"
@@ -50,17 +48,15 @@ run() {  # name, flags...
     "$(echo "$t / $single" | bc -l)"
 }
 # 256 KiB gradient buckets (about a third of a block) so that overlap has something to hide.
-buckets=TROUPE_DP_BUCKET_BYTES=262144
-RANK_ENV=$buckets run dp2 --dp 2
-RANK_ENV= run tp2 --tp 2
+buckets=(--dp-bucket-bytes 256K)
+run dp2 --dp 2 "${buckets[@]}"
+run tp2 --tp 2
 trace=/tmp/troupe-bench-pipe-$$
 rm -f "$trace"-*.*
-RANK_ENV="TROUPE_PIPE_P2P=batched TROUPE_PIPE_TRACE=$trace-batched" run pp2-batched --pp 2 \
-  --microbatches 8
-RANK_ENV="TROUPE_PIPE_TRACE=$trace-default" run pp2 --pp 2 --microbatches 8
-RANK_ENV="TROUPE_PIPE_TRACE=$trace-eager" run pp2-eager --pp 2 --microbatches 8 \
-  --schedule eager-1f1b
-RANK_ENV="TROUPE_PIPE_TRACE=$trace-zb" run pp2-zb --pp 2 --microbatches 8 --schedule zero-bubble
+run pp2-batched --pp 2 --microbatches 8 --pipe-p2p batched --pipe-trace "$trace-batched"
+run pp2 --pp 2 --microbatches 8 --pipe-trace "$trace-default"
+run pp2-eager --pp 2 --microbatches 8 --schedule eager-1f1b --pipe-trace "$trace-eager"
+run pp2-zb --pp 2 --microbatches 8 --schedule zero-bubble --pipe-trace "$trace-zb"
 printf 'pp2 m=8: theory (p-1)/(m+p-1) = %.1f%% (1f1b, eager-1f1b; zero-bubble aims below it)\n' \
   "$(echo "100 * 1 / 9" | bc -l)"
 for v in pp2-batched pp2 pp2-eager pp2-zb; do
@@ -75,7 +71,7 @@ for v in pp2-batched pp2 pp2-eager pp2-zb; do
 done
 rm -f "$trace"-*.*
 with=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2.txt | awk '{print $2}')
-RANK_ENV="$buckets TROUPE_DP_OVERLAP=0" run dp2-no-overlap --dp 2 >/dev/null
+run dp2-no-overlap --dp 2 "${buckets[@]}" --no-dp-overlap >/dev/null
 without=$(grep -o 'collectives [0-9.]*' /tmp/troupe-bench-dp2-no-overlap.txt | awk '{print $2}')
 printf 'dp2 gradient allreduce wait after backward: %s ms per step with overlap, %s ms without: ' \
   "$with" "$without"

@@ -2,7 +2,7 @@
 # Pipeline schedules side by side (issue 6's bubble goal): gpt2-demo B=8 T=128 at pp 2 with 8
 # microbatches, 2 ranks x 1 thread, STEPS steps per run; each round runs every schedule once, in
 # turn, so a drift of the shared machine's speed hits them alike. Every run is traced
-# (TROUPE_PIPE_TRACE) and scripts/bench/pipe_trace.py reads the bubble on one clock (idle over
+# (--pipe-trace) and scripts/bench/pipe_trace.py reads the bubble on one clock (idle over
 # stages x makespan, the definition of (p-1)/(m+p-1)) and its replay with the measured compute
 # times and free transfers (what the schedule implies for them). Prints each run, then per
 # schedule the median, the lowest and the highest of tokens/s, one clock and replay.
@@ -25,7 +25,7 @@ echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for ((r = 1; r <= ROUNDS; r++)); do
   for s in "${SCHEDULES[@]}"; do
     rm -f "$trace"-*.*
-    out=$("$T" launch -n 2 --job "pipe-$s-$$" -- env "TROUPE_PIPE_TRACE=$trace-run" "$T" train \
+    out=$("$T" launch -n 2 --job "pipe-$s-$$" -- "$T" train --pipe-trace "$trace-run" \
       --model gpt2-demo --batch 8 --seq 128 --steps "$STEPS" --sample 0 --log-every 1000 \
       --threads 1 --pp 2 --microbatches 8 --schedule "$s" 2>&1)
     tps=$(echo "$out" | grep 'trained to step' | grep -o '([0-9]* tokens/s)' | tr -dc '0-9')

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Pipeline bubble from the runner's traces (TROUPE_PIPE_TRACE, models/parallel/pipeline_runner.hpp).
+"""Pipeline bubble from the runner's traces (--pipe-trace, models/parallel/pipeline_runner.hpp).
 
     python3 scripts/bench/pipe_trace.py PREFIX [FIRST_STEP]
 

@@ -63,6 +63,41 @@ TEST_CASE("A plan the model or the job cannot take is refused naming the setting
   }
 }
 
+// The engine's settings (parallel.dp_bucket_bytes, dp_overlap, pipe_p2p, pipe_trace) travel with
+// the run's settings from the driver to every trainer: rank 1's stage traces its steps where the
+// prefix says, and dp 2 with 64 KiB buckets reduced after backward (a job file) trains to the same
+// losses as with the default bucket and overlap, bit for bit.
+TEST_CASE("The engine settings of a launched run reach every rank", "[multirank]") {
+  scratch_dir dir("engine");
+  const std::string trace = dir.path + "/trace";
+  std::string out;
+  launched(2, "gpt2-demo", 2, dir.path, "pp2",
+           {"--pp", "2", "--microbatches", "2", "--pipe-p2p", "batched", "--pipe-trace", trace},
+           &out);
+  CHECK_THAT(out, Catch::Contains("microbatches, recompute none, pipe p2p batched"));
+  for (int stage : {0, 1}) {
+    INFO("stage " << stage);
+    std::vector<std::string> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path))
+      if (e.path().filename().string().rfind("trace.stage" + std::to_string(stage) + ".", 0) == 0)
+        files.push_back(e.path().string());
+    REQUIRE(files.size() == 1);
+    std::ifstream in(files[0]);
+    std::string line;
+    int walls = 0;  // one "<step> wall ..." line per step
+    while (std::getline(in, line))
+      if (line.find(" wall ") != std::string::npos) ++walls;
+    CHECK(walls == 2);
+  }
+  const std::string job = dir.path + "/job.toml";
+  std::ofstream(job) << "[parallel]\ndp = 2\ndp_overlap = false\ndp_bucket_bytes = \"64K\"\n";
+  const auto defaults = launched(2, "gpt2-demo", 3, dir.path, "dp2", {"--dp", "2"});
+  const auto small = launched(2, "gpt2-demo", 3, dir.path, "dp2-small", {"--config", job}, &out);
+  CHECK_THAT(out, Catch::Contains("dp buckets 65536 bytes, dp overlap off"));
+  REQUIRE(defaults.size() == 3);
+  CHECK(small == defaults);
+}
+
 TEST_CASE("A checkpoint written under one plan continues under another", "[multirank][slow]") {
   scratch_dir dir("ckpt");
   // Written under tensor shards or pipeline stages (gathered to HF layout on save), then one step
