@@ -149,9 +149,6 @@ int train_loop(const train_config& cfg, const models::hf::model_config& mcfg,
 
 int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
                const tiered_hooks& hooks) {
-  const auto* g = std::get_if<models::hf::gpt2_config>(&mcfg);
-  TROUPE_CHECK(g != nullptr, "--device-memory (memory.device): the memory tiers train GPT-2 ",
-               "models; ", hooks.model_label, " is a Llama");
   // The staging model carries weights in and out (initialisation, HF loading, checkpoints, the
   // sample): batch 1, so its activations are small.
   auto staging = models::make_causal_lm(mcfg, {1, cfg.seq});
@@ -165,7 +162,7 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
   auto make_trainer = [&](std::shared_ptr<memory::io::page_io> nvme_io) {
     auto opt = options_of(cfg);
     opt.nvme_io = std::move(nvme_io);
-    trainer = std::make_unique<models::offload_trainer>(models::hf::to_gpt_config(*g), cfg, opt);
+    trainer = std::make_unique<models::offload_trainer>(mcfg, cfg, opt);
     auto& tr = *trainer;
     try {
       tr.check_budgets();
@@ -192,9 +189,11 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
       tr.set_weights(staging->slots());
     }
     const auto& l = tr.chunking().layout;
-    fmt::print("troupe train: {} (GPT-2), {:.2f} M parameters; B={} T={} grad_accum={}\n",
-               hooks.model_label, static_cast<double>(staging->slots().param_count()) / 1e6,
-               cfg.batch, cfg.seq, cfg.grad_accum);
+    fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}\n",
+               hooks.model_label,
+               std::holds_alternative<models::hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
+               static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
+               cfg.grad_accum, cfg.recompute ? " (recompute)" : "");
     fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
     fmt::print(
         "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "

@@ -1,6 +1,7 @@
 // The `troupe train` path with memory tiers (--device-memory ...; the [memory] table of
-// models/train_config.hpp): one process trains a GPT-2 through models::offload_trainer, its
-// parameters, gradients and AdamW state in chunks paged between the device, host and NVMe tiers.
+// models/train_config.hpp): one process trains a GPT-2 or a Llama through
+// models::offload_trainer, its parameters, gradients and AdamW state in chunks paged between the
+// device, host and NVMe tiers.
 // Same progress log, checkpoints (trainer::save's layout) and sample as the plain path, plus a
 // line of the tiers' state. Started by `troupe launch -n 1`, the trainer runs inside the
 // tier-manager role actor (actors/tier_actor.hpp), so `troupe ps` / `troupe top` show its tiers

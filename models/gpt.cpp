@@ -1,11 +1,10 @@
+// gpt: GPT-2's block, ends and family, the trunk instantiated for it, and its init (gpt.hpp).
 #include "models/gpt.hpp"
 
 #include <cmath>
-#include <cstring>
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -117,8 +116,16 @@ void gpt_ends::embed_backward(const tensor& dx0) {
   wpe.backward(d);
 }
 
-gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
-    : cfg_(cfg), dims_(dims), ends_(cfg), dtype_(t), dev_(dev) {
+tensor gpt_ends::last_logits(const tensor& x) {
+  const std::int64_t b = x.size(0), t = x.size(1);
+  tensor hf = planned_view(ln_f_out, x.sizes(), "gpt", "ln_f_out");
+  ln_f.forward(x, hf);
+  tensor out = planned_view(logits, {b, vocab}, "gpt", "logits");
+  ops::matmul(hf.select(1, t - 1), wte.weight.transpose(0, 1), out);
+  return out;
+}
+
+gpt_config gpt_family::checked(const gpt_config& cfg) {
   TROUPE_CHECK(cfg.vocab > 0 && cfg.dim > 0 && cfg.n_layer > 0 && cfg.n_head > 0 && cfg.max_seq > 0,
                "gpt: vocab, dim, n_layer, n_head and max_seq must be positive");
   TROUPE_CHECK(cfg.hidden >= 0 && cfg.init_std >= 0 && cfg.ln_eps > 0,
@@ -126,31 +133,18 @@ gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
                ", ", cfg.init_std, ", ", cfg.ln_eps);
   TROUPE_CHECK(cfg.dim % cfg.n_head == 0, "gpt: dim (", cfg.dim, ") must be a multiple of n_head (",
                cfg.n_head, ")");
-  TROUPE_CHECK(dims.seq <= cfg.max_seq, "gpt: sequence length ", dims.seq, " exceeds max_seq ",
-               cfg.max_seq);
-  h_.reserve(cfg.n_layer);
-  for (std::int64_t i = 0; i < cfg.n_layer; ++i)
-    h_.emplace_back(gpt_block::config{
-        .dim = cfg.dim, .n_head = cfg.n_head, .ln_eps = cfg.ln_eps, .hidden = cfg.hidden});
-  x_.resize(cfg.n_layer + 1);
-
-  shape bt{dims.batch, dims.seq, cfg.dim};
-  ends_.declare_front(slots_, dims);
-  for (std::int64_t i = 0; i < cfg.n_layer; ++i) {
-    slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    const auto mark = slots_.mark_block(i);
-    h_[i].declare(slots_, "h." + std::to_string(i), dims, cfg_.recompute);
-  }
-  slots_.activation("x." + std::to_string(cfg.n_layer), bt, x_[cfg.n_layer]);
-  ends_.declare_back(slots_, dims);
-  if (cfg.unbound) return;
-  mem_ = layer_memory(slots_, t, dev);
-
-  auto pos = empty({cfg.max_seq}, dtype::i32);
-  for (std::int64_t i = 0; i < cfg.max_seq; ++i)
-    pos.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i);
-  pos_ids_ = dev.is_cpu() ? std::move(pos) : to_device(pos, dev);
+  return cfg;
 }
+
+gpt_block::config gpt_family::block_config(const gpt_config& c) {
+  return {.dim = c.dim, .n_head = c.n_head, .ln_eps = c.ln_eps, .hidden = c.hidden};
+}
+
+template class trunk<gpt_family>;
+
+gpt::gpt(const gpt_config& cfg, batch_dims dims, dtype t, device dev)
+    : trunk(cfg, dims, t, dev),
+      mem_(cfg_.unbound ? layer_memory() : layer_memory(slots_, t, dev)) {}
 
 void gpt::init_weights(std::uint64_t seed) {
   init_values(seed, store_param);
@@ -161,78 +155,6 @@ void gpt::init_values(std::uint64_t seed, const init_sink& each) const {
   // sqrt(2 n_layer)), as GPT2PreTrainedModel._init_weights.
   draw_init(slots_, seed, cfg_.init_std, 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.n_layer)),
             each);
-}
-
-double gpt::forward(const tensor& ids, const tensor& targets) {
-  const batch_dims got = checked_batch(ids, targets, dims_, "gpt");
-  b_ = got.batch;
-  t_ = got.seq;
-  shape bt{b_, t_, cfg_.dim};
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
-  ends_.embed(ids, pos_ids_.narrow(0, 0, t_), x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
-    notify(on_block_use, i, block_use::before_forward);
-    h_[i].forward(x(i), x(i + 1));
-    notify(on_block_use, i, block_use::after_forward);
-  }
-  return ends_.head(x(cfg_.n_layer), targets);
-}
-
-void gpt::backward(double loss_scale) {
-  TROUPE_CHECK(b_ > 0, "gpt: backward called before forward");
-  shape bt{b_, t_, cfg_.dim};
-  tensor da, db;
-  ends_.head_backward(loss_scale, db, da);
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
-  for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
-    notify(on_block_use, i, block_use::before_backward);
-    // The last block's activations are still those of the forward.
-    if (cfg_.recompute && i + 1 < cfg_.n_layer) h_[i].recompute(x(i));
-    h_[i].backward(db, da);
-    if (on_block_grads) on_block_grads(i);
-    notify(on_block_use, i, block_use::after_backward);
-    std::swap(da, db);
-  }
-  ends_.embed_backward(db);  // db holds d(x0) now: tokens and positions
-}
-
-void gpt::begin_generation(std::int64_t batch, std::int64_t capacity) {
-  if (capacity == 0) capacity = cfg_.max_seq;
-  TROUPE_CHECK(batch > 0 && batch <= dims_.batch, "gpt: generation batch ", batch,
-               " must be in 1..", dims_.batch, " (the planned batch)");
-  TROUPE_CHECK(capacity > 0 && capacity <= cfg_.max_seq, "gpt: generation capacity ", capacity,
-               " must be in 1..", cfg_.max_seq, " (max_seq)");
-  const auto& a = h_[0].attn.cfg;
-  kv_cache_dims d{
-      .batch = batch, .capacity = capacity, .n_kv_head = a.n_kv_head, .head_dim = a.head_dim};
-  if (cache_ && cache_->dims().batch == batch && cache_->dims().capacity == capacity) {
-    cache_->clear();
-    return;
-  }
-  cache_.reset();  // free the old cache before planning the new one
-  cache_ = std::make_unique<kv_cache>(cfg_.n_layer, d, dtype_, dev_);
-}
-
-tensor gpt::step_logits(const tensor& ids) {
-  TROUPE_CHECK(cache_ != nullptr, "gpt: step_logits called before begin_generation");
-  TROUPE_CHECK(ids.dim() == 2 && ids.type() == dtype::i32, "gpt: ids must be i32 [B, t], got ",
-               ids.describe());
-  std::int64_t b = ids.size(0), t = ids.size(1), start = cache_->length();
-  TROUPE_CHECK(b <= cache_->dims().batch && t <= dims_.seq, "gpt: step [", b, ", ", t,
-               "] exceeds the generation batch ", cache_->dims().batch, " or the planned seq ",
-               dims_.seq);
-  cache_->check_room(t, "gpt");
-  shape bt{b, t, cfg_.dim};
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "gpt", "x"); };
-  ends_.embed(ids, pos_ids_.narrow(0, start, t), x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
-    h_[i].forward_step(x(i), x(i + 1), cache_->layer(i), start);
-  tensor hf = planned_view(ends_.ln_f_out, bt, "gpt", "ln_f_out");
-  ends_.ln_f.forward(x(cfg_.n_layer), hf);
-  tensor out = planned_view(ends_.logits, {b, cfg_.vocab}, "gpt", "logits");
-  ops::matmul(hf.select(1, t - 1), ends_.wte.weight.transpose(0, 1), out);
-  cache_->advance(t);
-  return out;
 }
 
 }  // namespace troupe::models

@@ -14,7 +14,9 @@
 // B x (T-1)). Here targets are explicit: pass next_token_targets(ids) (models/targets.hpp), whose
 // last position is ignore_index -100, for exactly that loss.
 //
-// The model is plain: no rank logic. Parameter names follow HF GPT-2's structure with the layer
+// The embed -> blocks -> head composition is the trunk's (models/trunk.hpp); this file holds
+// GPT-2's parts (gpt_block, gpt_ends, gpt_family) and the whole model (gpt). The model is plain:
+// no rank logic. Parameter names follow HF GPT-2's structure with the layer
 // names of models/layers (wte.weight, wpe.weight, h.0.ln_1.weight, h.0.attn.qkv_proj.weight,
 // h.0.attn.o_proj.weight, h.0.mlp.fc.weight, h.0.mlp.proj.weight, ln_f.weight, ...; HF's c_attn,
 // c_proj, c_fc); the projection weights are [out, in] as in torch nn.Linear (HF's Conv1D [in, out]
@@ -23,11 +25,8 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <memory>
-#include <vector>
+#include <string_view>
 
-#include "models/block_use.hpp"
 #include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
 #include "models/layers/cross_entropy.hpp"
@@ -36,6 +35,7 @@
 #include "models/layers/mlp.hpp"
 #include "models/layers/residual.hpp"
 #include "models/layers/slots.hpp"
+#include "models/trunk.hpp"
 
 namespace troupe::models {
 
@@ -87,10 +87,9 @@ struct gpt_block {
 };
 
 // The two ends of GPT-2 around its blocks: the token and position embeddings in front; the final
-// norm, the tied head and the loss behind; their activations and backward scratch. gpt runs them
-// around its blocks, models/offload's streamed_gpt one unit at a time. The slots are gpt's:
-// declare_front adds wte and wpe, declare_back ln_f, pos_emb, ln_f_out, logits, loss and the
-// scratch dx_a, dx_b, dpos.
+// norm, the tied head and the loss behind; their activations and backward scratch. The trunk
+// (models/trunk.hpp) runs them around the blocks, in every placement. declare_front adds wte and
+// wpe, declare_back ln_f, pos_emb, ln_f_out, logits, loss and the scratch dx_a, dx_b, dpos.
 struct gpt_ends {
   explicit gpt_ends(const gpt_config& c);
   void declare_front(slot_list& s, batch_dims d);
@@ -103,6 +102,9 @@ struct gpt_ends {
   void head_backward(double loss_scale, tensor& dx, tensor& spare);
   // The embeddings' backward from d(x0) [B, T, C].
   void embed_backward(const tensor& dx0);
+  // ln_f and the head on the last position of x [B, t, C]: logits [B, V] (decoding).
+  tensor last_logits(const tensor& x);
+  const tensor& head_weight() const { return wte.weight; }  // tied
 
   std::int64_t dim, vocab;
   embedding wte, wpe;
@@ -113,14 +115,27 @@ struct gpt_ends {
   tensor logits_cur, ln_f_cur;       // views of the last head()
 };
 
-class gpt {
+// GPT-2's parts for the trunk (models/trunk.hpp): blocks "h.<i>", the ends above.
+struct gpt_family {
+  using config = gpt_config;
+  using block = gpt_block;
+  using ends = gpt_ends;
+  static constexpr const char* name = "gpt";
+  static constexpr const char* block_scope = "h";
+  static gpt_config checked(const gpt_config& c);
+  static gpt_block::config block_config(const gpt_config& c);
+  static const attention& attention_of(const gpt_block& b) { return b.attn; }
+};
+
+extern template class trunk<gpt_family>;
+
+// The whole model: the trunk of GPT-2 with every slot bound in one layer_memory. forward,
+// backward, logits, the hooks on_block_grads / on_block_use and generation (begin_generation,
+// step_logits) are the trunk's.
+class gpt : public trunk<gpt_family> {
  public:
   gpt(const gpt_config& cfg, batch_dims dims, dtype t = dtype::f32, device dev = device::cpu());
-  gpt(const gpt&) = delete;
-  gpt& operator=(const gpt&) = delete;
 
-  const gpt_config& config() const { return cfg_; }
-  const slot_list& slots() const { return slots_; }
   layer_memory& memory() { return mem_; }
 
   // GPT-2 initialisation (GPT2PreTrainedModel._init_weights): N(0, init_std) weights and
@@ -131,44 +146,8 @@ class gpt {
   // `each` (which init_weights stores into the parameters); needs no memory (unbound).
   void init_values(std::uint64_t seed, const init_sink& each) const;
 
-  // ids, targets: i32 [B, T] on the model's device (T <= max_seq, B <= the planned batch).
-  // Returns the mean loss; keeps what backward needs.
-  double forward(const tensor& ids, const tensor& targets);
-  // Logits of the last forward, [B*T, V] (overwritten by backward).
-  tensor logits() const { return ends_.logits_cur; }
-  // Accumulates d(loss_scale * loss)/d(params) into the gradients (zero them first with
-  // memory().zero_grads()); once per forward. With config().recompute, each block but the last
-  // runs its forward again first.
-  void backward(double loss_scale = 1.0);
-  // Called by backward as soon as block i's parameter gradients are final (i = n_layer - 1 down
-  // to 0), e.g. to start reducing them while the rest of backward runs. Empty: not called.
-  std::function<void(std::int64_t block)> on_block_grads;
-  // Called around every use of block i's parameters in forward and backward (models/block_use.hpp),
-  // e.g. to gather them just in time. Empty: not called.
-  block_use_hook on_block_use;
-
-  // Incremental decoding with a kv cache. begin_generation plans a cache for `batch` sequences of
-  // up to `capacity` positions (0: max_seq) and empties it; step_logits runs new tokens ids
-  // [B, t] (i32, B <= batch, t <= the planned seq) at the next positions and returns the logits
-  // of the last one, [B, V] (valid until the next call). The prompt is one step, each sampled
-  // token another. Steps reuse the training activations: run forward again before backward.
-  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
-  tensor step_logits(const tensor& ids);
-  std::int64_t generated_length() const { return cache_ ? cache_->length() : 0; }
-
  private:
-  gpt_config cfg_;
-  batch_dims dims_;
-  gpt_ends ends_;
-  std::vector<gpt_block> h_;
-  owned_tensor pos_ids_;   // i32 [max_seq]: 0..max_seq-1
-  std::vector<tensor> x_;  // residual stream: x_[i] is the input of block i; [B, T, C]
-  std::int64_t b_ = 0, t_ = 0;
-  slot_list slots_;
   layer_memory mem_;
-  std::unique_ptr<kv_cache> cache_;
-  dtype dtype_;
-  device dev_;
 };
 
 }  // namespace troupe::models

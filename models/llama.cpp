@@ -1,11 +1,10 @@
-// llama: the Llama composition, forward, backward, init and cached decoding (llama.hpp).
+// llama: Llama's block, ends and family, the trunk instantiated for it, and its init (llama.hpp).
 #include "models/llama.hpp"
 
 #include <cmath>
 #include <string>
 
 #include "memory/error.hpp"
-#include "models/targets.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -88,48 +87,79 @@ void llama_block::backward(const tensor& dy, const tensor& dx) {
                     "llama_block");
 }
 
-llama::llama(const llama_config& cfg_in, batch_dims dims, dtype t, device dev)
-    : cfg_(resolved(cfg_in)),
-      dims_(dims),
-      embed_tokens_({.vocab = cfg_.vocab, .dim = cfg_.dim}),
-      norm_({.dim = cfg_.dim, .eps = cfg_.rms_eps}),
-      lm_head_({.in = cfg_.dim, .out = cfg_.vocab, .bias = false, .split = tp_split::column}),
-      dtype_(t),
-      dev_(dev) {
-  TROUPE_CHECK(dims.batch > 0 && dims.seq > 0, "llama: the planned batch [", dims.batch, ", ",
-               dims.seq, "] must be positive");
-  TROUPE_CHECK(dims.seq <= cfg_.max_seq, "llama: sequence length ", dims.seq,
-               " exceeds max_seq (max_position_embeddings) ", cfg_.max_seq);
-  layers_.reserve(cfg_.n_layer);
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) layers_.emplace_back(cfg_);
-  x_.resize(cfg_.n_layer + 1);
+llama_ends::llama_ends(const llama_config& c)
+    : dim(c.dim),
+      vocab(c.vocab),
+      tied(c.tie_embeddings),
+      embed_tokens({.vocab = c.vocab, .dim = c.dim}),
+      norm({.dim = c.dim, .eps = c.rms_eps}),
+      lm_head({.in = c.dim, .out = c.vocab, .bias = false, .split = tp_split::column}) {}
 
-  shape bt{dims.batch, dims.seq, cfg_.dim};
-  embed_tokens_.declare(slots_, "embed_tokens", dims);
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
-    slots_.activation("x." + std::to_string(i), bt, x_[i]);
-    const auto mark = slots_.mark_block(i);
-    layers_[i].declare(slots_, "layers." + std::to_string(i), dims, cfg_.recompute);
-  }
-  slots_.activation("x." + std::to_string(cfg_.n_layer), bt, x_[cfg_.n_layer]);
-  norm_.declare(slots_, "norm", dims);
-  if (!cfg_.tie_embeddings) lm_head_.declare(slots_, "lm_head", dims);
-  slots_.activation("norm_out", bt, norm_out_);
-  slots_.activation("logits", {dims.rows(), cfg_.vocab}, logits_);
-  loss_.declare(slots_, "loss", dims);
-  slots_.scratch("dx_a", bt, dx_a_);
-  slots_.scratch("dx_b", bt, dx_b_);
-  if (cfg_.unbound) return;
-  mem_ = layer_memory(slots_, t, dev);
+void llama_ends::declare_front(slot_list& s, batch_dims d) {
+  embed_tokens.declare(s, "embed_tokens", d);
 }
 
-const tensor& llama::head_weight() const {
-  return cfg_.tie_embeddings ? embed_tokens_.weight : lm_head_.weight;
+void llama_ends::declare_back(slot_list& s, batch_dims d) {
+  shape bt{d.batch, d.seq, dim};
+  norm.declare(s, "norm", d);
+  if (!tied) lm_head.declare(s, "lm_head", d);
+  s.activation("norm_out", bt, norm_out);
+  s.activation("logits", {d.rows(), vocab}, logits);
+  loss.declare(s, "loss", d);
+  s.scratch("dx_a", bt, dx_a);
+  s.scratch("dx_b", bt, dx_b);
 }
 
-const tensor& llama::head_grad() const {
-  return cfg_.tie_embeddings ? embed_tokens_.dweight : lm_head_.dweight;
+void llama_ends::embed(const tensor& ids, const tensor& positions, const tensor& x0) {
+  (void)positions;  // RoPE: the attention rotates by position
+  embed_tokens.forward(ids, x0);
 }
+
+double llama_ends::head(const tensor& x, const tensor& targets) {
+  const std::int64_t b = x.size(0), t = x.size(1);
+  norm_cur = planned_view(norm_out, x.sizes(), "llama", "norm_out");
+  norm.forward(x, norm_cur);
+  logits_cur = planned_view(logits, {b * t, vocab}, "llama", "logits");
+  ops::matmul(norm_cur.reshape({b * t, dim}), head_weight().transpose(0, 1), logits_cur);
+  return loss.forward(logits_cur, targets.reshape({b * t}));
+}
+
+void llama_ends::head_backward(double loss_scale, tensor& dx, tensor& spare) {
+  const shape& bt = norm_cur.sizes();
+  const std::int64_t rows = bt[0] * bt[1];
+  tensor dlogits = logits_cur;  // overwritten in place
+  loss.backward(dlogits, loss_scale);
+  spare = planned_view(dx_a, bt, "llama", "dx_a");
+  dx = planned_view(dx_b, bt, "llama", "dx_b");
+  tensor hn = norm_cur.reshape({rows, dim});
+  // Head: dW += dlogits^T norm_out; dnorm_out = dlogits W (W is embed_tokens' when tied).
+  ops::matmul(dlogits.transpose(0, 1), hn, head_grad(), 1.0, 1.0);
+  ops::matmul(dlogits, head_weight(), spare.reshape({rows, dim}));
+  norm.backward(spare, dx);
+}
+
+void llama_ends::embed_backward(const tensor& dx0) {
+  embed_tokens.backward(dx0);
+}
+
+tensor llama_ends::last_logits(const tensor& x) {
+  const std::int64_t b = x.size(0), t = x.size(1);
+  tensor hn = planned_view(norm_out, x.sizes(), "llama", "norm_out");
+  norm.forward(x, hn);
+  tensor out = planned_view(logits, {b, vocab}, "llama", "logits");
+  ops::matmul(hn.select(1, t - 1), head_weight().transpose(0, 1), out);
+  return out;
+}
+
+llama_config llama_family::checked(const llama_config& c) {
+  return resolved(c);
+}
+
+template class trunk<llama_family>;
+
+llama::llama(const llama_config& cfg, batch_dims dims, dtype t, device dev)
+    : trunk(cfg, dims, t, dev),
+      mem_(cfg_.unbound ? layer_memory() : layer_memory(slots_, t, dev)) {}
 
 void llama::init_weights(std::uint64_t seed) {
   init_values(seed, store_param);
@@ -137,95 +167,6 @@ void llama::init_weights(std::uint64_t seed) {
 
 void llama::init_values(std::uint64_t seed, const init_sink& each) const {
   draw_init(slots_, seed, cfg_.init_std, /*residual_scale=*/1.0, each);
-}
-
-void llama::check_ids(const tensor& ids, const char* what) const {
-  TROUPE_CHECK(ids.defined() && ids.dim() == 2 && ids.type() == dtype::i32, "llama: ", what,
-               " must be i32 [B, T], got ", describe(ids));
-}
-
-double llama::forward(const tensor& ids, const tensor& targets) {
-  const batch_dims got = checked_batch(ids, targets, dims_, "llama");
-  b_ = got.batch;
-  t_ = got.seq;
-  shape bt{b_, t_, cfg_.dim};
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
-  embed_tokens_.forward(ids, x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i) {
-    notify(on_block_use, i, block_use::before_forward);
-    layers_[i].forward(x(i), x(i + 1));
-    notify(on_block_use, i, block_use::after_forward);
-  }
-  norm_cur_ = planned_view(norm_out_, bt, "llama", "norm_out");
-  norm_.forward(x(cfg_.n_layer), norm_cur_);
-  logits_cur_ = planned_view(logits_, {b_ * t_, cfg_.vocab}, "llama", "logits");
-  ops::matmul(norm_cur_.reshape({b_ * t_, cfg_.dim}), head_weight().transpose(0, 1), logits_cur_);
-  return loss_.forward(logits_cur_, targets.reshape({b_ * t_}));
-}
-
-void llama::backward(double loss_scale) {
-  TROUPE_CHECK(b_ > 0, "llama: backward called before forward");
-  shape bt{b_, t_, cfg_.dim};
-  tensor dlogits = logits_cur_;  // overwritten in place
-  loss_.backward(dlogits, loss_scale);
-  tensor da = planned_view(dx_a_, bt, "llama", "dx_a");
-  tensor db = planned_view(dx_b_, bt, "llama", "dx_b");
-  tensor hn = norm_cur_.reshape({b_ * t_, cfg_.dim});
-  // Head: dW += dlogits^T norm_out; dnorm_out = dlogits W (W is embed_tokens' when tied).
-  ops::matmul(dlogits.transpose(0, 1), hn, head_grad(), 1.0, 1.0);
-  ops::matmul(dlogits, head_weight(), da.reshape({b_ * t_, cfg_.dim}));
-  norm_.backward(da, db);
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
-  for (std::int64_t i = cfg_.n_layer - 1; i >= 0; --i) {
-    notify(on_block_use, i, block_use::before_backward);
-    // The last block's activations are still those of the forward.
-    if (cfg_.recompute && i + 1 < cfg_.n_layer) layers_[i].recompute(x(i));
-    layers_[i].backward(db, da);
-    if (on_block_grads) on_block_grads(i);
-    notify(on_block_use, i, block_use::after_backward);
-    std::swap(da, db);
-  }
-  embed_tokens_.backward(db);
-}
-
-void llama::begin_generation(std::int64_t batch, std::int64_t capacity) {
-  if (capacity == 0) capacity = cfg_.max_seq;
-  TROUPE_CHECK(batch > 0 && batch <= dims_.batch, "llama: generation batch ", batch,
-               " must be in 1..", dims_.batch, " (the planned batch)");
-  TROUPE_CHECK(capacity > 0 && capacity <= cfg_.max_seq, "llama: generation capacity ", capacity,
-               " must be in 1..", cfg_.max_seq, " (max_seq)");
-  if (cache_ && cache_->dims().batch == batch && cache_->dims().capacity == capacity) {
-    cache_->clear();
-    return;
-  }
-  cache_.reset();  // free the old cache before planning the new one
-  cache_ = std::make_unique<kv_cache>(cfg_.n_layer,
-                                      kv_cache_dims{.batch = batch,
-                                                    .capacity = capacity,
-                                                    .n_kv_head = cfg_.n_kv_head,
-                                                    .head_dim = cfg_.head_dim},
-                                      dtype_, dev_);
-}
-
-tensor llama::step_logits(const tensor& ids) {
-  TROUPE_CHECK(cache_ != nullptr, "llama: step_logits called before begin_generation");
-  check_ids(ids, "ids");
-  std::int64_t b = ids.size(0), t = ids.size(1), start = cache_->length();
-  TROUPE_CHECK(b <= cache_->dims().batch && t <= dims_.seq, "llama: step [", b, ", ", t,
-               "] exceeds the generation batch ", cache_->dims().batch, " or the planned seq ",
-               dims_.seq);
-  cache_->check_room(t, "llama");
-  shape bt{b, t, cfg_.dim};
-  auto x = [&](std::int64_t i) { return planned_view(x_[i], bt, "llama", "x"); };
-  embed_tokens_.forward(ids, x(0));
-  for (std::int64_t i = 0; i < cfg_.n_layer; ++i)
-    layers_[i].forward_step(x(i), x(i + 1), cache_->layer(i), start);
-  tensor hn = planned_view(norm_out_, bt, "llama", "norm_out");
-  norm_.forward(x(cfg_.n_layer), hn);
-  tensor out = planned_view(logits_, {b, cfg_.vocab}, "llama", "logits");
-  ops::matmul(hn.select(1, t - 1), head_weight().transpose(0, 1), out);
-  cache_->advance(t);
-  return out;
 }
 
 }  // namespace troupe::models

@@ -20,15 +20,14 @@
 // attention_bias), layers.{i}.post_attention_layernorm.weight,
 // layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight and, untied only, lm_head.weight. Layouts
 // are HF's ([out, in] for every projection), so checkpoints load without transposes.
+//
+// The embed -> layers -> head composition is the trunk's (models/trunk.hpp); this file holds
+// Llama's parts (llama_block, llama_ends, llama_family) and the whole model (llama).
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <string_view>
-#include <vector>
 
-#include "models/block_use.hpp"
 #include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
 #include "models/layers/cross_entropy.hpp"
@@ -38,6 +37,7 @@
 #include "models/layers/rmsnorm.hpp"
 #include "models/layers/slots.hpp"
 #include "models/layers/swiglu_mlp.hpp"
+#include "models/trunk.hpp"
 
 namespace troupe::models {
 
@@ -85,14 +85,62 @@ struct llama_block {
   void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
 };
 
-class llama {
+// The two ends of Llama around its layers: embed_tokens in front; the final norm, the head
+// (lm_head, or embed_tokens when tied) and the loss behind; their activations and backward scratch.
+// The trunk (models/trunk.hpp) runs them around the layers. declare_front adds embed_tokens,
+// declare_back norm, lm_head (untied only), norm_out, logits, loss and the scratch dx_a, dx_b.
+struct llama_ends {
+  explicit llama_ends(const llama_config& c);  // c resolved (llama_family::checked)
+  void declare_front(slot_list& s, batch_dims d);
+  void declare_back(slot_list& s, batch_dims d);
+  // x0 = embed_tokens[ids]; ids i32 [B, t], x0 [B, t, C]. The positions go to RoPE in the
+  // attention, not here.
+  void embed(const tensor& ids, const tensor& positions, const tensor& x0);
+  // norm, the head and the mean loss of x [B, T, C] (the last layer's output) on targets.
+  double head(const tensor& x, const tensor& targets);
+  // The head's backward: dx gets d(x) (views of the planned scratch; spare is the other one).
+  void head_backward(double loss_scale, tensor& dx, tensor& spare);
+  // embed_tokens' backward from d(x0) [B, T, C].
+  void embed_backward(const tensor& dx0);
+  // norm and the head on the last position of x [B, t, C]: logits [B, V] (decoding).
+  tensor last_logits(const tensor& x);
+  // The head's weight and gradient: lm_head's, or embed_tokens' when tied.
+  const tensor& head_weight() const { return tied ? embed_tokens.weight : lm_head.weight; }
+  const tensor& head_grad() const { return tied ? embed_tokens.dweight : lm_head.dweight; }
+
+  std::int64_t dim, vocab;
+  bool tied;
+  embedding embed_tokens;
+  rmsnorm norm;
+  linear lm_head;
+  cross_entropy_loss loss;
+  tensor norm_out, logits;      // activations
+  tensor dx_a, dx_b;            // backward scratch [B, T, C]
+  tensor logits_cur, norm_cur;  // views of the last head()
+};
+
+// Llama's parts for the trunk (models/trunk.hpp): layers "layers.<i>", the ends above.
+struct llama_family {
+  using config = llama_config;
+  using block = llama_block;
+  using ends = llama_ends;
+  static constexpr const char* name = "llama";
+  static constexpr const char* block_scope = "layers";
+  // The checks of a config, n_kv_head and head_dim resolved.
+  static llama_config checked(const llama_config& c);
+  static const llama_config& block_config(const llama_config& c) { return c; }
+  static const attention& attention_of(const llama_block& b) { return b.self_attn; }
+};
+
+extern template class trunk<llama_family>;
+
+// The whole model: the trunk of Llama with every slot bound in one layer_memory. forward,
+// backward, logits, the hooks on_block_grads / on_block_use and generation (begin_generation,
+// step_logits) are the trunk's; config() has n_kv_head and head_dim resolved.
+class llama : public trunk<llama_family> {
  public:
   llama(const llama_config& cfg, batch_dims dims, dtype t = dtype::f32, device dev = device::cpu());
-  llama(const llama&) = delete;
-  llama& operator=(const llama&) = delete;
 
-  const llama_config& config() const { return cfg_; }  // with n_kv_head and head_dim resolved
-  const slot_list& slots() const { return slots_; }
   layer_memory& memory() { return mem_; }
 
   // HF's initialisation (LlamaPreTrainedModel._init_weights): N(0, init_std) for embeddings and
@@ -101,53 +149,8 @@ class llama {
   // The values init_weights(seed) gives, parameter after parameter (as gpt::init_values).
   void init_values(std::uint64_t seed, const init_sink& each) const;
 
-  // ids, targets: i32 [B, T] on the model's device (T <= the planned seq, B <= the planned batch).
-  // Returns the mean loss over targets that are not -100; keeps what backward needs.
-  double forward(const tensor& ids, const tensor& targets);
-  // Logits of the last forward, [B*T, V] (overwritten by backward).
-  tensor logits() const { return logits_cur_; }
-  // Accumulates d(loss_scale * loss)/d(params) into the gradients (zero them first with
-  // memory().zero_grads()); once per forward. With config().recompute, each block but the last
-  // runs its forward again first.
-  void backward(double loss_scale = 1.0);
-  // Called by backward as soon as block i's parameter gradients are final (i = n_layer - 1 down
-  // to 0), e.g. to start reducing them while the rest of backward runs. Empty: not called.
-  std::function<void(std::int64_t block)> on_block_grads;
-  // Called around every use of block i's parameters in forward and backward (models/block_use.hpp),
-  // e.g. to gather them just in time. Empty: not called.
-  block_use_hook on_block_use;
-
-  // Incremental decoding with a kv cache, as gpt's: begin_generation plans a cache for `batch`
-  // sequences of up to `capacity` positions (0: max_seq); step_logits runs new tokens ids [B, t]
-  // at the next positions and returns the logits of the last one, [B, V] (valid until the next
-  // call). Steps reuse the training activations: run forward again before backward.
-  void begin_generation(std::int64_t batch, std::int64_t capacity = 0);
-  tensor step_logits(const tensor& ids);
-  std::int64_t generated_length() const { return cache_ ? cache_->length() : 0; }
-
  private:
-  // The head's weight and gradient: lm_head's, or embed_tokens' when tied.
-  const tensor& head_weight() const;
-  const tensor& head_grad() const;
-  void check_ids(const tensor& ids, const char* what) const;
-
-  llama_config cfg_;
-  batch_dims dims_;
-  embedding embed_tokens_;
-  std::vector<llama_block> layers_;
-  rmsnorm norm_;
-  linear lm_head_;
-  cross_entropy_loss loss_;
-  std::vector<tensor> x_;     // residual stream: x_[i] is the input of layer i; [B, T, C]
-  tensor norm_out_, logits_;  // activations
-  tensor dx_a_, dx_b_;        // backward scratch [B, T, C]
-  tensor logits_cur_, norm_cur_;
-  std::int64_t b_ = 0, t_ = 0;
-  slot_list slots_;
   layer_memory mem_;
-  std::unique_ptr<kv_cache> cache_;
-  dtype dtype_;
-  device dev_;
 };
 
 }  // namespace troupe::models

@@ -274,8 +274,6 @@ void validate_memory(const train_config& c) {
        "needs memory.nvme_dir (--nvme-dir)");
   need(c.precision == "f32", "memory.device (--device-memory)",
        "needs train.precision = \"f32\" (the tiers train in f32), got '" + c.precision + "'");
-  need(!c.recompute, "memory.device (--device-memory)",
-       "does not go with train.recompute (--recompute)");
   need(c.plan.world_size() == 1, "memory.device (--device-memory)",
        "trains in one process: parallel.dp, tp and pp must be 1");
 }

@@ -1,5 +1,5 @@
 // offload_trainer (see offload_trainer.hpp): chunked parameters, gradients and AdamW state under
-// a tier manager, driving a streamed_gpt unit by unit.
+// a tier manager, driving a streamed_model unit by unit.
 #include "models/offload/offload_trainer.hpp"
 
 #include <algorithm>
@@ -65,7 +65,7 @@ memory::tier_manager_options manager_options(const offload_options& o) {
   return m;
 }
 
-memory::chunk_size_choice choose(const streamed_gpt& model, std::vector<std::int32_t>& slots,
+memory::chunk_size_choice choose(const streamed_model& model, std::vector<std::int32_t>& slots,
                                  const offload_options& o) {
   std::vector<std::size_t> sizes;
   const auto& all = model.slots().slots();
@@ -82,11 +82,22 @@ memory::chunk_size_choice choose(const streamed_gpt& model, std::vector<std::int
 
 offload_trainer::offload_trainer(const gpt_config& model, const train_config& cfg,
                                  const offload_options& opt)
-    : gcfg_(model),
-      cfg_(cfg),
+    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}), cfg, opt) {}
+
+offload_trainer::offload_trainer(const llama_config& model, const train_config& cfg,
+                                 const offload_options& opt)
+    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}), cfg, opt) {}
+
+offload_trainer::offload_trainer(const hf::model_config& model, const train_config& cfg,
+                                 const offload_options& opt)
+    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}, cfg.recompute), cfg, opt) {}
+
+offload_trainer::offload_trainer(std::unique_ptr<streamed_model> model, const train_config& cfg,
+                                 const offload_options& opt)
+    : cfg_(cfg),
       opt_(opt),
-      model_(model, {cfg.batch, cfg.seq}),
-      chunks_(choose(model_, param_slots_, opt)),
+      model_(std::move(model)),
+      chunks_(choose(*model_, param_slots_, opt)),
       tiers_(manager_options(opt)) {
   cfg_.validate();
   TROUPE_CHECK(cfg.precision == "f32", "offload_trainer: precision ", cfg.precision,
@@ -95,14 +106,14 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
     TROUPE_CHECK(t == tier::host || t == tier::nvme,
                  "offload_trainer: param_tier and optim_tier must be host or nvme, got ",
                  memory::tier_name(t));
-  const auto& all = model_.slots().slots();
+  const auto& all = model_->slots().slots();
   const auto nt = static_cast<std::int32_t>(param_slots_.size());
   std::vector<std::int32_t> tensor_of(all.size(), -1);
   for (std::int32_t j = 0; j < nt; ++j) tensor_of[param_slots_[j]] = j;
-  last_backward_unit_.assign(nt, model_.units());
-  for (std::int32_t u = 0; u < model_.units(); ++u) {
+  last_backward_unit_.assign(nt, model_->units());
+  for (std::int32_t u = 0; u < model_->units(); ++u) {
     std::vector<std::int32_t> cs, ts;
-    for (std::int32_t s : model_.unit_params(u)) {
+    for (std::int32_t s : model_->unit_params(u)) {
       const std::int32_t j = tensor_of[s];
       ts.push_back(j);
       last_backward_unit_[j] = std::min(last_backward_unit_[j], u);
@@ -116,7 +127,7 @@ offload_trainer::offload_trainer(const gpt_config& model, const train_config& cf
     const auto& s = all[param_slots_[j]];
     decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s)));
   }
-  place(tiers_, model_.non_model_bytes());
+  place(tiers_, model_->non_model_bytes());
 }
 
 tier offload_trainer::access_tier(std::int32_t id) const {
@@ -209,9 +220,9 @@ void offload_trainer::build_schedule() {
   const std::int32_t n = chunk_count();
   schedule_.clear();
   for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
-    for (std::int32_t u = 0; u < model_.units(); ++u)
+    for (std::int32_t u = 0; u < model_->units(); ++u)
       for (std::int32_t c : unit_chunks_[u]) schedule_.push_back({c, tier::device});
-    for (std::int32_t u = model_.units() - 1; u >= 0; --u)
+    for (std::int32_t u = model_->units() - 1; u >= 0; --u)
       for (std::int32_t c : unit_chunks_[u]) {
         schedule_.push_back({c, tier::device});
         schedule_.push_back({n + c, tier::device});
@@ -264,13 +275,13 @@ void offload_trainer::check_budgets() {
 
 tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
   const auto& rec = chunks_.layout.records[j];
-  const auto& s = model_.slots().slots()[param_slots_[j]];
+  const auto& s = model_->slots().slots()[param_slots_[j]];
   return tensor(base + rec.offset, rec.bytes, dtype::f32, s.sizes, device::cpu());
 }
 
 void offload_trainer::copy_kind(const slot_list& s, int kind, bool out) {
   const std::int32_t n = chunk_count();
-  const auto& all = model_.slots().slots();
+  const auto& all = model_->slots().slots();
   std::vector<const tensor_slot*> by_tensor(param_slots_.size(), nullptr);
   for (std::int32_t j = 0; j < static_cast<std::int32_t>(param_slots_.size()); ++j) {
     const auto& mine = all[param_slots_[j]];
@@ -364,7 +375,7 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
   step_result r = run_step(data);
   if (measure) {
     const std::int64_t peak = memory::stats(tier::host).peak;
-    measured_ = model_.non_model_bytes() +
+    measured_ = model_->non_model_bytes() +
                 static_cast<std::size_t>(std::max<std::int64_t>(peak - in_use, 0));
     place_measured(measured_);
   }
@@ -375,7 +386,7 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
   auto t0 = std::chrono::steady_clock::now();
   pin_guard pins(tiers_);
   const std::int32_t n = chunk_count();
-  const auto& all = model_.slots().slots();
+  const auto& all = model_->slots().slots();
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
   const std::int64_t ga = cfg_.grad_accum;
   grad_touched_.assign(n, false);
@@ -389,23 +400,23 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
     tensor ids(rows_.data(), rows_.size() * 4, dtype::i32, {b, t});
     tensor tg(targets_.data(), targets_.size() * 4, dtype::i32, {b, t});
     next_token_targets(ids, tg);
-    model_.begin(ids, tg);
+    model_->begin(ids, tg);
 
     // Forward: each unit's parameter chunks on the device.
-    for (std::int32_t u = 0; u < model_.units(); ++u) {
+    for (std::int32_t u = 0; u < model_->units(); ++u) {
       for (std::int32_t c : unit_chunks_[u]) {
         std::byte* base = pins.acquire(c, tier::device);
         for (std::int32_t j : unit_tensors_[u])
           if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
       }
-      model_.forward_unit(u);
+      model_->forward_unit(u);
       for (std::int32_t c : unit_chunks_[u]) pins.release(c, tier::device, false);
     }
-    loss += model_.loss();
+    loss += model_->loss();
 
     // Backward: parameters and gradients on the device; gradients accumulate over the
     // micro-batches, and in the last one the norm is summed as they become final.
-    for (std::int32_t u = model_.units() - 1; u >= 0; --u) {
+    for (std::int32_t u = model_->units() - 1; u >= 0; --u) {
       for (std::int32_t c : unit_chunks_[u]) {
         std::byte* p = pins.acquire(c, tier::device);
         const bool first = !grad_touched_[c];
@@ -418,7 +429,7 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
             *all[param_slots_[j]].grad = view(g, j);
           }
       }
-      model_.backward_unit(u);
+      model_->backward_unit(u, 1.0);
       for (std::int32_t j : unit_tensors_[u]) {
         if (!last || last_backward_unit_[j] != u) continue;
         const tensor& gj = *all[param_slots_[j]].grad;

@@ -1,5 +1,7 @@
-// offload_trainer: models/trainer.hpp's step for a GPT-2 whose parameters, gradients and AdamW
-// state live in chunks under a memory::tier_manager (device / host / NVMe), ZeRO-Infinity style.
+// offload_trainer: models/trainer.hpp's step for a GPT-2 or a Llama whose parameters, gradients and
+// AdamW state live in chunks under a memory::tier_manager (device / host / NVMe), ZeRO-Infinity
+// style. The model runs in the streamed placement of its trunk (models/offload/streamed_model.hpp),
+// with per-block recompute when its config asks for it.
 //
 // Layout: the parameters, in the order of first use (the slot order of the forward), are packed
 // into chunks of one size chosen among candidates to waste the fewest bytes
@@ -28,8 +30,8 @@
 // for the global norm as soon as it is final), then clipping and AdamW chunk by chunk in the
 // chunks' order. The tier manager knows this schedule: it prefetches along it (NVMe reads are
 // asynchronous, so the next chunks' reads overlap the CPU AdamW of the current one) and evicts
-// by Belady. The losses and weights equal trainer's on gpt bit for bit (up to the grad-norm
-// sum's order, in double).
+// by Belady. The losses and weights equal trainer's on gpt or llama bit for bit (up to the
+// grad-norm sum's order, in double).
 //
 // Errors of the tiers (a full NVMe tier, an I/O error, a checksum mismatch) surface from step()
 // as troupe::error naming the store's path; the chunks the step pinned are released, so the
@@ -46,7 +48,9 @@
 #include "memory/tier_manager.hpp"
 #include "models/causal_lm.hpp"
 #include "models/gpt.hpp"
-#include "models/offload/streamed_gpt.hpp"
+#include "models/hf/config.hpp"
+#include "models/llama.hpp"
+#include "models/offload/streamed_model.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
 
@@ -79,7 +83,13 @@ struct offload_options {
 
 class offload_trainer {
  public:
+  // The model's own recompute field says whether each block runs its forward again in backward.
   offload_trainer(const gpt_config& model, const train_config& cfg, const offload_options& opt);
+  offload_trainer(const llama_config& model, const train_config& cfg, const offload_options& opt);
+  // The model an HF config describes (either family), with per-block recompute when
+  // cfg.recompute.
+  offload_trainer(const hf::model_config& model, const train_config& cfg,
+                  const offload_options& opt);
 
   // Parameters by name from / to another model's slots (e.g. a gpt's, to start from the same
   // weights and to compare after training).
@@ -102,7 +112,7 @@ class offload_trainer {
   std::int32_t chunk_count() const { return chunks_.layout.chunks; }
   memory::tier_manager& tiers() { return tiers_; }
   // The planned non-model memory (the model's activation and scratch arenas).
-  std::size_t non_model_bytes() const { return model_.non_model_bytes(); }
+  std::size_t non_model_bytes() const { return model_->non_model_bytes(); }
   // automatic: the non-model memory measured in the first step (0 before it, or when fixed).
   std::size_t measured_non_model_bytes() const { return measured_; }
   // automatic: whether the measurement moved chunks to a new placement.
@@ -121,6 +131,8 @@ class offload_trainer {
   bool optimizer_overlaps() const { return overlap_; }
 
  private:
+  offload_trainer(std::unique_ptr<streamed_model> model, const train_config& cfg,
+                  const offload_options& opt);
   tensor view(std::byte* base, std::int32_t tensor_index) const;
   // Homes for every chunk in `into` (registers them), from a non-model figure (automatic).
   void place(memory::tier_manager& into, std::size_t non_model);
@@ -133,11 +145,10 @@ class offload_trainer {
   void place_measured(std::size_t measured);
   memory::tier access_tier(std::int32_t id) const;  // device when home there, else host
 
-  gpt_config gcfg_;
   train_config cfg_;
   offload_options opt_;
-  streamed_gpt model_;
-  std::vector<std::int32_t> param_slots_;  // tensor j -> its index in model_.slots()
+  std::unique_ptr<streamed_model> model_;
+  std::vector<std::int32_t> param_slots_;  // tensor j -> its index in model_->slots()
   memory::chunk_size_choice chunks_;
   memory::tier_manager tiers_;
   std::vector<std::vector<std::int32_t>> unit_chunks_;   // unit -> its chunks, in order

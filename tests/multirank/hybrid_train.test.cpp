@@ -1,6 +1,7 @@
 // Hybrid-parallel training across real processes, beside the plan matrix (plan_matrix.test.cpp):
 // activation recompute under a plan, plans refused naming the setting, a checkpoint written under
-// one plan loaded under another, a rank killed mid-run, and training with memory tiers.
+// one plan loaded under another, a rank killed mid-run, and training with memory tiers (GPT-2 and
+// Llama).
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -181,6 +182,22 @@ TEST_CASE("Training with memory tiers matches the plain run in one process and l
       launched(1, "gpt2-demo", steps, dir, "tiers",
                {"--device-memory", "24M", "--offload", "auto", "--nvme-dir", dir + "/nvme"}),
       want);
+  std::filesystem::remove_all(dir);
+}
+
+// A Llama under memory tiers, every chunk on the host and each block recomputed: the same losses
+// bit for bit as its plain run without recompute (paging moves bytes; recompute repeats the same
+// arithmetic).
+TEST_CASE("A Llama trains with memory tiers and recompute as its plain run does", "[multirank]") {
+  auto dir = scratch("tiers-llama");
+  const int steps = 4;
+  const auto want = single("llama-tiny", steps, dir);
+  const auto got = single("llama-tiny", steps, dir,
+                          {"--device-memory", "24M", "--offload-params", "1", "--offload-optimizer",
+                           "1", "--recompute"},
+                          "tiers");
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == want[i]);
   std::filesystem::remove_all(dir);
 }
 

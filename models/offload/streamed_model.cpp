@@ -1,0 +1,48 @@
+// streamed_model (see streamed_model.hpp): the activations and scratch of the streamed placement,
+// and its construction for each family.
+#include "models/offload/streamed_model.hpp"
+
+#include <variant>
+
+#include "memory/error.hpp"
+#include "models/causal_lm.hpp"
+
+namespace troupe::models {
+
+memory::arena bind_planned(const slot_list& slots, slot_kind kind) {
+  std::vector<memory::size_spec> specs;
+  for (const auto& s : slots.slots())
+    if (s.kind == kind)
+      specs.push_back({s.name, static_cast<std::size_t>(s.sizes.numel()) * 4, 64, s.first, s.last});
+  if (specs.empty()) return {};
+  memory::arena a(memory::plan_memory(specs), 0, memory::tier::host);
+  for (const auto& s : slots.slots())
+    if (s.kind == kind)
+      *s.field = tensor(a.at(s.name), static_cast<std::size_t>(s.sizes.numel()) * 4, dtype::f32,
+                        s.sizes, device::cpu());
+  return a;
+}
+
+std::unique_ptr<streamed_model> make_streamed_model(const gpt_config& cfg, batch_dims dims) {
+  TROUPE_CHECK(!cfg.unbound, "streamed_model: an unbound config binds nothing to stream");
+  return std::make_unique<streamed<gpt_family>>(cfg, dims);
+}
+
+std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, batch_dims dims) {
+  TROUPE_CHECK(!cfg.unbound, "streamed_model: an unbound config binds nothing to stream");
+  return std::make_unique<streamed<llama_family>>(cfg, dims);
+}
+
+std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,
+                                                    bool recompute) {
+  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg)) {
+    gpt_config c = hf::to_gpt_config(*g);
+    c.recompute = recompute;
+    return make_streamed_model(c, dims);
+  }
+  llama_config c = to_llama_config(std::get<hf::llama_config>(cfg));
+  c.recompute = recompute;
+  return make_streamed_model(c, dims);
+}
+
+}  // namespace troupe::models
