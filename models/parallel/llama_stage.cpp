@@ -79,10 +79,11 @@ void llama_stage::init_weights(std::uint64_t seed) {
 }
 
 bool llama_stage::replicated_over_tp(std::string_view p) const {
-  for (std::string_view sharded : {"embed_tokens.weight", "lm_head.weight", "_proj.weight",
-                                   "q_proj.bias", "k_proj.bias", "v_proj.bias"})
+  for (std::string_view sharded :
+       {"embed_tokens.weight", "lm_head.weight", "_proj.weight", "q_proj.bias", "k_proj.bias",
+        "v_proj.bias", "gate_proj.bias", "up_proj.bias"})
     if (p.ends_with(sharded)) return false;
-  return true;  // the RMSNorms and o_proj's bias
+  return true;  // the RMSNorms and the row-parallel biases (o_proj's, down_proj's)
 }
 
 double llama_stage::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {

@@ -10,13 +10,13 @@
 //            shard)
 //
 // Parameters keep llama's (HF) names and layouts; a shard's parameter is the full one when the
-// shapes agree (the RMSNorms, o_proj's bias) and otherwise its slice (copy_gpt_slice's rules by
-// shape). tp must divide n_head, n_kv_head, intermediate_size and vocab_size, with SP also the
-// sequence length (errors name parallel.tp and the field). With cfg.recompute the blocks'
-// activations share one set of bytes (slots.hpp) and backward runs each block's forward (but the
-// last's, still in those bytes) again first, between the block's before_backward and after_backward
-// (all shards together: the recomputed forward holds the same collectives), as tp_gpt does.
-// Generation is not supported. Host (CPU) only.
+// shapes agree (the RMSNorms, o_proj's and down_proj's biases) and otherwise its slice
+// (copy_gpt_slice's rules by shape). tp must divide n_head, n_kv_head, intermediate_size and
+// vocab_size, with SP also the sequence length (errors name parallel.tp and the field). With
+// cfg.recompute the blocks' activations share one set of bytes (slots.hpp) and backward runs each
+// block's forward (but the last's, still in those bytes) again first, between the block's
+// before_backward and after_backward (all shards together: the recomputed forward holds the same
+// collectives), as tp_gpt does. Generation is not supported. Host (CPU) only.
 #pragma once
 
 #include <cstdint>
