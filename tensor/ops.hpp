@@ -84,14 +84,13 @@ struct rope_options {
   enum class scaling { none, linear, llama3 };
   double theta = 10000.0;
   scaling type = scaling::none;
-  double factor = 1.0;                   // linear, llama3: > 0
-  double low_freq_factor = 1.0;          // llama3: > 0
-  double high_freq_factor = 4.0;         // llama3: > low_freq_factor
+  double factor = 1.0;                  // linear, llama3: > 0
+  double low_freq_factor = 1.0;         // llama3: > 0
+  double high_freq_factor = 4.0;        // llama3: > low_freq_factor
   double original_max_position = 8192;  // llama3: L (original_max_position_embeddings), > 0
 };
 // cos/sin[T, D/2] for positions start..start+T-1: angle(t, i) = (start + t) * inv_i.
-void rope_tables(std::int64_t start, const rope_options& opt, const tensor& cos,
-                 const tensor& sin);
+void rope_tables(std::int64_t start, const rope_options& opt, const tensor& cos, const tensor& sin);
 // The same without scaling: angle(t, i) = (start + t) * theta^(-2i/D).
 void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin);
 // x, y: [B, T, H, D] views (any strides, last dimension contiguous); y may alias x.

@@ -5,11 +5,12 @@
 // every Python scalar meets a float32 tensor and is rounded to float first):
 //   inv  = 1 / float(pow(float(theta), float(2i) / float(D)))       (the power rounded once)
 //   linear: inv / float(factor)
-//   llama3: w = (1 / inv) * float(2 pi)                              (2 pi / t is t.reciprocal() * 2 pi)
+//   llama3: w = (1 / inv) * float(2 pi)                              (2 pi / t is t.reciprocal() *
+//   2 pi)
 //           low = inv / float(factor) if w > float(L / low_freq_factor) else inv
-//           s = ((1 / w) * float(L) - float(low_freq_factor)) / float(high_freq_factor - low_freq_factor)
-//           medium (neither w < float(L / high_freq_factor) nor w > float(L / low_freq_factor)):
-//           (1 - s) * low / float(factor) + s * low; otherwise low.
+//           s = ((1 / w) * float(L) - float(low_freq_factor)) / float(high_freq_factor -
+//           low_freq_factor) medium (neither w < float(L / high_freq_factor) nor w > float(L /
+//           low_freq_factor)): (1 - s) * low / float(factor) + s * low; otherwise low.
 // double evaluates the same formulas in double (the exact function for the f64 tables).
 #pragma once
 

@@ -71,10 +71,11 @@ TEMPLATE_TEST_CASE("rope tables with linear and llama3 scaling follow HF's defin
                                .low_freq_factor = 1.0,
                                .high_freq_factor = 4.0,
                                .original_max_position = 32};
-  for (auto [start, d, o] : {std::tuple<std::int64_t, std::int64_t, ops::rope_options>{0, 16, linear},
-                             {1000, 128, llama31},
-                             {0, 8, tiny},
-                             {5, 128, llama31}}) {
+  for (auto [start, d, o] :
+       {std::tuple<std::int64_t, std::int64_t, ops::rope_options>{0, 16, linear},
+        {1000, 128, llama31},
+        {0, 8, tiny},
+        {5, 128, llama31}}) {
     INFO("start " << start << " d " << d << " theta " << o.theta);
     const std::int64_t nt = 37, half = d / 2;
     buffer<T> cos({nt, half}), sin({nt, half});
@@ -84,9 +85,10 @@ TEMPLATE_TEST_CASE("rope tables with linear and llama3 scaling follow HF's defin
     // 4 u high / (high - low), which moves the result (at least inv / factor) by that times
     // factor. The angle adds its product's rounding, cos and sin their own.
     const double u = eps_of<T>;
-    const double rel = (std::log(o.theta) + 6 + 4 * o.factor * o.high_freq_factor /
-                                                    (o.high_freq_factor - o.low_freq_factor)) *
-                       u;
+    const double rel =
+        (std::log(o.theta) + 6 +
+         4 * o.factor * o.high_freq_factor / (o.high_freq_factor - o.low_freq_factor)) *
+        u;
     int bands[3] = {0, 0, 0};
     for (std::int64_t i = 0; i < half; ++i) {
       int band = 0;

@@ -5,8 +5,8 @@
 // PyTorch reference: inv_freq in float as HF computes it, scaling included (the CPU backend's code,
 // tensor/rope_frequency.hpp), angle = float(position) * inv_freq in float, cos and sin of that
 // angle computed in double and rounded to float; 16-bit tables round those f32 values once more
-// (HF builds them in f32 and casts them to the model's dtype). The rotation loads x and the tables to f32 and rounds y once; the tables
-// may be in x's dtype or in f32.
+// (HF builds them in f32 and casts them to the model's dtype). The rotation loads x and the tables
+// to f32 and rounds y once; the tables may be in x's dtype or in f32.
 #include "tensor/backend.hpp"
 #include "tensor/cuda/check.cuh"
 #include "tensor/rope_frequency.hpp"
