@@ -1,5 +1,6 @@
 #include "models/causal_lm.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "models/gpt.hpp"
@@ -8,18 +9,30 @@
 namespace troupe::models {
 
 llama_config to_llama_config(const hf::llama_config& c) {
-  return {.vocab = c.vocab_size,
-          .dim = c.hidden_size,
-          .n_layer = c.num_hidden_layers,
-          .n_head = c.num_attention_heads,
-          .n_kv_head = c.num_key_value_heads,
-          .head_dim = c.head_dim,
-          .hidden = c.intermediate_size,
-          .rms_eps = c.rms_norm_eps,
-          .rope_theta = c.rope_theta,
-          .max_seq = c.max_position_embeddings,
-          .tie_embeddings = c.tie_word_embeddings,
-          .attention_bias = c.attention_bias};
+  llama_config m{.vocab = c.vocab_size,
+                 .dim = c.hidden_size,
+                 .n_layer = c.num_hidden_layers,
+                 .n_head = c.num_attention_heads,
+                 .n_kv_head = c.num_key_value_heads,
+                 .head_dim = c.head_dim,
+                 .hidden = c.intermediate_size,
+                 .rms_eps = c.rms_norm_eps,
+                 .rope_theta = c.rope_theta,
+                 .max_seq = c.max_position_embeddings,
+                 .tie_embeddings = c.tie_word_embeddings,
+                 .attention_bias = c.attention_bias,
+                 .mlp_bias = c.mlp_bias,
+                 .rope_scale = c.rope_scaling};
+  if (m.rope_scale.type == rope_scaling::kind::dynamic) {
+    // HF grows theta past max_position_embeddings (its threshold, whatever rope_scaling's
+    // original_max_position_embeddings says) and sets no length limit; troupe plans for
+    // factor times it, the length the scaling is meant to reach.
+    m.rope_scale.original_max_position = c.max_position_embeddings;
+    m.max_seq = std::max(c.max_position_embeddings,
+                         static_cast<std::int64_t>(c.rope_scaling.factor *
+                                                   static_cast<double>(c.max_position_embeddings)));
+  }
+  return m;
 }
 
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,

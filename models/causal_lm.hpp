@@ -92,7 +92,9 @@ struct model_options {
   bool recompute = false;  // activation checkpointing per block (gpt_config / llama_config)
 };
 
-// The model settings of an HF Llama config (models/llama.hpp).
+// The model settings of an HF Llama config (models/llama.hpp). With dynamic rope_scaling, max_seq
+// is factor x max_position_embeddings (HF sets no limit) and the threshold of the scaling is
+// max_position_embeddings, as in HF.
 struct llama_config;
 llama_config to_llama_config(const hf::llama_config& c);
 

@@ -14,6 +14,7 @@
 // or an optimizer wrong in both our precisions fails (torch's f32 would be far from it).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "memory/gpu.hpp"
+#include "models/causal_lm.hpp"
 #include "models/gpt.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/config.hpp"
@@ -211,18 +213,48 @@ gpt_config gpt2_config(const nlohmann::json& c) {
           .hidden = c["n_inner"].is_null() ? 0 : c["n_inner"].get<std::int64_t>()};
 }
 
+// rope_scaling as transformers reads it ("rope_type", or "type" before 4.43). Dynamic scaling
+// grows theta past max_position_embeddings, and the model is planned for factor times it (the
+// rule of hf::to_llama_config, which the checkpoint-reader test below compares with this).
+rope_scaling rope_scaling_of(const nlohmann::json& c) {
+  rope_scaling r;
+  const nlohmann::json& s = c["rope_scaling"];
+  if (s.is_null()) return r;
+  const std::string type = s.contains("rope_type") ? s["rope_type"] : s["type"];
+  r.factor = s["factor"];
+  if (type == "linear") {
+    r.type = rope_scaling::kind::linear;
+  } else if (type == "dynamic") {
+    r.type = rope_scaling::kind::dynamic;
+    r.original_max_position = c["max_position_embeddings"];
+  } else {
+    REQUIRE(type == "llama3");
+    r.type = rope_scaling::kind::llama3;
+    r.low_freq_factor = s["low_freq_factor"];
+    r.high_freq_factor = s["high_freq_factor"];
+    r.original_max_position = s["original_max_position_embeddings"];
+  }
+  return r;
+}
+
 llama_config llama_config_of(const nlohmann::json& c) {
-  return {.vocab = c["vocab_size"],
-          .dim = c["hidden_size"],
-          .n_layer = c["num_hidden_layers"],
-          .n_head = c["num_attention_heads"],
-          .n_kv_head = c["num_key_value_heads"],
-          .hidden = c["intermediate_size"],
-          .rms_eps = c["rms_norm_eps"],
-          .rope_theta = c["rope_theta"],
-          .max_seq = c["max_position_embeddings"],
-          .tie_embeddings = c["tie_word_embeddings"],
-          .attention_bias = c["attention_bias"]};
+  llama_config m{.vocab = c["vocab_size"],
+                 .dim = c["hidden_size"],
+                 .n_layer = c["num_hidden_layers"],
+                 .n_head = c["num_attention_heads"],
+                 .n_kv_head = c["num_key_value_heads"],
+                 .hidden = c["intermediate_size"],
+                 .rms_eps = c["rms_norm_eps"],
+                 .rope_theta = c["rope_theta"],
+                 .max_seq = c["max_position_embeddings"],
+                 .tie_embeddings = c["tie_word_embeddings"],
+                 .attention_bias = c["attention_bias"],
+                 .mlp_bias = c.value("mlp_bias", false),
+                 .rope_scale = rope_scaling_of(c)};
+  if (m.rope_scale.type == rope_scaling::kind::dynamic)
+    m.max_seq = std::max(
+        m.max_seq, static_cast<std::int64_t>(m.rope_scale.factor * static_cast<double>(m.max_seq)));
+  return m;
 }
 
 // Loads the checkpoint into the model; every tensor of the file is used exactly once.
@@ -418,10 +450,114 @@ TEST_CASE("Llama matches Hugging Face LlamaForCausalLM in forward backward and A
   }
 }
 
+// Llama 3.x checkpoints: llama3_scaled has Llama 3.1's rope_scaling (all three wavelength bands
+// present) with attention and MLP biases; llama_linear linear scaling under the old "type" key;
+// llama_dynamic dynamic NTK scaling that triggers (T = 8 > max_position_embeddings 4).
+const char* const scaled_llamas[] = {"llama3_scaled", "llama_linear", "llama_dynamic"};
+
+TEST_CASE(
+    "Llama with rope_scaling and MLP biases matches Hugging Face in forward backward and AdamW",
+    "[cpu]") {
+  for (const char* name : scaled_llamas) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    llama_config cfg = llama_config_of(f.config);
+    CHECK(cfg.rope_scale.type != rope_scaling::kind::none);
+    if (cfg.rope_scale.type == rope_scaling::kind::dynamic)
+      CHECK(f.t > cfg.rope_scale.original_max_position);
+    if (std::string(name) == "llama3_scaled") CHECK((cfg.mlp_bias && cfg.attention_bias));
+    check_model<llama>(f, cfg, llama_name);
+  }
+}
+
+// The cos and sin tables of the scaled frequencies against HF's own (its float32 rotary module at
+// positions 0..T-1, which the fixture holds): ours and HF's f32 tables are equally accurate
+// against our f64 tables, both ways, so f64 formulas that were not HF's would fail (HF's f32
+// tables would be far from them) and so would f32 ones.
+TEST_CASE("Scaled RoPE tables match Hugging Face's rotary embedding", "[cpu]") {
+  for (const char* name : scaled_llamas) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    llama_config cfg = llama_config_of(f.config);
+    const std::int64_t d = cfg.dim / cfg.n_head, half = d / 2;
+    const st_tensor& hf_cos = f.ref.at("rope_cos");
+    const st_tensor& hf_sin = f.ref.at("rope_sin");
+    REQUIRE(hf_cos.shape == std::vector<std::int64_t>{f.t, d});
+    const ops::rope_options o = rope_options_for(cfg.rope_theta, cfg.rope_scale, d, f.t);
+    owned_tensor c32 = empty({f.t, half}), s32 = empty({f.t, half});
+    owned_tensor c64 = empty({f.t, half}, dtype::f64), s64 = empty({f.t, half}, dtype::f64);
+    ops::rope_tables(0, o, c32, s32);
+    ops::rope_tables(0, o, c64, s64);
+    // HF's [T, D] holds each pair's value twice (cat(freqs, freqs)): the first half is ours.
+    auto first_half = [&](const st_tensor& t) {
+      std::vector<double> v;
+      for (std::int64_t p = 0; p < f.t; ++p)
+        for (std::int64_t i = 0; i < half; ++i) {
+          v.push_back(t.data[p * d + i]);
+          CHECK(t.data[p * d + i] == t.data[p * d + half + i]);
+        }
+      return v;
+    };
+    const auto vc = equally_accurate(in_hf_layout(c32, false), first_half(hf_cos), values(c64));
+    const auto vs = equally_accurate(in_hf_layout(s32, false), first_half(hf_sin), values(s64));
+    INFO("cos: " << vc.str() << "; sin: " << vs.str());
+    CHECK(vc.ok());
+    CHECK(vs.ok());
+  }
+}
+
+// Cached decoding (models/kv_cache.hpp) against HF's with its DynamicCache: a prompt of 3, then
+// one token at a time to T = 8, the last position's logits of each step. Ours in f32 and HF's are
+// equally accurate against our f64 twin's decoding, both ways. With dynamic scaling this is the
+// proof of which length a step uses: the positions so far (rope_scaling.hpp), so that the cached
+// keys keep the theta they were rotated with; there the steps' logits differ from the full
+// forward's by O(1), which the fixture shows too.
+TEST_CASE("Cached decoding of scaled Llamas matches Hugging Face's", "[cpu]") {
+  constexpr std::int64_t prompt = 3;
+  for (const char* name : scaled_llamas) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    const llama_config cfg = llama_config_of(f.config);
+    const auto vocab = static_cast<std::int64_t>(f.config["vocab_size"]);
+    const st_tensor& hf_steps = f.ref.at("step_logits");
+    REQUIRE(hf_steps.shape == std::vector<std::int64_t>{f.t - prompt + 1, f.b, vocab});
+    auto decode = [&](dtype t) {
+      llama m(cfg, {f.b, f.t}, t);
+      load_weights(m, f, llama_name);
+      m.begin_generation(f.b, f.t);
+      std::vector<double> out;
+      for (std::int64_t lo = 0; lo < f.t; lo = lo == 0 ? prompt : lo + 1) {
+        const std::int64_t n = lo == 0 ? prompt : 1;
+        std::vector<std::int32_t> step(static_cast<std::size_t>(f.b * n));
+        for (std::int64_t r = 0; r < f.b; ++r)
+          for (std::int64_t i = 0; i < n; ++i) step[r * n + i] = f.ids[r * f.t + lo + i];
+        tensor ids(step.data(), step.size() * 4, dtype::i32, {f.b, n});
+        const std::vector<double> l = in_hf_layout(m.step_logits(ids), false);
+        out.insert(out.end(), l.begin(), l.end());
+      }
+      return out;
+    };
+    const auto v = equally_accurate(decode(dtype::f32), hf_steps.data, decode(dtype::f64));
+    INFO(v.str());
+    CHECK(v.ok());
+    if (cfg.rope_scale.type == rope_scaling::kind::dynamic) {
+      double apart = 0;  // HF's steps against its full forward at the same positions
+      const std::vector<double>& full = f.ref.at("logits").data;
+      for (std::int64_t s = 0; s <= f.t - prompt; ++s)
+        for (std::int64_t r = 0; r < f.b; ++r)
+          for (std::int64_t k = 0; k < vocab; ++k)
+            apart = std::max(apart, std::abs(hf_steps.data[(s * f.b + r) * vocab + k] -
+                                             full[(r * f.t + prompt - 1 + s) * vocab + k]));
+      CHECK(apart > 0.1);
+    }
+  }
+}
+
 // The fixtures through the checkpoint reader (models/hf/): its config parsing, name maps and
 // Conv1D transposes give the same parameters as this file's plain reader and the names above.
 TEST_CASE("HF fixture folders load through the checkpoint reader to the same parameters", "[cpu]") {
-  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias"}) {
+  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias", "llama3_scaled",
+                           "llama_linear", "llama_dynamic"}) {
     INFO("fixture " << name);
     fixture f = load_fixture(name);
     auto hf_cfg = hf::read_config(fixture_dir(name));
@@ -441,6 +577,11 @@ TEST_CASE("HF fixture folders load through the checkpoint reader to the same par
       compare(a, b);
     } else {
       llama_config cfg = llama_config_of(f.config);
+      const llama_config via_hf = to_llama_config(std::get<hf::llama_config>(hf_cfg.value()));
+      CHECK(via_hf.rope_scale == cfg.rope_scale);
+      CHECK(via_hf.max_seq == cfg.max_seq);
+      CHECK(via_hf.mlp_bias == cfg.mlp_bias);
+      CHECK(via_hf.attention_bias == cfg.attention_bias);
       llama a(cfg, {f.b, f.t}, dtype::f64), b(cfg, {f.b, f.t}, dtype::f64);
       load_weights(b, f, llama_name);
       compare(a, b);
@@ -453,7 +594,8 @@ TEST_CASE("Both models on a GPU match Hugging Face in forward backward and AdamW
     WARN("troupe-skip: no GPU");
     return;
   }
-  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias"}) {
+  for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias", "llama3_scaled",
+                           "llama_linear", "llama_dynamic"}) {
     INFO("fixture " << name);
     fixture f = load_fixture(name);
     if (f.config["model_type"] == "gpt2")

@@ -70,7 +70,8 @@ void attention_step(attention& attn, const tensor& x, const tensor& y, const kv_
   if (c.rope) {
     tensor cs = planned_view(attn.rope_cos, {t, d / 2}, label, "rope_cos");
     tensor sn = planned_view(attn.rope_sin, {t, d / 2}, label, "rope_sin");
-    ops::rope_tables(start, c.rope_theta, cs, sn);
+    // Dynamic scaling takes the positions so far, the new ones included (rope_scaling.hpp).
+    ops::rope_tables(start, rope_options_for(c.rope_theta, c.rope_scale, d, start + t), cs, sn);
     ops::rope(q, cs, sn, q);
     ops::rope(k, cs, sn, k);
   }

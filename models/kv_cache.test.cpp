@@ -98,6 +98,40 @@ TEST_CASE("Llama cached decoding gives the full forward's logits at every positi
   }
 }
 
+// Llama 3.x: llama3 and linear RoPE scaling and biases on the MLP. Their frequencies do not depend
+// on the length, so the cache gives the full forward's logits as without scaling. (Dynamic scaling
+// does not: each step uses the length so far, as HF does; hf_reference.test.cpp proves that
+// against HF's own cached decoding.)
+TEST_CASE("Llama with llama3 or linear rope_scaling decodes from the cache as the full forward",
+          "[cpu]") {
+  const rope_scaling llama3{.type = rope_scaling::kind::llama3,
+                            .factor = 8.0,
+                            .low_freq_factor = 1.0,
+                            .high_freq_factor = 4.0,
+                            .original_max_position = 32};
+  const rope_scaling linear{.type = rope_scaling::kind::linear, .factor = 4.0};
+  for (const rope_scaling& scaling : {llama3, linear}) {
+    INFO("rope_scaling " << rope_type_name(scaling.type));
+    llama_config cfg{.vocab = 13,
+                     .dim = 32,
+                     .n_layer = 2,
+                     .n_head = 4,
+                     .n_kv_head = 2,
+                     .hidden = 24,
+                     .rope_theta = 100.0,  // head_dim 8: the three llama3 bands
+                     .max_seq = 12,
+                     .attention_bias = true,
+                     .mlp_bias = true,
+                     .rope_scale = scaling};
+    llama model(cfg, {2, 10}, dtype::f64);
+    model.init_weights(2);
+    rng g(13);
+    randomize_params(model.slots(), g, 0.5);
+    check_cached_logits(model, 2, 10, cfg.vocab, 4, 1, g);
+    check_cached_logits(model, 2, 10, cfg.vocab, 3, 3, g);
+  }
+}
+
 TEST_CASE("Cached decoding in f32 agrees with f64", "[cpu]") {
   llama_config cfg{.vocab = 13,
                    .dim = 16,

@@ -30,6 +30,7 @@ llama_config resolved(llama_config c) {
   TROUPE_CHECK(c.rms_eps > 0 && c.rope_theta > 0 && c.init_std >= 0,
                "llama: rms_eps and rope_theta must be > 0 and init_std >= 0, got ", c.rms_eps, ", ",
                c.rope_theta, ", ", c.init_std);
+  check_rope_scaling(c.rope_scale, c.head_dim, "llama");
   return c;
 }
 
@@ -46,8 +47,9 @@ llama_block::llama_block(const llama_config& c)
                  .qkv_bias = c.attention_bias,
                  .out_bias = c.attention_bias,
                  .rope = true,
-                 .rope_theta = c.rope_theta}),
-      mlp({.dim = c.dim, .hidden = c.hidden, .bias = false}) {}
+                 .rope_theta = c.rope_theta,
+                 .rope_scale = c.rope_scale}),
+      mlp({.dim = c.dim, .hidden = c.hidden, .bias = c.mlp_bias, .out_bias = c.mlp_bias}) {}
 
 void llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
   auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);

@@ -6,11 +6,12 @@
 //   logits = norm(x) @ lm_head^T  (lm_head is embed_tokens when tie_embeddings)
 //   loss = mean cross-entropy(logits, targets)
 //
-// As in HF (transformers 4.38): RMSNorm y = w * x / sqrt(mean(x^2) + rms_eps); attention with
-// separate q/k/v/o projections (bias only with attention_bias, on all four), grouped-query heads
-// (n_kv_head), RoPE in the rotate-half convention with rope_theta (inverse frequencies and angles
-// in f32 like HF), scale 1/sqrt(head_dim); MLP down_proj(silu(gate_proj(x)) * up_proj(x)) without
-// bias. rope_scaling is not supported.
+// As in HF (transformers 4.38 to 4.44): RMSNorm y = w * x / sqrt(mean(x^2) + rms_eps); attention
+// with separate q/k/v/o projections (bias only with attention_bias, on all four), grouped-query
+// heads (n_kv_head), RoPE in the rotate-half convention with rope_theta (inverse frequencies and
+// angles in f32 like HF) and HF's rope_scaling types linear, dynamic and llama3
+// (models/layers/rope_scaling.hpp: which length dynamic scaling uses), scale 1/sqrt(head_dim); MLP
+// down_proj(silu(gate_proj(x)) * up_proj(x)), with a bias on all three only with mlp_bias.
 //
 // Loss: HF's `labels=input_ids` shifts internally (mean over B x (T-1) positions); pass
 // next_token_targets(ids) (models/targets.hpp) as targets for exactly that loss.
@@ -18,8 +19,9 @@
 // Parameter names are HF's without the leading "model.": embed_tokens.weight,
 // layers.{i}.input_layernorm.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight (and .bias with
 // attention_bias), layers.{i}.post_attention_layernorm.weight,
-// layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight and, untied only, lm_head.weight. Layouts
-// are HF's ([out, in] for every projection), so checkpoints load without transposes.
+// layers.{i}.mlp.{gate,up,down}_proj.weight (and .bias with mlp_bias), norm.weight and, untied
+// only, lm_head.weight. Layouts are HF's ([out, in] for every projection), so checkpoints load
+// without transposes.
 //
 // The embed -> layers -> head composition is the trunk's (models/trunk.hpp); this file holds
 // Llama's parts (llama_block, llama_ends, llama_family) and the whole model (llama).
@@ -52,9 +54,13 @@ struct llama_config {
   std::int64_t hidden = 0;      // intermediate_size (required)
   double rms_eps = 1e-6;        // rms_norm_eps
   double rope_theta = 10000.0;  // rope_theta
-  std::int64_t max_seq = 2048;  // max_position_embeddings
+  // The longest sequence: max_position_embeddings (with dynamic rope_scaling, which exists to run
+  // longer sequences, hf::to_llama_config makes it factor times that; see causal_lm.hpp).
+  std::int64_t max_seq = 2048;
   bool tie_embeddings = false;  // tie_word_embeddings
   bool attention_bias = false;  // attention_bias
+  bool mlp_bias = false;        // mlp_bias
+  rope_scaling rope_scale{};    // rope_scaling (none: plain RoPE)
   double init_std = 0.02;       // initializer_range
   // Activation checkpointing per layer (not in HF's config): keep only each layer's input and
   // run its forward again right before its backward; all layers share one set of activation bytes.

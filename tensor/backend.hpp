@@ -37,7 +37,8 @@
   void rmsnorm(const tensor& x, const tensor& w, const tensor& y, const tensor& rstd, double eps); \
   void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const tensor& rstd,    \
                         const tensor& dx, const tensor& dw);                                       \
-  void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin);        \
+  void rope_tables(std::int64_t start, const ops::rope_options& opt, const tensor& cos,            \
+                   const tensor& sin);                                                             \
   void rope(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y, bool inverse); \
   void embedding(const tensor& ids, const tensor& table, const tensor& out);                       \
   void embedding_backward(const tensor& ids, const tensor& dout, const tensor& dtable);            \

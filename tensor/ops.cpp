@@ -274,14 +274,27 @@ void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const 
   TROUPE_DISPATCH(d, rmsnorm_backward(dy, x, w, rstd, dx, dw));
 }
 
-void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
+void rope_tables(std::int64_t start, const rope_options& opt, const tensor& cos,
+                 const tensor& sin) {
   const char* op = "rope_tables";
   elementwise(op, {{"cos", cos}, {"sin", sin}});
   auto d = common_device(op, {{"cos", cos}, {"sin", sin}});
   need_rank(op, {"cos", cos}, 2);
   TROUPE_CHECK(start >= 0, op, ": start must be >= 0, got ", start);
-  TROUPE_CHECK(theta > 0, op, ": theta must be > 0, got ", theta);
-  TROUPE_DISPATCH(d, rope_tables(start, theta, cos, sin));
+  TROUPE_CHECK(opt.theta > 0, op, ": theta must be > 0, got ", opt.theta);
+  using scaling = rope_options::scaling;
+  TROUPE_CHECK(opt.type == scaling::none || opt.factor > 0, op, ": factor must be > 0, got ",
+               opt.factor);
+  TROUPE_CHECK(opt.type != scaling::llama3 ||
+                   (opt.low_freq_factor > 0 && opt.high_freq_factor > opt.low_freq_factor &&
+                    opt.original_max_position > 0),
+               op, ": llama3 scaling needs 0 < low_freq_factor < high_freq_factor and ",
+               "original_max_position > 0, got ", opt.low_freq_factor, ", ", opt.high_freq_factor,
+               " and ", opt.original_max_position);
+  TROUPE_DISPATCH(d, rope_tables(start, opt, cos, sin));
+}
+void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
+  rope_tables(start, rope_options{.theta = theta}, cos, sin);
 }
 void rope(const tensor& x, const tensor& cos, const tensor& sin, const tensor& y, bool inverse) {
   const char* op = "rope";

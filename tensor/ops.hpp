@@ -69,7 +69,29 @@ void rmsnorm_backward(const tensor& dy, const tensor& x, const tensor& w, const 
                       const tensor& dx, const tensor& dw);
 
 // ---- rotary position embedding (HF rotate-half convention) ----------------------------------
-// cos/sin[T, D/2] for positions start..start+T-1: angle(t, i) = (start + t) * theta^(-2i/D).
+// The inverse frequencies of the tables (HF's rope_type, transformers' modeling_rope_utils.py):
+// inv_i = theta^(-2i/D), i < D/2, then by `scaling`:
+//   none    inv_i
+//   linear  inv_i / factor
+//   llama3  by the wavelength w_i = 2 pi / inv_i against the original context length L:
+//           w_i > L / low_freq_factor: inv_i / factor; w_i < L / high_freq_factor: inv_i;
+//           between, with s = (L / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor):
+//           (1 - s) inv_i / factor + s inv_i (continuous at both ends).
+// HF's "dynamic" is a theta that depends on the sequence length: the caller passes that theta
+// (models/layers/rope_scaling.hpp). f32 tables follow HF's float32 arithmetic step by step
+// (tensor/rope_frequency.hpp); f64 tables evaluate the same formulas in double.
+struct rope_options {
+  enum class scaling { none, linear, llama3 };
+  double theta = 10000.0;
+  scaling type = scaling::none;
+  double factor = 1.0;                  // linear, llama3: > 0
+  double low_freq_factor = 1.0;         // llama3: > 0
+  double high_freq_factor = 4.0;        // llama3: > low_freq_factor
+  double original_max_position = 8192;  // llama3: L (original_max_position_embeddings), > 0
+};
+// cos/sin[T, D/2] for positions start..start+T-1: angle(t, i) = (start + t) * inv_i.
+void rope_tables(std::int64_t start, const rope_options& opt, const tensor& cos, const tensor& sin);
+// The same without scaling: angle(t, i) = (start + t) * theta^(-2i/D).
 void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin);
 // x, y: [B, T, H, D] views (any strides, last dimension contiguous); y may alias x.
 // y[..., :D/2] = x1*cos - x2*sin ; y[..., D/2:] = x2*cos + x1*sin.

@@ -383,7 +383,8 @@ TEST_CASE("Llama name maps round trip with tied and untied heads", "[cpu]") {
                      .max_position_embeddings = 32,
                      .rms_norm_eps = 1e-5,
                      .tie_word_embeddings = tied,
-                     .attention_bias = bias};
+                     .attention_bias = bias,
+                     .mlp_bias = bias};
       // A stand-in for the model: one parameter per map entry, with our names and shapes.
       const name_map map = llama_name_map(c);
       auto make = [&](std::vector<tensor>& values, std::vector<tensor>& grads, slot_list& s) {
@@ -411,6 +412,8 @@ TEST_CASE("Llama name maps round trip with tied and untied heads", "[cpu]") {
       REQUIRE(f.has_value());
       CHECK((f->find("lm_head.weight") != nullptr) == !tied);
       CHECK((f->find("model.layers.1.self_attn.o_proj.bias") != nullptr) == bias);
+      CHECK((f->find("model.layers.1.mlp.up_proj.bias") != nullptr) == bias);
+      if (bias) CHECK(f->find("model.layers.0.mlp.down_proj.bias")->sizes == shape{16});
       REQUIRE(f->find("model.layers.1.self_attn.k_proj.weight") != nullptr);
       CHECK(f->find("model.layers.1.self_attn.k_proj.weight")->sizes == shape{8, 16});
       CHECK(f->find("model.layers.0.mlp.down_proj.weight")->sizes == shape{16, 24});

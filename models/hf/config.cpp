@@ -18,7 +18,10 @@ namespace {
 // Reads typed fields of one config object; every error names the file and the field.
 class field_reader {
  public:
-  field_reader(const json& j, std::string origin) : j_(j), origin_(std::move(origin)) {}
+  // prefix: the dotted path of a nested object in messages ("rope_scaling.").
+  field_reader(const json& j, std::string origin, std::string prefix = "")
+      : j_(j), origin_(std::move(origin)), prefix_(std::move(prefix)) {}
+  const std::string& origin() const { return origin_; }
 
   bool present(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
 
@@ -58,13 +61,13 @@ class field_reader {
   }
 
   [[noreturn]] void bad(const char* key, const std::string& what) const {
-    fail(origin_, ": field '", key, "' ", what);
+    fail(origin_, ": field '", prefix_, key, "' ", what);
   }
 
  private:
   template <class T>
   T required(const char* key, std::optional<T> def) const {
-    if (!def) fail(origin_, ": field '", key, "' is missing");
+    if (!def) fail(origin_, ": field '", prefix_, key, "' is missing");
     return *def;
   }
   [[noreturn]] void wrong_type(const char* key, const char* want, const json& v) const {
@@ -73,6 +76,7 @@ class field_reader {
 
   const json& j_;
   std::string origin_;
+  std::string prefix_;
 };
 
 gpt2_config parse_gpt2(const json& j, const field_reader& r) {
@@ -101,6 +105,54 @@ gpt2_config parse_gpt2(const json& j, const field_reader& r) {
   return c;
 }
 
+// HF's rope_scaling object (transformers' modeling_rope_utils.py and its validation): the keys
+// each supported type needs, values in range, and the types troupe does not implement refused.
+models::rope_scaling parse_rope_scaling(const json& j, const field_reader& r) {
+  using kind = models::rope_scaling::kind;
+  models::rope_scaling s;
+  if (!r.present("rope_scaling")) return s;
+  const json& o = j["rope_scaling"];
+  if (!o.is_object()) r.bad("rope_scaling", "must be an object or null, got " + o.dump());
+  field_reader f(o, r.origin(), "rope_scaling.");
+  const std::string rope_type = f.string("rope_type", "");
+  const std::string old_type = f.string("type", "");  // the key before transformers 4.43
+  if (!rope_type.empty() && !old_type.empty() && rope_type != old_type)
+    f.bad("type", "is '" + old_type + "' but rope_scaling.rope_type is '" + rope_type +
+                      "'; they must agree");
+  const std::string type = rope_type.empty() ? old_type : rope_type;
+  if (type.empty()) r.bad("rope_scaling", "has no 'rope_type' (or 'type'): " + o.dump());
+  if (type == "default") return s;
+  if (type == "linear")
+    s.type = kind::linear;
+  else if (type == "dynamic")
+    s.type = kind::dynamic;
+  else if (type == "llama3")
+    s.type = kind::llama3;
+  else
+    r.bad("rope_scaling", "has rope_type '" + type +
+                              "', which is not supported (supported: default, linear, dynamic, "
+                              "llama3)");
+  s.factor = f.positive_number("factor");
+  if (s.type == kind::llama3) {
+    s.low_freq_factor = f.positive_number("low_freq_factor");
+    s.high_freq_factor = f.positive_number("high_freq_factor");
+    if (!(s.high_freq_factor > s.low_freq_factor))
+      f.bad("high_freq_factor", "(" + o["high_freq_factor"].dump() +
+                                    ") must be greater than rope_scaling.low_freq_factor (" +
+                                    o["low_freq_factor"].dump() + ")");
+    s.original_max_position = f.positive("original_max_position_embeddings");
+  } else if (s.type == kind::dynamic && f.present("original_max_position_embeddings")) {
+    s.original_max_position = f.positive("original_max_position_embeddings");
+  }
+  // HF scales cos and sin by 1 for these types whatever the config says (only yarn and longrope
+  // read attention_factor): another value would be silently ignored, so it is refused.
+  if (f.present("attention_factor") && f.number("attention_factor") != 1.0)
+    f.bad("attention_factor", "is " + o["attention_factor"].dump() +
+                                  "; HF applies no attention factor with rope_type '" + type +
+                                  "' (it ignores the field), so only 1 is accepted");
+  return s;
+}
+
 llama_config parse_llama(const json& j, const field_reader& r) {
   llama_config c;
   c.vocab_size = r.positive("vocab_size");
@@ -114,13 +166,11 @@ llama_config parse_llama(const json& j, const field_reader& r) {
   c.rope_theta = r.positive_number("rope_theta", 10000.0);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   c.attention_bias = r.boolean("attention_bias", false);
+  c.mlp_bias = r.boolean("mlp_bias", false);
   c.hidden_act = r.string("hidden_act", "silu");
   if (c.hidden_act != "silu")
     r.bad("hidden_act", "is '" + c.hidden_act + "'; only silu is supported");
-  if (r.present("rope_scaling"))
-    r.bad("rope_scaling", "is set (" + j["rope_scaling"].dump() +
-                              "); RoPE scaling is not supported (it must be null or absent)");
-  if (r.boolean("mlp_bias", false)) r.bad("mlp_bias", "is true, which is not supported");
+  c.rope_scaling = parse_rope_scaling(j, r);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     r.bad("num_key_value_heads", "(" + std::to_string(c.num_key_value_heads) +
                                      ") must divide num_attention_heads (" +
@@ -130,8 +180,36 @@ llama_config parse_llama(const json& j, const field_reader& r) {
                              ") must be a multiple of num_attention_heads when head_dim is absent");
   c.head_dim = r.positive("head_dim", c.hidden_size / c.num_attention_heads);
   if (c.head_dim % 2 != 0) r.bad("head_dim", "must be even for RoPE");
+  if (c.rope_scaling.type == models::rope_scaling::kind::dynamic && c.head_dim <= 2)
+    r.bad("rope_scaling",
+          "is dynamic, whose exponent head_dim / (head_dim - 2) needs head_dim > 2 "
+          "(head_dim is " +
+              std::to_string(c.head_dim) + ")");
   c.source_json = j.dump();
   return c;
+}
+
+// The rope_scaling object written for `s`: the source's object (keeping keys troupe does not
+// read) with the values of `s`, "type" only where the source had it; null without scaling.
+json rope_scaling_json(const models::rope_scaling& s, const json& source) {
+  using kind = models::rope_scaling::kind;
+  if (s.type == kind::none) return nullptr;
+  json o = source.is_object() ? source : json::object();
+  const bool old_key = o.contains("type");
+  for (const char* k : {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings"})
+    o.erase(k);
+  const std::string type(models::rope_type_name(s.type));
+  o["rope_type"] = type;
+  if (old_key) o["type"] = type;
+  o["factor"] = s.factor;
+  if (s.type == kind::llama3) {
+    o["low_freq_factor"] = s.low_freq_factor;
+    o["high_freq_factor"] = s.high_freq_factor;
+  }
+  if (s.original_max_position > 0 && s.type != kind::linear)
+    o["original_max_position_embeddings"] = s.original_max_position;
+  return o;
 }
 
 std::string_view torch_dtype_name(dtype t) {
@@ -211,10 +289,10 @@ std::string config_json(const model_config& cfg, dtype weights) {
     j["max_position_embeddings"] = l.max_position_embeddings;
     j["rms_norm_eps"] = l.rms_norm_eps;
     j["rope_theta"] = l.rope_theta;
-    j["rope_scaling"] = nullptr;
+    j["rope_scaling"] = rope_scaling_json(l.rope_scaling, j.value("rope_scaling", json()));
     j["tie_word_embeddings"] = l.tie_word_embeddings;
     j["attention_bias"] = l.attention_bias;
-    j["mlp_bias"] = false;
+    j["mlp_bias"] = l.mlp_bias;
     j["hidden_act"] = l.hidden_act;
   }
   j["torch_dtype"] = torch_dtype_name(weights);

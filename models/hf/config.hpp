@@ -3,9 +3,10 @@
 //
 // Parsing is strict where the numbers shape the model and follows HF's defaults elsewhere: the
 // fields that fix a tensor shape are required; a field of the wrong JSON type, a value out of
-// range, or a feature this runtime does not implement (another activation, rope_scaling, ...) is
-// an error naming the file and the field. The original JSON object is kept, so that writing the
-// config back preserves the fields troupe does not read (token ids, torch_dtype, ...).
+// range, or a feature this runtime does not implement (another activation, a rope_scaling type
+// other than linear, dynamic and llama3, ...) is an error naming the file and the field. The
+// original JSON object is kept, so that writing the config back preserves the fields troupe does
+// not read (token ids, torch_dtype, ...).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 
 #include "memory/error.hpp"
 #include "models/gpt.hpp"
+#include "models/layers/rope_scaling.hpp"
 #include "tensor/dtype.hpp"
 
 namespace troupe::models::hf {
@@ -49,6 +51,12 @@ struct llama_config {
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
   bool attention_bias = false;
+  bool mlp_bias = false;
+  // rope_scaling as config.json gives it (none: null or rope_type "default"); "type" is read as
+  // rope_type, as HF does. For dynamic, original_max_position is the optional
+  // original_max_position_embeddings (0: absent), which HF does not use: its threshold is
+  // max_position_embeddings (to_llama_config, models/causal_lm.hpp).
+  models::rope_scaling rope_scaling{};
   std::string hidden_act = "silu";  // the only one supported
   std::string source_json = "";
 };

@@ -4,13 +4,16 @@
 
 #include <cstdio>
 
+#include "models/causal_lm.hpp"
 #include "models/hf/config.hpp"
 #include "models/hf/testing.hpp"
+#include "models/llama.hpp"
 
 using namespace troupe;
 using namespace troupe::models::hf;
 using namespace troupe::models::hf::testing;
 using Catch::Contains;
+using kind = troupe::models::rope_scaling::kind;
 
 namespace {
 
@@ -83,6 +86,111 @@ TEST_CASE("A Llama config takes HF's defaults for the optional fields", "[cpu]")
   CHECK(n.has_value());
 }
 
+// Llama 3.x checkpoints: rope_scaling of the types HF's modeling_rope_utils.py implements for Llama
+// (but yarn and longrope), under "rope_type" or the older "type", and biases on the MLP.
+TEST_CASE("A Llama config reads rope_scaling and mlp_bias as HF does", "[cpu]") {
+  auto parse = [](const std::string& text) {
+    auto c = parse_config(text, "config.json");
+    INFO((c ? std::string() : c.error_message()));
+    REQUIRE(c.has_value());
+    return std::get<llama_config>(*c);
+  };
+  // Llama 3.1's config.
+  const llama_config l31 = parse(llama_with("rope_scaling", R"({"factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+      "rope_type": "llama3"})"));
+  CHECK(l31.rope_scaling.type == kind::llama3);
+  CHECK(l31.rope_scaling.factor == 8.0);
+  CHECK(l31.rope_scaling.low_freq_factor == 1.0);
+  CHECK(l31.rope_scaling.high_freq_factor == 4.0);
+  CHECK(l31.rope_scaling.original_max_position == 8192);
+  const auto m31 = models::to_llama_config(l31);
+  CHECK(m31.rope_scale == l31.rope_scaling);
+  CHECK(m31.max_seq == 128);  // max_position_embeddings
+
+  const llama_config lin = parse(llama_with("rope_scaling", R"({"type": "linear", "factor": 2})"));
+  CHECK(lin.rope_scaling.type == kind::linear);
+  CHECK(lin.rope_scaling.factor == 2.0);
+  CHECK(parse(llama_with("rope_scaling", R"({"rope_type": "linear", "type": "linear",
+      "factor": 2.0})"))
+            .rope_scaling == lin.rope_scaling);
+
+  // Dynamic: HF's threshold is max_position_embeddings whatever rope_scaling's
+  // original_max_position_embeddings says; the model is planned for factor times it.
+  const llama_config dyn = parse(llama_with("rope_scaling", R"({"rope_type": "dynamic",
+      "factor": 2.5, "original_max_position_embeddings": 64})"));
+  CHECK(dyn.rope_scaling.type == kind::dynamic);
+  CHECK(dyn.rope_scaling.factor == 2.5);
+  CHECK(dyn.rope_scaling.original_max_position == 64);
+  const auto mdyn = models::to_llama_config(dyn);
+  CHECK(mdyn.rope_scale.original_max_position == 128);
+  CHECK(mdyn.max_seq == 320);
+
+  CHECK(parse(llama_with("rope_scaling", R"({"rope_type": "default"})")).rope_scaling.type ==
+        kind::none);
+  const llama_config biased = parse(llama_with("mlp_bias", "true"));
+  CHECK(biased.mlp_bias);
+  CHECK(models::to_llama_config(biased).mlp_bias);
+  CHECK(parse(llama_with("rope_scaling", R"({"rope_type": "llama3", "factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+      "attention_factor": 1.0})"))
+            .rope_scaling == l31.rope_scaling);
+}
+
+TEST_CASE("Bad rope_scaling values are refused naming the key", "[cpu][faults]") {
+  auto refused = [](const char* what, std::string message) {
+    std::printf("faults: config.json %s -> refused: %s\n", what, message.c_str());
+    return message;
+  };
+  auto with = [](const std::string& scaling) { return llama_with("rope_scaling", scaling); };
+  const std::string llama3_keys = R"("low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192)";
+  CHECK_THAT(
+      refused("rope_scaling yarn", parse_error(with(R"({"rope_type": "yarn", "factor": 4.0})"))),
+      Contains("field 'rope_scaling'") && Contains("'yarn'") && Contains("not supported"));
+  CHECK_THAT(parse_error(with(R"({"type": "longrope", "factor": 4.0})")),
+             Contains("field 'rope_scaling'") && Contains("'longrope'"));
+  CHECK_THAT(parse_error(with("[1]")), Contains("field 'rope_scaling' must be an object or null"));
+  CHECK_THAT(parse_error(with(R"({"factor": 2.0})")),
+             Contains("field 'rope_scaling' has no 'rope_type'"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "linear", "type": "dynamic", "factor": 2.0})")),
+             Contains("field 'rope_scaling.type' is 'dynamic'") && Contains("must agree"));
+  CHECK_THAT(
+      refused("rope_scaling without factor", parse_error(with(R"({"rope_type": "linear"})"))),
+      Contains("field 'rope_scaling.factor' is missing"));
+  CHECK_THAT(refused("rope_scaling factor 0",
+                     parse_error(with(R"({"rope_type": "dynamic", "factor": 0})"))),
+             Contains("field 'rope_scaling.factor' must be positive"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "linear", "factor": "2"})")),
+             Contains("field 'rope_scaling.factor' must be a number"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "llama3", "factor": 8.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})")),
+             Contains("field 'rope_scaling.low_freq_factor' is missing"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "llama3", "factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0})")),
+             Contains("field 'rope_scaling.original_max_position_embeddings' is missing"));
+  CHECK_THAT(
+      refused("rope_scaling low >= high", parse_error(with(R"({"rope_type": "llama3", "factor": 8.0,
+      "low_freq_factor": 4.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})"))),
+      Contains("field 'rope_scaling.high_freq_factor' (4.0) must be greater than "
+               "rope_scaling.low_freq_factor (4.0)"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.5})")),
+             Contains("field 'rope_scaling.original_max_position_embeddings' must be an integer"));
+  CHECK_THAT(parse_error(with(R"({"rope_type": "dynamic", "factor": 2.0,
+      "original_max_position_embeddings": 0})")),
+             Contains("field 'rope_scaling.original_max_position_embeddings' must be positive"));
+  CHECK_THAT(
+      parse_error(with(R"({"rope_type": "llama3", "factor": 8.0, )" + llama3_keys +
+                       R"(, "attention_factor": 2.0})")),
+      Contains("field 'rope_scaling.attention_factor' is 2.0") && Contains("only 1 is accepted"));
+  // head_dim 2: dynamic's exponent head_dim / (head_dim - 2) has no value.
+  CHECK_THAT(
+      parse_error(replace_first(with(R"({"rope_type": "dynamic", "factor": 2.0})"),
+                                "\"num_attention_heads\": 8", "\"num_attention_heads\": 32")),
+      Contains("field 'rope_scaling' is dynamic") && Contains("head_dim > 2"));
+}
+
 TEST_CASE("Config errors name the file and the field", "[cpu][faults]") {
   // The fault matrix's line for a case (ctest -L faults).
   auto refused = [](const char* what, std::string message) {
@@ -116,8 +224,6 @@ TEST_CASE("Config errors name the file and the field", "[cpu][faults]") {
 
   CHECK_THAT(parse_error(llama_with("hidden_act", "\"gelu\"")),
              Contains("field 'hidden_act'") && Contains("only silu"));
-  CHECK_THAT(parse_error(llama_with("rope_scaling", R"({"type": "linear", "factor": 2.0})")),
-             Contains("field 'rope_scaling'") && Contains("not supported"));
   CHECK_THAT(parse_error(llama_with("num_key_value_heads", "3")),
              Contains("field 'num_key_value_heads'") && Contains("must divide"));
   CHECK_THAT(parse_error(llama_with("vocab_size", "0")),
@@ -128,7 +234,8 @@ TEST_CASE("Config errors name the file and the field", "[cpu][faults]") {
              Contains("field 'rms_norm_eps' must be positive"));
   CHECK_THAT(parse_error(llama_with("attention_bias", "1")),
              Contains("field 'attention_bias' must be true or false"));
-  CHECK_THAT(parse_error(llama_with("mlp_bias", "true")), Contains("field 'mlp_bias'"));
+  CHECK_THAT(parse_error(llama_with("mlp_bias", "1")),
+             Contains("field 'mlp_bias' must be true or false"));
   CHECK_THAT(parse_error(replace_first(llama_json, "\"rms_norm_eps\": 1e-5,", "")),
              Contains("field 'rms_norm_eps' is missing"));
 
@@ -158,6 +265,40 @@ TEST_CASE("A config written back reads the same and keeps the fields troupe igno
   CHECK(b.head_dim == a.head_dim);
   CHECK(b.rms_norm_eps == a.rms_norm_eps);
   CHECK(b.rope_theta == a.rope_theta);
+
+  // rope_scaling and mlp_bias are written with their values: a save reads back the same, the
+  // old "type" key kept beside rope_type where the source had it.
+  for (const char* scaling :
+       {R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})",
+        R"({"type": "linear", "factor": 2.0})",
+        R"({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64})",
+        R"({"rope_type": "dynamic", "factor": 3.0})", "null"}) {
+    INFO("rope_scaling " << scaling);
+    auto s = parse_config(llama_with("rope_scaling", scaling), "config.json");
+    REQUIRE(s.has_value());
+    std::get<llama_config>(*s).mlp_bias = true;
+    REQUIRE(write_config(dir.path(), *s).has_value());
+    auto sb = read_config(dir.path());
+    REQUIRE(sb.has_value());
+    const auto& want = std::get<llama_config>(*s);
+    const auto& got = std::get<llama_config>(*sb);
+    CHECK(got.rope_scaling == want.rope_scaling);
+    CHECK(got.mlp_bias);
+    const bool old_key_written =
+        read_bytes(dir / "config.json").find("\"type\": \"linear\"") != std::string::npos;
+    const bool old_key_read = std::string(scaling).find("\"type\"") != std::string::npos;
+    CHECK(old_key_written == old_key_read);
+  }
+  // Built in code (no source object): the keys of the type.
+  llama_config built = std::get<llama_config>(*l);
+  built.source_json = "";
+  built.rope_scaling = {.type = kind::linear, .factor = 4.0};
+  REQUIRE(write_config(dir.path(), built).has_value());
+  auto bb = read_config(dir.path());
+  REQUIRE(bb.has_value());
+  CHECK(std::get<llama_config>(*bb).rope_scaling == built.rope_scaling);
+  CHECK_FALSE(std::get<llama_config>(*bb).mlp_bias);
 
   gpt2_config g{.vocab_size = 40, .n_positions = 12, .n_embd = 16, .n_layer = 3, .n_head = 2};
   REQUIRE(write_config(dir.path(), g).has_value());

@@ -76,8 +76,11 @@ name_map llama_name_map(const llama_config& c) {
     }
     add(l + "post_attention_layernorm.weight", {h});
     add(l + "mlp.gate_proj.weight", {ff, h});
+    if (c.mlp_bias) add(l + "mlp.gate_proj.bias", {ff});
     add(l + "mlp.up_proj.weight", {ff, h});
+    if (c.mlp_bias) add(l + "mlp.up_proj.bias", {ff});
     add(l + "mlp.down_proj.weight", {h, ff});
+    if (c.mlp_bias) add(l + "mlp.down_proj.bias", {h});
   }
   add("norm.weight", {h});
   if (c.tie_word_embeddings)

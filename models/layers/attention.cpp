@@ -32,6 +32,8 @@ void attention::declare(slot_list& s, std::string_view name, batch_dims b) {
                "': RoPE needs an even head_dim, got ", cfg.head_dim);
   TROUPE_CHECK(!cfg.rope || cfg.rope_theta > 0, "attention '", name,
                "': rope_theta must be > 0, got ", cfg.rope_theta);
+  if (cfg.rope)
+    check_rope_scaling(cfg.rope_scale, cfg.head_dim, "attention '" + std::string(name) + "'");
   auto scope = s.enter(name);
   label = "attention '" + s.prefix() + "'";
   std::int64_t hq = cfg.n_head, hkv = cfg.n_kv_head, d = cfg.head_dim;
@@ -97,7 +99,8 @@ void attention::rope_tables(std::int64_t t) const {
                " positions but the RoPE tables were planned for ",
                rope_cos.defined() ? rope_cos.size(0) : 0);
   std::int64_t half = cfg.head_dim / 2;
-  ops::rope_tables(0, cfg.rope_theta, planned_view(rope_cos, {t, half}, label, "rope_cos"),
+  ops::rope_tables(0, rope_options_for(cfg.rope_theta, cfg.rope_scale, cfg.head_dim, t),
+                   planned_view(rope_cos, {t, half}, label, "rope_cos"),
                    planned_view(rope_sin, {t, half}, label, "rope_sin"));
 }
 

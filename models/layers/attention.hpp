@@ -1,7 +1,8 @@
 // attention: causal self-attention with multi-head or grouped-query heads and optional RoPE.
 //
 //   q, k, v = projections of x          (one fused qkv_proj, GPT-2; or q/k/v_proj, Llama)
-//   q, k    = rope(q), rope(k)          (optional; HF rotate-half convention, positions 0..T-1)
+//   q, k    = rope(q), rope(k)          (optional; HF rotate-half convention, positions 0..T-1,
+//                                        with HF's rope_scaling: models/layers/rope_scaling.hpp)
 //   att     = softmax(q k^T * scale + causal mask) v   (ops::attention, flash-style, saves lse)
 //   y       = o_proj(att)
 //
@@ -17,6 +18,7 @@
 #include <string_view>
 
 #include "models/layers/linear.hpp"
+#include "models/layers/rope_scaling.hpp"
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
 
@@ -33,6 +35,7 @@ struct attention {
     bool out_bias = true;
     bool rope = false;
     double rope_theta = 10000.0;
+    rope_scaling rope_scale{};  // HF's rope_scaling (none: plain RoPE)
     bool causal = true;
   };
 

@@ -264,25 +264,31 @@ TEST_CASE("MLP backward matches finite differences", "[cpu]") {
 
 TEST_CASE("SwiGLU MLP forward matches down of silu gate times up", "[cpu]") {
   rng g(43);
-  swiglu_mlp ff({.dim = 4, .hidden = 6, .bias = false});
-  slot_list s;
-  ff.declare(s, "mlp", {1, 5});
-  layer_memory mem(s, dtype::f64);
-  randomize_params(s, g);
-  auto x = random_tensor({1, 5, 4}, g);
-  auto y = host_zeros({1, 5, 4});
-  ff.forward(x, y);
-  auto gate = linear_ref(values(x), 5, ff.gate_proj);
-  auto up = linear_ref(values(x), 5, ff.up_proj);
-  for (std::size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
-  CHECK(max_rel_diff(values(y), linear_ref(gate, 5, ff.down_proj)) <= 1e-12);  // f64 rounding
+  for (bool bias : {false, true}) {  // HF's mlp_bias: all three projections
+    INFO("bias " << bias);
+    swiglu_mlp ff({.dim = 4, .hidden = 6, .bias = bias, .out_bias = bias});
+    slot_list s;
+    ff.declare(s, "mlp", {1, 5});
+    layer_memory mem(s, dtype::f64);
+    randomize_params(s, g);
+    bool down_bias = false;
+    for (const auto& slot : s.slots()) down_bias |= slot.name == "mlp.down_proj.bias";
+    CHECK(down_bias == bias);
+    auto x = random_tensor({1, 5, 4}, g);
+    auto y = host_zeros({1, 5, 4});
+    ff.forward(x, y);
+    auto gate = linear_ref(values(x), 5, ff.gate_proj);
+    auto up = linear_ref(values(x), 5, ff.up_proj);
+    for (std::size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
+    CHECK(max_rel_diff(values(y), linear_ref(gate, 5, ff.down_proj)) <= 1e-12);  // f64 rounding
+  }
 }
 
 TEST_CASE("SwiGLU MLP backward matches finite differences", "[cpu]") {
   rng g(44);
   for (bool bias : {false, true}) {
     INFO("bias " << bias);
-    swiglu_mlp ff({.dim = 5, .hidden = 8, .bias = bias});
+    swiglu_mlp ff({.dim = 5, .hidden = 8, .bias = bias, .out_bias = bias});
     slot_list s;
     ff.declare(s, "mlp", {2, 2});
     layer_memory mem(s, dtype::f64);

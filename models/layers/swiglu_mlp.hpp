@@ -15,7 +15,8 @@ struct swiglu_mlp {
   struct config {
     std::int64_t dim = 0;     // model width C
     std::int64_t hidden = 0;  // intermediate size
-    bool bias = false;
+    bool bias = false;        // gate_proj and up_proj (HF's mlp_bias)
+    bool out_bias = false;    // down_proj (HF's mlp_bias; a tensor shard adds it after reducing)
   };
 
   config cfg;
@@ -37,7 +38,7 @@ struct swiglu_mlp {
       : cfg(c),
         gate_proj({c.dim, c.hidden, c.bias, tp_split::column}),
         up_proj({c.dim, c.hidden, c.bias, tp_split::column}),
-        down_proj({c.hidden, c.dim, c.bias, tp_split::row, {}, /*residual_out=*/true}) {}
+        down_proj({c.hidden, c.dim, c.out_bias, tp_split::row, {}, /*residual_out=*/true}) {}
 
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);  // x, y [..., dim]

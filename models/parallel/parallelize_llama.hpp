@@ -10,7 +10,7 @@
 //            shard)
 //
 // Parameters keep llama's (HF) names and layouts; a shard's parameter is the full one when it is
-// declared replicated (the RMSNorms, o_proj's bias) and otherwise its part (copy_slice,
+// declared replicated (the RMSNorms, o_proj's and down_proj's biases) and otherwise its part (copy_slice,
 // param_slices.hpp). tp must divide n_head, n_kv_head, intermediate_size and vocab_size, with SP
 // also the sequence length (errors name parallel.tp and the field). With cfg.recompute the blocks'
 // activations share one set of bytes (slots.hpp) and backward runs each block's forward (but the

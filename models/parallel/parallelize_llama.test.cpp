@@ -1,12 +1,14 @@
 // parallelize_llama: a tiny Llama with grouped-query attention (4 query, 2 key/value heads) split
 // over 2 tensor-parallel shards (threads of a local group), with and without sequence parallelism,
-// against the unsharded llama: one step's loss and every gradient shard (untied, and tied with
-// attention biases), with and without activation recompute, then training steps through the
-// single-process trainer on both, and dp2 x tp2 ZeRO 3 with recompute under dp_trainer.
+// against the unsharded llama: one step's loss and every gradient shard (untied, tied with
+// attention biases, and Llama 3.x's MLP biases with rope_scaling), with and without activation
+// recompute, then training steps through the single-process trainer on both, and dp2 x tp2 ZeRO 3
+// with recompute under dp_trainer.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -78,6 +80,47 @@ TEST_CASE("A tensor parallel Llama matches the unsharded loss and gradients", "[
 // Activation recompute on a shard, untied and tied with attention biases, with and without SP:
 // every block's forward runs again before its backward, the collectives inside it too (see
 // check_tp2_recompute). Three layers, so that a middle block's recompute is checked too.
+// Llama 3.x checkpoints on shards: biases on the attention and on the MLP (gate_proj's and
+// up_proj's sliced with their columns, down_proj's replicated and added once after the reduction:
+// added on every shard, it would count tp times) with llama3 RoPE scaling (all three wavelength
+// bands at head_dim 8, theta 100, original length 32) and with dynamic scaling that triggers
+// (T = 8 > 4). The biases are drawn nonzero so that one added twice or sliced wrongly shows.
+TEST_CASE("A tensor parallel Llama with MLP biases and rope_scaling matches the unsharded one",
+          "[parallel]") {
+  const rope_scaling llama3{.type = rope_scaling::kind::llama3,
+                            .factor = 8.0,
+                            .low_freq_factor = 1.0,
+                            .high_freq_factor = 4.0,
+                            .original_max_position = 32};
+  const rope_scaling dynamic{
+      .type = rope_scaling::kind::dynamic, .factor = 4.0, .original_max_position = 4};
+  for (const rope_scaling& scaling : {llama3, dynamic}) {
+    llama_config cfg = tiny(/*tied=*/false, /*bias=*/true);
+    cfg.mlp_bias = true;
+    cfg.rope_theta = 100.0;
+    cfg.rope_scale = scaling;
+    batch_dims dims{2, 8};
+    llama full(cfg, dims);
+    full.init_weights(7);
+    randomize_biases(full);
+    std::int64_t mlp_biases = 0;
+    for (const auto& s : full.slots().slots())
+      mlp_biases += s.name.ends_with("_proj.bias") && s.name.find(".mlp.") != std::string::npos;
+    REQUIRE(mlp_biases == 3 * cfg.n_layer);
+    auto exact = f64_twin(full, dims);
+    const token_batch b = random_tokens(dims, cfg.vocab, 8);
+    const whole_step<llama> w{full, one_step(full, b), *exact, one_step(*exact, b)};
+    for (bool sp : {false, true}) {
+      INFO(rope_type_name(scaling.type) << " sp " << sp);
+      check_shards(shard_steps(2, w, b,
+                               [&](collective::communicator& comm) {
+                                 return parallelize_llama(full, dims, comm, sp);
+                               }),
+                   w);
+    }
+  }
+}
+
 TEST_CASE("A tensor parallel Llama with activation recompute gives the same gradients",
           "[parallel]") {
   for (bool tied : {false, true}) {

@@ -48,7 +48,8 @@ gpt_config tiny_gpt() {
   return testing::gpt_shape(vocab, seq, 32, 4, 4);
 }
 
-llama_config tiny_llama(bool tied = false) {
+// llama3x: Llama 3.x's pieces, biases on the attention and the MLP and llama3 RoPE scaling.
+llama_config tiny_llama(bool tied = false, bool llama3x = false) {
   llama_config c;
   c.vocab = vocab;
   c.dim = 32;
@@ -58,6 +59,15 @@ llama_config tiny_llama(bool tied = false) {
   c.hidden = 64;
   c.max_seq = seq;
   c.tie_embeddings = tied;
+  if (llama3x) {
+    c.attention_bias = c.mlp_bias = true;
+    c.rope_theta = 100.0;
+    c.rope_scale = {.type = rope_scaling::kind::llama3,
+                    .factor = 8.0,
+                    .low_freq_factor = 1.0,
+                    .high_freq_factor = 4.0,
+                    .original_max_position = 32};
+  }
   return c;
 }
 
@@ -566,6 +576,7 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
     bool tied;
     int tp = 1;
     bool sp = false;
+    bool llama3x = false;  // biases on attention and MLP (one replicated per block: counted once)
   };
   for (auto c : {config{2, schedule_kind::gpipe, 4, 1, false},
                  config{2, schedule_kind::one_f_one_b, 4, 1, false},
@@ -578,17 +589,19 @@ TEST_CASE("Llama pipeline stages match the single process loss and gradients", "
                  config{2, schedule_kind::one_f_one_b, 2, 1, true, 2, true},
                  config{2, schedule_kind::zero_bubble, 5, 1, true},
                  config{4, schedule_kind::zero_bubble, 6, 1, false},
-                 config{2, schedule_kind::zero_bubble, 4, 1, false, 2, true}}) {
+                 config{2, schedule_kind::zero_bubble, 4, 1, false, 2, true},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, false, 2, false, true},
+                 config{2, schedule_kind::one_f_one_b, 4, 1, true, 2, true, true}}) {
     auto plan = make_plan(c.pp, c.kind, c.m, c.v, c.tp, c.sp);
-    INFO(scheduler::describe(plan) << (c.tied ? " tied" : ""));
+    INFO(scheduler::describe(plan) << (c.tied ? " tied" : "") << (c.llama3x ? " llama3x" : ""));
     batches data(c.m);
-    llama full(tiny_llama(c.tied), {rows, seq});
+    llama full(tiny_llama(c.tied, c.llama3x), {rows, seq});
     full.init_weights(5);
     const single_process want(full, data);
     auto run = run_pipeline(
         plan,
-        [tied = c.tied](const scheduler::parallel_plan& p, int s, tp_group tp) {
-          return std::make_unique<llama_stage>(tiny_llama(tied), batch_dims{rows, seq},
+        [tied = c.tied, l3 = c.llama3x](const scheduler::parallel_plan& p, int s, tp_group tp) {
+          return std::make_unique<llama_stage>(tiny_llama(tied, l3), batch_dims{rows, seq},
                                                stage_options::of(p, s), tp);
         },
         data, "layers");

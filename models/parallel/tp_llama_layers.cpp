@@ -39,8 +39,8 @@ tp_swiglu_mlp::tp_swiglu_mlp(const swiglu_mlp::config& c, tp_group g)
       local(
           {.dim = c.dim,
            .hidden = divide_by_tp(c.hidden, g.size(), "tp_swiglu_mlp: hidden (intermediate_size)"),
-           .bias = false}) {
-  TROUPE_CHECK(!c.bias, "tp_swiglu_mlp: projections with a bias are not supported");
+           .bias = c.bias,
+           .out_bias = false}) {  // added once, after the reduction (exit)
   entry.tp = g;
   exit.tp = g;
 }
@@ -50,7 +50,7 @@ void tp_swiglu_mlp::declare(slot_list& s, std::string_view name, batch_dims b) {
   label = "tp_swiglu_mlp '" + s.prefix() + "'";
   if (tp.sequence_parallel) divide_by_tp(b.seq, tp.size(), label + ": sequence length");
   entry.declare(s, b, cfg.dim, label);
-  exit.declare(s, b, cfg.dim, /*with_bias=*/false, "down_proj", label);
+  exit.declare(s, b, cfg.dim, cfg.out_bias, "down_proj", label);
   local.declare(s, "", b);
 }
 
@@ -72,6 +72,11 @@ void tp_swiglu_mlp::load_from(const swiglu_mlp& full) {
   copy_shard(full.gate_proj.weight, 0, r, n, local.gate_proj.weight);
   copy_shard(full.up_proj.weight, 0, r, n, local.up_proj.weight);
   copy_shard(full.down_proj.weight, 1, r, n, local.down_proj.weight);
+  if (cfg.bias) {
+    copy_shard(full.gate_proj.bias, 0, r, n, local.gate_proj.bias);
+    copy_shard(full.up_proj.bias, 0, r, n, local.up_proj.bias);
+  }
+  if (cfg.out_bias) ops::copy(full.down_proj.bias, exit.bias);
 }
 
 // ---- tp_llama_block ---------------------------------------------------------------------------

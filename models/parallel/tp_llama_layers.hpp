@@ -1,8 +1,9 @@
 // The Llama pieces of a tensor shard, shared by tp_llama (parallelize_llama.hpp) and the pipeline's
 // llama_stage: the SwiGLU MLP, the block and the head, on the layers of tp_layers.hpp.
 //
-//   tp_swiglu_mlp   gate_proj and up_proj column parallel (the shard's hidden/tp columns),
-//                   down_proj row parallel; one entry, one exit (no bias: Llama's MLP has none).
+//   tp_swiglu_mlp   gate_proj and up_proj column parallel (the shard's hidden/tp columns, their
+//                   biases with them), down_proj row parallel; one entry, one exit (which holds
+//                   down_proj's bias, replicated and added once after the reduction).
 //   tp_llama_block  r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r))
 //                   with q/k/v split by heads (GQA: the shard's n_head/tp query and n_kv_head/tp
 //                   key/value heads; RoPE per local head at the global positions 0..T-1, as the
@@ -12,8 +13,8 @@
 //                   embed_tokens' when tied; SP: norm's output gathered first), loss =
 //                   vocab-parallel cross-entropy (the same on every shard).
 // Parameter names and layouts are llama's (HF); each parameter declares how a shard holds it
-// (param_spec): rows of q/k/v, gate/up, embed_tokens and lm_head, columns of o_proj and
-// down_proj, the whole of the norms and of o_proj's bias.
+// (param_spec): rows of q/k/v, gate/up (and their biases), embed_tokens and lm_head, columns of
+// o_proj and down_proj, the whole of the norms and of o_proj's and down_proj's biases.
 #pragma once
 
 #include <cstdint>
@@ -36,9 +37,9 @@ struct tp_swiglu_mlp {
   swiglu_mlp::config cfg;  // the unsharded sizes
   tp_group tp;
   std::string label = "tp_swiglu_mlp";
-  swiglu_mlp local;  // hidden/tp columns
+  swiglu_mlp local;  // hidden/tp columns, down_proj without bias
   tp_entry entry;
-  tp_exit exit;  // no bias
+  tp_exit exit;  // down_proj's bias (with mlp_bias)
 
   tp_swiglu_mlp() = default;
   tp_swiglu_mlp(const swiglu_mlp::config& c, tp_group g);

@@ -13,6 +13,12 @@ writes, for each, tests/fixtures/models/<name>/:
                                    grad.<name>   f32             d loss / d parameter, HF names
                                    losses        f32 [10]        loss before each of 10 AdamW steps
                                    final.<name>  f32             parameters after the 10 steps
+                                   rope_cos      f32 [8, D]      Llama only: HF's cos and sin at
+                                   rope_sin      f32 [8, D]      positions 0..7
+                                   step_logits   f32 [6, 2, V]   Llama only: the last position's
+                                                                 logits of cached decoding (a
+                                                                 prompt of 3, then 5 one-token
+                                                                 steps), before the AdamW steps
 
 AdamW: torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1) on every
 parameter, no clipping, the same batch every step. Tied weights appear once (under the embedding's
@@ -22,10 +28,18 @@ Weights are drawn larger than HF's init (std 0.3 for matrices, norms 1 + N(0, 0.
 N(0, 0.1)) so that attention is far from uniform and every path (RoPE, masks, norms) shows in the
 outputs. Dropout is off (eval mode for the forward; dropout probabilities 0 for training).
 
-Run from the repository root with torch and transformers installed:
-  /usr/bin/python3 scripts/reference/make_model_fixtures.py
+RoPE scaling (rope_scaling linear, dynamic, llama3) and mlp_bias need transformers >= 4.43; the
+fixtures llama3_scaled, llama_linear and llama_dynamic were made with torch 1.13 (Debian's
+python3-torch) and transformers 4.44.2, the older ones with transformers 4.38.2 (before rope_cos,
+rope_sin and step_logits were written). Dynamic scaling is made to trigger: that model has
+max_position_embeddings 4 < T = 8.
+
+Run from the repository root with torch and transformers installed; names select fixtures (all
+by default):
+  /usr/bin/python3 scripts/reference/make_model_fixtures.py [name ...]
 """
 
+import math
 import os
 import sys
 import types
@@ -55,12 +69,62 @@ def perturb(model, seed):
                 p.copy_(0.3 * noise)
 
 
+def rope_settings(module):
+    """head_dim, rope_theta, rope_scaling and max_position_embeddings of a LlamaRotaryEmbedding."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:  # transformers 4.38: no config, no scaling
+        return module.dim, module.base, None, module.max_position_embeddings
+    return (cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta, cfg.rope_scaling,
+            cfg.max_position_embeddings)
+
+
+def exact_inv_freq(module, seq_len):
+    """The inverse frequencies of transformers' modeling_rope_utils.py for seq_len positions, in
+    float64 (HF computes them in float32)."""
+    d, base, scaling, max_pos = rope_settings(module)
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "dynamic" and seq_len > max_pos:
+        factor = scaling["factor"]
+        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (d / (d - 2))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if rope_type == "linear":
+        inv = inv / scaling["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        inv = torch.where(wavelen > old / low, inv / factor,
+                          torch.where(wavelen < old / high, inv,
+                                      (1 - smooth) * inv / factor + smooth * inv))
+    else:
+        assert rope_type in ("default", "dynamic"), rope_type
+    return inv
+
+
 def exact_rope(self, x, position_ids, seq_len=None):
     """LlamaRotaryEmbedding.forward with the angles in float64 (HF computes them in float32)."""
-    inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim))
+    inv_freq = exact_inv_freq(self, int(position_ids.max()) + 1)
     freqs = position_ids[:, :, None].double() * inv_freq[None, None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def hf_rope_tables(model, ids):
+    """HF's own float32 cos and sin at positions 0..T-1 [T, D], after checking that its inverse
+    frequencies are exact_inv_freq's to float32 rounding (so that the float64 reference computes
+    HF's function)."""
+    rotary = getattr(model.model, "rotary_emb", None)  # the one forward uses (>= 4.44)
+    if rotary is None:
+        rotary = model.model.layers[0].self_attn.rotary_emb
+    t = ids.shape[1]
+    positions = torch.arange(t, dtype=torch.int64)[None, :]
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    exact = exact_inv_freq(rotary, t)
+    rel = ((rotary.inv_freq.double() - exact).abs() / exact).max().item()
+    assert rel < 1e-5, f"HF's inverse frequencies differ from exact_inv_freq by {rel} relative"
+    return cos[0].clone(), sin[0].clone()
 
 
 def exact_rms_norm(self, hidden_states):
@@ -103,12 +167,32 @@ def float64_reference(model, ids):
     return logits.clone(), loss.reshape(1).clone()
 
 
+PROMPT = 3
+
+
+def cached_logits(model, ids):
+    """Incremental decoding with HF's kv cache: the prompt ids[:, :PROMPT], then one token at a
+    time; the last position's logits of each step, [T - PROMPT + 1, B, V]. With dynamic RoPE
+    scaling this is not the full forward's logits: each step's keys are rotated with the theta of
+    the length so far (max(position_ids) + 1), and the cache keeps them."""
+    cache = transformers.DynamicCache()
+    steps = []
+    with torch.no_grad():
+        for lo, hi in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
+            r = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True)
+            steps.append(r.logits[:, -1].clone())
+    return torch.stack(steps)
+
+
 def reference(model, ids):
     """Forward, backward and 10 AdamW steps; returns the tensors of reference.safetensors."""
     out = {"input_ids": ids.clone()}
     model.eval()  # no dropout (all probabilities are 0 as well)
 
     out["logits_f64"], out["loss_f64"] = float64_reference(model, ids)
+
+    if isinstance(model, transformers.LlamaForCausalLM):
+        out["step_logits"] = cached_logits(model, ids)
 
     model.zero_grad()
     r = model(input_ids=ids, labels=ids)
@@ -130,6 +214,8 @@ def reference(model, ids):
     out["losses"] = torch.tensor(losses, dtype=torch.float32)
     for name, p in model.named_parameters():
         out["final." + name] = p.detach().clone()
+    if isinstance(model, transformers.LlamaForCausalLM):
+        out["rope_cos"], out["rope_sin"] = hf_rope_tables(model, ids)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -154,26 +240,56 @@ def gpt2(**kw):
 
 
 def llama(**kw):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=24, intermediate_size=40,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32,
-                                   attention_dropout=0.0, attn_implementation="eager", **kw)
+    sizes = dict(vocab_size=96, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    sizes.update(kw)
+    cfg = transformers.LlamaConfig(attention_dropout=0.0, attn_implementation="eager", **sizes)
     return transformers.LlamaForCausalLM(cfg)
 
 
-def main():
-    torch.manual_seed(0)
-    torch.use_deterministic_algorithms(True)
+FIXTURES = {
     # GPT-2 with its defaults (n_inner 4 C, eps 1e-5), and with n_inner and eps changed.
-    write("gpt2", gpt2(), 1)
-    write("gpt2_inner", gpt2(n_inner=24, layer_norm_epsilon=1e-3), 2)
+    "gpt2": lambda: gpt2(),
+    "gpt2_inner": lambda: gpt2(n_inner=24, layer_norm_epsilon=1e-3),
     # Llama: untied with theta 1e4; tied; untied with theta 5e5, attention biases and eps 1e-5.
-    write("llama", llama(tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6), 3)
-    write("llama_tied", llama(tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6), 4)
-    write("llama_theta_bias", llama(tie_word_embeddings=False, rope_theta=500000.0,
-                                    attention_bias=True, rms_norm_eps=1e-5), 5)
+    "llama": lambda: llama(tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "llama_tied": lambda: llama(tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "llama_theta_bias": lambda: llama(tie_word_embeddings=False, rope_theta=500000.0,
+                                      attention_bias=True, rms_norm_eps=1e-5),
+    # Llama 3.1's RoPE scaling (factor 8, low 1, high 4) with biases on the attention and the MLP;
+    # tied, as Llama 3.2's small models are.
+    # head_dim 8 and theta 100 give the wavelengths 6.3, 19.9, 62.8 and 199 positions; against
+    # original_max_position_embeddings 32 (bands at 32 / 4 = 8 and 32 / 1 = 32) the first is kept,
+    # the second smoothed (s = 0.2) and the last two divided by 8.
+    "llama3_scaled": lambda: llama(hidden_size=32, max_position_embeddings=64, rope_theta=100.0,
+                                   tie_word_embeddings=True,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 32},
+                                   attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5),
+    # Linear scaling under the key of transformers < 4.43 ("type").
+    "llama_linear": lambda: llama(tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                  rope_scaling={"type": "linear", "factor": 4.0}),
+    # Dynamic NTK scaling that triggers: T = 8 > max_position_embeddings 4, so theta becomes
+    # 100 (4 * 8 / 4 - 3)^(6 / 4) = 1118.
+    "llama_dynamic": lambda: llama(max_position_embeddings=4, rope_theta=100.0, rms_norm_eps=1e-6,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+}
+SEEDS = {"gpt2": 1, "gpt2_inner": 2, "llama": 3, "llama_tied": 4, "llama_theta_bias": 5,
+         "llama3_scaled": 6, "llama_linear": 7, "llama_dynamic": 8}
+
+
+def main(names):
+    unknown = [n for n in names if n not in FIXTURES]
+    if unknown:
+        print(f"unknown fixtures {unknown}; known: {', '.join(FIXTURES)}")
+        return 1
+    torch.manual_seed(0)  # HF's init; perturb() then draws every parameter from the fixture's seed
+    torch.use_deterministic_algorithms(True)
+    for name in names or FIXTURES:
+        write(name, FIXTURES[name](), SEEDS[name])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,16 +1,17 @@
 // CPU backend: rotary position embedding tables and their application (HF rotate-half).
 //
 // The f32 tables follow HF's float32 arithmetic step by step, so they match a PyTorch reference:
-// inv_freq = 1 / (theta ** (arange(0, D, 2) / D)) in float, angle = float(position) * inv_freq in
-// float, then cos and sin of that float angle (computed in double and rounded once). The f64
-// tables do the same in double; bf16 and f16 tables are the f32 ones rounded. bf16 and f16 vectors
-// rotate in f32 and round once.
+// inv_freq in float as HF computes it, scaling included (tensor/rope_frequency.hpp), angle =
+// float(position) * inv_freq in float, then cos and sin of that float angle (computed in double
+// and rounded once). The f64 tables do the same in double; bf16 and f16 tables are the f32 ones
+// rounded. bf16 and f16 vectors rotate in f32 and round once.
 #include <cmath>
 
 #include "tensor/backend.hpp"
 #include "tensor/cpu/half.hpp"
 #include "tensor/cpu/kernel_util.hpp"
 #include "tensor/parallel.hpp"
+#include "tensor/rope_frequency.hpp"
 
 namespace troupe::cpu {
 namespace {
@@ -100,7 +101,8 @@ void rope_typed(const tensor& x, const tensor& cos, const tensor& sin, const ten
 
 // 16-bit tables hold the f32 tables rounded once (HF casts its f32 cos and sin to the activations'
 // dtype the same way).
-void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
+void rope_tables(std::int64_t start, const ops::rope_options& opt, const tensor& cos,
+                 const tensor& sin) {
   dispatch_floating("rope_tables", cos.type(), [&]<class S>(S) {
     using T = compute_t<S>;
     const std::int64_t nt = cos.size(0), half = cos.size(1), d = 2 * half;
@@ -111,24 +113,11 @@ void rope_tables(std::int64_t start, double theta, const tensor& cos, const tens
         0, half, std::max<std::int64_t>(1, exp_grain / std::max<std::int64_t>(nt, 1)),
         [&](std::int64_t lo, std::int64_t hi) {
           for (std::int64_t i = lo; i < hi; ++i) {
-            if constexpr (std::is_same_v<T, float>) {
-              const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
-              const float base_pow = static_cast<float>(std::pow(
-                  static_cast<double>(static_cast<float>(theta)), static_cast<double>(expo)));
-              const float inv_freq = 1.0f / base_pow;
-              for (std::int64_t t = 0; t < nt; ++t) {
-                const double angle = static_cast<double>(static_cast<float>(start + t) * inv_freq);
-                cp[t * half + i] = from_compute<S>(static_cast<float>(std::cos(angle)));
-                sp[t * half + i] = from_compute<S>(static_cast<float>(std::sin(angle)));
-              }
-            } else {
-              const double inv_freq =
-                  1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(d));
-              for (std::int64_t t = 0; t < nt; ++t) {
-                const double angle = static_cast<double>(start + t) * inv_freq;
-                cp[t * half + i] = std::cos(angle);
-                sp[t * half + i] = std::sin(angle);
-              }
+            const T inv_freq = troupe::detail::rope_inv_freq<T>(i, d, opt);
+            for (std::int64_t t = 0; t < nt; ++t) {
+              const double angle = static_cast<double>(static_cast<T>(start + t) * inv_freq);
+              cp[t * half + i] = from_compute<S>(static_cast<T>(std::cos(angle)));
+              sp[t * half + i] = from_compute<S>(static_cast<T>(std::sin(angle)));
             }
           }
         });

@@ -36,6 +36,97 @@ TEMPLATE_TEST_CASE("rope tables follow the closed form", "[cpu]", float, double)
   }
 }
 
+// HF's scaled inverse frequencies in double, from their definition (ops.hpp, transformers'
+// modeling_rope_utils.py); band: 0 high (kept), 1 medium (smoothed), 2 low (divided by factor).
+double scaled_inv_freq(std::int64_t i, std::int64_t d, const ops::rope_options& o, int* band) {
+  using scaling = ops::rope_options::scaling;
+  const double inv = std::pow(o.theta, -2.0 * double(i) / double(d));
+  *band = 0;
+  if (o.type == scaling::linear) return inv / o.factor;
+  if (o.type == scaling::none) return inv;
+  const double wavelen = 2 * M_PI / inv, ctx = o.original_max_position;
+  if (wavelen < ctx / o.high_freq_factor) return inv;
+  *band = 2;
+  if (wavelen > ctx / o.low_freq_factor) return inv / o.factor;
+  *band = 1;
+  const double s = (ctx / wavelen - o.low_freq_factor) / (o.high_freq_factor - o.low_freq_factor);
+  return (1 - s) * inv / o.factor + s * inv;
+}
+
+TEMPLATE_TEST_CASE("rope tables with linear and llama3 scaling follow HF's definitions", "[cpu]",
+                   float, double) {
+  using T = TestType;
+  using scaling = ops::rope_options::scaling;
+  const ops::rope_options linear{.theta = 10000.0, .type = scaling::linear, .factor = 4.0};
+  // Llama 3.1's settings, where d = 128 has frequencies in all three bands, and a tiny model's.
+  const ops::rope_options llama31{.theta = 500000.0,
+                                  .type = scaling::llama3,
+                                  .factor = 8.0,
+                                  .low_freq_factor = 1.0,
+                                  .high_freq_factor = 4.0,
+                                  .original_max_position = 8192};
+  const ops::rope_options tiny{.theta = 100.0,
+                               .type = scaling::llama3,
+                               .factor = 8.0,
+                               .low_freq_factor = 1.0,
+                               .high_freq_factor = 4.0,
+                               .original_max_position = 32};
+  for (auto [start, d, o] :
+       {std::tuple<std::int64_t, std::int64_t, ops::rope_options>{0, 16, linear},
+        {1000, 128, llama31},
+        {0, 8, tiny},
+        {5, 128, llama31}}) {
+    INFO("start " << start << " d " << d << " theta " << o.theta);
+    const std::int64_t nt = 37, half = d / 2;
+    buffer<T> cos({nt, half}), sin({nt, half});
+    ops::rope_tables(start, o, cos, sin);
+    // The inverse frequency in T: theta^expo errs by |ln theta| expo u, pow, 1 / and the scaling
+    // add a few u; the smoothing weight s = (L / w - low) / (high - low) errs by up to
+    // 4 u high / (high - low), which moves the result (at least inv / factor) by that times
+    // factor. The angle adds its product's rounding, cos and sin their own.
+    const double u = eps_of<T>;
+    const double rel =
+        (std::log(o.theta) + 6 +
+         4 * o.factor * o.high_freq_factor / (o.high_freq_factor - o.low_freq_factor)) *
+        u;
+    int bands[3] = {0, 0, 0};
+    for (std::int64_t i = 0; i < half; ++i) {
+      int band = 0;
+      const double inv = scaled_inv_freq(i, d, o, &band);
+      ++bands[band];
+      for (std::int64_t t = 0; t < nt; ++t) {
+        const double angle = double(start + t) * inv;
+        const double bound = angle * (rel + u) + 2 * u;
+        const std::int64_t k = t * half + i;
+        INFO("position " << start + t << " pair " << i << " band " << band);
+        REQUIRE(std::abs(double(cos[k]) - std::cos(angle)) <= bound);
+        REQUIRE(std::abs(double(sin[k]) - std::sin(angle)) <= bound);
+      }
+    }
+    if (o.type == scaling::llama3) {  // the case exercises every band
+      CHECK(bands[0] > 0);
+      CHECK(bands[1] > 0);
+      CHECK(bands[2] > 0);
+    }
+  }
+}
+
+TEST_CASE("rope tables refuse scaling options out of range", "[cpu]") {
+  using scaling = ops::rope_options::scaling;
+  buffer<float> cos({4, 3}), sin({4, 3});
+  REQUIRE_THROWS_WITH(
+      ops::rope_tables(0, {.theta = 1e4, .type = scaling::linear, .factor = 0.0}, cos, sin),
+      Catch::Contains("factor must be > 0"));
+  REQUIRE_THROWS_WITH(ops::rope_tables(0,
+                                       {.theta = 1e4,
+                                        .type = scaling::llama3,
+                                        .factor = 8.0,
+                                        .low_freq_factor = 4.0,
+                                        .high_freq_factor = 4.0},
+                                       cos, sin),
+                      Catch::Contains("low_freq_factor < high_freq_factor"));
+}
+
 TEMPLATE_TEST_CASE("rope rotates strided views in place and inverts", "[cpu]", float, double) {
   using T = TestType;
   rng g(31);

@@ -85,6 +85,36 @@ TEST_CASE("cuda softmax layernorm and rmsnorm match the cpu", "[gpu]") {
   }
 }
 
+// llama3 scaling (tensor/rope_frequency.hpp): the device runs the CPU's code for the frequency.
+// Both sides take the same f32 steps; the f64 pow and cos / sin differ by ulps (u once rounded to
+// f32), and nvcc may fuse the smoothing's multiply-adds: L / w - low (L / w <= high = 4) then
+// moves by up to 4 u, the weight s by that over high - low = 3, and the result (at least
+// inv / factor) by s's change times factor 8, about 11 u of the frequency; one u more for the
+// fused final sum. The angles differ by at most angle * 32 u, cos and sin by that plus their own
+// rounding on each side.
+TEST_CASE("cuda rope tables with llama3 scaling match the cpu", "[gpu]") {
+  TROUPE_NEED_GPU();
+  const std::int64_t T = 40, D = 128, start = 2000;
+  const ops::rope_options o{.theta = 500000.0,
+                            .type = ops::rope_options::scaling::llama3,
+                            .factor = 8.0,
+                            .low_freq_factor = 1.0,
+                            .high_freq_factor = 4.0,
+                            .original_max_position = 8192};
+  owned_tensor cs = empty({T, D / 2}), sn = empty({T, D / 2});
+  owned_tensor gcs = gpu_empty({T, D / 2}), gsn = gpu_empty({T, D / 2});
+  ops::rope_tables(start, o, cs, sn);
+  ops::rope_tables(start, o, gcs, gsn);
+  std::vector<double> bound(static_cast<std::size_t>(T * D / 2));
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < D / 2; ++i) {
+      const double angle = double(start + t) * std::pow(o.theta, -2.0 * double(i) / double(D));
+      bound[t * (D / 2) + i] = angle * 32 * u32 + 2 * u32;
+    }
+  require_within(gcs, cs, bound, "llama3 cos");
+  require_within(gsn, sn, bound, "llama3 sin");
+}
+
 TEST_CASE("cuda rope matches the cpu on strided views and in place", "[gpu]") {
   TROUPE_NEED_GPU();
   const std::int64_t B = 2, T = 5, H = 3, D = 8, start = 3;

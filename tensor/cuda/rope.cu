@@ -2,13 +2,14 @@
 // tables and the rotation of strided [B, T, H, D] views.
 //
 // The tables follow HF's float32 arithmetic step by step, like the CPU backend, so they match a
-// PyTorch reference: inv_freq = 1 / (theta ** (arange(0, D, 2) / D)) in float, angle =
-// float(position) * inv_freq in float, cos and sin of that angle computed in double and rounded
-// to float; 16-bit tables round those f32 values once more (HF builds them in f32 and casts them
-// to the model's dtype). The rotation loads x and the tables to f32 and rounds y once; the tables
-// may be in x's dtype or in f32.
+// PyTorch reference: inv_freq in float as HF computes it, scaling included (the CPU backend's code,
+// tensor/rope_frequency.hpp), angle = float(position) * inv_freq in float, cos and sin of that
+// angle computed in double and rounded to float; 16-bit tables round those f32 values once more
+// (HF builds them in f32 and casts them to the model's dtype). The rotation loads x and the tables
+// to f32 and rounds y once; the tables may be in x's dtype or in f32.
 #include "tensor/backend.hpp"
 #include "tensor/cuda/check.cuh"
+#include "tensor/rope_frequency.hpp"
 
 namespace troupe::cuda {
 namespace {
@@ -20,12 +21,10 @@ using detail::to_f32;
 // One table element per thread: k = t * half + i.
 template <class T>
 __global__ void rope_tables_kernel(T* cos_t, T* sin_t, std::int64_t rows, std::int64_t half,
-                                   std::int64_t start, float theta) {
+                                   std::int64_t start, ops::rope_options opt) {
   TROUPE_GRID_STRIDE(k, rows * half) {
     std::int64_t t = k / half, i = k % half;
-    const float expo = static_cast<float>(2 * i) / static_cast<float>(2 * half);
-    const float base_pow = static_cast<float>(pow(static_cast<double>(theta), double(expo)));
-    const float inv_freq = 1.0f / base_pow;
+    const float inv_freq = troupe::detail::rope_inv_freq<float>(i, 2 * half, opt);
     const double angle = static_cast<double>(static_cast<float>(start + t) * inv_freq);
     cos_t[k] = from_f32<T>(static_cast<float>(cos(angle)));
     sin_t[k] = from_f32<T>(static_cast<float>(sin(angle)));
@@ -62,13 +61,14 @@ __global__ void rope_kernel(const T* x, bthd xs, const C* cos_t, const C* sin_t,
 
 }  // namespace
 
-void rope_tables(std::int64_t start, double theta, const tensor& cos, const tensor& sin) {
+void rope_tables(std::int64_t start, const ops::rope_options& opt, const tensor& cos,
+                 const tensor& sin) {
   std::int64_t rows = cos.size(0), half = cos.size(1);
   detail::dispatch_16_32("rope_tables", cos, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (rows * half == 0) return;
     rope_tables_kernel<T><<<detail::grid_for(rows * half), detail::block_threads>>>(
-        ptr<T>(cos), ptr<T>(sin), rows, half, start, static_cast<float>(theta));
+        ptr<T>(cos), ptr<T>(sin), rows, half, start, opt);
     TROUPE_CUDA_CHECK_LAUNCH();
   });
 }
