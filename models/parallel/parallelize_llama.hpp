@@ -10,16 +10,16 @@
 //            shard)
 //
 // Parameters keep llama's (HF) names and layouts; a shard's parameter is the full one when it is
-// declared replicated (the RMSNorms, o_proj's and down_proj's biases) and otherwise its part (copy_slice,
-// param_slices.hpp). tp must divide n_head, n_kv_head, intermediate_size and vocab_size, with SP
-// also the sequence length (errors name parallel.tp and the field). With cfg.recompute the blocks'
-// activations share one set of bytes (slots.hpp) and backward runs each block's forward (but the
-// last's, still in those bytes) again first, between the block's before_backward and after_backward
-// (all shards together: the recomputed forward holds the same collectives), as tp_gpt does.
-// Generation as tp_gpt's (tp_generation.hpp): every shard runs a step's new positions whole, also
-// with SP, its attention over a kv cache of its n_kv_head/tp heads (RoPE at the global positions),
-// and the head's vocabulary columns of the last position are gathered into the full [B, V] on
-// every shard. Host (CPU) only.
+// declared replicated (the RMSNorms, o_proj's and down_proj's biases) and otherwise its part
+// (copy_slice, param_slices.hpp). tp must divide n_head, n_kv_head, intermediate_size and
+// vocab_size, with SP also the sequence length (errors name parallel.tp and the field). With
+// cfg.recompute the blocks' activations share one set of bytes (slots.hpp) and backward runs each
+// block's forward (but the last's, still in those bytes) again first, between the block's
+// before_backward and after_backward (all shards together: the recomputed forward holds the same
+// collectives), as tp_gpt does. Generation as tp_gpt's (tp_generation.hpp): every shard runs a
+// step's new positions whole, also with SP, its attention over a kv cache of its n_kv_head/tp heads
+// (RoPE at the global positions), and the head's vocabulary columns of the last position are
+// gathered into the full [B, V] on every shard. Host (CPU) only.
 #pragma once
 
 #include <cstdint>
