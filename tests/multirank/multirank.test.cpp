@@ -518,3 +518,28 @@ TEST_CASE("A rogue process with a rank's UCX address but not the token is refuse
   std::printf("faults: a rogue UCX peer (worker address, no token) -> refused: %s\n",
               refusals.front().c_str());
 }
+
+TEST_CASE("A member posing as another rank in a tensor announcement is refused; the job goes on",
+          "[multirank][faults]") {
+  child_process launcher({troupe_bin, "launch", "-n", "3", "--job", job_name("forge"), "--",
+                          worker_bin, "forge-announce"});
+  auto st = launcher.wait(120s);
+  INFO(launcher.output());
+  REQUIRE(st);
+  CHECK(child_process::code(*st) == 0);
+  CHECK(!launcher.lines_with("forged: rank 2 announced a tensor as rank 1").empty());
+  CHECK(!launcher
+             .lines_with("rank 0: got \"after-forged\" from rank 2; refused announcements: 1; a "
+                         "tensor from rank 1 waiting: no")
+             .empty());
+  const auto refusals = launcher.lines_with(
+      "rank 0 refused tensor \"forged\" (seq 0) announced as from rank 1: it came from rank 2");
+  REQUIRE(!refusals.empty());
+  for (int r = 0; r < 3; ++r)
+    CHECK(!launcher
+               .lines_with("[rank " + std::to_string(r) + "] exchange ok: rank " +
+                           std::to_string(r) + " received 6 tensors")
+               .empty());
+  std::printf("faults: a member posing as another rank in an announcement -> refused: %s\n",
+              refusals.front().c_str());
+}

@@ -10,6 +10,10 @@
 //   rogue-ucx --address-file F --claim R --world N
 //                       not a rank: knows rank 0's UCX address (from F) but not the token, claims
 //                       rank R on the data plane and tries to send it a tensor
+//   forge-announce      (3 ranks) rank 2 sends rank 0 a tensor announcement claiming to come from
+//                       rank 1 (a member posing as another rank, through the node's own actor:
+//                       the real control plane); rank 0 must refuse it and count it, then every
+//                       rank runs exchange
 //   early-exit          rank 1 exits before joining, the others try to join
 //   rejoin              rank 2 is killed; a replacement (TROUPE_REPLACEMENT=1) takes its place and
 //                       exchanges tensors with the survivors
@@ -36,7 +40,9 @@
 
 #include <fstream>
 
+#include "actors/messages.hpp"
 #include "actors/node.hpp"
+#include "actors/node_impl.hpp"
 #include "actors/roles.hpp"
 #include "collective/ucx/ucx_transport.hpp"
 
@@ -454,6 +460,40 @@ int hold(node& n) {
   return 0;
 }
 
+// Rank 2 forges an announcement, then sends rank 0 a real tensor from the same actor: CAF keeps
+// the order of one actor's messages to another, so once rank 0 has that tensor its node has
+// handled the forgery. Then everyone exchanges as usual: the job went on.
+int forge_announce(node& n) {
+  auto& I = n.internals();
+  const std::vector<std::uint8_t> bytes(16, 0x5a);
+  const std::int64_t shape[1] = {16};
+  if (n.rank() == 2) {
+    caf::send_as(
+        I.node_actor, I.peer(0),
+        troupe::actors::msg::tensor_announce{
+            1, 4242, 0, 0, static_cast<std::uint8_t>(troupe::dtype::u8), {16}, 16, "forged"});
+    std::printf("forged: rank 2 announced a tensor as rank 1\n");
+    n.send_tensor(0, bytes.data(), troupe::dtype::u8, shape, "after-forged").wait(60s);
+  }
+  if (n.rank() == 0) {
+    std::vector<std::uint8_t> in(16);
+    const tensor_info info = n.receive_next(2, in.data(), in.size(), 60s);
+    bool from_1 = false;
+    {
+      std::lock_guard<std::mutex> lock(I.mu);
+      for (const auto& t : I.inbox) from_1 = from_1 || t.source == 1;
+    }
+    std::printf(
+        "rank 0: got \"%s\" from rank %d; refused announcements: %llu; a tensor from "
+        "rank 1 waiting: %s\n",
+        info.name.c_str(), info.source, static_cast<unsigned long long>(I.refused_announces.load()),
+        from_1 ? "yes" : "no");
+    if (info.name != "after-forged" || I.refused_announces.load() != 1 || from_1) return 1;
+  }
+  n.barrier("forged", 60s);
+  return exchange(n);
+}
+
 std::string arg(int argc, char** argv, const char* name, const char* fallback) {
   for (int i = 2; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
@@ -561,6 +601,8 @@ int main(int argc, char** argv) {
       rc = hold(n);
     else if (mode == "rejoin")
       rc = rejoin(n);
+    else if (mode == "forge-announce")
+      rc = forge_announce(n);
     else if (mode == "guarded")
       rc = guarded(n, arg(argc, argv, "--address-file", "troupe-ucx-address"));
     else
