@@ -58,6 +58,8 @@ class trainer {
   step_result step(const batch_source& data);
   std::int64_t steps_done() const { return step_; }
   const adamw_optimizer& optimizer() const { return opt_; }
+  // The weights AdamW updates: the f32 master weights with mixed precision, else the model's.
+  const tensor& master_weights() const { return weights(); }
 
   // Weights (HF layout), config.json, optimizer.safetensors and trainer_state.json.
   expected<std::filesystem::path> save(const std::filesystem::path& folder,

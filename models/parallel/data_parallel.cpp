@@ -277,9 +277,12 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   TROUPE_CHECK(zero < 3 || cfg.plan.pp == 1, "dp_trainer: parallel.zero = 3 needs parallel.pp = 1",
                " (got pp ", cfg.plan.pp, ") on rank ", rank, " of ", comm.name());
   const tensor& p = piece_.memory().params();
-  TROUPE_CHECK(p.type() == dtype::f32 && cfg.precision == "f32",
-               "dp_trainer: only f32 training is supported, got a ", dtype_name(p.type()),
-               " model and precision ", cfg.precision);
+  // The engine steps f32 weights: an f32 piece, or with bf16 a mixed_piece (mixed_piece.hpp)
+  // whose f32 master weights these are.
+  TROUPE_CHECK(
+      p.type() == dtype::f32 && (cfg.precision == "f32" || cfg.precision == "bf16"),
+      "dp_trainer: the engine steps f32 weights (f32, or bf16 through mixed_piece), got a ",
+      dtype_name(p.type()), " piece and precision ", cfg.precision);
   TROUPE_CHECK(p.dev() == device::cpu(), "dp_trainer: host models only for now");
   TROUPE_CHECK(piece_.memory().grads().numel() == p.numel(), "dp_trainer: the piece's gradient ",
                "buffer has ", piece_.memory().grads().numel(), " elements, its parameters ",

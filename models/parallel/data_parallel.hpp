@@ -56,7 +56,8 @@
 // before the optimizer. A step that throws (and the destructor) first waits for the ops it issued,
 // ignoring their results: the next step starts over (the gradient buffer zeroed). Every rank of
 // the group must then fail at the same point, or the group be aborted, else that wait blocks.
-// f32 host pieces only.
+// f32 host pieces (a bf16 model goes through mixed_piece.hpp, which presents its f32 master
+// weights).
 #pragma once
 
 #include <cstddef>

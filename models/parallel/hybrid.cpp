@@ -20,6 +20,7 @@
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/llama_stage.hpp"
+#include "models/parallel/mixed_piece.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/parallelize_llama.hpp"
@@ -77,6 +78,7 @@ struct hybrid_trainer::impl {
   std::unique_ptr<causal_lm> model;       // pp == 1: the whole model or its tensor shard
   std::unique_ptr<pipeline_stage> stage;  // pp > 1
   pipeline_runner* runner = nullptr;      // the piece, when pp > 1
+  std::unique_ptr<grad_producer> inner;   // bf16: the model's own piece, under `piece`
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
   std::unique_ptr<whole_model> whole;  // the whole model's description only (no memory)
@@ -109,8 +111,15 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (plan.zero == 3 && plan.pp > 1)
     problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
   if (!problems.empty()) throw error(scheduler::join(problems));
-  TROUPE_CHECK(cfg.precision == "f32", "train.precision ", cfg.precision,
-               ": parallel plans train in f32 only so far");
+  // bf16: a whole model per rank (data parallelism, any ZeRO stage) under mixed_piece; tensor
+  // shards and pipeline stages compute in f32 only so far, and f16's loss scaling is the
+  // single-process trainer's alone.
+  const bool bf16 = cfg.precision == "bf16";
+  TROUPE_CHECK(cfg.precision == "f32" || (bf16 && plan.tp == 1 && plan.pp == 1), "train.precision ",
+               cfg.precision, ": ",
+               bf16 ? "parallel.tp and parallel.pp must be 1 with bf16 (tensor shards and pipeline "
+                      "stages train in f32 only so far)"
+                    : "parallel plans train in f32 or, with data parallelism only, bf16");
   TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
                "parallel.recompute selective: selective activation checkpointing is not ",
                "available under a parallel plan yet (use full or none)");
@@ -143,9 +152,15 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
   } else if (plan.tp == 1) {
-    I.model = make_causal_lm(model, dims, dtype::f32, device::cpu(), {.recompute = recompute});
+    I.model = make_causal_lm(model, dims, bf16 ? dtype::bf16 : dtype::f32, device::cpu(),
+                             {.recompute = recompute});
     I.piece = std::make_unique<model_producer>(*I.model);
     I.description = "whole model";
+    if (bf16) {
+      I.inner = std::move(I.piece);
+      I.piece = std::make_unique<mixed_piece>(*I.inner);
+      I.description += ", bf16 with f32 master weights";
+    }
   } else {
     const tp_group tg{g.tp, plan.sp};
     if (is_gpt) {
@@ -175,6 +190,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     load_piece(*I.whole, from, I.layout, I.layout.base);
   else
     init_piece(*I.whole, cfg.seed, I.layout, I.layout.base);
+  // bf16: fresh weights start rounded, as the single-process trainer's master weights do.
+  if (auto* mixed = dynamic_cast<mixed_piece*>(I.piece.get()); mixed && cfg.resume.empty())
+    mixed->round_master();
   // parallel.dp_bucket_bytes and parallel.dp_overlap (the default 25 MiB is one bucket for a tiny
   // model, which then cannot overlap with backward).
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dp_options::of(plan));

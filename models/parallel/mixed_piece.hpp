@@ -1,0 +1,55 @@
+// mixed_piece: a model piece that computes in bf16, presented to the data-parallel engine
+// (data_parallel.hpp) as an f32 piece: the engine reduces f32 gradients, clips, shards and steps
+// f32 master weights with AdamW, exactly as it does for an f32 piece, and the piece's bf16
+// parameters are the master weights rounded - the single-process trainer's mixed precision
+// (models/trainer.hpp), with the data-parallel reduction between the 16-bit gradients and the
+// update.
+//
+// A step: the master weights (gathered by the engine first under ZeRO 3) are rounded into the
+// inner piece's parameters, the inner piece runs its microbatches (bf16 forward and backward,
+// gradients accumulated in bf16 with each microbatch's weight), and its gradients are converted
+// into the f32 gradient buffer the engine reduces. The inner piece's parameters stay whole on
+// every rank (ZeRO shards the f32 master weights, gradients and moments, not the bf16 copy), and
+// its gradients reach the engine once, after the last microbatch: no block hooks, so the
+// reduction does not overlap backward. Checkpoints hold the f32 master weights, as the
+// single-process trainer's do. bf16 only: f16 needs loss scaling with skipped steps, which the
+// engine does not have.
+#pragma once
+
+#include <deque>
+#include <functional>
+
+#include "models/parallel/grad_producer.hpp"
+
+namespace troupe::models::parallel {
+
+class mixed_piece final : public grad_producer {
+ public:
+  // inner: the bf16 piece (its memory in bf16); must outlive this.
+  explicit mixed_piece(grad_producer& inner);
+  mixed_piece(const mixed_piece&) = delete;
+  mixed_piece& operator=(const mixed_piece&) = delete;
+
+  // The f32 master weights and gradients, laid out by the inner piece's parameter slots (names,
+  // layouts and blocks as declared there).
+  layer_memory& memory() override { return master_; }
+  const slot_list& slots() const override { return slots_; }
+  // Rounds the master weights to the values the piece computes with (through bf16), as the
+  // single-process trainer's master weights start: after writing fresh weights into memory()
+  // (an init, HF weights), not after a resume (a checkpoint holds the master weights).
+  void round_master();
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override;
+  collective::communicator* norm_group() override { return inner_.norm_group(); }
+  bool counts_in_norm(const tensor_slot& parameter) const override {
+    return inner_.counts_in_norm(parameter);
+  }
+
+ private:
+  grad_producer& inner_;
+  std::deque<tensor> fields_;  // the master slots' value and gradient fields (stable addresses)
+  slot_list slots_;
+  layer_memory master_;
+};
+
+}  // namespace troupe::models::parallel
