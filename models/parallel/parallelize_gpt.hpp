@@ -26,6 +26,7 @@
 #include "models/parallel/tp_layers.hpp"
 #include "models/parallel/tp_model.hpp"
 #include "models/parallel/tp_vocab.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::models {
 
@@ -60,12 +61,20 @@ struct tp_parts<gpt_family> {
   using block = tp_gpt_block;
   using front = tp_gpt_front;
   using back = tp_head<layernorm>;
-  using whole = gpt;
   static constexpr std::string_view token_scope = "wte";  // the head is always tied
   static gpt_config checked(const gpt_config& c, const tp_group& tp, std::string_view who);
   static back::config head_config(const gpt_config& c);
   static std::string_view head_scope(const gpt_config&) { return token_scope; }
   static const attention& attention_of(const tp_gpt_block& b) { return b.attn.local; }
+  // The sizes a plan is checked and partitioned with (scheduler/plan.hpp).
+  static scheduler::model_shape shape(const gpt_config& c) {
+    return {.layers = c.n_layer,
+            .heads = c.n_head,
+            .kv_heads = c.n_head,
+            .hidden = c.dim,
+            .vocab = c.vocab,
+            .ffn = c.hidden > 0 ? c.hidden : 4 * c.dim};
+  }
 };
 
 extern template class tp_trunk<gpt_family>;

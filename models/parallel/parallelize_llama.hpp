@@ -27,6 +27,7 @@
 #include "models/parallel/tp_llama_layers.hpp"
 #include "models/parallel/tp_model.hpp"
 #include "models/parallel/tp_vocab.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::models {
 
@@ -52,7 +53,6 @@ struct tp_parts<llama_family> {
   using block = tp_llama_block;
   using front = tp_llama_front;
   using back = tp_head<rmsnorm>;
-  using whole = llama;
   static constexpr std::string_view token_scope = "embed_tokens";
   static llama_config checked(const llama_config& c, const tp_group& tp, std::string_view who) {
     return resolve_tp_llama_config(c, tp, who);
@@ -65,6 +65,16 @@ struct tp_parts<llama_family> {
   }
   static std::string_view head_scope(const llama_config&) { return "lm_head"; }
   static const attention& attention_of(const tp_llama_block& b) { return b.self_attn.local; }
+  // The sizes a plan is checked and partitioned with (scheduler/plan.hpp).
+  static scheduler::model_shape shape(const llama_config& c) {
+    return {.layers = c.n_layer,
+            .heads = c.n_head,
+            .kv_heads = c.n_kv_head > 0 ? c.n_kv_head : c.n_head,
+            .hidden = c.dim,
+            .vocab = c.vocab,
+            .ffn = c.hidden,
+            .gated_mlp = true};
+  }
 };
 
 extern template class tp_trunk<llama_family>;

@@ -106,7 +106,7 @@ template <tp_family F>
 void stage<F>::init_weights(std::uint64_t seed) {
   config_type whole = config();
   whole.unbound = true;
-  const typename tp_parts<F>::whole full(whole, {1, 1});
+  const typename F::model full(whole, {1, 1});
   init_slices([&](const init_sink& each) { full.init_values(seed, each); }, slots_, tp(), who());
 }
 

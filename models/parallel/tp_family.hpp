@@ -15,8 +15,8 @@
 //   back         tp_head<Norm> (tp_head.hpp): the final norm, the head and the loss.
 //   checked      the config checked for a shard of the group (defaults resolved; errors name
 //                `who` and parallel.tp), and head_config / head_scope / token_scope: the back's
-//                sizes and the scopes its weight is declared under, untied and tied.
-//   whole        the unbound whole model whose init_values a shard's init_weights slices.
+//                sizes and the scopes its weight is declared under, untied and tied; shape: the
+//                sizes a plan is checked and partitioned with (scheduler::model_shape).
 //
 // With tp_group{} (no communicator) every part is the unsharded one, so a pipeline stage without
 // tensor parallelism is the same code.
@@ -31,6 +31,7 @@
 #include "models/parallel/tp_head.hpp"
 #include "models/parallel/tp_mappings.hpp"
 #include "models/trunk.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::models {
 
@@ -52,7 +53,8 @@ concept tp_family = trunk_family<F> &&
   { tp_parts<F>::head_scope(c) } -> std::convertible_to<std::string_view>;  // untied
   { tp_parts<F>::token_scope } -> std::convertible_to<std::string_view>;    // the front's
   { tp_parts<F>::attention_of(b) } -> std::same_as<const attention&>;       // the shard's heads
-  typename tp_parts<F>::whole;
+  { tp_parts<F>::shape(c) } -> std::same_as<scheduler::model_shape>;
+  typename F::model;  // the whole model, whose init_values a piece slices
   b.declare(s, std::string_view{}, d, true);
   b.forward(t, t);
   b.recompute(t);
