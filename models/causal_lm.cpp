@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "models/families.hpp"
 #include "models/gpt.hpp"
 #include "models/llama.hpp"
 
@@ -37,14 +38,11 @@ llama_config to_llama_config(const hf::llama_config& c) {
 
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,
                                           device dev, const model_options& opts) {
-  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg)) {
-    gpt_config c = hf::to_gpt_config(*g);
+  return with_family(cfg, [&](auto family, auto c) -> std::unique_ptr<causal_lm> {
+    using F = typename decltype(family)::type;
     c.recompute = opts.recompute;
-    return std::make_unique<causal_lm_of<gpt>>(c, dims, t, dev);
-  }
-  llama_config c = to_llama_config(std::get<hf::llama_config>(cfg));
-  c.recompute = opts.recompute;
-  return std::make_unique<causal_lm_of<llama>>(c, dims, t, dev);
+    return std::make_unique<causal_lm_of<typename F::model>>(c, dims, t, dev);
+  });
 }
 
 expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab) {

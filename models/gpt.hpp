@@ -115,11 +115,14 @@ struct gpt_ends {
   tensor logits_cur, ln_f_cur;       // views of the last head()
 };
 
+class gpt;
+
 // GPT-2's parts for the trunk (models/trunk.hpp): blocks "h.<i>", the ends above.
 struct gpt_family {
   using config = gpt_config;
   using block = gpt_block;
   using ends = gpt_ends;
+  using model = gpt;  // the whole model
   static constexpr const char* name = "gpt";
   static constexpr const char* block_scope = "h";
   static gpt_config checked(const gpt_config& c);

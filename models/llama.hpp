@@ -125,11 +125,14 @@ struct llama_ends {
   tensor logits_cur, norm_cur;  // views of the last head()
 };
 
+class llama;
+
 // Llama's parts for the trunk (models/trunk.hpp): layers "layers.<i>", the ends above.
 struct llama_family {
   using config = llama_config;
   using block = llama_block;
   using ends = llama_ends;
+  using model = llama;  // the whole model
   static constexpr const char* name = "llama";
   static constexpr const char* block_scope = "layers";
   // The checks of a config, n_kv_head and head_dim resolved.

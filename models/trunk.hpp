@@ -23,8 +23,10 @@
 // blocks and ends are plain structs (the tensor-parallel code composes the same blocks) with no
 // virtual base, so the trunk calls them directly; the concept states and checks a family's parts
 // where the family is declared; and the code is instantiated once per family, in the family's .cpp
-// (extern template in its header). The choice between families at run time stays at the two
-// interfaces that need it, causal_lm and streamed_model.
+// (extern template in its header). The choice between families at run time is made in one place
+// (models/families.hpp: with_family) and kept behind the interfaces that need it, causal_lm and
+// streamed_model. The tensor-parallel placements (shard, pipeline stage) run the same order of
+// parts over the family's tensor-parallel parts: models/parallel/tp_trunk.hpp.
 #pragma once
 
 #include <algorithm>

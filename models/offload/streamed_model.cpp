@@ -6,6 +6,7 @@
 
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
+#include "models/families.hpp"
 
 namespace troupe::models {
 
@@ -35,14 +36,10 @@ std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, bat
 
 std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,
                                                     bool recompute) {
-  if (const auto* g = std::get_if<hf::gpt2_config>(&cfg)) {
-    gpt_config c = hf::to_gpt_config(*g);
+  return with_family(cfg, [&](auto, auto c) {
     c.recompute = recompute;
     return make_streamed_model(c, dims);
-  }
-  llama_config c = to_llama_config(std::get<hf::llama_config>(cfg));
-  c.recompute = recompute;
-  return make_streamed_model(c, dims);
+  });
 }
 
 }  // namespace troupe::models

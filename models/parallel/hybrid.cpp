@@ -12,18 +12,15 @@
 #include <vector>
 
 #include "memory/error.hpp"
-#include "models/gpt.hpp"
+#include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/training_state.hpp"
-#include "models/llama.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/llama_stage.hpp"
 #include "models/parallel/mixed_piece.hpp"
 #include "models/parallel/model_producer.hpp"
-#include "models/parallel/parallelize_gpt.hpp"
-#include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/pipeline_runner.hpp"
 #include "models/parallel/plan_checkpoint.hpp"
 #include "models/parallel/whole_model.hpp"
@@ -35,25 +32,11 @@ namespace troupe::models::parallel {
 namespace {
 
 scheduler::model_shape shape_of(const hf::model_config& m, const train_config& cfg) {
-  scheduler::model_shape s;
+  scheduler::model_shape s = with_family(m, [](auto family, const auto& c) {
+    return tp_parts<typename decltype(family)::type>::shape(c);
+  });
   s.seq = cfg.seq;
   s.batch = cfg.batch * cfg.grad_accum;
-  if (const auto* g = std::get_if<hf::gpt2_config>(&m)) {
-    s.layers = g->n_layer;
-    s.heads = s.kv_heads = g->n_head;
-    s.hidden = g->n_embd;
-    s.vocab = g->vocab_size;
-    s.ffn = g->n_inner();
-  } else {
-    const auto& l = std::get<hf::llama_config>(m);
-    s.layers = l.num_hidden_layers;
-    s.heads = l.num_attention_heads;
-    s.kv_heads = l.num_key_value_heads;
-    s.hidden = l.hidden_size;
-    s.vocab = l.vocab_size;
-    s.ffn = l.intermediate_size;
-    s.gated_mlp = true;
-  }
   return s;
 }
 
@@ -103,11 +86,11 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   TROUPE_CHECK(size_of(g.mp, "mp") == plan.pp * plan.tp, "hybrid_trainer: the model-parallel ",
                "group has ", g.mp->size(),
                " ranks, not parallel.pp x parallel.tp = ", plan.pp * plan.tp);
-  auto problems = scheduler::validate(plan, shape_of(model, cfg), world);
-  if (const auto* l = std::get_if<hf::llama_config>(&model);
-      l != nullptr && plan.tp > 1 && l->intermediate_size % plan.tp != 0)
-    problems.push_back(fmt::format("parallel.tp = {} does not divide intermediate_size = {}",
-                                   plan.tp, l->intermediate_size));
+  const scheduler::model_shape shape = shape_of(model, cfg);
+  auto problems = scheduler::validate(plan, shape, world);
+  if (plan.tp > 1 && shape.ffn % plan.tp != 0)
+    problems.push_back(fmt::format("parallel.tp = {} does not divide {} = {}", plan.tp,
+                                   shape.gated_mlp ? "intermediate_size" : "n_inner", shape.ffn));
   if (plan.zero == 3 && plan.pp > 1)
     problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
   if (!problems.empty()) throw error(scheduler::join(problems));
@@ -125,23 +108,23 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                "available under a parallel plan yet (use full or none)");
   // train.recompute or parallel.recompute full: every piece recomputes (gpt_config::recompute).
   const bool recompute = cfg.recompute || plan.recompute == scheduler::recompute_policy::full;
-  const bool is_gpt = std::holds_alternative<hf::gpt2_config>(model);
 
   const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
   I.whole = std::make_unique<whole_model>(model);
 
+  const tp_group tg{plan.tp > 1 ? g.tp : nullptr, plan.sp};
+  // The rank's piece of the family (models/families.hpp): its pipeline stage or its tensor shard.
+  if (plan.pp > 1 || plan.tp > 1)
+    with_family(model, [&](auto family, auto c) {
+      using F = typename decltype(family)::type;
+      c.recompute = recompute;
+      if (plan.pp > 1)
+        I.stage =
+            std::make_unique<stage<F>>(c, dims, stage_options::of(plan, g.pp->rank(), shape), tg);
+      else
+        I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg);
+    });
   if (plan.pp > 1) {
-    const auto so = stage_options::of(plan, g.pp->rank(), shape_of(model, cfg));
-    const tp_group tg{plan.tp > 1 ? g.tp : nullptr, plan.sp};
-    if (is_gpt) {
-      gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
-      gc.recompute = recompute;
-      I.stage = std::make_unique<gpt_stage>(gc, dims, so, tg);
-    } else {
-      llama_config lc = to_llama_config(std::get<hf::llama_config>(model));
-      lc.recompute = recompute;
-      I.stage = std::make_unique<llama_stage>(lc, dims, so, tg);
-    }
     auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
     runner->trace_to(cfg.pipe_trace);
     I.runner = runner.get();
@@ -162,16 +145,6 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
       I.description += ", bf16 with f32 master weights";
     }
   } else {
-    const tp_group tg{g.tp, plan.sp};
-    if (is_gpt) {
-      gpt_config gc = to_gpt_config(std::get<hf::gpt2_config>(model));
-      gc.recompute = recompute;
-      I.model = std::make_unique<causal_lm_of<tp_gpt>>(gc, dims, tg);
-    } else {
-      llama_config lc = to_llama_config(std::get<hf::llama_config>(model));
-      lc.recompute = recompute;
-      I.model = std::make_unique<causal_lm_of<tp_llama>>(lc, dims, tg);
-    }
     I.piece = std::make_unique<model_producer>(*I.model, *g.tp);
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");

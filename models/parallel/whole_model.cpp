@@ -7,6 +7,7 @@
 
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
+#include "models/families.hpp"
 #include "models/gpt.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/file_io.hpp"
@@ -17,29 +18,23 @@ namespace troupe::models::parallel {
 
 whole_model::whole_model(const hf::model_config& model) : config_(model) {
   const batch_dims one{1, 1};  // declared activations only: an unbound model binds nothing
-  if (const auto* g = std::get_if<hf::gpt2_config>(&model)) {
-    gpt_config c = hf::to_gpt_config(*g);
+  with_family(model, [&](auto family, auto c) {
+    using model_type = typename decltype(family)::type::model;
     c.unbound = true;
-    gpt_ = std::make_unique<gpt>(c, one);
-  } else {
-    llama_config c = to_llama_config(std::get<hf::llama_config>(model));
-    c.unbound = true;
-    llama_ = std::make_unique<llama>(c, one);
-  }
+    auto m = std::make_shared<const model_type>(c, one);
+    slots_ = &m->slots();
+    init_ = [w = m.get()](std::uint64_t seed, const init_sink& each) {
+      w->init_values(seed, each);
+    };
+    model_ = std::move(m);
+  });
   layout_ = whole_layout::of(slots());
 }
 
 whole_model::~whole_model() = default;
 
-const slot_list& whole_model::slots() const {
-  return gpt_ ? gpt_->slots() : llama_->slots();
-}
-
 void whole_model::init_values(std::uint64_t seed, const init_sink& each) const {
-  if (gpt_)
-    gpt_->init_values(seed, each);
-  else
-    llama_->init_values(seed, each);
+  init_(seed, each);
 }
 
 namespace {

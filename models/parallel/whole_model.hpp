@@ -16,16 +16,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 
 #include "models/hf/config.hpp"
 #include "models/layers/slots.hpp"
 #include "models/parallel/reshard.hpp"
-
-namespace troupe::models {
-class gpt;
-class llama;
-}  // namespace troupe::models
 
 namespace troupe::models::parallel {
 
@@ -37,15 +33,17 @@ class whole_model {
   whole_model& operator=(const whole_model&) = delete;
 
   const hf::model_config& config() const { return config_; }
-  const slot_list& slots() const;  // the parameters' names and shapes (no memory bound)
+  // The parameters' names and shapes (no memory bound).
+  const slot_list& slots() const { return *slots_; }
   const whole_layout& layout() const { return layout_; }
   // The single-process model's init_weights(seed), parameter after parameter (declaration order).
   void init_values(std::uint64_t seed, const init_sink& each) const;
 
  private:
   hf::model_config config_;
-  std::unique_ptr<gpt> gpt_;
-  std::unique_ptr<llama> llama_;
+  std::shared_ptr<const void> model_;  // the family's unbound whole model (models/families.hpp)
+  const slot_list* slots_ = nullptr;
+  std::function<void(std::uint64_t, const init_sink&)> init_;
   whole_layout layout_;
 };
 
