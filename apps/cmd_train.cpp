@@ -24,6 +24,7 @@
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
+#include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/run_state.hpp"
@@ -248,7 +249,8 @@ int run_train(train_cli& c) {
   auto& mem = model->memory();
   fmt::print(
       "troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}\n",
-      models::model_label(cfg), std::holds_alternative<hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
+      models::model_label(cfg),
+      models::with_family(mcfg, [](auto f, const auto&) { return decltype(f)::type::label; }),
       static_cast<double>(model->slots().param_count()) / 1e6, cfg.batch, cfg.seq, cfg.grad_accum);
   fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
   fmt::print(

@@ -124,6 +124,7 @@ struct gpt_family {
   using ends = gpt_ends;
   using model = gpt;  // the whole model
   static constexpr const char* name = "gpt";
+  static constexpr const char* label = "GPT-2";  // for logs
   static constexpr const char* block_scope = "h";
   static gpt_config checked(const gpt_config& c);
   static gpt_block::config block_config(const gpt_config& c);

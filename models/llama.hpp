@@ -134,6 +134,7 @@ struct llama_family {
   using ends = llama_ends;
   using model = llama;  // the whole model
   static constexpr const char* name = "llama";
+  static constexpr const char* label = "Llama";  // for logs
   static constexpr const char* block_scope = "layers";
   // The checks of a config, n_kv_head and head_dim resolved.
   static llama_config checked(const llama_config& c);
