@@ -21,7 +21,7 @@
 # every step that ran passed.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 
 debs=carry/gpu-debs build=build-gpu budget=450 jobs=$(nproc) bench=1 system_deps=0 until=all
 usage() { sed -n '2,/^set -uo/{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -264,11 +264,8 @@ build_step() {
 gpu_tests() {
   [ "$system_deps" = 0 ] && export LD_LIBRARY_PATH=$lib:$lib/openblas-pthread:$base_ld
   # CTest includes every test binary's list; the ones this check did not build list nothing.
-  local f
-  for f in $(grep -rhoE 'include\("[^"]*_ctest\.cmake"\)' "$build" --include=CTestTestfile.cmake |
-             sed -E 's/include\("(.*)"\)/\1/'); do
-    [ -f "$f" ] || : >"$f"
-  done
+  grep -rhoE 'include\("[^"]*_ctest\.cmake"\)' "$build" --include=CTestTestfile.cmake |
+    sed -E 's/include\("(.*)"\)/\1/' | while read -r f; do [ -f "$f" ] || : >"$f"; done
   ctest --test-dir "$build" -L gpu -V --timeout 300
 }
 
