@@ -176,7 +176,7 @@ PY
     # The compiler searches <include>/x86_64-linux-gnu only under /usr: copy what packages put
     # there (openssl/configuration.h) beside the rest of the prefix's headers.
     if [ -d "$prefix/usr/include/x86_64-linux-gnu" ]; then
-      cp -an "$prefix/usr/include/x86_64-linux-gnu/." "$prefix/usr/include/" || return 1
+      cp -an "$prefix/usr/include/x86_64-linux-gnu/." "$prefix/usr/include/" || true  # -n: what is there wins
     fi
     echo "$stamp" >"$prefix/.unpacked"
     echo "unpacked ${#files[@]} packages into $prefix ($(du -sh "$prefix" | cut -f1))"
@@ -337,11 +337,12 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     if "tokens_per_s" in r:
-        print(f"  {r.get(\"impl\", \"?\")} {r.get(\"device\", \"cpu\")} {r[\"model\"]} B{r[\"batch\"]} "
-              f"T{r[\"seq\"]}: {r[\"tokens_per_s\"]:,.0f} tokens/s, "
-              f"{r[\"step_s\"][\"median\"] * 1e3:.1f} ms/step median")
+        who = "%s %s %s B%s T%s" % (r.get("impl", "?"), r.get("device", "cpu"), r["model"],
+                                    r["batch"], r["seq"])
+        print("  %s: %.0f tokens/s, %.1f ms/step median"
+              % (who, r["tokens_per_s"], r["step_s"]["median"] * 1e3))
     elif "ceiling" in r:
-        print(f"  {r[\"ceiling\"]}: {r[\"value\"]:,.1f} {r[\"unit\"]}")
+        print("  %s: %.1f %s" % (r["ceiling"], r["value"], r["unit"]))
 ' 2>/dev/null
     grep -q 'no GPU benchmark yet' "$log" && echo "  troupe: no GPU benchmark yet (bench train/kernels are CPU only)"
   done
