@@ -19,7 +19,11 @@ optimizer; PyTorch 1.13 picks AVX2 by default, and AVX-512 was ~10% faster for t
 torch.optim.AdamW runs with foreach=True (--foreach off: the per-parameter loop; no difference in
 speed measured here). The JSON says which OpenBLAS core and ATen capability ran.
 
-Prints one JSON object: tokens/s over the timed steps, seconds per step, peak RSS, the settings.
+--device cuda trains on the GPU instead (scripts/gpu/check.sh): the same f32 model and step, with
+PyTorch's defaults there (no TF32 in matmuls); the CPU settings above still apply to the host side.
+
+Prints one JSON object: tokens/s over the timed steps, seconds per step, peak RSS (and peak device
+memory on a GPU), the settings.
 """
 import argparse
 import json
@@ -60,6 +64,7 @@ def parse():
     p.add_argument("--foreach", choices=["on", "off"], default="on",
                    help="torch.optim.AdamW(foreach=...): the multi-tensor update (default on)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU")
     return p.parse_args()
 
 
@@ -173,7 +178,8 @@ def main():
     vocab, positions, dim, layers, heads = MODELS[a.model]
     if a.seq > positions:
         sys.exit(f"--seq {a.seq} exceeds the model's {positions} positions")
-    model = build(torch, vocab, positions, dim, layers, heads)
+    device = torch.device(a.device)
+    model = build(torch, vocab, positions, dim, layers, heads).to(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, foreach=a.foreach == "on")
@@ -183,6 +189,7 @@ def main():
         ids = torch.randint(0, vocab, (a.batch, a.seq), generator=gen)
         targets = torch.full_like(ids, -100)
         targets[:, :-1] = ids[:, 1:]
+        ids, targets = ids.to(device), targets.to(device)
         opt.zero_grad(set_to_none=True)
         loss = model(ids, targets)
         loss.backward()
@@ -202,9 +209,14 @@ def main():
     core, blas_threads = openblas_core()
     tokens = a.batch * a.seq * a.steps
     times.sort()
+    gpu = {}
+    if device.type == "cuda":
+        gpu = {"gpu": torch.cuda.get_device_name(device),
+               "peak_device_bytes": torch.cuda.max_memory_allocated(device)}
     print(json.dumps({
         "impl": "pytorch",
         "torch": torch.__version__,
+        "device": a.device, **gpu,
         "model": a.model, "params": params, "batch": a.batch, "seq": a.seq,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads,
         "tokens_per_s": tokens / total,
