@@ -10,6 +10,13 @@
 // - An endpoint is closed only outside UCX callbacks, after the posters using it have left
 //   (peer_state::users, a Dekker-style handshake with peer_state::closing). An endpoint error
 //   reported inside a callback marks the peer failed at once and defers the close to reap().
+// - progress_mu_ is held around ucp_worker_progress (progress_mu_ -> worker lock), so a callback
+//   may take it only where its thread already holds it (inside progress: it is recursive). UCX
+//   also runs the endpoint error callback inside other calls, e.g. ucp_tag_send_nbx failing a TCP
+//   endpoint on the sender's thread with the worker lock held: there, waiting for progress_mu_
+//   while the progress thread holds it and waits for the worker lock is a deadlock (seen: every
+//   survivor of a SIGKILLed rank hung). mark_failed therefore only try-locks it and leaves the
+//   cancels to reap() when it is taken.
 #include "collective/ucx/ucx_transport.hpp"
 
 #include <fcntl.h>
@@ -291,6 +298,8 @@ struct ucx_transport::impl {
     std::lock_guard lk(progress_mu_);
     return ucp_worker_progress(worker);
   }
+  // Receives of lost peers that mark_failed could not cancel at once (mu_), for reap().
+  std::vector<std::pair<std::shared_ptr<ucx_request>, void*>> deferred_cancels_;
   std::mutex connect_mu_;  // serializes connect and endpoint close
   std::atomic<bool> any_close_pending{false};
 
@@ -743,7 +752,22 @@ struct ucx_transport::impl {
       }
     }
     peers[peer].closing.store(true, std::memory_order_seq_cst);
-    cancel_held(held);
+    if (held.empty()) return true;
+    if (!from_callback) {
+      cancel_held(held);
+      return true;
+    }
+    // Inside a UCX callback: never wait for progress_mu_ (see the locking notes at the top).
+    std::unique_lock pk(progress_mu_, std::try_to_lock);
+    if (pk.owns_lock()) {
+      cancel_held(held);  // takes progress_mu_ again (recursive)
+      return true;
+    }
+    {
+      std::lock_guard lk(mu_);
+      deferred_cancels_.insert(deferred_cancels_.end(), held.begin(), held.end());
+    }
+    any_close_pending.store(true, std::memory_order_release);  // reap() cancels them
     return true;
   }
 
@@ -786,6 +810,12 @@ struct ucx_transport::impl {
   void reap() {
     if (!any_close_pending.load(std::memory_order_acquire)) return;
     any_close_pending.store(false, std::memory_order_release);
+    std::vector<std::pair<std::shared_ptr<ucx_request>, void*>> cancels;
+    {
+      std::lock_guard lk(mu_);
+      cancels.swap(deferred_cancels_);
+    }
+    if (!cancels.empty()) cancel_held(cancels);
     for (int p = 0; p < opt.size; ++p) {
       std::string why;
       {
