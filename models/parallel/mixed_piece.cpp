@@ -1,6 +1,8 @@
 // mixed_piece (see mixed_piece.hpp).
 #include "models/parallel/mixed_piece.hpp"
 
+#include <optional>
+
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
 
@@ -14,53 +16,35 @@ mixed_piece::mixed_piece(grad_producer& inner) : inner_(inner) {
     if (s.kind != slot_kind::param) continue;
     tensor& value = fields_.emplace_back();
     tensor& grad = fields_.emplace_back();
-    if (s.block >= 0) {
-      const auto mark = slots_.mark_block(s.block);
-      slots_.param(s.name, s.sizes, value, grad, s.spec);
-    } else {
-      slots_.param(s.name, s.sizes, value, grad, s.spec);
-    }
+    std::optional<slot_list::block_mark> mark;
+    if (s.block >= 0) mark.emplace(slots_.mark_block(s.block));
+    slots_.param(s.name, s.sizes, value, grad, s.spec);
+    params_.push_back({&s, nullptr});
   }
   master_ = layer_memory(slots_, dtype::f32, inner.memory().params().dev());
+  for (std::size_t k = 0; k < params_.size(); ++k) params_[k].master = &slots_.slots()[k];
   // The master weights start as the inner piece's (whatever set them); the caller may overwrite
   // them (init_piece, load_piece write the f32 values into memory().params()).
-  for (std::size_t i = 0, j = 0; i < inner.slots().slots().size(); ++i) {
-    const auto& s = inner.slots().slots()[i];
-    if (s.kind != slot_kind::param) continue;
-    ops::copy(*s.field, fields_[2 * j]);
-    ++j;
-  }
+  for (const auto& p : params_) ops::copy(*p.inner->field, *p.master->field);
+}
+
+// Each parameter by itself: the two flat buffers' layouts differ in their padding.
+void mixed_piece::round_into_inner() {
+  for (const auto& p : params_) ops::copy(*p.master->field, *p.inner->field);
 }
 
 void mixed_piece::round_master() {
-  std::size_t j = 0;
-  for (const auto& s : inner_.slots().slots()) {
-    if (s.kind != slot_kind::param) continue;
-    ops::copy(fields_[2 * j], *s.field);
-    ops::copy(*s.field, fields_[2 * j]);
-    ++j;
-  }
+  round_into_inner();
+  for (const auto& p : params_) ops::copy(*p.inner->field, *p.master->field);
 }
 
 double mixed_piece::forward_backward(int microbatches,
                                      const std::function<microbatch_data(int k)>& fetch) {
-  // Round the master weights into the piece: each parameter by itself, as the layouts of the two
-  // flat buffers differ in their padding.
-  std::size_t j = 0;
-  for (const auto& s : inner_.slots().slots()) {
-    if (s.kind != slot_kind::param) continue;
-    ops::copy(fields_[2 * j], *s.field);
-    ++j;
-  }
+  round_into_inner();
   inner_.memory().zero_grads();
   const double loss = inner_.forward_backward(microbatches, fetch);
-  j = 0;
-  for (const auto& s : inner_.slots().slots()) {
-    if (s.kind != slot_kind::param) continue;
-    // The engine zeroed (or gave back, reading as zeros) the f32 gradients before the step.
-    ops::copy(*s.grad, fields_[2 * j + 1]);
-    ++j;
-  }
+  // The engine zeroed (or gave back, reading as zeros) the f32 gradients before the step.
+  for (const auto& p : params_) ops::copy(*p.inner->grad, *p.master->grad);
   return loss;
 }
 

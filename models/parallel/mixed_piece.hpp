@@ -18,6 +18,7 @@
 
 #include <deque>
 #include <functional>
+#include <vector>
 
 #include "models/parallel/grad_producer.hpp"
 
@@ -46,8 +47,15 @@ class mixed_piece final : public grad_producer {
   }
 
  private:
+  void round_into_inner();  // the master weights, rounded, into the inner piece's parameters
+
   grad_producer& inner_;
   std::deque<tensor> fields_;  // the master slots' value and gradient fields (stable addresses)
+  struct param_pair {
+    const tensor_slot* inner;   // the inner piece's parameter slot
+    const tensor_slot* master;  // its f32 master slot (slots_, same order)
+  };
+  std::vector<param_pair> params_;
   slot_list slots_;
   layer_memory master_;
 };
