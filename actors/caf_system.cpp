@@ -7,12 +7,16 @@
 #include <caf/openssl/remote_actor.hpp>
 #endif
 
+#include "actors/openssl_error_queue.hpp"
 #include "memory/error.hpp"
 
 namespace troupe::actors::detail {
 
 void enable_tls(caf::actor_system_config& cfg, const tls_options& tls) {
 #ifdef TROUPE_HAVE_CAF_OPENSSL
+  // CAF's openssl module leaves OpenSSL's error queue dirty (openssl_error_queue.hpp).
+  TROUPE_CHECK(openssl_error_queue_guarded(), "TLS: this executable does not interpose SSL_read ",
+               "(actors/openssl_error_queue.cpp): one failed handshake could close other links");
   cfg.load<caf::openssl::manager>();
   cfg.openssl_certificate = tls.cert;
   cfg.openssl_key = tls.key;
