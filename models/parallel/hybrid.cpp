@@ -60,7 +60,7 @@ struct hybrid_trainer::impl {
   hybrid_groups g;
   std::unique_ptr<causal_lm> model;       // pp == 1: the whole model or its tensor shard
   std::unique_ptr<pipeline_stage> stage;  // pp > 1
-  pipeline_runner* runner = nullptr;      // the piece, when pp > 1
+  pipeline_runner* runner = nullptr;      // pp > 1: the piece (bf16: the inner one)
   std::unique_ptr<grad_producer> inner;   // bf16: the model's own piece, under `piece`
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
@@ -94,15 +94,14 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (plan.zero == 3 && plan.pp > 1)
     problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
   if (!problems.empty()) throw error(scheduler::join(problems));
-  // bf16: a whole model per rank (data parallelism, any ZeRO stage) under mixed_piece; tensor
-  // shards and pipeline stages compute in f32 only so far, and f16's loss scaling is the
-  // single-process trainer's alone.
+  // bf16: every piece (the whole model, a tensor shard, a pipeline stage or a shard of one)
+  // computes in bf16 under mixed_piece, which gives the engine f32 master weights and gradients;
+  // f16's loss scaling with skipped steps is the single-process trainer's alone.
   const bool bf16 = cfg.precision == "bf16";
-  TROUPE_CHECK(cfg.precision == "f32" || (bf16 && plan.tp == 1 && plan.pp == 1), "train.precision ",
-               cfg.precision, ": ",
-               bf16 ? "parallel.tp and parallel.pp must be 1 with bf16 (tensor shards and pipeline "
-                      "stages train in f32 only so far)"
-                    : "parallel plans train in f32 or, with data parallelism only, bf16");
+  TROUPE_CHECK(cfg.precision == "f32" || bf16, "train.precision ", cfg.precision,
+               ": parallel plans train in f32 or bf16 (f16's loss scaling with skipped steps is ",
+               "the single-process trainer's only)");
+  const dtype compute = bf16 ? dtype::bf16 : dtype::f32;
   TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
                "parallel.recompute selective: selective activation checkpointing is not ",
                "available under a parallel plan yet (use full or none)");
@@ -118,11 +117,13 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     with_family(model, [&](auto family, auto c) {
       using F = typename decltype(family)::type;
       c.recompute = recompute;
-      if (plan.pp > 1)
-        I.stage =
-            std::make_unique<stage<F>>(c, dims, stage_options::of(plan, g.pp->rank(), shape), tg);
-      else
-        I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg);
+      if (plan.pp > 1) {
+        stage_options o = stage_options::of(plan, g.pp->rank(), shape);
+        o.type = compute;
+        I.stage = std::make_unique<stage<F>>(c, dims, o, tg);
+      } else {
+        I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg, compute);
+      }
     });
   if (plan.pp > 1) {
     auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
@@ -135,19 +136,18 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
   } else if (plan.tp == 1) {
-    I.model = make_causal_lm(model, dims, bf16 ? dtype::bf16 : dtype::f32, device::cpu(),
-                             {.recompute = recompute});
+    I.model = make_causal_lm(model, dims, compute, device::cpu(), {.recompute = recompute});
     I.piece = std::make_unique<model_producer>(*I.model);
     I.description = "whole model";
-    if (bf16) {
-      I.inner = std::move(I.piece);
-      I.piece = std::make_unique<mixed_piece>(*I.inner);
-      I.description += ", bf16 with f32 master weights";
-    }
   } else {
     I.piece = std::make_unique<model_producer>(*I.model, *g.tp);
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
+  }
+  if (bf16) {
+    I.inner = std::move(I.piece);
+    I.piece = std::make_unique<mixed_piece>(*I.inner);
+    I.description += ", bf16 with f32 master weights";
   }
   if (recompute) I.description += ", recompute";
   I.layout.slots = &I.piece->slots();

@@ -175,7 +175,7 @@ double pipeline_runner::ideal_bubble_fraction(int stages, int microbatches, int 
 
 int pipeline_runner::take_buffer() {
   if (free_.empty()) {
-    pool_.push_back(empty(stage_.boundary(), dtype::f32));
+    pool_.push_back(empty(stage_.boundary(), stage_.boundary_type()));
     return static_cast<int>(pool_.size()) - 1;
   }
   int i = free_.back();
@@ -357,7 +357,7 @@ void pipeline_runner::post_receives(std::size_t until) {
     buf = take_buffer();
     const auto k = static_cast<std::size_t>(a.microbatch * stage_.chunks() + a.chunk) * 2 +
                    (a.kind == action_kind::recv_grad ? 1 : 0);
-    recv_work_[k] = pp_.recv(pool_[buf].data(), n, dtype::f32, a.peer);
+    recv_work_[k] = pp_.recv(pool_[buf].data(), n, stage_.boundary_type(), a.peer);
   }
 }
 
@@ -387,7 +387,8 @@ void pipeline_runner::post_send(const action& a) {
                scheduler::describe(a), " before computing it");
   const auto n = static_cast<std::size_t>(stage_.boundary().numel());
   const double t = now();
-  sends_.push_back({pp_.send(pool_[buf].data(), n, dtype::f32, a.peer), buf, trace_.size()});
+  sends_.push_back(
+      {pp_.send(pool_[buf].data(), n, stage_.boundary_type(), a.peer), buf, trace_.size()});
   trace_.push_back({a, t, t});
   buf = -1;
   if (static_cast<int>(sends_.size()) > max_sends) {

@@ -17,7 +17,8 @@
 //                     order: before compute action k runs, every receive the list has before
 //                     compute action k + 1 is posted, so the next microbatch's input arrives
 //                     while this one computes; a compute action waits only for its own input.
-//                     Buffers are f32 [rows, T_local, C] from a pool that grows to the peak.
+//                     Buffers are [rows, T_local, C] in the stage's dtype (f32 or bf16), from a
+//                     pool that grows to the peak.
 //
 // Waiting less than the list's batches (each batch of consecutive transfers posted together and
 // waited, Megatron's batch_isend_irecv) never deadlocks where the batched list does not: every

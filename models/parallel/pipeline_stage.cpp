@@ -40,7 +40,10 @@ pipeline_stage::pipeline_stage(std::string what, std::int64_t n_layer, batch_dim
       stage_(o.stage),
       stages_(o.stages),
       chunks_(o.virtual_stages),
-      boundary_(boundary) {
+      boundary_(boundary),
+      type_(o.type) {
+  TROUPE_CHECK(o.type == dtype::f32 || o.type == dtype::bf16, what_,
+               ": a pipeline stage computes in f32 or bf16, not ", dtype_name(o.type));
   TROUPE_CHECK(o.stages >= 1 && o.stage >= 0 && o.stage < o.stages, what_, ": stage ", o.stage,
                " must be in [0, stages = ", o.stages, ")");
   TROUPE_CHECK(o.virtual_stages >= 1, what_, ": virtual_stages must be >= 1, got ",
@@ -87,10 +90,10 @@ void pipeline_stage::close_chunk(int chunk) {
 }
 
 void pipeline_stage::plan_memory() {
-  mem_ = layer_memory(slots_, dtype::f32, device::cpu());
+  mem_ = layer_memory(slots_, type_, device::cpu());
   const auto& all = slots_.slots();
   std::vector<char> owned(all.size(), 0);
-  if (recompute_) rerun_out_ = empty(boundary_, dtype::f32);
+  if (recompute_) rerun_out_ = empty(boundary_, type_);
   std::size_t tmp_bytes = 0;
   for (int c = 0; c < chunks_; ++c) {
     auto& ch = chunk_[c];
@@ -101,7 +104,7 @@ void pipeline_stage::plan_memory() {
     }
     if (!recompute_) tmp_bytes = std::max(tmp_bytes, swap_activation_pages(c));
     if (recompute_ && !holds_first(c)) {
-      ch.input = empty(boundary_, dtype::f32);
+      ch.input = empty(boundary_, type_);
       ch.state.push_back(ch.input);
     }
     if (holds_first(c)) ch.state.push_back(ids_);
@@ -220,6 +223,8 @@ void pipeline_stage::set_generation_shape(std::int64_t n_kv_head, std::int64_t h
 
 void pipeline_stage::begin_generation(std::int64_t batch, std::int64_t capacity) {
   TROUPE_CHECK(gen_shape_.n_layer > 0, what_, ": generation is not set up for this model");
+  TROUPE_CHECK(type_ == dtype::f32, what_, ": generation through pipeline stages runs in f32 ",
+               "only, this stage computes in ", dtype_name(type_));
   TROUPE_CHECK(in_flight() == 0, what_, ": generation cannot begin with ", in_flight(),
                " microbatches of a step in flight");
   tp_generation_plan p = gen_shape_;
@@ -334,12 +339,11 @@ void check_tokens(const tensor& t, batch_dims d, const std::string& what, int st
       "a pipeline has that shape), got ", describe(t));
 }
 
-void check_boundary(const tensor& t, const shape& s, const std::string& what, int stage, int mb,
-                    const char* name) {
-  TROUPE_CHECK(
-      t.defined() && t.type() == dtype::f32 && t.is_cpu() && t.is_contiguous() && t.sizes() == s,
-      what, " (stage ", stage, "): microbatch ", mb, " ", name, " must be f32 ", s.str(),
-      " on the host, got ", describe(t));
+void check_boundary(const tensor& t, const shape& s, dtype type, const std::string& what, int stage,
+                    int mb, const char* name) {
+  TROUPE_CHECK(t.defined() && t.type() == type && t.is_cpu() && t.is_contiguous() && t.sizes() == s,
+               what, " (stage ", stage, "): microbatch ", mb, " ", name, " must be ",
+               dtype_name(type), " ", s.str(), " on the host, got ", describe(t));
 }
 
 }  // namespace
@@ -354,11 +358,11 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
   if (holds_first(chunk))
     check_tokens(in, dims_, what_, stage_, mb, "ids");
   else
-    check_boundary(in, boundary_, what_, stage_, mb, "input activation");
+    check_boundary(in, boundary_, type_, what_, stage_, mb, "input activation");
   if (holds_last(chunk))
     check_tokens(targets, dims_, what_, stage_, mb, "targets");
   else
-    check_boundary(y, boundary_, what_, stage_, mb, "output activation");
+    check_boundary(y, boundary_, type_, what_, stage_, mb, "output activation");
   if (ch.live >= 0) stash(chunk, ch.live);  // keep the arena's microbatch for its backward
   if (holds_first(chunk)) std::memcpy(ids_.data(), in.data(), ids_.nbytes());
   if (holds_last(chunk)) {
@@ -388,8 +392,10 @@ void pipeline_stage::backward(int mb, int chunk, const tensor& dy, const tensor&
   auto& pend = pending_[at];
   TROUPE_CHECK(pend == 1, what_, " (stage ", stage_, "): backward of microbatch ", mb, " chunk ",
                chunk, pend == 2 ? " ran twice" : " without its forward");
-  if (!holds_last(chunk)) check_boundary(dy, boundary_, what_, stage_, mb, "output gradient");
-  if (!holds_first(chunk)) check_boundary(dx, boundary_, what_, stage_, mb, "input gradient");
+  if (!holds_last(chunk))
+    check_boundary(dy, boundary_, type_, what_, stage_, mb, "output gradient");
+  if (!holds_first(chunk))
+    check_boundary(dx, boundary_, type_, what_, stage_, mb, "input gradient");
   if (ch.live != mb) {
     if (ch.live >= 0) stash(chunk, ch.live);
     restore(chunk, mb);

@@ -32,8 +32,9 @@
 // layers save in forward point into the arena and are valid for any microbatch of that shape.
 //
 // forward / backward run one (microbatch, chunk); the tensors passed between virtual stages are
-// f32 [dims.batch, T_local, dim] (boundary(); T_local = T / tp with sequence parallelism). Host
-// (CPU) and f32 only.
+// [dims.batch, T_local, dim] (boundary(); T_local = T / tp with sequence parallelism) in the
+// stage's dtype (boundary_type(): stage_options::type, f32 or bf16). Host (CPU) only; generation
+// in f32 only.
 #pragma once
 
 #include <cstddef>
@@ -60,6 +61,9 @@ struct stage_options {
   // Block boundaries of the p * v virtual stages (p * v + 1 entries: virtual stage k holds blocks
   // [first[k], first[k + 1])), e.g. scheduler::balanced_partition(...).first; empty: even split.
   std::vector<int> first;
+  // The stage's parameters, gradients, activations and boundary tensors: f32, or bf16 (trained
+  // under mixed_piece.hpp with f32 master weights).
+  dtype type = dtype::f32;
 
   // Stage `stage` of plan.pp with plan.virtual_stages chunks, even split.
   static stage_options of(const scheduler::parallel_plan& plan, int stage);
@@ -93,6 +97,7 @@ class pipeline_stage {
   std::int64_t end_block(int chunk) const;
   // The shape of an activation or gradient passed between virtual stages.
   const shape& boundary() const { return boundary_; }
+  dtype boundary_type() const { return type_; }  // the stage's dtype (stage_options::type)
 
   // Starts a step of `microbatches`, dropping whatever a failed step left in flight.
   void begin_step(int microbatches);
@@ -238,6 +243,7 @@ class pipeline_stage {
   int stage_, stages_, chunks_;
   std::vector<int> first_;  // p * v + 1 block boundaries
   shape boundary_;
+  dtype type_;
   std::vector<chunk_state> chunk_;
   // per (chunk, mb): 0 idle, 1 forward done, 2 split backward done (its weight pass not)
   std::vector<char> pending_;

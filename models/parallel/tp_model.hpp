@@ -12,7 +12,8 @@
 // collectives). Generation (tp_generation.hpp): every shard runs a step's new positions whole,
 // also with SP (a prompt longer than the shard's rows runs as several cached passes), its
 // attention over a kv cache of its heads, and the head's vocabulary columns of the last position
-// are gathered into the full [B, V] on every shard. Host (CPU) and f32 only.
+// are gathered into the full [B, V] on every shard. Host (CPU); trains in f32 or bf16 (the memory's
+// dtype; bf16 under mixed_piece.hpp with f32 master weights), generates in f32 only.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +32,8 @@ class tp_model {
  public:
   using config_type = typename F::config;
 
-  tp_model(const config_type& cfg, batch_dims dims, tp_group tp);
+  // t: the dtype of the shard's parameters, gradients and activations (f32 or bf16).
+  tp_model(const config_type& cfg, batch_dims dims, tp_group tp, dtype t = dtype::f32);
   tp_model(const tp_model&) = delete;
   tp_model& operator=(const tp_model&) = delete;
 
@@ -78,11 +80,13 @@ class tp_model {
 // ---- definitions (instantiated with the families' tp parts) ------------------------------------
 
 template <tp_family F>
-tp_model<F>::tp_model(const config_type& cfg, batch_dims dims, tp_group tp)
+tp_model<F>::tp_model(const config_type& cfg, batch_dims dims, tp_group tp, dtype t)
     : tp_(tp), dims_(dims), trunk_(cfg, dims, tp, std::string("tp_") + F::name) {
+  TROUPE_CHECK(t == dtype::f32 || t == dtype::bf16, trunk_.who(),
+               ": a tensor shard computes in f32 or bf16, not ", dtype_name(t));
   trunk_.declare(slots_, all(), config().recompute);
   trunk_.declare_scratch(slots_);
-  mem_ = layer_memory(slots_, dtype::f32, device::cpu());
+  mem_ = layer_memory(slots_, t, device::cpu());
   trunk_.bind_tied_head();
 }
 
@@ -114,6 +118,9 @@ void tp_model<F>::backward(double loss_scale) {
 
 template <tp_family F>
 void tp_model<F>::begin_generation(std::int64_t batch, std::int64_t capacity) {
+  TROUPE_CHECK(mem_.params().type() == dtype::f32, trunk_.who(),
+               ": generation from a tensor shard runs in f32 only, this shard computes in ",
+               dtype_name(mem_.params().type()));
   const auto& a = trunk_.attention_of().cfg;  // the shard's heads
   begin_tp_generation(gen_,
                       {.n_layer = config().n_layer,

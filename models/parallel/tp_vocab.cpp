@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
@@ -143,37 +144,74 @@ vocab_parallel_cross_entropy::vocab_parallel_cross_entropy(const config& c, tp_g
 void vocab_parallel_cross_entropy::declare(slot_list& s, std::string_view name, batch_dims b) {
   auto sc = s.enter(name);
   label = "vocab_parallel_cross_entropy '" + s.prefix() + "'";
-  s.activation("row_max", {b.rows()}, row_max);
-  s.activation("sum_exp", {b.rows()}, sum_exp);
-  s.activation("losses", {b.rows()}, losses);
-  s.scratch("tp_buf", {2 * b.rows()}, scratch);
+  // Twice the rows: room for f32 statistics in the bytes of a bf16 memory (stats_of).
+  s.activation("row_max", {2 * b.rows()}, row_max);
+  s.activation("sum_exp", {2 * b.rows()}, sum_exp);
+  s.activation("losses", {2 * b.rows()}, losses);
+  s.scratch("tp_buf", {4 * b.rows()}, scratch);
 }
 
 namespace {
 
+// The statistics' element type for logits of element type T: the logits' own for f32 and f64, f32
+// for bf16 (its 8-bit mantissa would put a row's log-sum-exp off by up to 2^-5).
+template <class T>
+using stat_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T>
+stat_t<T> load(T v) {
+  if constexpr (std::is_same_v<T, std::uint16_t>)
+    return bf16_bits_to_f32(v);
+  else
+    return v;
+}
+
+template <class T>
+T store(double v) {
+  if constexpr (std::is_same_v<T, std::uint16_t>)
+    return f32_to_bf16_bits(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
+}
+
+// The first n statistics of a planned activation (declared with twice the rows) as S.
+template <class S>
+S* stats_of(const tensor& t, std::int64_t n) {
+  TROUPE_CHECK(static_cast<std::size_t>(n) * sizeof(S) <= t.nbytes(),
+               "vocab_parallel_cross_entropy: ", n, " statistics do not fit ", t.describe());
+  return static_cast<S*>(t.data());
+}
+
 template <class T>
 double ce_forward(vocab_parallel_cross_entropy& l, std::int64_t n) {
+  using S = stat_t<T>;
   std::int64_t v = l.local_vocab;
   const T* x = static_cast<const T*>(l.logits.data());
-  T* mx = static_cast<T*>(l.row_max.data());
-  T* se = static_cast<T*>(l.sum_exp.data());
-  T* lo = static_cast<T*>(l.losses.data());
-  T* buf = static_cast<T*>(l.scratch.data());
-  for (std::int64_t i = 0; i < n; ++i) mx[i] = *std::max_element(x + i * v, x + (i + 1) * v);
+  S* mx = stats_of<S>(l.row_max, n);
+  S* se = stats_of<S>(l.sum_exp, n);
+  S* lo = stats_of<S>(l.losses, n);
+  S* buf = stats_of<S>(l.scratch, 2 * n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    S m = load(x[i * v]);
+    for (std::int64_t j = 1; j < v; ++j) m = std::max(m, load(x[i * v + j]));
+    mx[i] = m;
+  }
   if (l.tp.size() > 1 && n > 0)
     l.tp.comm
-        ->allreduce(mx, static_cast<std::size_t>(n), l.logits.type(),
+        ->allreduce(mx, static_cast<std::size_t>(n), dtype_of<S>,
                     {.op = collective::reduce_op::max})
         .wait();
   for (std::int64_t i = 0; i < n; ++i) {
     double s = 0;
-    for (std::int64_t j = 0; j < v; ++j) s += std::exp(static_cast<double>(x[i * v + j]) - mx[i]);
+    for (std::int64_t j = 0; j < v; ++j)
+      s += std::exp(static_cast<double>(load(x[i * v + j])) - mx[i]);
     std::int64_t t = id_at(l.targets, i);
     bool mine = t >= l.vocab_start && t < l.vocab_start + v;
-    buf[i] = static_cast<T>(s);
-    buf[n + i] = mine ? x[i * v + (t - l.vocab_start)] : T(0);
+    buf[i] = static_cast<S>(s);
+    buf[n + i] = mine ? load(x[i * v + (t - l.vocab_start)]) : S(0);
   }
-  allreduce_sum(l.tp, l.scratch.reshape({l.scratch.numel()}).narrow(0, 0, 2 * n));
+  if (l.tp.size() > 1 && n > 0)
+    l.tp.comm->allreduce(buf, static_cast<std::size_t>(2 * n), dtype_of<S>).wait();
   double total = 0;
   l.count = 0;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -183,7 +221,7 @@ double ce_forward(vocab_parallel_cross_entropy& l, std::int64_t n) {
       lo[i] = 0;
       continue;
     }
-    lo[i] = static_cast<T>(std::log(static_cast<double>(buf[i])) + mx[i] - buf[n + i]);
+    lo[i] = static_cast<S>(std::log(static_cast<double>(buf[i])) + mx[i] - buf[n + i]);
     total += lo[i];
     ++l.count;
   }
@@ -193,22 +231,23 @@ double ce_forward(vocab_parallel_cross_entropy& l, std::int64_t n) {
 template <class T>
 void ce_backward(vocab_parallel_cross_entropy& l, const tensor& dlogits, std::int64_t n,
                  double scale) {
+  using S = stat_t<T>;
   std::int64_t v = l.local_vocab;
   const T* x = static_cast<const T*>(l.logits.data());
   T* dx = static_cast<T*>(dlogits.data());
-  const T* mx = static_cast<const T*>(l.row_max.data());
-  const T* se = static_cast<const T*>(l.sum_exp.data());
+  const S* mx = stats_of<S>(l.row_max, n);
+  const S* se = stats_of<S>(l.sum_exp, n);
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t t = id_at(l.targets, i);
     if (t == l.cfg.ignore_index) {
-      std::fill(dx + i * v, dx + (i + 1) * v, T(0));
+      std::fill(dx + i * v, dx + (i + 1) * v, store<T>(0.0));
       continue;
     }
     double inv = 1.0 / static_cast<double>(se[i]);
     for (std::int64_t j = 0; j < v; ++j) {
-      double p = std::exp(static_cast<double>(x[i * v + j]) - mx[i]) * inv;
+      double p = std::exp(static_cast<double>(load(x[i * v + j])) - mx[i]) * inv;
       if (j + l.vocab_start == t) p -= 1.0;
-      dx[i * v + j] = static_cast<T>(p * scale);
+      dx[i * v + j] = store<T>(p * scale);
     }
   }
 }
@@ -218,8 +257,9 @@ void ce_backward(vocab_parallel_cross_entropy& l, const tensor& dlogits, std::in
 double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tensor& targets_in) {
   TROUPE_CHECK(logits_in.defined() && logits_in.dim() >= 1 && logits_in.size(-1) == local_vocab &&
                    logits_in.is_cpu() && logits_in.is_contiguous() &&
-                   (logits_in.type() == dtype::f32 || logits_in.type() == dtype::f64),
-               label, ": logits must be contiguous f32 or f64 [..., ", local_vocab,
+                   (logits_in.type() == dtype::f32 || logits_in.type() == dtype::f64 ||
+                    logits_in.type() == dtype::bf16),
+               label, ": logits must be contiguous f32, f64 or bf16 [..., ", local_vocab,
                "] (the shard's vocabulary columns) on the host, got ", describe(logits_in));
   shape rows = logits_in.sizes();
   rows.erase(rows.rank() - 1);
@@ -229,7 +269,7 @@ double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tens
   TROUPE_CHECK(row_max.defined() && row_max.type() == logits_in.type(), label,
                ": the layer's memory must have the logits' dtype");
   std::int64_t n = leading_rows(logits_in.sizes());
-  planned_view(losses, {n}, label, "losses");  // checks the planned size
+  planned_view(losses, {2 * n}, label, "losses");  // checks the planned size
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t t = id_at(targets_in, i);
     TROUPE_CHECK(t == cfg.ignore_index || (t >= 0 && t < cfg.vocab), label, ": target ", t,
@@ -242,7 +282,14 @@ double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tens
     count = ops::cross_entropy(logits, targets, l, tensor{}, 0.0, cfg.ignore_index);
     return count == 0 ? 0.0 : ops::sum(l) / static_cast<double>(count);
   }
-  return logits.type() == dtype::f32 ? ce_forward<float>(*this, n) : ce_forward<double>(*this, n);
+  switch (logits.type()) {
+    case dtype::f32:
+      return ce_forward<float>(*this, n);
+    case dtype::f64:
+      return ce_forward<double>(*this, n);
+    default:
+      return ce_forward<std::uint16_t>(*this, n);  // bf16
+  }
 }
 
 void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss) {
@@ -257,10 +304,16 @@ void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss)
     ops::cross_entropy(logits, targets, losses.narrow(0, 0, n), dlogits, scale, cfg.ignore_index);
     return;
   }
-  if (logits.type() == dtype::f32)
-    ce_backward<float>(*this, dlogits, n, scale);
-  else
-    ce_backward<double>(*this, dlogits, n, scale);
+  switch (logits.type()) {
+    case dtype::f32:
+      ce_backward<float>(*this, dlogits, n, scale);
+      break;
+    case dtype::f64:
+      ce_backward<double>(*this, dlogits, n, scale);
+      break;
+    default:
+      ce_backward<std::uint16_t>(*this, dlogits, n, scale);  // bf16
+  }
 }
 
 }  // namespace troupe::models

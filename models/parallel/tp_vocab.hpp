@@ -12,7 +12,9 @@
 // shard (tp_group{}: a pipeline stage without tensor parallelism) both are the fused
 // ops::cross_entropy, the single-process model's kernel (f32 statistics, vectorized exp): the f64
 // loops above cost a pipeline's last stage about 5% of its compute on gpt2-demo.
-// Both run on the host (the ids, targets and statistics are read by plain loops) and f32 / f64.
+// Both run on the host (the ids, targets and statistics are read by plain loops) in f32, f64 or
+// bf16; with bf16 logits the cross-entropy's statistics and per-position losses are f32 and the
+// logits' gradient is rounded once to bf16 (the single-process kernel's choice, tensor/ops.hpp).
 #pragma once
 
 #include <cstdint>
@@ -67,10 +69,12 @@ struct vocab_parallel_cross_entropy {
   std::string label = "vocab_parallel_cross_entropy";
   std::int64_t vocab_start = 0, local_vocab = 0;
 
-  tensor logits, targets;           // saved views of the caller's tensors
-  tensor row_max, sum_exp, losses;  // activations [rows]
-  tensor scratch;                   // [2 rows], the allreduce buffer
-  std::int64_t count = 0;           // positions not ignored in the last forward
+  tensor logits, targets;  // saved views of the caller's tensors
+  // Activations [2 rows]: the per-row statistics in the logits' dtype, or f32 for bf16 logits
+  // (in the first rows x 4 bytes); scratch [4 rows], the allreduce buffer.
+  tensor row_max, sum_exp, losses;
+  tensor scratch;
+  std::int64_t count = 0;  // positions not ignored in the last forward
 
   vocab_parallel_cross_entropy() = default;
   vocab_parallel_cross_entropy(const config& c, tp_group g);
