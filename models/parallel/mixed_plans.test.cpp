@@ -94,7 +94,8 @@ scheduler::parallel_plan plan_of(int dp, int pp, int tp, bool sp = false) {
 }
 
 // fn(rank, groups) on one thread per rank of the plan's dp x pp x tp grid (local groups); a
-// failing rank aborts every communicator, and the first failure is rethrown.
+// failing rank aborts every communicator, and the first failure (not the aborts it caused
+// elsewhere) is rethrown.
 void run_plan(const scheduler::parallel_plan& plan,
               const std::function<void(int, const hybrid_groups&)>& fn) {
   const int n = plan.world_size();
@@ -108,6 +109,7 @@ void run_plan(const scheduler::parallel_plan& plan,
           collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
   std::vector<std::exception_ptr> err(n);
   std::mutex mu;
+  int first = -1;  // the rank that failed first
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
@@ -117,13 +119,13 @@ void run_plan(const scheduler::parallel_plan& plan,
       } catch (...) {
         err[r] = std::current_exception();
         std::lock_guard lk(mu);
+        if (first < 0) first = r;
         for (auto& rc : comms)
           for (auto& c : rc) c->abort("rank " + std::to_string(r) + " failed");
       }
     });
   for (auto& t : threads) t.join();
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
+  if (first >= 0) std::rethrow_exception(err[first]);
 }
 
 // The single-process bf16 trainer (f32 master weights): steps [0, steps), saved into `dir`.
