@@ -300,8 +300,8 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
   bind<&train_config::precision>(
       *c, sub, "--precision",
-      "f32, bf16 (f32 master weights), f16 (+ dynamic loss scaling) or f64 (the "
-      "reference that f32 runs are judged against; slow)");
+      "f32, bf16 (f32 master weights; under any plan), f16 (+ dynamic loss scaling; one "
+      "process) or f64 (the reference that f32 runs are judged against; one process, slow)");
   bind<&train_config::recompute>(*c, sub, "--recompute",
                                  "Activation checkpointing: keep only each block's input and run "
                                  "its forward again in backward");

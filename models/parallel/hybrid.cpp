@@ -99,8 +99,8 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // f16's loss scaling with skipped steps is the single-process trainer's alone.
   const bool bf16 = cfg.precision == "bf16";
   TROUPE_CHECK(cfg.precision == "f32" || bf16, "train.precision ", cfg.precision,
-               ": parallel plans train in f32 or bf16 (f16's loss scaling with skipped steps is ",
-               "the single-process trainer's only)");
+               ": parallel plans train in f32 or bf16 (f16's loss scaling with skipped steps and ",
+               "the f64 reference are the single-process trainer's only)");
   const dtype compute = bf16 ? dtype::bf16 : dtype::f32;
   TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
                "parallel.recompute selective: selective activation checkpointing is not ",

@@ -1,9 +1,10 @@
-// mixed_piece: a model piece that computes in bf16, presented to the data-parallel engine
-// (data_parallel.hpp) as an f32 piece: the engine reduces f32 gradients, clips, shards and steps
-// f32 master weights with AdamW, exactly as it does for an f32 piece, and the piece's bf16
-// parameters are the master weights rounded - the single-process trainer's mixed precision
-// (models/trainer.hpp), with the data-parallel reduction between the 16-bit gradients and the
-// update.
+// mixed_piece: a model piece that computes in bf16 (the whole model, a tensor shard, a pipeline
+// stage's runner or a shard of a stage: hybrid.cpp builds it under every plan), presented to the
+// data-parallel engine (data_parallel.hpp) as an f32 piece: the engine reduces f32 gradients,
+// clips, shards and steps f32 master weights with AdamW, exactly as it does for an f32 piece, and
+// the piece's bf16 parameters are the master weights rounded - the single-process trainer's mixed
+// precision (models/trainer.hpp), with the data-parallel reduction between the 16-bit gradients
+// and the update.
 //
 // A step: the master weights (gathered by the engine first under ZeRO 3) are rounded into the
 // inner piece's parameters, the inner piece runs its microbatches (bf16 forward and backward,
