@@ -259,12 +259,15 @@ TEST_CASE("Tensor shards and pipeline stages in bf16 train as accurately as the 
   zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
   auto tp_zero3 = plan_of(2, 1, 2);
   tp_zero3.zero = 3;
+  auto recompute = plan_of(1, 2, 2, /*sp=*/true);
+  recompute.recompute = scheduler::recompute_policy::full;
   const std::vector<row> rows = {{plan_of(1, 1, 2, /*sp=*/true), true},
                                  {plan_of(1, 2, 1), true},
                                  {plan_of(2, 2, 2), true},
                                  {interleaved, false},
                                  {zero_bubble, false},
-                                 {tp_zero3, false}};
+                                 {tp_zero3, false},
+                                 {recompute, false}};
   const train_config c = bf16_run();
   for (bool llama : {false, true}) {
     temp_dir tmp;
@@ -286,8 +289,9 @@ TEST_CASE("Tensor shards and pipeline stages in bf16 train as accurately as the 
 
 // A bf16 plan's checkpoint holds the f32 master weights and AdamW's moments in the whole layout,
 // as an f32 plan's: 3 steps under tp2 + SP, the rest under dp2 x pp2, and in one process, end as
-// accurately as the uninterrupted single-process bf16 run.
-TEST_CASE("A bf16 plan's checkpoint resumes under another plan and in one process", "[parallel]") {
+// accurately as the uninterrupted single-process bf16 run; so does the single process's bf16
+// checkpoint resumed under pp2 x tp2.
+TEST_CASE("bf16 checkpoints move between plans and the single process", "[parallel]") {
   const train_config c = bf16_run();
   temp_dir tmp;
   const std::string ref_dir = (tmp / "single").string();
@@ -309,6 +313,27 @@ TEST_CASE("A bf16 plan's checkpoint resumes under another plan and in one proces
     rest.resume = half;
     const std::string dir = (tmp / "rest").string();
     const auto got = planned(false, rest, plan_of(2, 2, 1), dir);
+    REQUIRE(got.steps.size() == 3);
+    std::vector<step_result> want(ref.begin() + 3, ref.end());
+    testing::exact_run x = exact.run;
+    x.loss.erase(x.loss.begin(), x.loss.begin() + 3);
+    x.grad_norm.erase(x.grad_norm.begin(), x.grad_norm.begin() + 3);
+    check_steps(got.steps, want, x);
+    check_weights(false, dir, ref_dir, exact);
+  }
+  SECTION("from one process") {
+    // The single process's bf16 checkpoint after 3 steps, resumed under pp2 x tp2.
+    const auto model = model_of(false);
+    auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::bf16);
+    m->init_weights(c.seed);
+    trainer t(*m, c);
+    for (int s = 0; s < 3; ++s) t.step(rows_of);
+    const std::string from = (tmp / "from-one").string();
+    t.save(from, model).value();
+    train_config rest = c;
+    rest.resume = from;
+    const std::string dir = (tmp / "rest").string();
+    const auto got = planned(false, rest, plan_of(1, 2, 2), dir);
     REQUIRE(got.steps.size() == 3);
     std::vector<step_result> want(ref.begin() + 3, ref.end());
     testing::exact_run x = exact.run;
