@@ -316,6 +316,7 @@ struct ucx_transport::impl {
   mutable std::condition_variable refuse_cv_;
   std::vector<std::string> refusal_log;  // refuse_mu_, the last 64
   std::uint64_t refused_count = 0;       // refuse_mu_
+  std::uint64_t held_count = 0;          // refuse_mu_: handshake messages held for connect()
 
   std::atomic<std::uint64_t> sent{0}, received{0};
   std::atomic<std::uint32_t> completions{0};  // futex word bumped by every completion
@@ -543,9 +544,21 @@ struct ucx_transport::impl {
       return;
     }
     auto& ps = peers[m.from];
-    if (ps.registered.empty()) {  // not connected yet: keep it for connect()
+    bool lost = false;
+    {
+      std::lock_guard lk(mu_);  // hs_mu_ -> mu_: no UCX call under either here
+      lost = !ps.failure.empty();
+    }
+    // Not connected yet, or lost and not yet re-connected (a replacement's hello can come before
+    // this rank learns its address): keep it for connect().
+    if (ps.registered.empty() || lost) {
       if (ps.deferred.size() < 16) {
         ps.deferred.emplace_back(tag, bytes);
+        {
+          std::lock_guard lk(refuse_mu_);
+          ++held_count;
+        }
+        refuse_cv_.notify_all();
       } else {
         refuse(m.from, "too many handshake messages before rank " + std::to_string(m.from) +
                            " was connected");
@@ -1065,7 +1078,12 @@ void ucx_transport::connect(int peer, std::span<const std::uint8_t> address) {
     lost = m.peers[peer].failure;
   }
   if (!lost.empty()) {
-    // Re-joining a lost rank: its old endpoint goes first (it may still await a deferred close).
+    // Re-joining a lost rank: hellos wait for the new address from here on (the old one is no
+    // longer the rank's), and its old endpoint goes first (it may still await a deferred close).
+    {
+      std::lock_guard hk(m.hs_mu_);
+      m.peers[peer].registered.clear();
+    }
     m.close_endpoint(peer, "rank " + std::to_string(peer) + " lost: " + lost);
   } else {
     std::lock_guard ck(m.connect_mu_);
@@ -1168,6 +1186,17 @@ std::vector<std::string> ucx_transport::refusals() const {
 bool ucx_transport::await_refusals(std::uint64_t count, std::chrono::milliseconds timeout) const {
   std::unique_lock lk(impl_->refuse_mu_);
   return impl_->refuse_cv_.wait_for(lk, timeout, [&] { return impl_->refused_count >= count; });
+}
+
+std::uint64_t ucx_transport::held_handshakes() const {
+  std::lock_guard lk(impl_->refuse_mu_);
+  return impl_->held_count;
+}
+
+bool ucx_transport::await_held_handshakes(std::uint64_t count,
+                                          std::chrono::milliseconds timeout) const {
+  std::unique_lock lk(impl_->refuse_mu_);
+  return impl_->refuse_cv_.wait_for(lk, timeout, [&] { return impl_->held_count >= count; });
 }
 
 bool ucx_transport::connected(int peer) const {

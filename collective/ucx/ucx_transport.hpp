@@ -107,6 +107,11 @@ class ucx_transport : public transport {
   std::vector<std::string> refusals() const;
   // Blocks until at least `count` handshakes were refused or `timeout` passes; returns whether.
   bool await_refusals(std::uint64_t count, std::chrono::milliseconds timeout) const;
+  // Handshake messages held until connect() gives their sender's address (a peer that said hello
+  // first, or a lost rank's replacement before this rank learns its address), counted since the
+  // start; and a wait for at least `count` of them.
+  std::uint64_t held_handshakes() const;
+  bool await_held_handshakes(std::uint64_t count, std::chrono::milliseconds timeout) const;
 
   int rank() const override;
   int size() const override;

@@ -590,6 +590,28 @@ TEST_CASE("A UCX peer without the job token is refused and its bytes match no re
               refusal.c_str());
 }
 
+TEST_CASE("A lost rank's replacement that says hello before its address is known is accepted",
+          "[collective][ucx]") {
+  pair_of_transports p;
+  p.a.fail_peer(1, "killed in the test");
+  // The replacement (a new process taking rank 1's place) connects first: its hello reaches
+  // rank 0 while rank 0 still has the lost rank's address, and waits for rank 0's connect.
+  ucx_transport replacement(options_for(1, 2));
+  replacement.connect(0, p.a.address());
+  REQUIRE(p.a.await_held_handshakes(1, 60s));
+  p.a.connect(1, replacement.address());
+  p.a.authenticate(60s);
+  replacement.authenticate(60s);
+  CHECK(p.a.refused() == 0);
+  CHECK(p.a.authenticated(1));
+  std::uint32_t got = 0, sent = 0x5eed;
+  auto r = p.a.irecv(1, 5, &got, 4);
+  auto s = replacement.isend(0, 5, &sent, 4);
+  replacement.wait(s, 60s);
+  p.a.wait(r, 60s);
+  CHECK(got == sent);
+}
+
 TEST_CASE("A member posing as another rank on the UCX data plane is refused",
           "[collective][ucx][faults]") {
   ucx_transport a(options_for(0, 3)), b(options_for(1, 3)), c(options_for(2, 3));
