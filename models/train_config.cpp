@@ -272,8 +272,10 @@ void validate_memory(const train_config& c) {
   }
   need(c.mem_nvme_capacity == 0 || !c.mem_nvme_dir.empty(), "memory.nvme_capacity",
        "needs memory.nvme_dir (--nvme-dir)");
-  need(c.precision == "f32", "memory.device (--device-memory)",
-       "needs train.precision = \"f32\" (the tiers train in f32), got '" + c.precision + "'");
+  need(c.precision == "f32" || c.precision == "bf16", "memory.device (--device-memory)",
+       "needs train.precision = \"f32\" or \"bf16\" (the tiers train in f32, or in bf16 with f32 "
+       "master weights), got '" +
+           c.precision + "'");
   need(c.plan.world_size() == 1, "memory.device (--device-memory)",
        "trains in one process: parallel.dp, tp and pp must be 1");
 }
