@@ -217,11 +217,13 @@ memory_reply memory_line(role_context& ctx, trainer_state& st) {
   TROUPE_CHECK(st.hybrid, ctx.name(), ": memory report before setup");
   const auto peak = models::param_bytes().peak;
   const auto whole = st.hybrid->whole().numel * static_cast<std::int64_t>(sizeof(float));
+  const std::string tiers = st.hybrid->moment_tiers_line();
   return {
       fmt::format("rank {} memory: parameters {} bytes at peak (whole model {} bytes, {:.1f}%), "
-                  "host buffers {:.1f} MiB at peak, VmHWM {:.1f} MiB",
+                  "host buffers {:.1f} MiB at peak, VmHWM {:.1f} MiB{}",
                   ctx.node().rank(), peak, whole, 100.0 * peak / std::max<std::int64_t>(whole, 1),
-                  memory::stats(memory::tier::host).peak / 1048576.0, peak_rss_kb() / 1024.0)};
+                  memory::stats(memory::tier::host).peak / 1048576.0, peak_rss_kb() / 1024.0,
+                  tiers.empty() ? std::string() : "; " + tiers)};
 }
 
 save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {

@@ -195,7 +195,9 @@ int run_train(train_cli& c) {
   // Started by a launcher (troupe launch, Slurm, torchrun): one rank of a hybrid-parallel run.
   // Rank 0 writes the checkpoints: it checks their folder before it joins, so that a refusal
   // ends the job at once.
-  if (auto join = actors::join_info_from_env(); join.has_value() && !cfg.tiers()) {
+  // With memory tiers on several ranks the engine pages its ZeRO shard's optimizer state.
+  if (auto join = actors::join_info_from_env();
+      join.has_value() && (!cfg.tiers() || cfg.plan.world_size() > 1)) {
     if (join->rank == 0 && !cfg.ckpt_dir.empty())
       fmt::print("{}\n", checked_checkpoint_dir(cfg.ckpt_dir));
     return run_hybrid(c, cfg);

@@ -182,18 +182,24 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
       models::check_steps_left(step, cfg, cfg.resume);
       fmt::print("resumed {} at step {}\n", cfg.resume, step);
     } else {
+      // bf16: the weights start as the plain bf16 trainer's do, in a bf16 model (the initial
+      // draws rounded once), whose values the trainer takes as its f32 master weights.
+      std::unique_ptr<models::causal_lm> init16;
+      if (cfg.precision == "bf16") init16 = models::make_causal_lm(mcfg, {1, 1}, dtype::bf16);
+      models::causal_lm& init = init16 ? *init16 : *staging;
       if (!cfg.model_hf.empty())
-        models::hf::load_weights(cfg.model_hf, mcfg, staging->slots()).value();
+        models::hf::load_weights(cfg.model_hf, mcfg, init.slots()).value();
       else
-        staging->init_weights(cfg.seed);
-      tr.set_weights(staging->slots());
+        init.init_weights(cfg.seed);
+      tr.set_weights(init.slots());
     }
     const auto& l = tr.chunking().layout;
-    fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}\n",
+    fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}{}\n",
                hooks.model_label,
                std::holds_alternative<models::hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
                static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
-               cfg.grad_accum, cfg.recompute ? " (recompute)" : "");
+               cfg.grad_accum, cfg.recompute ? " (recompute)" : "",
+               cfg.precision == "bf16" ? "; bf16 with f32 master weights" : "");
     fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
     fmt::print(
         "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "

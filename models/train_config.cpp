@@ -272,10 +272,26 @@ void validate_memory(const train_config& c) {
   }
   need(c.mem_nvme_capacity == 0 || !c.mem_nvme_dir.empty(), "memory.nvme_capacity",
        "needs memory.nvme_dir (--nvme-dir)");
-  need(c.precision == "f32", "memory.device (--device-memory)",
-       "needs train.precision = \"f32\" (the tiers train in f32), got '" + c.precision + "'");
-  need(c.plan.world_size() == 1, "memory.device (--device-memory)",
-       "trains in one process: parallel.dp, tp and pp must be 1");
+  need(c.precision == "f32" || c.precision == "bf16", "memory.device (--device-memory)",
+       "needs train.precision = \"f32\" or \"bf16\" (the tiers train in f32, or in bf16 with f32 "
+       "master weights), got '" +
+           c.precision + "'");
+  // Several ranks: data parallelism with a ZeRO shard, whose moments the tiers hold
+  // (models/parallel/paged_moments.hpp); the shard's parameters and gradients stay in the engine.
+  if (c.plan.world_size() > 1) {
+    const char* several = "memory.device (--device-memory) on several ranks";
+    need(c.plan.tp == 1 && c.plan.pp == 1 && c.plan.zero >= 1, several,
+         "pages the ZeRO shard's optimizer state of data-parallel ranks: it needs parallel.zero "
+         ">= 1 (--zero) and parallel.tp = parallel.pp = 1");
+    need(c.mem_offload_params <= 0, "memory.offload_params (--offload-params)",
+         "on several ranks: the ZeRO shard's parameters stay with the data-parallel engine (only "
+         "its optimizer state is paged)");
+    need(c.mem_offload_optimizer == -1 || c.mem_offload_optimizer == 1,
+         "memory.offload_optimizer (--offload-optimizer)",
+         "on several ranks: the whole optimizer state is paged (1), not a fraction");
+    need(c.mem_params_tier.empty(), "memory.params_tier",
+         "on several ranks: the ZeRO shard's parameters stay with the data-parallel engine");
+  }
 }
 
 }  // namespace

@@ -188,9 +188,13 @@ TEST_CASE("memory table mistakes name the key and the flag") {
                     "memory.params_tier = \"nvme\" needs memory.nvme_dir"},
            bad_case{"[memory]\ndevice = \"8M\"\nnvme_capacity = \"1G\"\n",
                     "memory.nvme_capacity needs memory.nvme_dir"},
-           bad_case{"[memory]\ndevice = \"8M\"\n[train]\nprecision = \"bf16\"\n",
-                    "needs train.precision = \"f32\""},
-           bad_case{"[memory]\ndevice = \"8M\"\n[parallel]\ndp = 2\n", "parallel.dp, tp and pp"},
+           bad_case{"[memory]\ndevice = \"8M\"\n[train]\nprecision = \"f16\"\n",
+                    "needs train.precision = \"f32\" or \"bf16\""},
+           bad_case{"[memory]\ndevice = \"8M\"\n[parallel]\ndp = 2\n", "parallel.zero >= 1"},
+           bad_case{"[memory]\ndevice = \"8M\"\n[parallel]\ndp = 2\ntp = 2\nzero = 1\n",
+                    "parallel.tp = parallel.pp = 1"},
+           bad_case{"[memory]\ndevice = \"8M\"\noffload_params = 1\n[parallel]\ndp = 2\nzero = 3\n",
+                    "memory.offload_params (--offload-params) on several ranks"},
        }) {
     auto c = parse_train_config(text, "job.toml");
     INFO(text);
@@ -213,4 +217,16 @@ TEST_CASE("parallel.collective_timeout is 600 s unless the job file says otherwi
   CHECK(bad.error_message().find(
             "job.toml: parallel.collective_timeout must be seconds in [0, 1e7]") !=
         std::string::npos);
+}
+
+TEST_CASE("The memory tiers take bf16 and data-parallel ZeRO ranks") {
+  auto bf16 = parse_train_config("[memory]\ndevice = \"8M\"\n[train]\nprecision = \"bf16\"\n", "a");
+  REQUIRE(bf16.has_value());
+  CHECK(bf16->tiers());
+  auto zero3 = parse_train_config(
+      "[memory]\ndevice = \"8M\"\noffload = \"auto\"\nnvme_dir = \"/tmp/t\"\n[parallel]\ndp = 2\n"
+      "zero = 3\n",
+      "b");
+  REQUIRE(zero3.has_value());
+  CHECK(zero3->plan.world_size() == 2);
 }

@@ -65,6 +65,14 @@ memory::tier_manager_options manager_options(const offload_options& o) {
   return m;
 }
 
+// The model's dtype for train.precision: f32, or bf16 with f32 master weights.
+dtype compute_of(const train_config& cfg) {
+  TROUPE_CHECK(cfg.precision == "f32" || cfg.precision == "bf16", "offload_trainer: precision ",
+               cfg.precision,
+               " is not supported (f32 or bf16; f16 needs loss scaling with skipped steps)");
+  return cfg.precision == "bf16" ? dtype::bf16 : dtype::f32;
+}
+
 memory::chunk_size_choice choose(const streamed_model& model, std::vector<std::int32_t>& slots,
                                  const offload_options& o) {
   std::vector<std::size_t> sizes;
@@ -82,26 +90,29 @@ memory::chunk_size_choice choose(const streamed_model& model, std::vector<std::i
 
 offload_trainer::offload_trainer(const gpt_config& model, const train_config& cfg,
                                  const offload_options& opt)
-    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}), cfg, opt) {}
+    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}, compute_of(cfg)), cfg, opt) {
+}
 
 offload_trainer::offload_trainer(const llama_config& model, const train_config& cfg,
                                  const offload_options& opt)
-    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}), cfg, opt) {}
+    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}, compute_of(cfg)), cfg, opt) {
+}
 
 offload_trainer::offload_trainer(const hf::model_config& model, const train_config& cfg,
                                  const offload_options& opt)
-    : offload_trainer(make_streamed_model(model, {cfg.batch, cfg.seq}, cfg.recompute), cfg, opt) {}
+    : offload_trainer(
+          make_streamed_model(model, {cfg.batch, cfg.seq}, cfg.recompute, compute_of(cfg)), cfg,
+          opt) {}
 
 offload_trainer::offload_trainer(std::unique_ptr<streamed_model> model, const train_config& cfg,
                                  const offload_options& opt)
     : cfg_(cfg),
+      compute_(compute_of(cfg)),
       opt_(opt),
       model_(std::move(model)),
       chunks_(choose(*model_, param_slots_, opt)),
       tiers_(manager_options(opt)) {
   cfg_.validate();
-  TROUPE_CHECK(cfg.precision == "f32", "offload_trainer: precision ", cfg.precision,
-               " is not supported (f32 only)");
   for (tier t : {opt.placement.param_tier, opt.placement.optim_tier})
     TROUPE_CHECK(t == tier::host || t == tier::nvme,
                  "offload_trainer: param_tier and optim_tier must be host or nvme, got ",
@@ -127,7 +138,27 @@ offload_trainer::offload_trainer(std::unique_ptr<streamed_model> model, const tr
     const auto& s = all[param_slots_[j]];
     decays_.push_back(!(cfg.decay_exempt && biases_norms_embeddings(s)));
   }
-  place(tiers_, model_->non_model_bytes());
+  if (mixed()) {
+    // One unit's parameters (and gradients) at a time, each tensor 64-byte aligned as the whole
+    // model places them.
+    const auto elem = static_cast<std::int64_t>(dtype_size(compute_));
+    std::int64_t widest = 0;
+    for (const auto& ts : unit_tensors_) {
+      std::vector<std::int64_t> at;
+      std::int64_t used = 0;
+      for (std::int32_t j : ts) {
+        used = (used + 63) / 64 * 64;
+        at.push_back(used / elem);
+        used += all[param_slots_[j]].sizes.numel() * elem;
+      }
+      widest = std::max(widest, (used + 63) / 64 * 64);
+      work_at_.push_back(std::move(at));
+    }
+    work_params_ = zeros({widest / elem}, compute_, device::cpu());
+    work_grads_ = zeros({widest / elem}, compute_, device::cpu());
+    work_bytes_ = 2 * static_cast<std::size_t>(widest);
+  }
+  place(tiers_, non_model_bytes());
 }
 
 tier offload_trainer::access_tier(std::int32_t id) const {
@@ -273,6 +304,43 @@ void offload_trainer::check_budgets() {
   laid_out_ = true;
 }
 
+tensor offload_trainer::work_view(const tensor& buf, std::int32_t u, std::size_t k) const {
+  const std::int32_t j = unit_tensors_[u][k];
+  const auto& s = model_->slots().slots()[param_slots_[j]];
+  return buf.narrow(0, work_at_[u][k], s.sizes.numel()).reshape(s.sizes);
+}
+
+void offload_trainer::bind_mixed(std::int32_t u, std::int32_t c, std::byte* p, std::byte* g) {
+  const auto& all = model_->slots().slots();
+  const auto& ts = unit_tensors_[u];
+  for (std::size_t k = 0; k < ts.size(); ++k) {
+    const std::int32_t j = ts[k];
+    if (chunks_.layout.records[j].chunk != c) continue;
+    const auto& s = all[param_slots_[j]];
+    *s.field = work_view(work_params_, u, k);
+    ops::copy(view(p, j), *s.field);  // the master weights rounded, as trainer rounds them
+    if (g == nullptr) continue;
+    *s.grad = work_view(work_grads_, u, k);
+    ops::copy(view(g, j), *s.grad);  // bf16 values so far: exact
+  }
+}
+
+void offload_trainer::round_master() {
+  const std::int32_t n = chunk_count();
+  for (std::int32_t c = 0; c < n; ++c) {
+    const tier t = access_tier(c);
+    std::byte* base = tiers_.acquire(c, t);
+    for (std::int32_t j : chunks_.layout.members[c]) {
+      const tensor v = view(base, j);
+      owned_tensor r = empty(v.sizes(), compute_, device::cpu());
+      ops::copy(v, r);
+      ops::copy(r, v);
+    }
+    tiers_.release(c, t, true);
+  }
+  tiers_.rewind();  // off the schedule
+}
+
 tensor offload_trainer::view(std::byte* base, std::int32_t j) const {
   const auto& rec = chunks_.layout.records[j];
   const auto& s = model_->slots().slots()[param_slots_[j]];
@@ -311,29 +379,61 @@ void offload_trainer::copy_kind(const slot_list& s, int kind, bool out) {
 void offload_trainer::set_weights(const slot_list& src) {
   TROUPE_CHECK(step_ == 0, "offload_trainer: set_weights before the first step");
   copy_kind(src, 0, false);
+  if (mixed()) round_master();
 }
 
 void offload_trainer::copy_weights_to(const slot_list& dst) {
   copy_kind(dst, 0, true);
 }
 
+void offload_trainer::copy_moments(const param_placement& flat_layout, int kind, const tensor& flat,
+                                   bool out) {
+  const std::int32_t n = chunk_count();
+  const auto& all = model_->slots().slots();
+  for (std::int32_t c = 0; c < n; ++c) {
+    const std::int32_t id = kind * n + c;
+    const tier t = access_tier(id);
+    std::byte* base = tiers_.acquire(id, t);
+    for (std::int32_t j : chunks_.layout.members[c]) {
+      const auto& s = all[param_slots_[j]];
+      const tensor theirs =
+          flat.narrow(0, flat_layout.offsets[j], s.sizes.numel()).reshape(s.sizes);
+      if (out)
+        ops::copy(view(base, j), theirs);
+      else
+        ops::copy(theirs, view(base, j));
+    }
+    tiers_.release(id, t, !out);
+  }
+  tiers_.rewind();  // the acquires above were off the schedule
+}
+
+void offload_trainer::check_staging(causal_lm& staging) const {
+  TROUPE_CHECK(staging.memory().params().type() == dtype::f32,
+               "offload_trainer: the staging model carries the f32 (master) weights: it must be "
+               "built in f32, got ",
+               dtype_name(staging.memory().params().type()));
+}
+
 expected<std::filesystem::path> offload_trainer::save(const std::filesystem::path& folder,
                                                       const hf::model_config& cfg,
                                                       causal_lm& staging) {
   using result = expected<std::filesystem::path>;
+  check_staging(staging);
   return hf::save_folder_atomically(folder, [&](const std::filesystem::path& dir) -> result {
     copy_kind(staging.slots(), 0, true);
     auto files = hf::save_checkpoint(dir, cfg, staging.slots());
     if (!files) return result::failure(files.error_message());
-    const tensor& g = staging.memory().grads();
-    owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
-    copy_kind(staging.slots(), 2, true);
-    ops::copy(g, m);
-    copy_kind(staging.slots(), 3, true);  // v stays in the staging gradients
+    // The moments flat, laid out as trainer's model in the run's precision lays its parameters.
+    const param_placement lay = place_params(model_->slots(), compute_);
+    owned_tensor m = zeros({lay.numel}, dtype::f32, device::cpu());
+    owned_tensor v = zeros({lay.numel}, dtype::f32, device::cpu());
+    copy_moments(lay, 2, m, true);
+    copy_moments(lay, 3, v, true);
     hf::training_state st{.step = step_,
                           .optimizer_steps = step_,
                           .extra_json = run_state_extra(cfg_, R"({"offload": true})")};
-    auto ts = hf::save_training_state(dir, st, m, g);
+    auto ts = hf::save_training_state(dir, st, m, v);
     if (!ts) return result::failure(ts.error_message());
     return dir;
   });
@@ -343,18 +443,19 @@ expected<std::int64_t> offload_trainer::resume(const std::filesystem::path& fold
                                                const hf::model_config& cfg, causal_lm& staging) {
   using result = expected<std::int64_t>;
   TROUPE_CHECK(step_ == 0, "offload_trainer: resume before the first step");
-  const tensor& g = staging.memory().grads();
-  auto saved = resumable_state(folder, cfg_, g.sizes());  // before anything is loaded
+  check_staging(staging);
+  const param_placement lay = place_params(model_->slots(), compute_);
+  auto saved = resumable_state(folder, cfg_, shape{lay.numel});  // before anything is loaded
   if (!saved) return result::failure(saved.error_message());
   auto w = hf::load_weights(folder, cfg, staging.slots());
   if (!w) return result::failure(w.error_message());
-  copy_kind(staging.slots(), 0, false);
-  owned_tensor m = empty(g.sizes(), dtype::f32, g.dev());
-  auto st = hf::load_training_state(folder, m, g);
+  copy_kind(staging.slots(), 0, false);  // the master weights as saved (no rounding)
+  owned_tensor m = empty({lay.numel}, dtype::f32, device::cpu());
+  owned_tensor v = empty({lay.numel}, dtype::f32, device::cpu());
+  auto st = hf::load_training_state(folder, m, v);
   if (!st) return result::failure(st.error_message());
-  copy_kind(staging.slots(), 3, false);
-  ops::copy(m, g);
-  copy_kind(staging.slots(), 2, false);
+  copy_moments(lay, 2, m, false);
+  copy_moments(lay, 3, v, false);
   TROUPE_CHECK(st->optimizer_steps == st->step, "offload_trainer: ", folder.string(),
                ": optimizer_steps ", st->optimizer_steps, " differ from step ", st->step,
                " (a skipped f16 step): resume it with the plain trainer");
@@ -375,8 +476,8 @@ step_result offload_trainer::step(const trainer::batch_source& data) {
   step_result r = run_step(data);
   if (measure) {
     const std::int64_t peak = memory::stats(tier::host).peak;
-    measured_ = model_->non_model_bytes() +
-                static_cast<std::size_t>(std::max<std::int64_t>(peak - in_use, 0));
+    measured_ =
+        non_model_bytes() + static_cast<std::size_t>(std::max<std::int64_t>(peak - in_use, 0));
     place_measured(measured_);
   }
   return r;
@@ -390,6 +491,7 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
   const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
   const std::int64_t ga = cfg_.grad_accum;
   grad_touched_.assign(n, false);
+  std::vector<std::byte*> grad_at;  // backward: the gradient chunks of the current unit
   double sumsq = 0, loss = 0;
   step_result r;
   for (std::int64_t k = 0; k < ga; ++k) {
@@ -406,6 +508,10 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
     for (std::int32_t u = 0; u < model_->units(); ++u) {
       for (std::int32_t c : unit_chunks_[u]) {
         std::byte* base = pins.acquire(c, tier::device);
+        if (mixed()) {
+          bind_mixed(u, c, base, nullptr);
+          continue;
+        }
         for (std::int32_t j : unit_tensors_[u])
           if (chunks_.layout.records[j].chunk == c) *all[param_slots_[j]].field = view(base, j);
       }
@@ -417,12 +523,20 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
     // Backward: parameters and gradients on the device; gradients accumulate over the
     // micro-batches, and in the last one the norm is summed as they become final.
     for (std::int32_t u = model_->units() - 1; u >= 0; --u) {
-      for (std::int32_t c : unit_chunks_[u]) {
+      const auto& cs = unit_chunks_[u];
+      grad_at.resize(cs.size());
+      for (std::size_t ci = 0; ci < cs.size(); ++ci) {
+        const std::int32_t c = cs[ci];
         std::byte* p = pins.acquire(c, tier::device);
         const bool first = !grad_touched_[c];
         std::byte* g = pins.acquire(n + c, tier::device, first);
         if (first) std::memset(g, 0, chunks_.layout.chunk_bytes);
         grad_touched_[c] = true;
+        grad_at[ci] = g;
+        if (mixed()) {
+          bind_mixed(u, c, p, g);
+          continue;
+        }
         for (std::int32_t j : unit_tensors_[u])
           if (chunks_.layout.records[j].chunk == c) {
             *all[param_slots_[j]].field = view(p, j);
@@ -431,8 +545,11 @@ step_result offload_trainer::run_step(const trainer::batch_source& data) {
       }
       model_->backward_unit(u, 1.0);
       for (std::int32_t j : unit_tensors_[u]) {
+        const std::int32_t c = chunks_.layout.records[j].chunk;
+        const tensor gj = view(grad_at[std::find(cs.begin(), cs.end(), c) - cs.begin()], j);  // f32
+        // bf16: the unit's bf16 gradient back into its f32 chunk (exact).
+        if (mixed()) ops::copy(*all[param_slots_[j]].grad, gj);
         if (!last || last_backward_unit_[j] != u) continue;
-        const tensor& gj = *all[param_slots_[j]].grad;
         if (ga > 1) ops::scale(gj, 1.0 / static_cast<double>(ga));  // the mean loss's gradient
         sumsq += ops::sum_squares(gj);
       }

@@ -33,6 +33,20 @@
 // by Belady. The losses and weights equal trainer's on gpt or llama bit for bit (up to the
 // grad-norm sum's order, in double).
 //
+// bf16 (train.precision "bf16"): trainer's mixed precision over the same chunks. Every chunk stays
+// f32: the parameter chunks hold the f32 master weights, the gradient chunks f32 gradients, m and
+// v f32 moments, so the layout, the placement and the optimizer's pass are the f32 ones. The model
+// computes in bf16 (its activations and scratch are bf16): before a unit runs, its master weights
+// are rounded into a bf16 working copy (one unit's parameters, reused by every unit) and, for its
+// backward, its f32 gradients so far into a bf16 working gradient (they are bf16 values until the
+// step's last micro-batch, so the copy is exact); the unit's backward accumulates in bf16 as the
+// whole bf16 model does, and the result goes back into the f32 gradient chunk (exact). In the last
+// micro-batch a final gradient is then scaled and summed in f32, as trainer converts, unscales and
+// clips its f32 copy. The losses and master weights equal trainer's in bf16 bit for bit. Cost: the
+// rounding per unit use (forward, backward), 2 x (the largest unit's parameters) x 2 bytes of
+// working copies counted with the non-model memory, and the f32 gradients (trainer keeps a bf16 and
+// an f32 gradient buffer; here the bf16 gradient exists for one unit at a time).
+//
 // Errors of the tiers (a full NVMe tier, an I/O error, a checksum mismatch) surface from step()
 // as troupe::error naming the store's path; the chunks the step pinned are released, so the
 // owner can stop cleanly (checkpoints written before are separate files and stay intact).
@@ -92,7 +106,10 @@ class offload_trainer {
                   const offload_options& opt);
 
   // Parameters by name from / to another model's slots (e.g. a gpt's, to start from the same
-  // weights and to compare after training).
+  // weights and to compare after training). In bf16, set_weights rounds the weights through bf16
+  // as trainer's master weights start (the bf16 model's values): give it a bf16 model's weights
+  // to start from them exactly (an f32 model's initial draws, rounded again, can differ in the
+  // last bit from the bf16 model's); copy_weights_to gives the f32 master weights.
   void set_weights(const slot_list& src);
   void copy_weights_to(const slot_list& dst);
 
@@ -101,8 +118,10 @@ class offload_trainer {
 
   // Checkpoints in the layout of trainer::save (HF weights, config.json, optimizer.safetensors
   // with m and v flat in the model's parameter order, trainer_state.json), so either trainer can
-  // resume the other's. `staging` is a model of the same config (any batch dims): its parameters
-  // and gradients carry the chunks' values on the way.
+  // resume the other's. `staging` is an f32 model of the same config (any batch dims): its
+  // parameters carry the (master) weights on the way. The moments are laid out as trainer lays
+  // them out in the run's precision (layer_memory in f32 or bf16: place_params), so a bf16 run's
+  // checkpoint is the plain bf16 trainer's.
   expected<std::filesystem::path> save(const std::filesystem::path& folder,
                                        const hf::model_config& cfg, causal_lm& staging);
   expected<std::int64_t> resume(const std::filesystem::path& folder, const hf::model_config& cfg,
@@ -111,8 +130,9 @@ class offload_trainer {
   const memory::chunk_size_choice& chunking() const { return chunks_; }
   std::int32_t chunk_count() const { return chunks_.layout.chunks; }
   memory::tier_manager& tiers() { return tiers_; }
-  // The planned non-model memory (the model's activation and scratch arenas).
-  std::size_t non_model_bytes() const { return model_->non_model_bytes(); }
+  // The planned non-model memory (the model's activation and scratch arenas; in bf16 the working
+  // copies of one unit's parameters and gradients too).
+  std::size_t non_model_bytes() const { return model_->non_model_bytes() + work_bytes_; }
   // automatic: the non-model memory measured in the first step (0 before it, or when fixed).
   std::size_t measured_non_model_bytes() const { return measured_; }
   // automatic: whether the measurement moved chunks to a new placement.
@@ -144,8 +164,20 @@ class offload_trainer {
   // automatic, after the first step: places again with the measured non-model memory.
   void place_measured(std::size_t measured);
   memory::tier access_tier(std::int32_t id) const;  // device when home there, else host
+  bool mixed() const { return compute_ != dtype::f32; }
+  // bf16: the working copy of unit u's k-th tensor in buf (work_params_ or work_grads_).
+  tensor work_view(const tensor& buf, std::int32_t u, std::size_t k) const;
+  // bf16: binds unit u's tensors in chunk c: their values rounded from p (and their gradients
+  // from g, when given) into the working copies.
+  void bind_mixed(std::int32_t u, std::int32_t c, std::byte* p, std::byte* g);
+  void round_master();  // bf16: the master weights through bf16 and back
+  // Copies m (kind 2) or v (kind 3) to / from `flat`, laid out as flat_layout places the
+  // parameters.
+  void copy_moments(const param_placement& flat_layout, int kind, const tensor& flat, bool out);
+  void check_staging(causal_lm& staging) const;  // f32: it carries the master weights
 
   train_config cfg_;
+  dtype compute_;  // the model's dtype: f32, or bf16 (f32 master weights)
   offload_options opt_;
   std::unique_ptr<streamed_model> model_;
   std::vector<std::int32_t> param_slots_;  // tensor j -> its index in model_->slots()
@@ -164,6 +196,10 @@ class offload_trainer {
   bool laid_out_ = false;  // check_budgets ran on the current tier manager
   bool overlap_ = false;   // the optimizer's update overlaps the next chunk's transfers
   std::vector<std::int32_t> rows_, targets_;
+  // bf16: one unit's parameters and gradients (bf16, 1-D); unit -> its tensors' offsets there.
+  owned_tensor work_params_, work_grads_;
+  std::vector<std::vector<std::int64_t>> work_at_;
+  std::size_t work_bytes_ = 0;
 };
 
 }  // namespace troupe::models

@@ -13,7 +13,9 @@
 // gradients accumulate (+=).
 //
 // What runs is the whole model's code (the same trunk<F>, blocks and ends; recompute included),
-// so the results equal gpt's or llama's bit for bit. f32, on the host.
+// so the results equal gpt's or llama's bit for bit. On the host, in f32 or bf16 (the dtype of
+// every slot: the activations and scratch it plans, and the parameters and gradients the caller
+// binds).
 #pragma once
 
 #include <cstdint>
@@ -47,18 +49,18 @@ class streamed_model {
   virtual void backward_unit(std::int32_t u, double loss_scale) = 0;
 };
 
-// Plans the slots of one kind (activations or scratch) as layer_memory does (f32, host) and binds
-// them.
-memory::arena bind_planned(const slot_list& slots, slot_kind kind);
+// Plans the slots of one kind (activations or scratch) as layer_memory does (dtype t, host) and
+// binds them.
+memory::arena bind_planned(const slot_list& slots, slot_kind kind, dtype t = dtype::f32);
 
 // The streamed placement of trunk<F>.
 template <trunk_family F>
 class streamed final : public streamed_model {
  public:
-  streamed(const typename F::config& cfg, batch_dims dims)
-      : trunk_(cfg, dims),
-        activations_(bind_planned(trunk_.slots(), slot_kind::activation)),
-        scratch_(bind_planned(trunk_.slots(), slot_kind::scratch)) {}
+  streamed(const typename F::config& cfg, batch_dims dims, dtype t = dtype::f32)
+      : trunk_(cfg, dims, t),
+        activations_(bind_planned(trunk_.slots(), slot_kind::activation, t)),
+        scratch_(bind_planned(trunk_.slots(), slot_kind::scratch, t)) {}
 
   const slot_list& slots() const override { return trunk_.slots(); }
   std::int32_t units() const override { return trunk_.units(); }
@@ -80,10 +82,13 @@ class streamed final : public streamed_model {
   memory::arena activations_, scratch_;
 };
 
-std::unique_ptr<streamed_model> make_streamed_model(const gpt_config& cfg, batch_dims dims);
-std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, batch_dims dims);
+// t: f32 or bf16.
+std::unique_ptr<streamed_model> make_streamed_model(const gpt_config& cfg, batch_dims dims,
+                                                    dtype t = dtype::f32);
+std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, batch_dims dims,
+                                                    dtype t = dtype::f32);
 // The model an HF config describes (either family), with recompute per block or not.
 std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,
-                                                    bool recompute);
+                                                    bool recompute, dtype t = dtype::f32);
 
 }  // namespace troupe::models

@@ -202,7 +202,8 @@ struct dp_trainer::shard_optimizer {
   };
   ops::adamw_options opt;
   std::vector<piece> pieces;
-  owned_tensor m, v;
+  owned_tensor m, v;  // in memory; with `paged`, optimizer_state()'s copy while one is taken
+  std::unique_ptr<paged_moments> paged;
   std::int64_t steps = 0;
   std::int64_t elements = 0;
 
@@ -224,9 +225,26 @@ struct dp_trainer::shard_optimizer {
         i = j;
       }
     }
-    m = zeros({std::max<std::int64_t>(state, 1)}, dtype::f32, device::cpu());
-    v = zeros({std::max<std::int64_t>(state, 1)}, dtype::f32, device::cpu());
     elements = state;
+  }
+  void keep_in_memory() {
+    m = zeros({std::max<std::int64_t>(elements, 1)}, dtype::f32, device::cpu());
+    v = zeros({std::max<std::int64_t>(elements, 1)}, dtype::f32, device::cpu());
+  }
+  void keep_in_tiers(const moment_tiers& t) {
+    paged = std::make_unique<paged_moments>(elements, t);
+  }
+  // Paged: a copy of the moments in m and v (optimizer_state), written back before an update.
+  void take_copy() {
+    if (!paged || m.defined()) return;
+    keep_in_memory();
+    paged->copy_out(m, v);
+  }
+  void put_back_copy() {
+    if (!paged || !m.defined()) return;
+    paged->copy_in(m, v);
+    m = owned_tensor();
+    v = owned_tensor();
   }
 
   void step(const tensor& params, const tensor& grads, double lr) {
@@ -234,11 +252,33 @@ struct dp_trainer::shard_optimizer {
     ops::adamw_options o = opt;
     o.lr = lr;
     o.step = steps;
-    for (const auto& p : pieces) {
-      o.weight_decay = p.decay ? opt.weight_decay : 0.0;
-      ops::adamw(params.narrow(0, p.param, p.length), grads.narrow(0, p.grad, p.length),
-                 m.narrow(0, p.state, p.length), v.narrow(0, p.state, p.length), o);
+    if (!paged) {
+      for (const auto& p : pieces) {
+        o.weight_decay = p.decay ? opt.weight_decay : 0.0;
+        ops::adamw(params.narrow(0, p.param, p.length), grads.narrow(0, p.grad, p.length),
+                   m.narrow(0, p.state, p.length), v.narrow(0, p.state, p.length), o);
+      }
+      return;
     }
+    // Segment by segment (the pieces ascend in the state): the runs of the pieces that meet each.
+    put_back_copy();
+    std::size_t k = 0;  // the first piece not done
+    paged->for_each(
+        [&](std::int64_t first, const tensor& ms, const tensor& vs) {
+          const std::int64_t last = first + ms.numel();
+          for (std::size_t i = k; i < pieces.size() && pieces[i].state < last; ++i) {
+            const auto& p = pieces[i];
+            const std::int64_t lo = std::max(p.state, first);
+            const std::int64_t n = std::min(p.state + p.length, last) - lo;
+            if (n <= 0) continue;
+            const std::int64_t d = lo - p.state;
+            o.weight_decay = p.decay ? opt.weight_decay : 0.0;
+            ops::adamw(params.narrow(0, p.param + d, n), grads.narrow(0, p.grad + d, n),
+                       ms.narrow(0, lo - first, n), vs.narrow(0, lo - first, n), o);
+          }
+          while (k < pieces.size() && pieces[k].state + pieces[k].length <= last) ++k;
+        },
+        true);
   }
 };
 
@@ -305,7 +345,13 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   } else {
     shard_opt_ = std::make_unique<shard_optimizer>(
         buckets_, rank, exempt_mask(slots, p, cfg.decay_exempt), zero >= 2, zero == 3, ao);
+    if (opts.moments)
+      shard_opt_->keep_in_tiers(*opts.moments);
+    else
+      shard_opt_->keep_in_memory();
   }
+  TROUPE_CHECK(!opts.moments || zero >= 1, "dp_trainer: moments in memory tiers need ZeRO 1-3 ",
+               "(parallel.zero >= 1), got zero 0 on rank ", rank, " of ", comm.name());
 
   // The norm: every parameter the piece counts (the whole buffer, padding included, when it
   // counts them all: the padding is zero).
@@ -450,6 +496,10 @@ void dp_trainer::on_use(std::int64_t block, block_use use) {
   if (running_) params_->on_use(block, use);
 }
 
+memory::tier_manager* dp_trainer::moment_tiers_manager() {
+  return shard_opt_ && shard_opt_->paged ? &shard_opt_->paged->tiers() : nullptr;
+}
+
 std::int64_t dp_trainer::optimizer_elements() const {
   return full_opt_ ? full_opt_->m().numel() : shard_opt_->elements;
 }
@@ -464,6 +514,7 @@ dp_trainer::optimizer_view dp_trainer::optimizer_state() const {
     out.whole = true;
     return out;
   }
+  shard_opt_->take_copy();  // paged: a copy (the next update writes it back)
   out.m = shard_opt_->m;
   out.v = shard_opt_->v;
   for (const auto& p : shard_opt_->pieces) out.runs.push_back({p.flat, p.state, p.length});

@@ -58,12 +58,16 @@
 // the group must then fail at the same point, or the group be aborted, else that wait blocks.
 // f32 host pieces (a bf16 model goes through mixed_piece.hpp, which presents its f32 master
 // weights).
+// Memory tiers (dp_options::moments, ZeRO 1-3): the shard's AdamW moments live in a tier
+// manager's chunks on the host or NVMe and are paged in segment by segment for the update
+// (paged_moments.hpp); the update's arithmetic is the same, bit for bit.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -71,6 +75,7 @@
 #include "models/causal_lm.hpp"
 #include "models/optim.hpp"
 #include "models/parallel/grad_producer.hpp"
+#include "models/parallel/paged_moments.hpp"
 #include "models/parallel/param_gather.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
@@ -98,6 +103,8 @@ struct dp_options {
   // would exceed it first waits for the oldest (back-pressure: a rank running ahead of the group
   // holds no more than this). 0: 2 x bucket_bytes. One bucket may always be in flight.
   std::size_t grads_in_flight_bytes = 0;
+  // ZeRO 1-3: the shard's AdamW moments in memory tiers (paged_moments.hpp); none: in memory.
+  std::optional<moment_tiers> moments = std::nullopt;
 
   // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
   // from parallel.dp_overlap.
@@ -148,9 +155,10 @@ class dp_trainer {
   // Rows in the largest microbatch of any rank: the batch the model must be planned for.
   static std::int64_t microbatch_rows(const train_config& cfg);
   // Checkpoints: the AdamW state this rank holds. m and v are views of the optimizer's own
-  // buffers (writing them changes the state); run i of them, [state, state + length), belongs to
-  // [flat, flat + length) of the piece's flat parameter buffer. `whole`: zero 0, every dp rank
-  // holds the state of the whole buffer; else the runs are this rank's ZeRO shard.
+  // buffers (writing them changes the state; with dp_options::moments, of a copy the call makes
+  // of the paged moments, written back by the next step); run i of them, [state, state + length),
+  // belongs to [flat, flat + length) of the piece's flat parameter buffer. `whole`: zero 0, every
+  // dp rank holds the state of the whole buffer; else the runs are this rank's ZeRO shard.
   struct optimizer_run {
     std::int64_t flat = 0, state = 0, length = 0;
   };
@@ -188,6 +196,8 @@ class dp_trainer {
   double last_comm_wait_seconds() const { return comm_wait_; }
   // True when bucket ops start during backward; how many did in the last step.
   bool overlapped() const { return overlap_; }
+  // dp_options::moments: the moments' tier manager (its report: bytes per tier, NVMe traffic).
+  memory::tier_manager* moment_tiers_manager();
   std::int64_t buckets_issued_in_backward() const { return early_; }
 
  private:

@@ -168,7 +168,14 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     mixed->round_master();
   // parallel.dp_bucket_bytes and parallel.dp_overlap (the default 25 MiB is one bucket for a tiny
   // model, which then cannot overlap with backward).
-  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, dp_options::of(plan));
+  dp_options o = dp_options::of(plan);
+  if (cfg.tiers()) {  // memory tiers: the ZeRO shard's moments paged (paged_moments.hpp)
+    o.moments = moment_tiers_of(cfg, g.dp->rank());
+    I.description += fmt::format(
+        ", optimizer state in memory tiers ({}{})", memory::tier_name(o.moments->home),
+        o.moments->home == memory::tier::nvme ? " in " + o.moments->nvme_dir : std::string());
+  }
+  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, o);
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
 
@@ -198,6 +205,19 @@ void hybrid_trainer::scatter_moments(const whole_layout& whole, const tensor& m,
   parallel::scatter_moments(whole, m, v, I.layout, staged);
   ops::copy(sm, mine.m);
   ops::copy(sv, mine.v);
+}
+
+std::string hybrid_trainer::moment_tiers_line() {
+  auto* tm = impl_->dp->moment_tiers_manager();
+  if (tm == nullptr) return {};
+  const auto r = tm->report();
+  constexpr double mib = 1 << 20;
+  return fmt::format(
+      "optimizer state in tiers: nvme {:.1f} MiB, host {:.1f} MiB (homes and slots); NVMe read "
+      "{:.1f} MiB write {:.1f} MiB; {} evictions",
+      static_cast<double>(r.nvme_bytes) / mib, static_cast<double>(r.host_used) / mib,
+      static_cast<double>(r.nvme_read_bytes) / mib, static_cast<double>(r.nvme_write_bytes) / mib,
+      r.evictions);
 }
 
 std::int64_t hybrid_trainer::optimizer_steps() const {

@@ -73,6 +73,10 @@ class hybrid_trainer {
   void gather_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   std::int64_t optimizer_steps() const;  // AdamW updates applied
+  // With memory tiers (train_config::tiers()): the paged optimizer state's line, e.g. "optimizer
+  // state in tiers: nvme 3.3 MiB, host 2.0 MiB in slots; NVMe read 26.2 MiB write 26.2 MiB"
+  // (paged_moments.hpp); "" without.
+  std::string moment_tiers_line();
 
   const hf::model_config& model_config() const { return model_; }
   const whole_layout& whole() const;    // the whole model's parameters (names, shapes, places)
