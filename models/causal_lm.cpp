@@ -6,6 +6,7 @@
 #include "models/families.hpp"
 #include "models/gpt.hpp"
 #include "models/llama.hpp"
+#include "models/moe.hpp"
 
 namespace troupe::models {
 
@@ -34,6 +35,26 @@ llama_config to_llama_config(const hf::llama_config& c) {
                                                    static_cast<double>(c.max_position_embeddings)));
   }
   return m;
+}
+
+moe_config to_moe_config(const hf::moe_config& c) {
+  return {.vocab = c.vocab_size,
+          .dim = c.hidden_size,
+          .n_layer = c.num_hidden_layers,
+          .n_head = c.num_attention_heads,
+          .n_kv_head = c.num_key_value_heads,
+          .rms_eps = c.rms_norm_eps,
+          .rope_theta = c.rope_theta,
+          .max_seq = c.max_position_embeddings,
+          .tie_embeddings = c.tie_word_embeddings,
+          .qkv_bias = c.qwen2_moe(),
+          .expert_hidden = c.expert_size(),
+          .n_expert = static_cast<std::int32_t>(c.num_experts),
+          .top_k = static_cast<std::int32_t>(c.num_experts_per_tok),
+          .norm_topk_prob = c.qwen2_moe() ? c.norm_topk_prob : true,
+          .shared_hidden = c.qwen2_moe() ? c.shared_expert_intermediate_size : 0,
+          .router_aux_loss_coef = c.router_aux_loss_coef,
+          .aux_loss = c.output_router_logits};
 }
 
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims, dtype t,

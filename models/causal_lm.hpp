@@ -98,6 +98,10 @@ struct model_options {
 struct llama_config;
 llama_config to_llama_config(const hf::llama_config& c);
 
+// The model settings of an HF Mixtral or Qwen2-MoE config (models/moe.hpp).
+struct moe_config;
+moe_config to_moe_config(const hf::moe_config& c);
+
 // The model of an HF config, planned for batches of `dims`.
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims,
                                           dtype t = dtype::f32, device dev = device::cpu(),

@@ -25,6 +25,7 @@
 #include "models/hf/config.hpp"
 #include "models/layers/slots.hpp"
 #include "models/llama.hpp"
+#include "models/moe.hpp"
 #include "models/trunk.hpp"
 
 namespace troupe::models {
@@ -82,6 +83,7 @@ class streamed final : public streamed_model {
 
 std::unique_ptr<streamed_model> make_streamed_model(const gpt_config& cfg, batch_dims dims);
 std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, batch_dims dims);
+std::unique_ptr<streamed_model> make_streamed_model(const moe_config& cfg, batch_dims dims);
 // The model an HF config describes (either family), with recompute per block or not.
 std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,
                                                     bool recompute);
