@@ -288,7 +288,7 @@ command_fn add_train_command(CLI::App& app) {
                 "The demo: a 4-layer GPT on the fortunes corpus, bytes as tokens (the defaults)");
   bind<&train_config::model_size>(*c, sub, "--model",
                                   "Named size built from scratch "
-                                  "(gpt2-demo, gpt2-small, bench-small, llama-tiny)");
+                                  "(gpt2-demo, gpt2-small, bench-small, llama-tiny, mixtral-tiny)");
   bind<&train_config::model_hf>(*c, sub, "--model-hf", "HF model folder to start from");
   bind<&train_config::data_tokens>(*c, sub, "--tokens", "Token file (troupe tokenize)");
   bind<&train_config::data_text>(*c, sub, "--text", "Text file or folder, bytes as tokens");

@@ -190,11 +190,12 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
       tr.set_weights(staging->slots());
     }
     const auto& l = tr.chunking().layout;
-    fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}\n",
-               hooks.model_label,
-               models::with_family(mcfg, [](auto f, const auto&) { return decltype(f)::type::label; }),
-               static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
-               cfg.grad_accum, cfg.recompute ? " (recompute)" : "");
+    fmt::print(
+        "troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}\n",
+        hooks.model_label,
+        models::with_family(mcfg, [](auto f, const auto&) { return decltype(f)::type::label; }),
+        static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
+        cfg.grad_accum, cfg.recompute ? " (recompute)" : "");
     fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
     fmt::print(
         "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "

@@ -93,9 +93,24 @@ expected<hf::model_config> named_model_config(std::string_view name, std::int64_
     c.rms_norm_eps = 1e-5;
     return hf::model_config(c);
   }
+  if (name == "mixtral-tiny") {  // 4 layers x 128, 4 experts top-2, the aux loss in the loss
+    hf::moe_config c;
+    c.vocab_size = vocab > 0 ? vocab : 256;
+    c.hidden_size = 128;
+    c.intermediate_size = 176;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.max_position_embeddings = 256;
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.01;
+    return hf::model_config(c);
+  }
   return expected<hf::model_config>::failure(
       "unknown model size '" + std::string(name) +
-      "' (known: gpt2-demo, gpt2-small, bench-small, llama-tiny)");
+      "' (known: gpt2-demo, gpt2-small, bench-small, llama-tiny, mixtral-tiny)");
 }
 
 }  // namespace troupe::models

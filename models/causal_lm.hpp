@@ -108,8 +108,9 @@ std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dim
                                           const model_options& opts = {});
 
 // Named sizes built from scratch: "gpt2-demo" (4 x 128, byte vocabulary), "gpt2-small" (124M),
-// "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary).
-// vocab > 0 overrides the vocabulary (e.g. the tokenizer's). Errors list the known names.
+// "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary),
+// "mixtral-tiny" (4 x 128, 4 experts top-2 of width 176, byte vocabulary, the aux loss on). vocab >
+// 0 overrides the vocabulary (e.g. the tokenizer's). Errors list the known names.
 expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab = 0);
 
 }  // namespace troupe::models

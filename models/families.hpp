@@ -2,11 +2,11 @@
 //
 //   with_family(cfg, [&](auto family, auto c) { using F = typename decltype(family)::type; ... })
 //
-// calls the function with the family's tag (F: gpt_family, llama_family, moe_family, each a trunk_family of
-// models/trunk.hpp with F::model its whole model) and F's config made from the HF one, and
-// returns what it returns (the same type for every family). Code that builds a model, a shard or a
-// stage of any family goes through here, so adding a family adds a line here, not a branch in
-// every placement.
+// calls the function with the family's tag (F: gpt_family, llama_family, moe_family, each a
+// trunk_family of models/trunk.hpp with F::model its whole model) and F's config made from the HF
+// one, and returns what it returns (the same type for every family). Code that builds a model, a
+// shard or a stage of any family goes through here, so adding a family adds a line here, not a
+// branch in every placement.
 #pragma once
 
 #include <variant>

@@ -29,8 +29,9 @@ llama_config as_llama(const moe_config& c) {
 }  // namespace
 
 moe_config moe_family::checked(const moe_config& c) {
-  TROUPE_CHECK(c.expert_hidden > 0, "moe: expert_hidden (intermediate_size / "
-                                    "moe_intermediate_size) must be positive, got ",
+  TROUPE_CHECK(c.expert_hidden > 0,
+               "moe: expert_hidden (intermediate_size / "
+               "moe_intermediate_size) must be positive, got ",
                c.expert_hidden);
   TROUPE_CHECK(c.n_expert > 0 && c.top_k > 0 && c.top_k <= c.n_expert,
                "moe: n_expert (num_local_experts / num_experts) must be positive and top_k "

@@ -234,18 +234,19 @@ moe_config parse_moe(const json& j, const field_reader& r, const std::string& ty
     if (r.boolean("use_sliding_window", false))
       r.bad("use_sliding_window", "is true; sliding-window attention is not supported");
     if (r.integer("decoder_sparse_step", 1) != 1)
-      r.bad("decoder_sparse_step", "must be 1 (every layer sparse); dense layers between sparse "
-                                   "ones are not supported");
-    if (r.present("mlp_only_layers") && !(j["mlp_only_layers"].is_array() &&
-                                          j["mlp_only_layers"].empty()))
-      r.bad("mlp_only_layers", "must be empty; dense layers are not supported, got " +
-                                   j["mlp_only_layers"].dump());
+      r.bad("decoder_sparse_step",
+            "must be 1 (every layer sparse); dense layers between sparse "
+            "ones are not supported");
+    if (r.present("mlp_only_layers") &&
+        !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
+      r.bad("mlp_only_layers",
+            "must be empty; dense layers are not supported, got " + j["mlp_only_layers"].dump());
   } else {
     if (r.number("router_jitter_noise", 0.0) != 0.0)
-      r.bad("router_jitter_noise", "must be 0; training-time jitter of the router's input is not "
-                                   "supported");
-    if (r.present("sliding_window") &&
-        r.positive("sliding_window") < c.max_position_embeddings)
+      r.bad("router_jitter_noise",
+            "must be 0; training-time jitter of the router's input is not "
+            "supported");
+    if (r.present("sliding_window") && r.positive("sliding_window") < c.max_position_embeddings)
       r.bad("sliding_window", "(" + j["sliding_window"].dump() +
                                   ") is shorter than max_position_embeddings; sliding-window "
                                   "attention is not supported");

@@ -1,5 +1,5 @@
-// config: the HF `config.json` of a GPT-2, Llama, Mixtral or Qwen2-MoE model, parsed into plain structs and written
-// back.
+// config: the HF `config.json` of a GPT-2, Llama, Mixtral or Qwen2-MoE model, parsed into plain
+// structs and written back.
 //
 // Parsing is strict where the numbers shape the model and follows HF's defaults elsewhere: the
 // fields that fix a tensor shape are required; a field of the wrong JSON type, a value out of

@@ -122,8 +122,7 @@ name_map moe_name_map(const moe_config& c) {
       // Mixtral's w1, w3, w2 are gate_proj, up_proj, down_proj.
       add(theirs + x + (qwen ? "gate_proj" : "w1") + ".weight", ours + x + "gate_proj.weight",
           {ff, h});
-      add(theirs + x + (qwen ? "up_proj" : "w3") + ".weight", ours + x + "up_proj.weight",
-          {ff, h});
+      add(theirs + x + (qwen ? "up_proj" : "w3") + ".weight", ours + x + "up_proj.weight", {ff, h});
       add(theirs + x + (qwen ? "down_proj" : "w2") + ".weight", ours + x + "down_proj.weight",
           {h, ff});
     }

@@ -81,8 +81,7 @@ std::int64_t moe_ffn::capacity(std::int64_t rows) const {
 
 void moe_ffn::declare(slot_list& s, std::string_view name, batch_dims b) {
   TROUPE_CHECK(cfg.dim > 0 && cfg.hidden > 0 && cfg.n_expert > 0 && cfg.top_k > 0 &&
-                   cfg.top_k <= cfg.n_expert && cfg.shared_hidden >= 0 &&
-                   cfg.capacity_factor >= 0,
+                   cfg.top_k <= cfg.n_expert && cfg.shared_hidden >= 0 && cfg.capacity_factor >= 0,
                "moe_ffn '", name,
                "': dim, hidden and n_expert must be > 0, top_k in 1..n_expert, shared_hidden and "
                "capacity_factor >= 0, got ",
@@ -119,10 +118,9 @@ void moe_ffn::declare(slot_list& s, std::string_view name, batch_dims b) {
 }
 
 void moe_ffn::forward(const tensor& x, const tensor& y) {
-  TROUPE_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == cfg.dim && y.defined() &&
-                   y.sizes() == x.sizes(),
-               label, ": x and y must be [..., ", cfg.dim, "], got ", describe(x), " and ",
-               describe(y));
+  TROUPE_CHECK(
+      x.defined() && x.dim() >= 1 && x.size(-1) == cfg.dim && y.defined() && y.sizes() == x.sizes(),
+      label, ": x and y must be [..., ", cfg.dim, "], got ", describe(x), " and ", describe(y));
   const std::int64_t rows = leading_rows(x.sizes()), c = cfg.dim, ne = cfg.n_expert;
   const tensor xr = x.reshape({rows, c}), yr = y.reshape({rows, c});
   const tensor lg = planned_view(logits, {rows, ne}, label, "logits");
@@ -166,8 +164,8 @@ void moe_ffn::backward(const tensor& dy, const tensor& dx) {
   const std::int64_t rows = rows_, c = cfg.dim, ne = cfg.n_expert, k = cfg.top_k;
   TROUPE_CHECK(dy.defined() && dx.defined() && leading_rows(dy.sizes()) == rows &&
                    dy.size(-1) == c && dx.sizes() == dy.sizes() && dx.data() != dy.data(),
-               label, ": dy and dx must be [", rows, " rows, ", c,
-               "] and must not alias, got ", describe(dy), " and ", describe(dx));
+               label, ": dy and dx must be [", rows, " rows, ", c, "] and must not alias, got ",
+               describe(dy), " and ", describe(dx));
   const tensor dyr = dy.reshape({rows, c}), dxr = dx.reshape({rows, c});
   const tensor tmp = planned_view(drow, {c}, label, "drow");
 

@@ -61,7 +61,8 @@ const std::vector<moe_assignment>& of(const moe_routing& r, std::int32_t e, cons
                ": no expert ", e);
   const auto& list = r.experts[static_cast<std::size_t>(e)];
   TROUPE_CHECK(rows.dim() == 2 && rows.size(0) >= static_cast<std::int64_t>(list.size()), "moe ",
-               what, ": expert ", e, " has ", list.size(), " rows, its buffer is ", rows.describe());
+               what, ": expert ", e, " has ", list.size(), " rows, its buffer is ",
+               rows.describe());
   return list;
 }
 
