@@ -37,6 +37,14 @@ llama_config to_llama_config(const hf::llama_config& c) {
   return m;
 }
 
+std::string describe_load(const moe_load& l) {
+  std::string s = "expert choices";
+  for (auto n : l.selected) s.append(" ").append(std::to_string(n));
+  s.append(" (of ").append(std::to_string(l.choices)).append("), dropped ");
+  s.append(std::to_string(l.dropped));
+  return s;
+}
+
 moe_config to_moe_config(const hf::moe_config& c) {
   return {.vocab = c.vocab_size,
           .dim = c.hidden_size,
@@ -53,6 +61,7 @@ moe_config to_moe_config(const hf::moe_config& c) {
           .top_k = static_cast<std::int32_t>(c.num_experts_per_tok),
           .norm_topk_prob = c.qwen2_moe() ? c.norm_topk_prob : true,
           .shared_hidden = c.qwen2_moe() ? c.shared_expert_intermediate_size : 0,
+          .capacity_factor = c.capacity_factor,
           .router_aux_loss_coef = c.router_aux_loss_coef,
           .aux_loss = c.output_router_logits};
 }

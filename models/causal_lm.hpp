@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -44,7 +45,14 @@ class causal_lm {
   virtual tensor step_logits(const tensor& ids) = 0;  // [B, V] of the last new position
   virtual std::int64_t vocab() const = 0;
   virtual std::int64_t max_seq() const = 0;
+  // A line on the last forward's expert load (MoE models: each expert's top-k choices and the
+  // choices dropped over capacity); empty for a dense model.
+  virtual std::string load_line() const { return {}; }
 };
+
+// "expert choices 130 97 142 143 (of 512), dropped 0" of an MoE model's load (models/moe.hpp).
+struct moe_load;
+std::string describe_load(const moe_load& l);
 
 template <class M>
 class causal_lm_of final : public causal_lm {
@@ -82,6 +90,12 @@ class causal_lm_of final : public causal_lm {
   tensor step_logits(const tensor& ids) override { return m_.step_logits(ids); }
   std::int64_t vocab() const override { return m_.config().vocab; }
   std::int64_t max_seq() const override { return m_.config().max_seq; }
+  std::string load_line() const override {
+    if constexpr (requires { m_.load(); })
+      return describe_load(m_.load());
+    else
+      return {};
+  }
 
  private:
   M m_;

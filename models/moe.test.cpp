@@ -3,6 +3,7 @@
 // refuses, the aux loss's place in the loss, recompute and the load statistics.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "models/layers/testing.hpp"
 #include "models/moe.hpp"
 #include "models/targets.hpp"
+#include "models/train_loop.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -207,4 +209,48 @@ TEST_CASE("An MoE model with recompute computes the same loss and gradients bit 
   again.backward();
   CHECK(a == b);
   CHECK(values(plain.memory().grads()) == values(again.memory().grads()));
+}
+
+TEST_CASE("model.moe_capacity_factor reaches an MoE model and is refused for a dense one",
+          "[cpu][faults]") {
+  train_config cfg;
+  cfg.model_size = "mixtral-tiny";
+  cfg.moe_capacity_factor = 1.25;
+  const hf::model_config m = model_config_of(cfg);
+  REQUIRE(std::holds_alternative<hf::moe_config>(m));
+  CHECK(to_moe_config(std::get<hf::moe_config>(m)).capacity_factor == 1.25);
+  // Not written to config.json: a checkpoint stays an HF config.
+  CHECK(hf::config_json(m).find("capacity") == std::string::npos);
+  cfg.model_size = "llama-tiny";
+  try {
+    (void)model_config_of(cfg);
+    FAIL("a capacity factor for a dense model was accepted");
+  } catch (const troupe::error& e) {
+    const std::string message = e.what();
+    CHECK(message.find("model.moe_capacity_factor") != std::string::npos);
+    std::printf("faults: model.moe_capacity_factor on llama-tiny -> refused: %s\n", e.what());
+  }
+}
+
+TEST_CASE("An MoE model's causal_lm reports its expert load; a dense one reports none", "[cpu]") {
+  batch data(2, 8, 32);
+  moe_config c = small(true);
+  c.capacity_factor = 0.5;  // 16 rows x top-2 over 4 experts: 4 rows each
+  causal_lm_of<moe> m(c, batch_dims{2, 8}, dtype::f64);
+  m.init_weights(3);
+  m.forward(data.t_ids, data.t_targets);
+  const moe_load load = m.model().load();
+  // Every expert is at most full (2 layers x 4 rows), the rest dropped and counted.
+  std::int64_t over = 0;
+  for (auto n : load.selected) over += std::max<std::int64_t>(0, n - 2 * 4);
+  CHECK(load.dropped >= over);
+  // 2 layers x 32 choices, at most 4 experts x 4 rows served per layer.
+  CHECK(load.choices == 64);
+  CHECK(load.choices - load.dropped <= 2 * 4 * 4);
+  const std::string line = m.load_line();
+  INFO(line);
+  CHECK(line.find("expert choices") == 0);
+  CHECK(line.find("dropped " + std::to_string(load.dropped)) != std::string::npos);
+  auto dense = make_causal_lm(named_model_config("llama-tiny").value(), {1, 4});
+  CHECK(dense->load_line().empty());
 }

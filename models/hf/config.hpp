@@ -86,6 +86,8 @@ struct moe_config {
   bool norm_topk_prob = true;  // Qwen2-MoE's field; Mixtral always renormalises
   double router_aux_loss_coef = 0.001;
   bool output_router_logits = false;  // HF adds the aux loss to the loss only when true
+  // Not HF's and not written to config.json: the run's model.moe_capacity_factor (0: dropless).
+  double capacity_factor = 0;
   std::string hidden_act = "silu";
   std::string source_json = "";
 
