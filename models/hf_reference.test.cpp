@@ -1,7 +1,8 @@
-// The models against Hugging Face: tiny random GPT2LMHeadModel and LlamaForCausalLM checkpoints
-// with reference numbers from scripts/reference/make_model_fixtures.py (tests/fixtures/models/).
-// For each: logits and loss (f32 and f64), the gradient of every parameter, and the losses of 10
-// AdamW steps and the weights after them.
+// The models against Hugging Face: tiny random GPT2LMHeadModel, LlamaForCausalLM,
+// MixtralForCausalLM and Qwen2MoeForCausalLM checkpoints with reference numbers from
+// scripts/reference/make_model_fixtures.py (tests/fixtures/models/). For each: logits and loss (f32
+// and f64), the gradient of every parameter, and the losses of 10 AdamW steps and the weights after
+// them.
 //
 // Tolerances (tests/rounding.hpp). Our f32 run and torch's differ by rounding only (OpenBLAS vs
 // torch's GEMMs, flash-style vs materialized softmax), by an amount that depends on the CPU's
