@@ -6,11 +6,13 @@
 // up to f32 summation order (as GPT-2's and Llama's runs in data_parallel.test.cpp). With it on,
 // each rank's aux loss is computed over its own rows (as HF under DDP): n_expert * sum_e f_e P_e
 // is not linear in the rows, so the mean of the ranks' aux losses is not the whole batch's and dp
-// is not the single process; the ranks must still hold the same weights.
+// is not the single process; the ranks must still hold the same weights. Tensor and pipeline
+// plans are refused naming the setting (the family has no tensor-parallel parts yet).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <string>
 #include <thread>
@@ -20,6 +22,7 @@
 #include "models/causal_lm.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/exact_run.hpp"
+#include "models/parallel/hybrid.hpp"
 #include "models/trainer.hpp"
 
 using namespace troupe;
@@ -133,4 +136,26 @@ TEST_CASE("MoE data parallel ranks with the aux loss on keep the same weights", 
     apart = std::max(apart, std::abs(runs[0].steps[s].loss - ref.steps[s].loss));
   CHECK(apart > 0);
   CHECK(apart < 0.01 * 2);
+}
+
+TEST_CASE("Tensor and pipeline plans of an MoE model are refused naming the settings",
+          "[parallel][faults]") {
+  const train_config base = tiny_run();
+  auto one = collective::make_local_group(1);
+  auto two = collective::make_local_group(2);
+  for (bool tp : {true, false}) {
+    train_config c = base;
+    (tp ? c.plan.tp : c.plan.pp) = 2;
+    // The refusal comes before any collective, so rank 0 alone shows it.
+    parallel::hybrid_groups g{one[0].get(), tp ? one[0].get() : two[0].get(),
+                              tp ? two[0].get() : one[0].get(), two[0].get()};
+    try {
+      parallel::hybrid_trainer trainer(tiny_moe(true), c, g);
+      FAIL("an MoE model was accepted under " << (tp ? "parallel.tp 2" : "parallel.pp 2"));
+    } catch (const troupe::error& e) {
+      const std::string message = e.what();
+      CHECK(message.find(tp ? "parallel.tp 2" : "parallel.pp 2") != std::string::npos);
+      std::printf("faults: MoE model under %s -> refused: %s\n", tp ? "tp 2" : "pp 2", e.what());
+    }
+  }
 }
