@@ -78,8 +78,7 @@ struct trainer_state {
 };
 
 std::int64_t vocab_of(const models::hf::model_config& m) {
-  if (const auto* g = std::get_if<models::hf::gpt2_config>(&m)) return g->vocab_size;
-  return std::get<models::hf::llama_config>(m).vocab_size;
+  return std::visit([](const auto& c) { return c.vocab_size; }, m);
 }
 
 // Fails now, naming the folder, rather than after the last step when a checkpoint cannot be

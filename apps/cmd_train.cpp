@@ -272,6 +272,8 @@ int run_train(train_cli& c) {
              memory::stats(memory::tier::host).peak / 1e6);
   if (!cfg.ckpt_dir.empty())
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
+  if (const std::string load = model->load_line(); !load.empty())
+    fmt::print("MoE load of the last micro-batch, all layers: {}\n", load);
 
   if (c.sample.tokens > 0)
     fmt::print("sample ({}):\n{}\n", sample_settings, sample_text(*model, c.sample));
@@ -290,8 +292,11 @@ command_fn add_train_command(CLI::App& app) {
                 "The demo: a 4-layer GPT on the fortunes corpus, bytes as tokens (the defaults)");
   bind<&train_config::model_size>(*c, sub, "--model",
                                   "Named size built from scratch "
-                                  "(gpt2-demo, gpt2-small, bench-small, llama-tiny)");
+                                  "(gpt2-demo, gpt2-small, bench-small, llama-tiny, mixtral-tiny)");
   bind<&train_config::model_hf>(*c, sub, "--model-hf", "HF model folder to start from");
+  bind<&train_config::moe_capacity_factor>(
+      *c, sub, "--moe-capacity-factor",
+      "MoE models: each expert's capacity factor (0: dropless; over capacity: dropped)");
   bind<&train_config::data_tokens>(*c, sub, "--tokens", "Token file (troupe tokenize)");
   bind<&train_config::data_text>(*c, sub, "--text", "Text file or folder, bytes as tokens");
   bind<&train_config::steps>(*c, sub, "--steps", "Optimizer steps");

@@ -15,6 +15,7 @@
 #include "apps/train_tiers.hpp"
 #include "memory/error.hpp"
 #include "models/data_source.hpp"
+#include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/offload/offload_trainer.hpp"
 #include "models/run_state.hpp"
@@ -194,12 +195,13 @@ int run_tiered(const train_config& cfg, const models::hf::model_config& mcfg,
       tr.set_weights(init.slots());
     }
     const auto& l = tr.chunking().layout;
-    fmt::print("troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}{}\n",
-               hooks.model_label,
-               std::holds_alternative<models::hf::gpt2_config>(mcfg) ? "GPT-2" : "Llama",
-               static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
-               cfg.grad_accum, cfg.recompute ? " (recompute)" : "",
-               cfg.precision == "bf16" ? "; bf16 with f32 master weights" : "");
+    fmt::print(
+        "troupe train: {} ({}), {:.2f} M parameters; B={} T={} grad_accum={}{}{}\n",
+        hooks.model_label,
+        models::with_family(mcfg, [](auto f, const auto&) { return decltype(f)::type::label; }),
+        static_cast<double>(staging->slots().param_count()) / 1e6, cfg.batch, cfg.seq,
+        cfg.grad_accum, cfg.recompute ? " (recompute)" : "",
+        cfg.precision == "bf16" ? "; bf16 with f32 master weights" : "");
     fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
     fmt::print(
         "memory tiers: device {:.1f} MiB, host {}, nvme {}; model state {:.1f} MiB in {} chunks "

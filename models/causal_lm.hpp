@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -44,7 +45,14 @@ class causal_lm {
   virtual tensor step_logits(const tensor& ids) = 0;  // [B, V] of the last new position
   virtual std::int64_t vocab() const = 0;
   virtual std::int64_t max_seq() const = 0;
+  // A line on the last forward's expert load (MoE models: each expert's top-k choices and the
+  // choices dropped over capacity); empty for a dense model.
+  virtual std::string load_line() const { return {}; }
 };
+
+// "expert choices 130 97 142 143 (of 512), dropped 0" of an MoE model's load (models/moe.hpp).
+struct moe_load;
+std::string describe_load(const moe_load& l);
 
 template <class M>
 class causal_lm_of final : public causal_lm {
@@ -82,6 +90,12 @@ class causal_lm_of final : public causal_lm {
   tensor step_logits(const tensor& ids) override { return m_.step_logits(ids); }
   std::int64_t vocab() const override { return m_.config().vocab; }
   std::int64_t max_seq() const override { return m_.config().max_seq; }
+  std::string load_line() const override {
+    if constexpr (requires { m_.load(); })
+      return describe_load(m_.load());
+    else
+      return {};
+  }
 
  private:
   M m_;
@@ -98,14 +112,19 @@ struct model_options {
 struct llama_config;
 llama_config to_llama_config(const hf::llama_config& c);
 
+// The model settings of an HF Mixtral or Qwen2-MoE config (models/moe.hpp).
+struct moe_config;
+moe_config to_moe_config(const hf::moe_config& c);
+
 // The model of an HF config, planned for batches of `dims`.
 std::unique_ptr<causal_lm> make_causal_lm(const hf::model_config& cfg, batch_dims dims,
                                           dtype t = dtype::f32, device dev = device::cpu(),
                                           const model_options& opts = {});
 
 // Named sizes built from scratch: "gpt2-demo" (4 x 128, byte vocabulary), "gpt2-small" (124M),
-// "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary).
-// vocab > 0 overrides the vocabulary (e.g. the tokenizer's). Errors list the known names.
+// "bench-small" (6 x 384, vocabulary 8192), "llama-tiny" (4 x 128, GQA 4:2, byte vocabulary),
+// "mixtral-tiny" (4 x 128, 4 experts top-2 of width 176, byte vocabulary, the aux loss on). vocab >
+// 0 overrides the vocabulary (e.g. the tokenizer's). Errors list the known names.
 expected<hf::model_config> named_model_config(std::string_view name, std::int64_t vocab = 0);
 
 }  // namespace troupe::models

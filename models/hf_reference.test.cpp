@@ -1,7 +1,8 @@
-// The models against Hugging Face: tiny random GPT2LMHeadModel and LlamaForCausalLM checkpoints
-// with reference numbers from scripts/reference/make_model_fixtures.py (tests/fixtures/models/).
-// For each: logits and loss (f32 and f64), the gradient of every parameter, and the losses of 10
-// AdamW steps and the weights after them.
+// The models against Hugging Face: tiny random GPT2LMHeadModel, LlamaForCausalLM,
+// MixtralForCausalLM and Qwen2MoeForCausalLM checkpoints with reference numbers from
+// scripts/reference/make_model_fixtures.py (tests/fixtures/models/). For each: logits and loss (f32
+// and f64), the gradient of every parameter, and the losses of 10 AdamW steps and the weights after
+// them.
 //
 // Tolerances (tests/rounding.hpp). Our f32 run and torch's differ by rounding only (OpenBLAS vs
 // torch's GEMMs, flash-style vs materialized softmax), by an amount that depends on the CPU's
@@ -31,6 +32,7 @@
 #include "models/hf/config.hpp"
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
+#include "models/moe.hpp"
 #include "models/optim.hpp"
 #include "models/targets.hpp"
 #include "tensor/ops.hpp"
@@ -134,6 +136,25 @@ hf_name gpt2_name(const std::string& ours) {
 hf_name llama_name(const std::string& ours) {
   hf_name h{ours == "lm_head.weight" ? ours : "model." + ours, false};
   return h;
+}
+
+// Mixtral's names: our mlp.* is its block_sparse_moe.*, our experts' gate_proj / up_proj /
+// down_proj its w1 / w3 / w2.
+hf_name mixtral_name(const std::string& ours) {
+  if (ours == "lm_head.weight") return {ours};
+  std::string n = ours;
+  static const std::pair<const char*, const char*> renames[] = {{".mlp.", ".block_sparse_moe."},
+                                                                {".gate_proj.", ".w1."},
+                                                                {".up_proj.", ".w3."},
+                                                                {".down_proj.", ".w2."}};
+  for (auto [from, to] : renames)
+    if (auto at = n.find(from); at != std::string::npos) n.replace(at, std::strlen(from), to);
+  return {"model." + n};
+}
+
+// Qwen2-MoE's names are ours.
+hf_name qwen2_moe_name(const std::string& ours) {
+  return llama_name(ours);
 }
 
 // A tensor of ours (on any device) as f64 in HF's layout.
@@ -322,6 +343,15 @@ void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::
   // Torch's own f32 error on the logits: the scale of this forward's rounding.
   const tests::rounding_verdict torch32 = tests::as_accurate_as(logits32, logits32, logits64);
 
+  // MoE models: HF's loss includes coef * aux, the load balancing loss of the routers. Ours is
+  // checked on its own (below) and its difference from the exact aux, times coef, widens the loss
+  // bounds, which otherwise account for the cross-entropy's rounding only.
+  double coef = 0;
+  if constexpr (requires(const Model& m) { m.aux_loss(); })
+    coef = f.config.value("output_router_logits", false)
+               ? static_cast<double>(f.config["router_aux_loss_coef"])
+               : 0.0;
+
   // Our f64 twin against torch's float64: the same function to f64 rounding, which is torch's f32
   // error scaled by 2^-29 (default_k for the difference of kernels, 2 for the two sides).
   Model m64(cfg, {f.b, f.t}, dtype::f64);
@@ -340,8 +370,21 @@ void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::
     INFO("max |logits - torch's float64| " << err64 << ", bound " << bound64 << "; loss " << loss
                                            << " vs " << loss64);
     CHECK(err64 <= bound64);
+    double aux_err = 0;
+    if constexpr (requires(const Model& m) { m.aux_loss(); }) {
+      // The aux loss: a sum over layers x rows x experts of router probabilities; ours against
+      // torch's float64 within torch's own f32 error on it scaled to f64 (as the logits above).
+      const double aux64 = f.ref.at("aux_f64").data[0], aux32 = f.ref.at("aux").data[0];
+      aux_err = std::abs(m64.aux_loss() - aux64);
+      const double aux_bound =
+          2 * tests::default_k * f64_over_f32 *
+          std::max(std::abs(aux32 - aux64), tests::default_floor * tests::f32_u * std::abs(aux64));
+      INFO("aux loss " << m64.aux_loss() << " vs torch's float64 " << aux64 << ", bound "
+                       << aux_bound);
+      CHECK(aux_err <= aux_bound);
+    }
     CHECK(std::abs(loss - loss64) <=
-          loss_bound(err64, loss64, vocab, counted, tests::f32_u * f64_over_f32));
+          loss_bound(err64, loss64, vocab, counted, tests::f32_u * f64_over_f32) + coef * aux_err);
   }
   m64.backward();
 
@@ -354,7 +397,16 @@ void check_model(const fixture& f, const Config& cfg, hf_name (*map)(const std::
     const auto v = tests::as_accurate_as(logits_of(model.logits()), logits32, logits64);
     INFO("logits: " << v.str() << "; loss " << loss << " vs " << loss64);
     CHECK(v.ok());
-    CHECK(std::abs(loss - loss64) <= loss_bound(v.err_got, loss64, vocab, counted, tests::f32_u));
+    double aux_err = 0;
+    if constexpr (requires(const Model& m) { m.aux_loss(); }) {
+      const std::vector<double> aux{model.aux_loss()};
+      const auto a = tests::as_accurate_as(aux, f.ref.at("aux").data, f.ref.at("aux_f64").data);
+      INFO("aux loss: " << a.str());
+      CHECK(a.ok());
+      aux_err = a.err_got;
+    }
+    CHECK(std::abs(loss - loss64) <=
+          loss_bound(v.err_got, loss64, vocab, counted, tests::f32_u) + coef * aux_err);
   }
   model.backward();
   const auto& slots = model.slots().slots();
@@ -447,6 +499,82 @@ TEST_CASE("Llama matches Hugging Face LlamaForCausalLM in forward backward and A
     CHECK(f.config["hidden_act"] == "silu");
     CHECK(f.config["rope_scaling"].is_null());
     check_model<llama>(f, cfg, llama_name);
+  }
+}
+
+// Sparse MoE checkpoints (4 experts, top-2, the aux loss in the loss with coefficient 0.05):
+// Mixtral renormalises the chosen experts' weights; Qwen2-MoE does not (norm_topk_prob false) and
+// adds a shared expert behind a sigmoid gate, with q, k, v biases. The fixtures' routing is far
+// from ties in every forward (route_gap), so f32 and f64 route every token alike.
+moe_config moe_config_of(const nlohmann::json& c) {
+  const bool qwen = c["model_type"] == "qwen2_moe";
+  return {.vocab = c["vocab_size"],
+          .dim = c["hidden_size"],
+          .n_layer = c["num_hidden_layers"],
+          .n_head = c["num_attention_heads"],
+          .n_kv_head = c["num_key_value_heads"],
+          .rms_eps = c["rms_norm_eps"],
+          .rope_theta = c["rope_theta"],
+          .max_seq = c["max_position_embeddings"],
+          .tie_embeddings = c["tie_word_embeddings"],
+          .qkv_bias = qwen,
+          .expert_hidden = qwen ? c["moe_intermediate_size"] : c["intermediate_size"],
+          .n_expert = qwen ? c["num_experts"] : c["num_local_experts"],
+          .top_k = c["num_experts_per_tok"],
+          .norm_topk_prob = qwen ? c["norm_topk_prob"].get<bool>() : true,
+          .shared_hidden = qwen ? c["shared_expert_intermediate_size"].get<std::int64_t>() : 0,
+          .router_aux_loss_coef = c["router_aux_loss_coef"],
+          .aux_loss = c["output_router_logits"]};
+}
+
+TEST_CASE("Mixtral matches Hugging Face MixtralForCausalLM in forward backward and AdamW",
+          "[cpu]") {
+  fixture f = load_fixture("mixtral_tiny");
+  REQUIRE(f.config["output_router_logits"] == true);
+  CHECK(f.ref.at("route_gap").data[0] >= 1e-4);
+  check_model<moe>(f, moe_config_of(f.config), mixtral_name);
+}
+
+TEST_CASE("Qwen2-MoE matches Hugging Face Qwen2MoeForCausalLM in forward backward and AdamW",
+          "[cpu]") {
+  fixture f = load_fixture("qwen2_moe_tiny");
+  REQUIRE(f.config["output_router_logits"] == true);
+  REQUIRE(f.config["norm_topk_prob"] == false);
+  CHECK(f.ref.at("route_gap").data[0] >= 1e-4);
+  check_model<moe>(f, moe_config_of(f.config), qwen2_moe_name);
+}
+
+// Decoding with the trunk's kv cache routes each new token alone; HF's cached steps are the
+// reference (step_logits), our f64 twin the exact value.
+TEST_CASE("Cached decoding of MoE models matches Hugging Face's", "[cpu]") {
+  constexpr std::int64_t prompt = 3;
+  for (const char* name : {"mixtral_tiny", "qwen2_moe_tiny"}) {
+    INFO("fixture " << name);
+    fixture f = load_fixture(name);
+    const moe_config cfg = moe_config_of(f.config);
+    const auto map = f.config["model_type"] == "mixtral" ? mixtral_name : qwen2_moe_name;
+    const auto vocab = static_cast<std::int64_t>(f.config["vocab_size"]);
+    const st_tensor& hf_steps = f.ref.at("step_logits");
+    REQUIRE(hf_steps.shape == std::vector<std::int64_t>{f.t - prompt + 1, f.b, vocab});
+    auto decode = [&](dtype t) {
+      moe m(cfg, {f.b, f.t}, t);
+      load_weights(m, f, map);
+      m.begin_generation(f.b, f.t);
+      std::vector<double> out;
+      for (std::int64_t lo = 0; lo < f.t; lo = lo == 0 ? prompt : lo + 1) {
+        const std::int64_t n = lo == 0 ? prompt : 1;
+        std::vector<std::int32_t> step(static_cast<std::size_t>(f.b * n));
+        for (std::int64_t r = 0; r < f.b; ++r)
+          for (std::int64_t i = 0; i < n; ++i) step[r * n + i] = f.ids[r * f.t + lo + i];
+        tensor ids(step.data(), step.size() * 4, dtype::i32, {f.b, n});
+        const std::vector<double> l = in_hf_layout(m.step_logits(ids), false);
+        out.insert(out.end(), l.begin(), l.end());
+      }
+      return out;
+    };
+    const auto v = equally_accurate(decode(dtype::f32), hf_steps.data, decode(dtype::f64));
+    INFO(v.str());
+    CHECK(v.ok());
   }
 }
 
@@ -557,7 +685,7 @@ TEST_CASE("Cached decoding of scaled Llamas matches Hugging Face's", "[cpu]") {
 // Conv1D transposes give the same parameters as this file's plain reader and the names above.
 TEST_CASE("HF fixture folders load through the checkpoint reader to the same parameters", "[cpu]") {
   for (const char* name : {"gpt2", "llama", "llama_tied", "llama_theta_bias", "llama3_scaled",
-                           "llama_linear", "llama_dynamic"}) {
+                           "llama_linear", "llama_dynamic", "mixtral_tiny", "qwen2_moe_tiny"}) {
     INFO("fixture " << name);
     fixture f = load_fixture(name);
     auto hf_cfg = hf::read_config(fixture_dir(name));
@@ -574,6 +702,18 @@ TEST_CASE("HF fixture folders load through the checkpoint reader to the same par
       CHECK(hf::to_gpt_config(std::get<hf::gpt2_config>(hf_cfg.value())).ln_eps == cfg.ln_eps);
       gpt a(cfg, {f.b, f.t}, dtype::f64), b(cfg, {f.b, f.t}, dtype::f64);
       load_weights(b, f, gpt2_name);
+      compare(a, b);
+    } else if (const auto* m = std::get_if<hf::moe_config>(&hf_cfg.value())) {
+      const moe_config cfg = moe_config_of(f.config), via_hf = to_moe_config(*m);
+      CHECK(via_hf.expert_hidden == cfg.expert_hidden);
+      CHECK(via_hf.n_expert == cfg.n_expert);
+      CHECK(via_hf.norm_topk_prob == cfg.norm_topk_prob);
+      CHECK(via_hf.shared_hidden == cfg.shared_hidden);
+      CHECK(via_hf.qkv_bias == cfg.qkv_bias);
+      CHECK(via_hf.aux_loss == cfg.aux_loss);
+      CHECK(via_hf.router_aux_loss_coef == cfg.router_aux_loss_coef);
+      moe a(via_hf, {f.b, f.t}, dtype::f64), b(cfg, {f.b, f.t}, dtype::f64);
+      load_weights(b, f, f.config["model_type"] == "mixtral" ? mixtral_name : qwen2_moe_name);
       compare(a, b);
     } else {
       llama_config cfg = llama_config_of(f.config);

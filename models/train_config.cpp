@@ -149,6 +149,7 @@ const std::map<std::string, setter>& setters() {
   static const std::map<std::string, setter> s = {
       {"model.hf", set(&train_config::model_hf)},
       {"model.size", set(&train_config::model_size)},
+      {"model.moe_capacity_factor", set(&train_config::moe_capacity_factor)},
       {"data.tokens", set(&train_config::data_tokens)},
       {"data.text", set(&train_config::data_text)},
       {"train.steps", set(&train_config::steps)},
@@ -323,6 +324,7 @@ void train_config::validate() const {
   auto need = [](bool ok, const char* key, const std::string& what) {
     if (!ok) throw error(std::string(key) + " " + what);
   };
+  need(moe_capacity_factor >= 0, "model.moe_capacity_factor", "must be >= 0 (0: dropless)");
   need(steps > 0, "train.steps", "must be > 0");
   need(batch > 0, "train.batch", "must be > 0");
   need(seq > 1, "train.seq", "must be > 1");
@@ -415,6 +417,7 @@ std::string to_toml(const train_config& c) {
   toml::table model, data, train, optim, ckpt, par;
   if (!c.model_hf.empty()) model.insert("hf", c.model_hf);
   model.insert("size", c.model_size);
+  model.insert("moe_capacity_factor", c.moe_capacity_factor);
   if (!c.data_tokens.empty()) data.insert("tokens", c.data_tokens);
   data.insert("text", c.data_text);
   train.insert("steps", c.steps);

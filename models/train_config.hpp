@@ -40,6 +40,9 @@ struct train_config {
   // [model]
   std::string model_hf;                  // an HF folder (config.json + safetensors)
   std::string model_size = "gpt2-demo";  // a named size built from scratch
+  // MoE models only (model.moe_capacity_factor): 0 routes dropless; > 0 caps each expert's rows
+  // at ceil(factor x rows x top_k / experts) and drops the choices beyond (models/moe.hpp).
+  double moe_capacity_factor = 0;
   // [data]
   std::string data_tokens;                              // a token file (models/text)
   std::string data_text = "/usr/share/games/fortunes";  // byte-level text (file or folder)

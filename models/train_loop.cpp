@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <variant>
 
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
@@ -63,12 +64,27 @@ std::string trained_line(const train_progress& p) {
                      p.first_loss, p.last_loss);
 }
 
-hf::model_config model_config_of(const train_config& cfg) {
+namespace {
+
+hf::model_config read_model_config(const train_config& cfg) {
   if (!cfg.resume.empty()) return hf::read_config(cfg.resume).value();
   if (!cfg.model_hf.empty()) return hf::read_config(cfg.model_hf).value();
   std::int64_t vocab = 0;
   if (!cfg.data_tokens.empty()) vocab = token_dataset::open(cfg.data_tokens).value().vocab_size();
   return named_model_config(cfg.model_size, vocab).value();
+}
+
+}  // namespace
+
+hf::model_config model_config_of(const train_config& cfg) {
+  hf::model_config m = read_model_config(cfg);
+  if (cfg.moe_capacity_factor > 0) {
+    auto* moe = std::get_if<hf::moe_config>(&m);
+    TROUPE_CHECK(moe != nullptr, "model.moe_capacity_factor ", cfg.moe_capacity_factor,
+                 ": the model '", model_label(cfg), "' has no experts (it is not an MoE model)");
+    moe->capacity_factor = cfg.moe_capacity_factor;
+  }
+  return m;
 }
 
 std::string model_label(const train_config& cfg) {

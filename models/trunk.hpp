@@ -134,6 +134,7 @@ class trunk {
   // (protected: the families' init_values read them)
   config_type cfg_;
   slot_list slots_;
+  const typename F::ends& ends() const { return ends_; }  // a family's statistics (moe)
 
  private:
   tensor x(std::int64_t i, std::int64_t b, std::int64_t t) const;
@@ -165,6 +166,8 @@ trunk<F>::trunk(const config_type& cfg, batch_dims dims, dtype t, device dev)
   const std::int64_t n = cfg_.n_layer;
   blocks_.reserve(static_cast<std::size_t>(n));  // the slots point into the blocks: no moves
   for (std::int64_t i = 0; i < n; ++i) blocks_.emplace_back(F::block_config(cfg_));
+  // A family whose ends read its blocks (the MoE family's aux loss) connects them here.
+  if constexpr (requires { F::connect(ends_, blocks_); }) F::connect(ends_, blocks_);
   x_.resize(static_cast<std::size_t>(n) + 1);
 
   // unit_end[u]: the slots declared up to unit u's.

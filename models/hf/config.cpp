@@ -189,6 +189,72 @@ llama_config parse_llama(const json& j, const field_reader& r) {
   return c;
 }
 
+moe_config parse_moe(const json& j, const field_reader& r, const std::string& type) {
+  moe_config c;
+  c.model_type = type;
+  const bool qwen = c.qwen2_moe();
+  c.vocab_size = r.positive("vocab_size");
+  c.hidden_size = r.positive("hidden_size");
+  c.intermediate_size = r.positive("intermediate_size");
+  c.num_hidden_layers = r.positive("num_hidden_layers");
+  c.num_attention_heads = r.positive("num_attention_heads");
+  c.num_key_value_heads = r.positive("num_key_value_heads", c.num_attention_heads);
+  c.max_position_embeddings = r.positive("max_position_embeddings");
+  c.rms_norm_eps = r.positive_number("rms_norm_eps", qwen ? 1e-6 : 1e-5);
+  c.rope_theta = r.positive_number("rope_theta", qwen ? 10000.0 : 1e6);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.num_experts = r.positive(qwen ? "num_experts" : "num_local_experts", qwen ? 60 : 8);
+  c.num_experts_per_tok = r.positive("num_experts_per_tok", qwen ? 4 : 2);
+  c.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
+  c.output_router_logits = r.boolean("output_router_logits", false);
+  c.hidden_act = r.string("hidden_act", "silu");
+  if (c.hidden_act != "silu")
+    r.bad("hidden_act", "is '" + c.hidden_act + "'; only silu is supported");
+  if (c.num_experts_per_tok > c.num_experts)
+    r.bad("num_experts_per_tok", "(" + std::to_string(c.num_experts_per_tok) +
+                                     ") must be at most the number of experts (" +
+                                     std::to_string(c.num_experts) + ")");
+  if (c.router_aux_loss_coef < 0) r.bad("router_aux_loss_coef", "must be >= 0");
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    r.bad("num_key_value_heads", "(" + std::to_string(c.num_key_value_heads) +
+                                     ") must divide num_attention_heads (" +
+                                     std::to_string(c.num_attention_heads) + ")");
+  if (c.hidden_size % c.num_attention_heads != 0 ||
+      (c.hidden_size / c.num_attention_heads) % 2 != 0)
+    r.bad("hidden_size", "(" + std::to_string(c.hidden_size) +
+                             ") must be num_attention_heads times an even head size");
+  if (r.present("head_dim") && r.integer("head_dim") != c.hidden_size / c.num_attention_heads)
+    r.bad("head_dim", "must be hidden_size / num_attention_heads, as " + type + " computes it");
+  if (r.present("rope_scaling"))
+    r.bad("rope_scaling", "is set; " + type + " models are supported without RoPE scaling");
+  if (qwen) {
+    c.moe_intermediate_size = r.positive("moe_intermediate_size");
+    c.shared_expert_intermediate_size = r.positive("shared_expert_intermediate_size");
+    c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+    if (r.boolean("use_sliding_window", false))
+      r.bad("use_sliding_window", "is true; sliding-window attention is not supported");
+    if (r.integer("decoder_sparse_step", 1) != 1)
+      r.bad("decoder_sparse_step",
+            "must be 1 (every layer sparse); dense layers between sparse "
+            "ones are not supported");
+    if (r.present("mlp_only_layers") &&
+        !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
+      r.bad("mlp_only_layers",
+            "must be empty; dense layers are not supported, got " + j["mlp_only_layers"].dump());
+  } else {
+    if (r.number("router_jitter_noise", 0.0) != 0.0)
+      r.bad("router_jitter_noise",
+            "must be 0; training-time jitter of the router's input is not "
+            "supported");
+    if (r.present("sliding_window") && r.positive("sliding_window") < c.max_position_embeddings)
+      r.bad("sliding_window", "(" + j["sliding_window"].dump() +
+                                  ") is shorter than max_position_embeddings; sliding-window "
+                                  "attention is not supported");
+  }
+  c.source_json = j.dump();
+  return c;
+}
+
 // The rope_scaling object written for `s`: the source's object (keeping keys troupe does not
 // read) with the values of `s`, "type" only where the source had it; null without scaling.
 json rope_scaling_json(const models::rope_scaling& s, const json& source) {
@@ -243,7 +309,8 @@ expected<model_config> parse_config(std::string_view text, std::string_view orig
     if (type.empty()) fail(where, ": field 'model_type' is missing");
     if (type == "gpt2") return parse_gpt2(j, r);
     if (type == "llama") return parse_llama(j, r);
-    r.bad("model_type", "is '" + type + "'; supported: gpt2, llama");
+    if (type == "mixtral" || type == "qwen2_moe") return parse_moe(j, r, type);
+    r.bad("model_type", "is '" + type + "'; supported: gpt2, llama, mixtral, qwen2_moe");
   });
 }
 
@@ -274,6 +341,33 @@ std::string config_json(const model_config& cfg, dtype weights) {
     j["layer_norm_epsilon"] = g->layer_norm_epsilon;
     j["activation_function"] = g->activation_function;
     j["tie_word_embeddings"] = g->tie_word_embeddings;
+  } else if (const auto* m = std::get_if<moe_config>(&cfg)) {
+    j = source_object(m->source_json);
+    const bool qwen = m->qwen2_moe();
+    j["model_type"] = m->model_type;
+    j["architectures"] = {qwen ? "Qwen2MoeForCausalLM" : "MixtralForCausalLM"};
+    j["vocab_size"] = m->vocab_size;
+    j["hidden_size"] = m->hidden_size;
+    j["intermediate_size"] = m->intermediate_size;
+    j["num_hidden_layers"] = m->num_hidden_layers;
+    j["num_attention_heads"] = m->num_attention_heads;
+    j["num_key_value_heads"] = m->num_key_value_heads;
+    j["max_position_embeddings"] = m->max_position_embeddings;
+    j["rms_norm_eps"] = m->rms_norm_eps;
+    j["rope_theta"] = m->rope_theta;
+    j["tie_word_embeddings"] = m->tie_word_embeddings;
+    j[qwen ? "num_experts" : "num_local_experts"] = m->num_experts;
+    j["num_experts_per_tok"] = m->num_experts_per_tok;
+    j["router_aux_loss_coef"] = m->router_aux_loss_coef;
+    j["output_router_logits"] = m->output_router_logits;
+    j["hidden_act"] = m->hidden_act;
+    if (qwen) {
+      j["moe_intermediate_size"] = m->moe_intermediate_size;
+      j["shared_expert_intermediate_size"] = m->shared_expert_intermediate_size;
+      j["norm_topk_prob"] = m->norm_topk_prob;
+      j["decoder_sparse_step"] = 1;
+      j["mlp_only_layers"] = json::array();
+    }
   } else {
     const auto& l = std::get<llama_config>(cfg);
     j = source_object(l.source_json);

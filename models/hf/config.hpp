@@ -1,5 +1,5 @@
-// config: the HF `config.json` of a GPT-2 or Llama model, parsed into plain structs and written
-// back.
+// config: the HF `config.json` of a GPT-2, Llama, Mixtral or Qwen2-MoE model, parsed into plain
+// structs and written back.
 //
 // Parsing is strict where the numbers shape the model and follows HF's defaults elsewhere: the
 // fields that fix a tensor shape are required; a field of the wrong JSON type, a value out of
@@ -61,7 +61,43 @@ struct llama_config {
   std::string source_json = "";
 };
 
-using model_config = std::variant<gpt2_config, llama_config>;
+// MixtralForCausalLM (model_type "mixtral") and Qwen2MoeForCausalLM ("qwen2_moe"), one struct:
+// the fields of both, named as config.json names them (Mixtral's num_local_experts is num_experts
+// here; its experts' width is its intermediate_size, Qwen2-MoE's moe_intermediate_size). Refused
+// when read: router_jitter_noise != 0, a sliding window shorter than max_position_embeddings
+// (Mixtral) or use_sliding_window (Qwen2-MoE), decoder_sparse_step != 1 and a non-empty
+// mlp_only_layers (Qwen2-MoE's dense layers), rope_scaling, another hidden_act.
+struct moe_config {
+  std::string model_type = "mixtral";  // or "qwen2_moe"
+  std::int64_t vocab_size = 32000;
+  std::int64_t hidden_size = 4096;
+  std::int64_t intermediate_size = 14336;  // Mixtral: each expert's; Qwen2-MoE: dense layers'
+  std::int64_t moe_intermediate_size = 0;  // Qwen2-MoE: each expert's
+  std::int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE
+  std::int64_t num_hidden_layers = 32;
+  std::int64_t num_attention_heads = 32;
+  std::int64_t num_key_value_heads = 8;
+  std::int64_t max_position_embeddings = 4096;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 1e6;
+  bool tie_word_embeddings = false;
+  std::int64_t num_experts = 8;  // Mixtral's num_local_experts
+  std::int64_t num_experts_per_tok = 2;
+  bool norm_topk_prob = true;  // Qwen2-MoE's field; Mixtral always renormalises
+  double router_aux_loss_coef = 0.001;
+  bool output_router_logits = false;  // HF adds the aux loss to the loss only when true
+  // Not HF's and not written to config.json: the run's model.moe_capacity_factor (0: dropless).
+  double capacity_factor = 0;
+  std::string hidden_act = "silu";
+  std::string source_json = "";
+
+  bool qwen2_moe() const { return model_type == "qwen2_moe"; }
+  std::int64_t expert_size() const {
+    return qwen2_moe() ? moe_intermediate_size : intermediate_size;
+  }
+};
+
+using model_config = std::variant<gpt2_config, llama_config, moe_config>;
 
 // Parses config.json text; `origin` names the file in errors.
 expected<model_config> parse_config(std::string_view text, std::string_view origin);

@@ -1,4 +1,4 @@
-// The GPT-2 and Llama name maps (see name_map.hpp).
+// The GPT-2, Llama and MoE (Mixtral, Qwen2-MoE) name maps (see name_map.hpp).
 #include "models/hf/name_map.hpp"
 
 namespace troupe::models::hf {
@@ -90,8 +90,63 @@ name_map llama_name_map(const llama_config& c) {
   return m;
 }
 
+name_map moe_name_map(const moe_config& c) {
+  const std::int64_t h = c.hidden_size, v = c.vocab_size, ff = c.expert_size();
+  const std::int64_t hd = c.hidden_size / c.num_attention_heads;
+  const std::int64_t q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+  const bool qwen = c.qwen2_moe();
+  name_map m;
+  m.ignorable_suffixes = {".rotary_emb.inv_freq"};
+  auto add = [&](const std::string& hf, const std::string& ours, shape s) {
+    m.entries.push_back({"model." + hf, ours, s, false, false});
+  };
+  add("embed_tokens.weight", "embed_tokens.weight", {v, h});
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    add(l + "input_layernorm.weight", l + "input_layernorm.weight", {h});
+    const struct {
+      const char* name;
+      std::int64_t out, in;
+    } projections[] = {{"q_proj", q, h}, {"k_proj", kv, h}, {"v_proj", kv, h}, {"o_proj", h, q}};
+    for (const auto& p : projections) {
+      const std::string a = l + "self_attn." + p.name;
+      add(a + ".weight", a + ".weight", {p.out, p.in});
+      if (qwen && std::string_view(p.name) != "o_proj") add(a + ".bias", a + ".bias", {p.out});
+    }
+    add(l + "post_attention_layernorm.weight", l + "post_attention_layernorm.weight", {h});
+    const std::string ours = l + "mlp.";
+    const std::string theirs = l + (qwen ? "mlp." : "block_sparse_moe.");
+    add(theirs + "gate.weight", ours + "gate.weight", {c.num_experts, h});
+    for (std::int64_t e = 0; e < c.num_experts; ++e) {
+      const std::string x = "experts." + std::to_string(e) + ".";
+      // Mixtral's w1, w3, w2 are gate_proj, up_proj, down_proj.
+      add(theirs + x + (qwen ? "gate_proj" : "w1") + ".weight", ours + x + "gate_proj.weight",
+          {ff, h});
+      add(theirs + x + (qwen ? "up_proj" : "w3") + ".weight", ours + x + "up_proj.weight", {ff, h});
+      add(theirs + x + (qwen ? "down_proj" : "w2") + ".weight", ours + x + "down_proj.weight",
+          {h, ff});
+    }
+    if (qwen) {
+      const std::int64_t sh = c.shared_expert_intermediate_size;
+      for (const char* p : {"gate_proj", "up_proj"})
+        add(theirs + "shared_expert." + p + ".weight", ours + "shared_expert." + p + ".weight",
+            {sh, h});
+      add(theirs + "shared_expert.down_proj.weight", ours + "shared_expert.down_proj.weight",
+          {h, sh});
+      add(theirs + "shared_expert_gate.weight", ours + "shared_expert_gate.weight", {1, h});
+    }
+  }
+  add("norm.weight", "norm.weight", {h});
+  if (c.tie_word_embeddings)
+    m.entries.push_back({"lm_head.weight", "embed_tokens.weight", {v, h}, false, true});
+  else
+    m.entries.push_back({"lm_head.weight", "lm_head.weight", {v, h}, false, false});
+  return m;
+}
+
 name_map name_map_for(const model_config& c) {
   if (const auto* g = std::get_if<gpt2_config>(&c)) return gpt2_name_map(*g);
+  if (const auto* m = std::get_if<moe_config>(&c)) return moe_name_map(*m);
   return llama_name_map(std::get<llama_config>(c));
 }
 

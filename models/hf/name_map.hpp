@@ -43,7 +43,11 @@ struct name_map {
 name_map gpt2_name_map(const gpt2_config& c);
 // LlamaForCausalLM <-> the Llama model's names (HF's without "model.", plus lm_head.weight).
 name_map llama_name_map(const llama_config& c);
-// The map of either config.
+// MixtralForCausalLM / Qwen2MoeForCausalLM <-> models/moe.hpp: Qwen2-MoE's names without
+// "model." (layers.{i}.mlp.experts.{e}.gate_proj.weight, ...); Mixtral's
+// block_sparse_moe.experts.{e}.w1 / w3 / w2 map to mlp.experts.{e}.gate_proj / up_proj / down_proj.
+name_map moe_name_map(const moe_config& c);
+// The map of any config.
 name_map name_map_for(const model_config& c);
 
 }  // namespace troupe::models::hf

@@ -62,8 +62,16 @@ slot_list::block_mark slot_list::mark_block(std::int64_t index) {
   return m;
 }
 
+slot_list::expert_mark slot_list::mark_expert(std::int32_t index) {
+  TROUPE_CHECK(index >= 0, "slot_list: expert index ", index, " must be >= 0");
+  expert_mark m(this, expert_);
+  expert_ = index;
+  return m;
+}
+
 void slot_list::param(std::string_view name, const shape& sizes, tensor& value, tensor& grad,
                       param_spec spec) {
+  if (expert_ >= 0) spec.expert = expert_;
   TROUPE_CHECK(!spec.split || (spec.axis >= 0 && spec.axis < sizes.rank()), "parameter '",
                full_name(name), "': split axis ", int(spec.axis), " is not an axis of ",
                sizes.str());

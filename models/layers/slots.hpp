@@ -76,6 +76,12 @@ struct param_spec {
   bool residual_out = false;
   // An embedding table (or a tied head's copy of one): with train.decay_exempt it does not decay.
   bool embedding = false;
+  // Expert parallelism: the index of the MoE expert this parameter belongs to (-1: none, the
+  // parameter is every expert-parallel rank's). An expert-parallel group holds each expert whole on
+  // the rank its index maps to, so "split over experts" is this index, not a layout of its own:
+  // the expert's tensors keep their tensor-parallel layout above. Set by slot_list::mark_expert
+  // around the expert's declare (models/layers/moe_ffn.hpp), not by the layers.
+  std::int32_t expert = -1;
 
   static param_spec replicated(param_init i = param_init::normal) {
     param_spec s;
@@ -155,6 +161,26 @@ class slot_list {
   };
   [[nodiscard]] block_mark mark_block(std::int64_t index);
 
+  // Marks every parameter declared while it lives as expert `index`'s (param_spec::expert): an MoE
+  // layer holds one around each expert's declare. Unmarks when destroyed.
+  class expert_mark {
+   public:
+    expert_mark(expert_mark&& o) noexcept : list_(o.list_), outer_(o.outer_) { o.list_ = nullptr; }
+    expert_mark(const expert_mark&) = delete;
+    expert_mark& operator=(const expert_mark&) = delete;
+    expert_mark& operator=(expert_mark&&) = delete;
+    ~expert_mark() {
+      if (list_ != nullptr) list_->expert_ = outer_;
+    }
+
+   private:
+    friend class slot_list;
+    expert_mark(slot_list* l, std::int32_t outer) : list_(l), outer_(outer) {}
+    slot_list* list_;
+    std::int32_t outer_;
+  };
+  [[nodiscard]] expert_mark mark_expert(std::int32_t index);
+
   void param(std::string_view name, const shape& sizes, tensor& value, tensor& grad,
              param_spec spec = {});
   void activation(std::string_view name, const shape& sizes, tensor& t);
@@ -181,6 +207,7 @@ class slot_list {
   std::vector<open_scope> scopes_;
   std::int64_t clock_ = 0;
   std::int64_t block_ = -1;
+  std::int32_t expert_ = -1;
 };
 
 // Process-wide ledger of parameter memory: the bytes of every layer_memory's params() alive now

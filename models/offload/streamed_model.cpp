@@ -40,6 +40,12 @@ std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, bat
   return std::make_unique<streamed<llama_family>>(cfg, dims, t);
 }
 
+std::unique_ptr<streamed_model> make_streamed_model(const moe_config& cfg, batch_dims dims,
+                                                    dtype t) {
+  TROUPE_CHECK(!cfg.unbound, "streamed_model: an unbound config binds nothing to stream");
+  return std::make_unique<streamed<moe_family>>(cfg, dims, t);
+}
+
 std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,
                                                     bool recompute, dtype t) {
   return with_family(cfg, [&](auto, auto c) {

@@ -27,6 +27,7 @@
 #include "models/hf/config.hpp"
 #include "models/layers/slots.hpp"
 #include "models/llama.hpp"
+#include "models/moe.hpp"
 #include "models/trunk.hpp"
 
 namespace troupe::models {
@@ -86,6 +87,8 @@ class streamed final : public streamed_model {
 std::unique_ptr<streamed_model> make_streamed_model(const gpt_config& cfg, batch_dims dims,
                                                     dtype t = dtype::f32);
 std::unique_ptr<streamed_model> make_streamed_model(const llama_config& cfg, batch_dims dims,
+                                                    dtype t = dtype::f32);
+std::unique_ptr<streamed_model> make_streamed_model(const moe_config& cfg, batch_dims dims,
                                                     dtype t = dtype::f32);
 // The model an HF config describes (either family), with recompute per block or not.
 std::unique_ptr<streamed_model> make_streamed_model(const hf::model_config& cfg, batch_dims dims,

@@ -33,7 +33,15 @@ namespace {
 
 scheduler::model_shape shape_of(const hf::model_config& m, const train_config& cfg) {
   scheduler::model_shape s = with_family(m, [](auto family, const auto& c) {
-    return tp_parts<typename decltype(family)::type>::shape(c);
+    using F = typename decltype(family)::type;
+    if constexpr (tp_family<F>)
+      return tp_parts<F>::shape(c);
+    else  // no tensor-parallel parts (the MoE family): only whole-model placements
+      return scheduler::model_shape{.layers = c.n_layer,
+                                    .heads = c.n_head,
+                                    .kv_heads = c.n_kv_head > 0 ? c.n_kv_head : c.n_head,
+                                    .hidden = c.dim,
+                                    .vocab = c.vocab};
   });
   s.seq = cfg.seq;
   s.batch = cfg.batch * cfg.grad_accum;
@@ -87,6 +95,15 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                "group has ", g.mp->size(),
                " ranks, not parallel.pp x parallel.tp = ", plan.pp * plan.tp);
   const scheduler::model_shape shape = shape_of(model, cfg);
+  // A family without tensor-parallel parts (tp_family.hpp) trains as a whole model per rank.
+  with_family(model, [&](auto family, const auto&) {
+    using F = typename decltype(family)::type;
+    if constexpr (!tp_family<F>)
+      TROUPE_CHECK(plan.tp == 1 && plan.pp == 1, "parallel.tp ", plan.tp, ", parallel.pp ", plan.pp,
+                   ": the ", F::label,
+                   " family trains whole on each rank only (parallel.dp with ZeRO 0-3); tensor, "
+                   "pipeline and expert parallel placements of its experts are not written yet");
+  });
   auto problems = scheduler::validate(plan, shape, world);
   if (plan.tp > 1 && shape.ffn % plan.tp != 0)
     problems.push_back(fmt::format("parallel.tp = {} does not divide {} = {}", plan.tp,
@@ -117,12 +134,14 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     with_family(model, [&](auto family, auto c) {
       using F = typename decltype(family)::type;
       c.recompute = recompute;
-      if (plan.pp > 1) {
-        stage_options o = stage_options::of(plan, g.pp->rank(), shape);
-        o.type = compute;
-        I.stage = std::make_unique<stage<F>>(c, dims, o, tg);
-      } else {
-        I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg, compute);
+      if constexpr (tp_family<F>) {
+        if (plan.pp > 1) {
+          stage_options o = stage_options::of(plan, g.pp->rank(), shape);
+          o.type = compute;
+          I.stage = std::make_unique<stage<F>>(c, dims, o, tg);
+        } else {
+          I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg, compute);
+        }
       }
     });
   if (plan.pp > 1) {

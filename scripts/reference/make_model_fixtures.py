@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Reference numbers from Hugging Face for troupe's model tests (models/hf_reference.test.cpp).
 
-Builds tiny random GPT2LMHeadModel and LlamaForCausalLM models in float32 with a fixed seed and
+Builds tiny random GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM and Qwen2MoeForCausalLM
+models in float32 with a fixed seed and
 writes, for each, tests/fixtures/models/<name>/:
 
   config.json, model.safetensors   the model, by save_pretrained(safe_serialization=True)
@@ -15,10 +16,22 @@ writes, for each, tests/fixtures/models/<name>/:
                                    final.<name>  f32             parameters after the 10 steps
                                    rope_cos      f32 [8, D]      Llama only: HF's cos and sin at
                                    rope_sin      f32 [8, D]      positions 0..7
-                                   step_logits   f32 [6, 2, V]   Llama only: the last position's
-                                                                 logits of cached decoding (a
-                                                                 prompt of 3, then 5 one-token
-                                                                 steps), before the AdamW steps
+                                   step_logits   f32 [6, 2, V]   Llama and MoE only: the last
+                                                                 position's logits of cached
+                                                                 decoding (a prompt of 3, then 5
+                                                                 one-token steps), before the
+                                                                 AdamW steps
+                                   aux           f32 [1]         MoE only: HF's aux_loss (the load
+                                   aux_f64       f64 [1]          balancing loss, before its
+                                                                 coefficient), f32 and float64
+                                   route_gap     f64 [1]         MoE only: the smallest gap between
+                                                                 a token's top_k-th and next
+                                                                 router probability, over every
+                                                                 forward above (f32 and float64)
+
+The MoE models are made with output_router_logits=True, so HF's loss (and so the gradients and the
+AdamW run) includes router_aux_loss_coef times the aux loss. Their routing is checked to be far from
+ties (route_gap >= 1e-4, 100 times the f32 runs' rounding of the probabilities) so that an f32 implementation routes every token as HF does.
 
 AdamW: torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1) on every
 parameter, no clipping, the same batch every step. Tied weights appear once (under the embedding's
@@ -133,6 +146,24 @@ def exact_rms_norm(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def exact_cached_rope(self, x, seq_len=None):
+    """The rotary embedding of Mixtral / Qwen2-MoE in transformers 4.44 (a cos/sin cache built in
+    float32, indexed by position later) with the cache in float64."""
+    d = self.dim
+    inv = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    t = torch.arange(seq_len, dtype=torch.float64)
+    emb = torch.cat((torch.outer(t, inv),) * 2, dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def is_moe(model):
+    return hasattr(model.config, "num_experts_per_tok")
+
+
+def num_experts(config):
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
 def float64_reference(model, ids):
     """Logits and loss of the model's function in float64 throughout. HF casts to float32 in
     places even in a float64 model (Llama's RoPE angles, RMSNorm, attention softmax,
@@ -146,25 +177,42 @@ def float64_reference(model, ids):
     for module in m64.modules():
         if isinstance(module, llama.LlamaRotaryEmbedding):
             module.forward = types.MethodType(exact_rope, module)
-        if isinstance(module, llama.LlamaRMSNorm):
+        elif type(module).__name__.endswith("RotaryEmbedding"):  # Mixtral's, Qwen2-MoE's
+            module.forward = types.MethodType(exact_cached_rope, module)
+        if type(module).__name__.endswith("RMSNorm"):
             module.forward = types.MethodType(exact_rms_norm, module)
     softmax = torch.nn.functional.softmax
 
     def softmax_keeping_float64(x, dim=None, dtype=None, **kw):  # Llama asks for float32
         return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **kw)
 
+    moe = is_moe(model)
     torch.nn.functional.softmax = softmax_keeping_float64
     try:
         with torch.no_grad():
-            hidden = m64.base_model(input_ids=ids).last_hidden_state
+            out = m64.base_model(input_ids=ids, **({"output_router_logits": True} if moe else {}))
     finally:
         torch.nn.functional.softmax = softmax
+    extra = {}
     with torch.no_grad():
-        logits = m64.get_output_embeddings()(hidden)
+        logits = m64.get_output_embeddings()(out.last_hidden_state)
         assert logits.dtype == torch.float64
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
                                                  ids[:, 1:].reshape(-1))
-    return logits.clone(), loss.reshape(1).clone()
+        if moe:
+            lb = sys.modules[type(model).__module__].load_balancing_loss_func
+            aux = lb(out.router_logits, num_experts(model.config), model.config.num_experts_per_tok)
+            assert aux.dtype == torch.float64
+            loss = loss + model.config.router_aux_loss_coef * aux
+            extra["aux_f64"] = aux.reshape(1).clone()
+            extra["router_logits_f64"] = torch.cat(out.router_logits)
+    return logits.clone(), loss.reshape(1).clone(), extra
+
+
+def route_gap(router_logits, top_k):
+    """The smallest gap between a token's top_k-th and (top_k + 1)-th router probability."""
+    p = torch.softmax(router_logits.double(), dim=-1).sort(dim=-1, descending=True).values
+    return (p[:, top_k - 1] - p[:, top_k]).min().item()
 
 
 PROMPT = 3
@@ -189,9 +237,15 @@ def reference(model, ids):
     out = {"input_ids": ids.clone()}
     model.eval()  # no dropout (all probabilities are 0 as well)
 
-    out["logits_f64"], out["loss_f64"] = float64_reference(model, ids)
+    out["logits_f64"], out["loss_f64"], extra = float64_reference(model, ids)
+    moe = is_moe(model)
+    gaps = []
+    if moe:
+        top_k = model.config.num_experts_per_tok
+        out["aux_f64"] = extra["aux_f64"]
+        gaps.append(route_gap(extra["router_logits_f64"], top_k))
 
-    if isinstance(model, transformers.LlamaForCausalLM):
+    if isinstance(model, transformers.LlamaForCausalLM) or moe:
         out["step_logits"] = cached_logits(model, ids)
 
     model.zero_grad()
@@ -199,6 +253,9 @@ def reference(model, ids):
     r.loss.backward()
     out["logits"] = r.logits.detach().clone()
     out["loss"] = r.loss.detach().reshape(1).clone()
+    if moe:
+        out["aux"] = r.aux_loss.detach().reshape(1).clone()
+        gaps.append(route_gap(torch.cat(r.router_logits).detach(), top_k))
     for name, p in model.named_parameters():
         out["grad." + name] = p.grad.detach().clone()
 
@@ -207,8 +264,11 @@ def reference(model, ids):
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        r = model(input_ids=ids, labels=ids)
+        loss = r.loss
         losses.append(loss.item())
+        if moe:
+            gaps.append(route_gap(torch.cat(r.router_logits).detach(), top_k))
         loss.backward()
         opt.step()
     out["losses"] = torch.tensor(losses, dtype=torch.float32)
@@ -216,6 +276,12 @@ def reference(model, ids):
         out["final." + name] = p.detach().clone()
     if isinstance(model, transformers.LlamaForCausalLM):
         out["rope_cos"], out["rope_sin"] = hf_rope_tables(model, ids)
+    if moe:
+        out["route_gap"] = torch.tensor([min(gaps)], dtype=torch.float64)
+        print(f"smallest routing gap {min(gaps):.2e} over {len(gaps)} forwards")
+        # The f32 runs' router probabilities differ from exact ones by ~1e-6 (rounding of the
+        # logits, and of the weights after the AdamW steps): 1e-4 leaves a factor 100.
+        assert min(gaps) >= 1e-4, "routing too close to a tie; pick another seed"
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -247,6 +313,28 @@ def llama(**kw):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def moe_sizes(kw):
+    sizes = dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
+                 output_router_logits=True, router_aux_loss_coef=0.05, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, attention_dropout=0.0, attn_implementation="eager")
+    sizes.update(kw)
+    return sizes
+
+
+def mixtral(**kw):
+    cfg = transformers.MixtralConfig(**moe_sizes(dict(intermediate_size=16, num_local_experts=4,
+                                                      sliding_window=None, **kw)))
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def qwen2_moe(**kw):
+    cfg = transformers.Qwen2MoeConfig(**moe_sizes(dict(
+        intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_experts=4, norm_topk_prob=False, use_sliding_window=False, **kw)))
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
 FIXTURES = {
     # GPT-2 with its defaults (n_inner 4 C, eps 1e-5), and with n_inner and eps changed.
     "gpt2": lambda: gpt2(),
@@ -274,9 +362,15 @@ FIXTURES = {
     # 100 (4 * 8 / 4 - 3)^(6 / 4) = 1118.
     "llama_dynamic": lambda: llama(max_position_embeddings=4, rope_theta=100.0, rms_norm_eps=1e-6,
                                    rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+    # Sparse MoE, 4 experts top-2, the aux loss in the loss (coefficient 0.05): Mixtral (weights
+    # renormalised over the chosen experts) and Qwen2-MoE (not renormalised, norm_topk_prob false;
+    # q, k, v biases; a shared expert behind its sigmoid gate).
+    "mixtral_tiny": lambda: mixtral(),
+    "qwen2_moe_tiny": lambda: qwen2_moe(),
 }
 SEEDS = {"gpt2": 1, "gpt2_inner": 2, "llama": 3, "llama_tied": 4, "llama_theta_bias": 5,
-         "llama3_scaled": 6, "llama_linear": 7, "llama_dynamic": 8}
+         "llama3_scaled": 6, "llama_linear": 7, "llama_dynamic": 8, "mixtral_tiny": 9,
+         "qwen2_moe_tiny": 11}
 
 
 def main(names):

@@ -1,0 +1,94 @@
+// moe_ffn: a sparse mixture-of-experts feed-forward layer with HF semantics (transformers 4.44's
+// MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock), forward and backward.
+//
+//   logits = x gate^T                      the router, [rows, n_expert]
+//   p = softmax(logits)                    per token, in the model's precision (f32 as HF's)
+//   route: top_k experts by p, weights w (renormalised when norm_topk_prob)   moe_routing.hpp
+//   y = sum over the chosen experts e of w_e * expert_e(x)     each expert a swiglu_mlp
+//     + sigmoid(shared_expert_gate(x)) * shared_expert(x)      Qwen2-MoE only (shared_hidden > 0)
+//
+// Backward is exact through the routing weights (d w -> d p through the renormalisation -> d
+// logits through the softmax -> the router) and adds aux_dprob, the gradient of the model's load
+// balancing loss in p (set by the model before backward; moe.hpp), to every token's d p. The
+// top-k choice itself is piecewise constant and has no gradient, as in HF.
+//
+// The load statistics of the last forward: routing.selected (per expert, the top-k choices of
+// it), routing.dropped (choices over capacity), prob_sum (per expert, the sum of p over the rows).
+//
+// Parameters: gate.weight [n_expert, C] (replicated), experts.<e>.{gate,up,down}_proj.weight
+// (each declared under slot_list::mark_expert(e): param_spec::expert = e), and with a shared
+// expert shared_expert.{gate,up,down}_proj.weight and shared_expert_gate.weight [1, C].
+//
+// Every expert's buffers are planned for its capacity: all rows (dropless: a token picks an
+// expert at most once) or ceil(capacity_factor * rows * top_k / n_expert). Dispatch and combine
+// move rows through the op API one by one, so the layer runs on any device; the router's
+// probabilities are read on the host for the routing decision.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "models/layers/linear.hpp"
+#include "models/layers/moe_routing.hpp"
+#include "models/layers/slots.hpp"
+#include "models/layers/swiglu_mlp.hpp"
+#include "tensor/tensor.hpp"
+
+namespace troupe::models {
+
+struct moe_ffn {
+  struct config {
+    std::int64_t dim = 0;     // model width C
+    std::int64_t hidden = 0;  // each expert's intermediate size
+    std::int32_t n_expert = 0;
+    std::int32_t top_k = 0;
+    bool norm_topk_prob = true;      // Mixtral: always; Qwen2-MoE: its config's norm_topk_prob
+    std::int64_t shared_hidden = 0;  // the shared expert's intermediate size (0: none)
+    double capacity_factor = 0;      // 0: dropless
+  };
+
+  config cfg;
+  std::string label = "moe_ffn";
+
+  linear gate;                      // C -> n_expert, the router
+  std::vector<swiglu_mlp> experts;  // n_expert of them
+  swiglu_mlp shared_expert;         // shared_hidden > 0
+  linear shared_expert_gate;        // C -> 1
+
+  // Activations: router logits and probabilities [rows, n_expert]; each expert's input and
+  // output rows [capacity, C]; the shared expert's output [rows, C] and gate logit [rows, 1].
+  tensor logits, probs;
+  std::vector<tensor> expert_in, expert_out;
+  tensor shared_out, shared_logit;
+  // Scratch (backward).
+  tensor dexpert_out, dexpert_in, dprobs, dlogits, drow, dshared, dshared_x, dshared_logit;
+
+  // The last forward's routing and statistics (see the top of the file).
+  moe_routing routing;
+  std::vector<double> prob_sum;
+  // d(loss)/d p[n, e] added for every token n (the load balancing loss); empty: none.
+  std::vector<double> aux_dprob;
+
+  moe_ffn() = default;
+  explicit moe_ffn(const config& c);
+  moe_ffn(const moe_ffn&) = delete;  // the slots point into it
+  moe_ffn& operator=(const moe_ffn&) = delete;
+  moe_ffn(moe_ffn&&) = default;
+
+  // An expert's rows for a batch of `rows` tokens.
+  std::int64_t capacity(std::int64_t rows) const;
+
+  void declare(slot_list& s, std::string_view name, batch_dims b);
+  void forward(const tensor& x, const tensor& y);  // x, y [..., dim]
+  // dx must not alias dy.
+  void backward(const tensor& dy, const tensor& dx);
+
+ private:
+  std::vector<double> p_;        // the last forward's probabilities on the host
+  std::vector<double> sigmoid_;  // sigmoid(shared_logit) per row
+  std::int64_t rows_ = 0;
+};
+
+}  // namespace troupe::models
