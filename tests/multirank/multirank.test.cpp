@@ -494,11 +494,16 @@ TEST_CASE("A rogue process with a rank's UCX address but not the token is refuse
       "/tmp/troupe-ucx-address-" + std::to_string(::getpid()) + "-" + job_name("rogue");
   child_process launcher({troupe_bin, "launch", "-n", "2", "--job", job_name("rogue"), "--",
                           worker_bin, "guarded", "--address-file", address_file});
-  REQUIRE(launcher.wait_for("ucx address written", 60s));
+  {
+    const bool written = launcher.wait_for("ucx address written", 60s);
+    INFO(launcher.output());
+    REQUIRE(written);
+  }
   child_process rogue(
       {worker_bin, "rogue-ucx", "--address-file", address_file, "--claim", "1", "--world", "2"});
   auto rs = rogue.wait(60s);
   INFO(rogue.output());
+  INFO(launcher.output());
   REQUIRE(rs);
   CHECK(child_process::code(*rs) == 0);
   CHECK(!rogue.lines_with("rogue: refused: ").empty());
