@@ -15,41 +15,6 @@ gpt_block::gpt_block(const config& c)
       attn({.dim = c.dim, .n_head = c.n_head, .n_kv_head = c.n_kv_head, .rope = c.rope}),
       ff({.dim = c.dim, .hidden = c.hidden > 0 ? c.hidden : 4 * c.dim}) {}
 
-void gpt_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
-  auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);
-  ln_1.declare(s, "ln_1", b);
-  attn.declare(s, "attn", b);
-  ln_2.declare(s, "ln_2", b);
-  ff.declare(s, "mlp", b);
-  buf.declare(s, {b.batch, b.seq, ln_1.cfg.dim});
-}
-
-void gpt_block::forward(const tensor& x, const tensor& y) {
-  run(x, y, nullptr, 0);
-}
-
-void gpt_block::recompute(const tensor& x) {
-  run(x, tensor{}, nullptr, 0);
-}
-
-void gpt_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
-                             std::int64_t start) {
-  run(x, y, &cache, start);
-}
-
-void gpt_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
-  if (cache != nullptr) {
-    cached_attention step{attn, *cache, start};
-    residual_forward(ln_1, step, ln_2, ff, buf, x, y, "gpt_block");
-  } else {
-    residual_forward(ln_1, attn, ln_2, ff, buf, x, y, "gpt_block");
-  }
-}
-
-void gpt_block::backward(const tensor& dy, const tensor& dx) {
-  residual_backward(ln_1, attn, ln_2, ff, buf, dy, dx, "gpt_block");
-}
-
 gpt_ends::gpt_ends(const gpt_config& c)
     : dim(c.dim),
       vocab(c.vocab),

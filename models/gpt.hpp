@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <tuple>
 
 #include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
@@ -35,6 +36,7 @@
 #include "models/layers/mlp.hpp"
 #include "models/layers/residual.hpp"
 #include "models/layers/slots.hpp"
+#include "models/pre_norm_block.hpp"
 #include "models/trunk.hpp"
 
 namespace troupe::models {
@@ -59,7 +61,7 @@ struct gpt_config {
 
 // r = x + attn(ln_1(x)); y = r + mlp(ln_2(r)), the pre-LN block of GPT-2 (with, as options,
 // grouped-query heads and RoPE).
-struct gpt_block {
+struct gpt_block : pre_norm_block<gpt_block> {
   struct config {
     std::int64_t dim = 0, n_head = 0, n_kv_head = 0;  // n_kv_head 0: same as n_head
     bool rope = false;
@@ -72,18 +74,9 @@ struct gpt_block {
   residual_buffers buf;  // activations and backward scratch [B, T, C]
 
   explicit gpt_block(const config& c);
-  // recompute: the block's activations live in a recomputed scope (see slots.hpp), shared with
-  // the other recomputed blocks; call recompute(x) before backward.
-  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
-  void forward(const tensor& x, const tensor& y);
-  // forward again from the same x without writing y: restores what backward reads.
-  void recompute(const tensor& x);
-  void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
-  // forward for new positions start.. with the attention over a kv cache (models/kv_cache.hpp).
-  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
-
- private:
-  void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
+  auto parts() { return std::tie(ln_1, attn, ln_2, ff); }
+  static constexpr const char* part_names[4] = {"ln_1", "attn", "ln_2", "mlp"};
+  static constexpr const char* label = "gpt_block";
 };
 
 // The two ends of GPT-2 around its blocks: the token and position embeddings in front; the final

@@ -51,44 +51,6 @@ llama_block::llama_block(const llama_config& c)
                  .rope_scale = c.rope_scale}),
       mlp({.dim = c.dim, .hidden = c.hidden, .bias = c.mlp_bias, .out_bias = c.mlp_bias}) {}
 
-void llama_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
-  auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);
-  input_layernorm.declare(s, "input_layernorm", b);
-  self_attn.declare(s, "self_attn", b);
-  post_attention_layernorm.declare(s, "post_attention_layernorm", b);
-  mlp.declare(s, "mlp", b);
-  buf.declare(s, {b.batch, b.seq, input_layernorm.cfg.dim});
-}
-
-void llama_block::forward(const tensor& x, const tensor& y) {
-  run(x, y, nullptr, 0);
-}
-
-void llama_block::recompute(const tensor& x) {
-  run(x, tensor{}, nullptr, 0);
-}
-
-void llama_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
-                               std::int64_t start) {
-  run(x, y, &cache, start);
-}
-
-void llama_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
-  if (cache != nullptr) {
-    cached_attention step{self_attn, *cache, start};
-    residual_forward(input_layernorm, step, post_attention_layernorm, mlp, buf, x, y,
-                     "llama_block");
-  } else {
-    residual_forward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, x, y,
-                     "llama_block");
-  }
-}
-
-void llama_block::backward(const tensor& dy, const tensor& dx) {
-  residual_backward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, dy, dx,
-                    "llama_block");
-}
-
 llama_ends::llama_ends(const llama_config& c)
     : dim(c.dim),
       vocab(c.vocab),

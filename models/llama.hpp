@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <tuple>
 
 #include "models/kv_cache.hpp"
 #include "models/layers/attention.hpp"
@@ -39,6 +40,7 @@
 #include "models/layers/rmsnorm.hpp"
 #include "models/layers/slots.hpp"
 #include "models/layers/swiglu_mlp.hpp"
+#include "models/pre_norm_block.hpp"
 #include "models/trunk.hpp"
 
 namespace troupe::models {
@@ -70,25 +72,17 @@ struct llama_config {
 };
 
 // r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r)).
-struct llama_block {
+struct llama_block : pre_norm_block<llama_block> {
   rmsnorm input_layernorm, post_attention_layernorm;
   attention self_attn;
   swiglu_mlp mlp;
   residual_buffers buf;  // activations and backward scratch [B, T, C]
 
   explicit llama_block(const llama_config& c);
-  // recompute: the block's activations live in a recomputed scope (see slots.hpp), shared with
-  // the other recomputed blocks; call recompute(x) before backward.
-  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
-  void forward(const tensor& x, const tensor& y);
-  // forward again from the same x without writing y: restores what backward reads.
-  void recompute(const tensor& x);
-  void backward(const tensor& dy, const tensor& dx);  // dx may alias dy
-  // forward for new positions start.. with the attention over a kv cache (models/kv_cache.hpp).
-  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
-
- private:
-  void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
+  auto parts() { return std::tie(input_layernorm, self_attn, post_attention_layernorm, mlp); }
+  static constexpr const char* part_names[4] = {"input_layernorm", "self_attn",
+                                                "post_attention_layernorm", "mlp"};
+  static constexpr const char* label = "llama_block";
 };
 
 // The two ends of Llama around its layers: embed_tokens in front; the final norm, the head

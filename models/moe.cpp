@@ -67,43 +67,6 @@ moe_block::moe_block(const moe_config& c)
            .shared_hidden = c.shared_hidden,
            .capacity_factor = c.capacity_factor}) {}
 
-void moe_block::declare(slot_list& s, std::string_view name, batch_dims b, bool recompute) {
-  auto scope = recompute ? s.enter_recomputed(name) : s.enter(name);
-  input_layernorm.declare(s, "input_layernorm", b);
-  self_attn.declare(s, "self_attn", b);
-  post_attention_layernorm.declare(s, "post_attention_layernorm", b);
-  mlp.declare(s, "mlp", b);
-  buf.declare(s, {b.batch, b.seq, input_layernorm.cfg.dim});
-}
-
-void moe_block::forward(const tensor& x, const tensor& y) {
-  run(x, y, nullptr, 0);
-}
-
-void moe_block::recompute(const tensor& x) {
-  run(x, tensor{}, nullptr, 0);
-}
-
-void moe_block::forward_step(const tensor& x, const tensor& y, const kv_layer& cache,
-                             std::int64_t start) {
-  run(x, y, &cache, start);
-}
-
-void moe_block::run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start) {
-  if (cache != nullptr) {
-    cached_attention step{self_attn, *cache, start};
-    residual_forward(input_layernorm, step, post_attention_layernorm, mlp, buf, x, y, "moe_block");
-  } else {
-    residual_forward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, x, y,
-                     "moe_block");
-  }
-}
-
-void moe_block::backward(const tensor& dy, const tensor& dx) {
-  residual_backward(input_layernorm, self_attn, post_attention_layernorm, mlp, buf, dy, dx,
-                    "moe_block");
-}
-
 moe_ends::moe_ends(const moe_config& c)
     : llama_ends(as_llama(c)), coef(c.router_aux_loss_coef), with_aux(c.aux_loss) {}
 

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "models/layers/attention.hpp"
@@ -33,6 +34,7 @@
 #include "models/layers/residual.hpp"
 #include "models/layers/rmsnorm.hpp"
 #include "models/llama.hpp"
+#include "models/pre_norm_block.hpp"
 #include "models/trunk.hpp"
 
 namespace troupe::models {
@@ -65,21 +67,17 @@ struct moe_config {
 };
 
 // r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r)).
-struct moe_block {
+struct moe_block : pre_norm_block<moe_block> {
   rmsnorm input_layernorm, post_attention_layernorm;
   attention self_attn;
   moe_ffn mlp;
   residual_buffers buf;
 
   explicit moe_block(const moe_config& c);
-  void declare(slot_list& s, std::string_view name, batch_dims b, bool recompute = false);
-  void forward(const tensor& x, const tensor& y);
-  void recompute(const tensor& x);
-  void backward(const tensor& dy, const tensor& dx);
-  void forward_step(const tensor& x, const tensor& y, const kv_layer& cache, std::int64_t start);
-
- private:
-  void run(const tensor& x, const tensor& y, const kv_layer* cache, std::int64_t start);
+  auto parts() { return std::tie(input_layernorm, self_attn, post_attention_layernorm, mlp); }
+  static constexpr const char* part_names[4] = {"input_layernorm", "self_attn",
+                                                "post_attention_layernorm", "mlp"};
+  static constexpr const char* label = "moe_block";
 };
 
 // The load statistics of the last forward, summed over the layers.
