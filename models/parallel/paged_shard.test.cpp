@@ -192,16 +192,21 @@ TEST_CASE("ZeRO 3 with its whole shard paged to NVMe trains as with the shard in
           "[offload]") {
   temp_folder dir("zero3");
   // 64 KiB buckets (32 KiB chunks per rank), segments of two chunks, a host pool of 20 segments:
-  // about a quarter of the shard's state. Gradient accumulation over 2 microbatches (the second
-  // reduction of each bucket is added into the paged gradients).
+  // about a quarter of the shard's state. Gradient accumulation: train.grad_accum 2 and two
+  // microbatches per rank (the second reduction of each bucket goes through the staging ring and
+  // is added into the paged gradients).
+  const auto with_accumulation = [](train_config c) {
+    c.plan.microbatches = 2;  // two per rank: the second reduction of a bucket is added
+    return c;
+  };
   const std::size_t bucket = 64 << 10, slots = 20;
   SECTION("gpt2, f32") {
-    const auto c = tiny_run(3, false);
+    const auto c = with_accumulation(tiny_run(3, false));
     check_same(run(false, c, std::nullopt, bucket),
                run(false, c, on_nvme(dir.path, bucket, slots), bucket), slots * bucket);
   }
   SECTION("llama, bf16 with f32 master weights") {
-    const auto c = tiny_run(3, true);
+    const auto c = with_accumulation(tiny_run(3, true));
     check_same(run(true, c, std::nullopt, bucket),
                run(true, c, on_nvme(dir.path, bucket, slots), bucket), slots * bucket);
   }
