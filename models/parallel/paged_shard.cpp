@@ -50,6 +50,8 @@ paged_shard::paged_shard(const std::vector<dp_bucket>& buckets, const moment_tie
       tiers_.add_chunk(bytes, opt.home, std::string(name) + "." + std::to_string(s));
   }
   grads_touched_.assign(segs_.size(), 0);
+  pins_.assign(static_cast<std::size_t>(tiers_.chunks()), 0);
+  host_bytes_ = opt.host_bytes;
   // Until the first step's uses are recorded: the update's order (every chunk is used on the host,
   // none on the device; set before the first acquire, so the pools hold host slots only).
   std::vector<memory::chunk_use> first;
@@ -67,13 +69,28 @@ paged_shard::paged_shard(const std::vector<dp_bucket>& buckets, const moment_tie
 }
 
 std::byte* paged_shard::acquire(std::int32_t chunk, bool discard) {
+  // A chunk that needs a slot when every slot is pinned: the tier manager would refuse naming
+  // its budget; name the setting instead.
+  const std::size_t slots = tiers_.slots(tier::host);
+  TROUPE_CHECK(tiers_.home(chunk) == tier::host || slots == 0 || pinned_ < slots ||
+                   tiers_.state(chunk, tier::host) != memory::chunk_state::evicted,
+               "paged_shard: the host budget memory.host (--host-memory) of ", host_bytes_,
+               " bytes holds ", slots, " segments of ", tiers_.chunk_bytes(chunk),
+               " bytes or less, all pinned by the parameter gathers and gradient reductions in "
+               "flight (chunk ",
+               chunk,
+               " needs one): give it more, or cut smaller buckets "
+               "(parallel.dp_bucket_bytes, --dp-bucket-bytes)");
   // A discarding acquire stays off the schedule (else prefetch would read bytes nobody needs).
   if (recording_ && !discard) record_.push_back({chunk, tier::host});
-  return tiers_.acquire(chunk, tier::host, discard);
+  std::byte* p = tiers_.acquire(chunk, tier::host, discard);
+  if (pins_[static_cast<std::size_t>(chunk)]++ == 0) ++pinned_;
+  return p;
 }
 
 void paged_shard::release(std::int32_t chunk, bool dirty) {
   tiers_.release(chunk, tier::host, dirty);
+  if (--pins_[static_cast<std::size_t>(chunk)] == 0) --pinned_;
 }
 
 void paged_shard::begin_step() {

@@ -97,6 +97,9 @@ class paged_shard final : public shard_pins {
   bool scheduled_ = false, recording_ = false;
   std::vector<memory::chunk_use> record_;
   std::vector<float> scratch_;  // a norm partial that straddles two segments
+  std::vector<int> pins_;       // per chunk: acquires not released yet
+  std::size_t pinned_ = 0;      // chunks with pins
+  std::size_t host_bytes_ = 0;
 };
 
 }  // namespace troupe::models::parallel

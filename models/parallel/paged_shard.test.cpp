@@ -225,3 +225,22 @@ TEST_CASE("a paged ZeRO 3 shard whose host pool cannot hold one update is refuse
     CHECK_THAT(e.what(), Catch::Contains("--host-memory"));
   }
 }
+
+TEST_CASE(
+    "a paged ZeRO 3 shard whose host pool cannot hold a block's gathers is refused naming "
+    "the flag",
+    "[offload][faults]") {
+  // Five segments hold the update's four, but a block's parameter gathers pin six (twelve 64 KiB
+  // buckets): both ranks fail at the same acquire of the first step, before its collective.
+  temp_folder dir("gathers");
+  const auto c = tiny_run(3, false);
+  try {
+    run(false, c, on_nvme(dir.path, 64 << 10, 5), 64 << 10);
+    FAIL("a host pool of 5 segments was accepted");
+  } catch (const error& e) {
+    std::cout << "faults: ZeRO 3 shard paged through 5 host segments -> refused: " << e.what()
+              << "\n";
+    CHECK_THAT(e.what(), Catch::Contains("--host-memory"));
+    CHECK_THAT(e.what(), Catch::Contains("--dp-bucket-bytes"));
+  }
+}

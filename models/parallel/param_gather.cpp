@@ -197,6 +197,9 @@ void param_gather::begin_step(int microbatches, bool with_hook) {
   cursor_ = 0;
   stepping_ = true;
   if (outside_ < groups_.size()) gather(outside_);
+  // A paged shard (opts.pins): the outside group's pins go before the blocks' are taken, so the
+  // host pool holds the larger of the two, not their sum.
+  if (opts_.pins != nullptr && outside_ < groups_.size()) wait(outside_);
   for (std::size_t j = 0; j < schedule_.size() && j <= static_cast<std::size_t>(opts_.prefetch);
        ++j)
     gather(group_of(schedule_[j]));
