@@ -20,7 +20,9 @@
 // acquires is the sequence of issues, the same every step. The first step's sequence is recorded
 // and becomes the tier manager's schedule from the second step on (Belady eviction and prefetch
 // along it: blocks forward, backward in reverse, then the update). Off-step uses (checkpoints,
-// gathering everything) rewind it.
+// gathering everything) rewind it. The host pool must hold every segment pinned at once (the
+// update's 4, the gathers and reductions in flight); an acquire that finds every slot pinned
+// fails naming memory.host (--host-memory).
 //
 // Bit for bit: the engine's kernels run on the same values in the same order - AdamW, the clip
 // scale and the accumulation are elementwise, and the gradient norm repeats ops::sum_squares's
