@@ -58,7 +58,7 @@ paged_shard::paged_shard(const std::vector<dp_bucket>& buckets, const moment_tie
   for (std::int32_t c = 0; c < tiers_.chunks(); ++c) first.push_back({c, tier::host});
   tiers_.set_schedule(std::move(first));
   // The update pins a segment's four chunks at once (the gathers and reductions in flight pin
-  // more; the tier manager names its budget when they do not fit).
+  // more: acquire() refuses one that finds every slot pinned).
   std::int64_t largest = 1;
   for (const auto& sg : segs_) largest = std::max(largest, sg.second);
   const std::size_t slot = (static_cast<std::size_t>(largest) * 4 + 4095) / 4096 * 4096;
