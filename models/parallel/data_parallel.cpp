@@ -202,8 +202,9 @@ struct dp_trainer::shard_optimizer {
   };
   ops::adamw_options opt;
   std::vector<piece> pieces;
-  owned_tensor m, v;  // in memory; with `paged`, optimizer_state()'s copy while one is taken
+  owned_tensor m, v;  // in memory; paged, optimizer_state()'s copy while one is taken
   std::unique_ptr<paged_moments> paged;
+  std::unique_ptr<paged_shard> shard;  // zero 3: the moments with the parameters and gradients
   std::int64_t steps = 0;
   std::int64_t elements = 0;
 
@@ -234,17 +235,86 @@ struct dp_trainer::shard_optimizer {
   void keep_in_tiers(const moment_tiers& t) {
     paged = std::make_unique<paged_moments>(elements, t);
   }
+  void keep_in_shard_tiers(const std::vector<dp_bucket>& buckets, const moment_tiers& t) {
+    shard = std::make_unique<paged_shard>(buckets, t);
+  }
   // Paged: a copy of the moments in m and v (optimizer_state), written back before an update.
   void take_copy() {
-    if (!paged || m.defined()) return;
-    keep_in_memory();
-    paged->copy_out(m, v);
+    if (m.defined()) return;
+    if (paged) {
+      keep_in_memory();
+      paged->copy_out(m, v);
+    } else if (shard) {  // from shard coordinates (the pieces' `param`) to the state's
+      keep_in_memory();
+      copy_shard(false);
+    }
   }
   void put_back_copy() {
-    if (!paged || !m.defined()) return;
-    paged->copy_in(m, v);
+    if (!m.defined()) return;
+    if (paged)
+      paged->copy_in(m, v);
+    else if (shard)
+      copy_shard(true);
+    else
+      return;
     m = owned_tensor();
     v = owned_tensor();
+  }
+  // Between m, v (state coordinates) and the paged shard's moments (off the schedule).
+  void copy_shard(bool to_shard) {
+    std::size_t k = 0;
+    shard->for_each(
+        {paged_shard::moment_m, paged_shard::moment_v},
+        [&](std::int64_t first, const tensor(&views)[4]) {
+          const std::int64_t last = first + views[paged_shard::moment_m].numel();
+          for (std::size_t i = k; i < pieces.size() && pieces[i].param < last; ++i) {
+            const auto& p = pieces[i];
+            const std::int64_t lo = std::max(p.param, first);
+            const std::int64_t n = std::min(p.param + p.length, last) - lo;
+            if (n <= 0) continue;
+            const std::int64_t st = p.state + (lo - p.param);
+            for (int j : {paged_shard::moment_m, paged_shard::moment_v}) {
+              float* seg = views[j].data_as<float>() + (lo - first);
+              float* mine = (j == paged_shard::moment_m ? m : v).data_as<float>() + st;
+              if (to_shard)
+                std::memcpy(seg, mine, static_cast<std::size_t>(n) * 4);
+              else
+                std::memcpy(mine, seg, static_cast<std::size_t>(n) * 4);
+            }
+          }
+          while (k < pieces.size() && pieces[k].param + pieces[k].length <= last) ++k;
+        },
+        to_shard);
+    shard->rewind();
+  }
+
+  // The paged shard's update: segment by segment, the gradients scaled by `clip` (elementwise, as
+  // the in-memory path scales the whole shard) and AdamW over the pieces' runs in the segment.
+  void step_paged(double lr, double clip) {
+    ++steps;
+    ops::adamw_options o = opt;
+    o.lr = lr;
+    o.step = steps;
+    std::size_t k = 0;  // the first piece not done
+    shard->for_each(
+        {paged_shard::params, paged_shard::grads, paged_shard::moment_m, paged_shard::moment_v},
+        [&](std::int64_t first, const tensor(&views)[4]) {
+          const tensor &ps = views[paged_shard::params], &gs = views[paged_shard::grads],
+                       &ms = views[paged_shard::moment_m], &vs = views[paged_shard::moment_v];
+          const std::int64_t last = first + ps.numel();
+          if (clip != 1.0) ops::scale(gs, clip);
+          for (std::size_t i = k; i < pieces.size() && pieces[i].param < last; ++i) {
+            const auto& p = pieces[i];
+            const std::int64_t lo = std::max(p.param, first);
+            const std::int64_t n = std::min(p.param + p.length, last) - lo;
+            if (n <= 0) continue;
+            o.weight_decay = p.decay ? opt.weight_decay : 0.0;
+            ops::adamw(ps.narrow(0, lo - first, n), gs.narrow(0, lo - first, n),
+                       ms.narrow(0, lo - first, n), vs.narrow(0, lo - first, n), o);
+          }
+          while (k < pieces.size() && pieces[k].param + pieces[k].length <= last) ++k;
+        },
+        true);
   }
 
   void step(const tensor& params, const tensor& grads, double lr) {
@@ -345,9 +415,12 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   } else {
     shard_opt_ = std::make_unique<shard_optimizer>(
         buckets_, rank, exempt_mask(slots, p, cfg.decay_exempt), zero >= 2, zero == 3, ao);
-    if (opts.moments)
+    if (opts.moments && zero == 3 && opts.page_shard) {
+      shard_opt_->keep_in_shard_tiers(buckets_, *opts.moments);
+      paged_ = shard_opt_->shard.get();
+    } else if (opts.moments) {
       shard_opt_->keep_in_tiers(*opts.moments);
-    else
+    } else
       shard_opt_->keep_in_memory();
   }
   TROUPE_CHECK(!opts.moments || zero >= 1, "dp_trainer: moments in memory tiers need ZeRO 1-3 ",
@@ -436,9 +509,9 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
     pad += buckets_[i].chunk * dp;
   }
   if (zero >= 2 && pad > 0) pad_in_ = zeros({pad}, dtype::f32, device::cpu());
-  if (zero >= 1)
+  if (zero >= 1 && paged_ == nullptr)
     shard_params_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
-  if (zero >= 2)
+  if (zero >= 2 && paged_ == nullptr)
     shard_grads_ = zeros({std::max<std::int64_t>(shard, 1)}, dtype::f32, device::cpu());
   if (per_mb_ && plan_.microbatches() > 1) {
     std::int64_t most = 1;
@@ -454,14 +527,33 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
         comm, piece_.memory(), buckets_, shard_params_.view(), std::move(groups),
         param_gather::options{.prefetch = opts.prefetch,
                               .poison = opts.poison_released,
-                              .measure_resident = opts.measure_resident});
+                              .measure_resident = opts.measure_resident,
+                              .pins = paged_});
   if (zero == 3) {
     // The rank's chunks become its master parameters (the bucket padding stays zero); the piece's
     // buffer is released until a step gathers it.
-    for (const auto& b : buckets_) {
-      auto [begin, end] = own_range(b, rank);
-      std::memcpy(f32_at(shard_params_, b.shard_offset), f32_at(p, begin),
-                  static_cast<std::size_t>(end - begin) * 4);
+    if (paged_ != nullptr) {  // segment by segment, every element written (the padding zeroed)
+      paged_->for_each(
+          {paged_shard::params},
+          [&](std::int64_t first, const tensor(&views)[4]) {
+            const tensor& seg = views[paged_shard::params];
+            const std::int64_t last = first + seg.numel();
+            for (const auto& b : buckets_) {
+              if (b.shard_offset < first || b.shard_offset >= last) continue;
+              auto [begin, end] = own_range(b, rank);
+              float* out = seg.data_as<float>() + (b.shard_offset - first);
+              std::memcpy(out, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
+              std::fill(out + (end - begin), out + b.chunk, 0.0f);
+            }
+          },
+          true, true);
+      paged_->rewind();
+    } else {
+      for (const auto& b : buckets_) {
+        auto [begin, end] = own_range(b, rank);
+        std::memcpy(f32_at(shard_params_, b.shard_offset), f32_at(p, begin),
+                    static_cast<std::size_t>(end - begin) * 4);
+      }
     }
     params_->release_all();
     use_hook_ = piece_.set_block_use_hook(
@@ -497,6 +589,7 @@ void dp_trainer::on_use(std::int64_t block, block_use use) {
 }
 
 memory::tier_manager* dp_trainer::moment_tiers_manager() {
+  if (paged_ != nullptr) return &paged_->tiers();
   return shard_opt_ && shard_opt_->paged ? &shard_opt_->paged->tiers() : nullptr;
 }
 
@@ -630,13 +723,26 @@ void dp_trainer::issue_bucket(std::size_t i) {
     in = stage;
     staged = true;
   }
-  if (release_)  // back-pressure: wait for the oldest until this one fits
+  // Back-pressure: wait for the oldest until this one fits (a paged shard pins a gradient
+  // segment per bucket in flight, so it holds them to the limit too).
+  if (release_ || paged_ != nullptr)
     while (!pending_.empty() && in_flight_ + b.length > in_flight_limit_) wait_oldest();
   // The first reduction of the step lands in the shard; later ones (microbatches) are added.
   const std::int64_t at = reduced_[i] != 0 ? staging_for(b.chunk) : -1;
   reduced_[i] = 1;
-  float* out = at >= 0 ? f32_at(shard_in_, at) : f32_at(shard_grads_, b.shard_offset);
-  pending_.push_back({i, comm_.reduce_scatter(in, out, b.chunk, dtype::f32), at});
+  if (paged_ != nullptr) {  // the bucket's gradient chunk pinned from now until it is done
+    float* grads = paged_->pin_grads(i);
+    float* out = at >= 0 ? f32_at(shard_in_, at) : grads;
+    try {
+      pending_.push_back({i, comm_.reduce_scatter(in, out, b.chunk, dtype::f32), at, grads});
+    } catch (...) {
+      paged_->unpin_grads(i);
+      throw;
+    }
+  } else {
+    float* out = at >= 0 ? f32_at(shard_in_, at) : f32_at(shard_grads_, b.shard_offset);
+    pending_.push_back({i, comm_.reduce_scatter(in, out, b.chunk, dtype::f32), at});
+  }
   in_flight_ += b.length;
   in_flight_peak_ = std::max(in_flight_peak_, in_flight_);
   if (release_ && staged) release_run(i);  // the op reads the staging copy
@@ -647,11 +753,24 @@ void dp_trainer::finish_oldest() {
   // Off the list before anything else can throw, so that no op is finished (added) twice.
   const std::size_t i = pending_.front().bucket;
   const std::int64_t at = pending_.front().at;
+  float* grads = pending_.front().grads;
   pending_.pop_front();
   if (cfg_.plan.zero < 2) return;
   const dp_bucket& b = buckets_[i];
   in_flight_ -= b.length;
-  if (at >= 0) {
+  if (grads != nullptr) {  // paged: add into the pinned chunk, then unpin it
+    try {
+      if (at >= 0) {
+        tensor acc(grads, static_cast<std::size_t>(b.chunk) * 4, dtype::f32, {b.chunk},
+                   device::cpu());
+        ops::add(acc, shard_in_.view().narrow(0, at, b.chunk), acc);
+      }
+    } catch (...) {
+      paged_->unpin_grads(i);
+      throw;
+    }
+    paged_->unpin_grads(i);
+  } else if (at >= 0) {
     auto acc = shard_grads_.view().narrow(0, b.shard_offset, b.chunk);
     ops::add(acc, shard_in_.view().narrow(0, at, b.chunk), acc);
   }
@@ -678,6 +797,10 @@ void dp_trainer::abandon_pending() noexcept {
   for (auto& op : pending_) {
     try {
       op.work.wait();  // a failed op is finished too
+    } catch (...) {
+    }
+    try {
+      if (op.grads != nullptr) paged_->unpin_grads(op.bucket);
     } catch (...) {
     }
   }
@@ -751,12 +874,20 @@ double dp_trainer::reduce_gradients() {
   // of the short bucket reduces to zeros, so the shard's squares are exactly its elements').
   const bool sharded = cfg_.plan.zero >= 2;
   const tensor& g = sharded ? shard_grads_.view() : piece_.memory().grads();
-  double sq = sum_squares(g, sharded ? shard_norm_ranges_ : norm_ranges_);
+  double sq = 0;
+  if (paged_ != nullptr) {  // segment by segment, as ops::sum_squares adds (paged_shard.hpp)
+    for (const auto& [b, n] : shard_norm_ranges_) sq += paged_->grad_sum_squares(b, n);
+  } else {
+    sq = sum_squares(g, sharded ? shard_norm_ranges_ : norm_ranges_);
+  }
   if (sharded) comm_.allreduce(&sq, 1, dtype::f64).wait();
   if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
   double norm = std::sqrt(sq);
-  if (const double f = clip_factor(norm, cfg_.clip); f != 1.0) ops::scale(g, f);
+  if (paged_ != nullptr)
+    paged_clip_ = clip_factor(norm, cfg_.clip);  // the update scales each segment
+  else if (const double f = clip_factor(norm, cfg_.clip); f != 1.0)
+    ops::scale(g, f);
   return norm;
 }
 
@@ -785,6 +916,10 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   cached_draw_ = ~std::uint64_t{0};
   const int zero = cfg_.plan.zero;
   auto& mem = piece_.memory();
+  if (paged_ != nullptr) {
+    shard_opt_->put_back_copy();  // a copy optimizer_state() took (off the schedule)
+    paged_->begin_step();
+  }
   if (zero == 3) params_->begin_step(plan_.microbatches(), use_hook_);
   // Released gradients read as zeros: after a complete step every bucket was given back.
   if (!release_ || grads_dirty_) mem.zero_grads();
@@ -831,6 +966,7 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     } catch (...) {
     }
     abandon_pending();
+    if (paged_ != nullptr) paged_->abandon_step();
     if (zero == 3) {
       try {
         params_->end_step();
@@ -843,6 +979,9 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);
+  } else if (paged_ != nullptr) {
+    shard_opt_->step_paged(r.lr, paged_clip_);
+    paged_->end_step();
   } else if (zero == 3) {
     shard_opt_->step(shard_params_, shard_grads_, r.lr);
   } else {

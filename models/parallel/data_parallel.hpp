@@ -60,7 +60,12 @@
 // weights).
 // Memory tiers (dp_options::moments, ZeRO 1-3): the shard's AdamW moments live in a tier
 // manager's chunks on the host or NVMe and are paged in segment by segment for the update
-// (paged_moments.hpp); the update's arithmetic is the same, bit for bit.
+// (paged_moments.hpp); the update's arithmetic is the same, bit for bit. Under ZeRO 3 (with
+// dp_options::page_shard) the shard's f32 master parameters and reduced gradients live in the same
+// tier manager's chunks, with the moments (paged_shard.hpp): a bucket's parameter chunk is pinned
+// while its all-gather is in flight, its gradient chunk while its reduce-scatter lands (and is
+// added), and everything segment by segment for the norm and the update; the engine then holds no
+// shard-sized buffer of its own. Losses, norms, weights and moments stay the same, bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -76,6 +81,7 @@
 #include "models/optim.hpp"
 #include "models/parallel/grad_producer.hpp"
 #include "models/parallel/paged_moments.hpp"
+#include "models/parallel/paged_shard.hpp"
 #include "models/parallel/param_gather.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
@@ -105,6 +111,9 @@ struct dp_options {
   std::size_t grads_in_flight_bytes = 0;
   // ZeRO 1-3: the shard's AdamW moments in memory tiers (paged_moments.hpp); none: in memory.
   std::optional<moment_tiers> moments = std::nullopt;
+  // ZeRO 3 with `moments`: the shard's parameters and gradients in the same tiers (off: only the
+  // moments are paged, as under ZeRO 1 and 2).
+  bool page_shard = true;
 
   // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
   // from parallel.dp_overlap.
@@ -214,7 +223,8 @@ class dp_trainer {
   struct pending_op {
     std::size_t bucket = 0;
     collective::work work;
-    std::int64_t at = -1;  // >= 0: reduced into shard_in_ there, added into the shard when done
+    std::int64_t at = -1;    // >= 0: reduced into shard_in_ there, added into the shard when done
+    float* grads = nullptr;  // paged shard: the bucket's gradient chunk, pinned until done
   };
   // Waits for the oldest op, takes it off pending_, then accumulates and releases its bucket (an
   // op whose wait throws is left pending, for abandon_pending).
@@ -257,8 +267,12 @@ class dp_trainer {
   owned_tensor pad_in_;                   // staging for the padded buckets' reduce-scatter
   std::vector<std::int64_t> pad_at_;      // per bucket: its staging in pad_in_ (padded only)
   std::unique_ptr<param_gather> params_;  // zero 1, 2, 3: gathers from shard_params_
-  bool use_hook_ = false;                 // zero 3: the piece reports block uses
-  std::size_t resident_peak_ = 0;         // zero 0, 1, 2 with measure_resident
+  // zero 3 with page_shard: the shard in memory tiers (shard_optimizer owns it; shard_params_ and
+  // shard_grads_ are then empty), and the clip factor the update applies segment by segment.
+  paged_shard* paged_ = nullptr;
+  double paged_clip_ = 1.0;
+  bool use_hook_ = false;          // zero 3: the piece reports block uses
+  std::size_t resident_peak_ = 0;  // zero 0, 1, 2 with measure_resident
   std::int64_t step_ = 0;
   double comm_wait_ = 0;
   bool overlap_ = false;

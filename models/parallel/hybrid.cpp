@@ -190,8 +190,12 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   dp_options o = dp_options::of(plan);
   if (cfg.tiers()) {  // memory tiers: the ZeRO shard's moments paged (paged_moments.hpp)
     o.moments = moment_tiers_of(cfg, g.dp->rank());
+    // ZeRO 3: the whole shard (parameters, gradients and moments: paged_shard.hpp).
     I.description += fmt::format(
-        ", optimizer state in memory tiers ({}{})", memory::tier_name(o.moments->home),
+        ", {} in memory tiers ({}{})",
+        plan.zero == 3 && o.page_shard ? "shard (parameters, gradients, optimizer state)"
+                                       : "optimizer state",
+        memory::tier_name(o.moments->home),
         o.moments->home == memory::tier::nvme ? " in " + o.moments->nvme_dir : std::string());
   }
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, o);
@@ -232,8 +236,9 @@ std::string hybrid_trainer::moment_tiers_line() {
   const auto r = tm->report();
   constexpr double mib = 1 << 20;
   return fmt::format(
-      "optimizer state in tiers: nvme {:.1f} MiB, host {:.1f} MiB (homes and slots); NVMe read "
+      "{} in tiers: nvme {:.1f} MiB, host {:.1f} MiB (homes and slots); NVMe read "
       "{:.1f} MiB write {:.1f} MiB; {} evictions",
+      impl_->cfg.plan.zero == 3 ? "ZeRO 3 shard" : "optimizer state",
       static_cast<double>(r.nvme_bytes) / mib, static_cast<double>(r.host_used) / mib,
       static_cast<double>(r.nvme_read_bytes) / mib, static_cast<double>(r.nvme_write_bytes) / mib,
       r.evictions);

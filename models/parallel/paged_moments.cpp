@@ -13,6 +13,8 @@ namespace {
 
 using memory::tier;
 
+}  // namespace
+
 memory::tier_manager_options manager_options(const moment_tiers& o) {
   TROUPE_CHECK(o.home == tier::host || o.home == tier::nvme,
                "paged_moments: the moments' home must be host or nvme, got ",
@@ -27,6 +29,16 @@ memory::tier_manager_options manager_options(const moment_tiers& o) {
   m.prefetch_depth = o.prefetch_depth;
   return m;
 }
+
+void make_nvme_dir(const moment_tiers& o) {
+  if (o.home != tier::nvme || o.nvme_io != nullptr) return;
+  std::error_code ec;
+  std::filesystem::create_directories(o.nvme_dir, ec);
+  TROUPE_CHECK(!ec, "paged_moments: cannot create the NVMe directory '", o.nvme_dir,
+               "': ", ec.message());
+}
+
+namespace {
 
 tensor f32_view(std::byte* p, std::int64_t n) {
   return tensor(p, static_cast<std::size_t>(n) * 4, dtype::f32, {n}, device::cpu());
@@ -52,12 +64,7 @@ paged_moments::paged_moments(std::int64_t elements, const moment_tiers& opt)
       segment_(std::max<std::int64_t>(static_cast<std::int64_t>(opt.segment_bytes / 4), 16)),
       segments_(static_cast<std::int32_t>((elements_ + segment_ - 1) / segment_)),
       tiers_(manager_options(opt)) {
-  if (opt.home == tier::nvme && opt.nvme_io == nullptr) {
-    std::error_code ec;
-    std::filesystem::create_directories(opt.nvme_dir, ec);
-    TROUPE_CHECK(!ec, "paged_moments: cannot create the NVMe directory '", opt.nvme_dir,
-                 "': ", ec.message());
-  }
+  make_nvme_dir(opt);
   const std::size_t bytes = static_cast<std::size_t>(segment_) * 4;
   std::vector<memory::chunk_use> schedule;
   for (std::int32_t s = 0; s < segments_; ++s) {

@@ -41,6 +41,10 @@ struct moment_tiers {
 // default nvme when memory.nvme_dir is given, else host), the host budget memory.host, NVMe in
 // "<memory.nvme_dir>/dp<dp_rank>" (ranks of one machine share the folder).
 moment_tiers moment_tiers_of(const train_config& cfg, int dp_rank);
+// The tier manager's options for these tiers (checked: the home is host or nvme, nvme has a
+// folder), and the NVMe folder created (when the home is nvme and the manager has its own store).
+memory::tier_manager_options manager_options(const moment_tiers& t);
+void make_nvme_dir(const moment_tiers& t);
 
 class paged_moments {
  public:

@@ -86,6 +86,7 @@ std::vector<rank_result> run(bool llama, const train_config& c,
         dp_options o{.bucket_bytes = 4 * 10007};
         if (tiers) {
           o.moments = *tiers;
+          o.page_shard = false;  // only the moments (paged_shard.test.cpp: the whole ZeRO 3 shard)
           o.moments->nvme_dir += "/dp" + std::to_string(r);
         }
         dp_trainer t(piece, c, *comms[r], o);

@@ -84,7 +84,38 @@ std::size_t param_gather::group_of(std::int64_t block) const {
 void param_gather::issue(std::size_t i) {
   const dp_bucket& b = buckets_[i];
   float* out = pad_at_[i] >= 0 ? f32_at(pad_, pad_at_[i]) : f32_at(mem_.params(), b.begin);
-  works_[i] = comm_.all_gather(f32_at(shard_, b.shard_offset), out, b.chunk, dtype::f32);
+  if (opts_.pins == nullptr) {
+    works_[i] = comm_.all_gather(f32_at(shard_, b.shard_offset), out, b.chunk, dtype::f32);
+    return;
+  }
+  const float* in = opts_.pins->pin_params(i);
+  try {
+    works_[i] = comm_.all_gather(in, out, b.chunk, dtype::f32);
+  } catch (...) {
+    opts_.pins->unpin_params(i);
+    throw;
+  }
+}
+
+void param_gather::wait_bucket(std::size_t i) {
+  if (opts_.pins == nullptr) {
+    works_[i].wait();
+  } else {
+    if (!works_[i].valid()) return;  // a failed wait unpinned it already
+    try {
+      works_[i].wait();
+    } catch (...) {
+      works_[i] = {};
+      opts_.pins->unpin_params(i);
+      throw;
+    }
+    opts_.pins->unpin_params(i);
+  }
+  works_[i] = {};
+  const dp_bucket& b = buckets_[i];
+  if (pad_at_[i] >= 0)  // the staged bucket, without its padding
+    std::memcpy(f32_at(mem_.params(), b.begin), f32_at(pad_, pad_at_[i]),
+                static_cast<std::size_t>(b.length) * 4);
 }
 
 void param_gather::gather(std::size_t g) {
@@ -97,16 +128,8 @@ void param_gather::gather(std::size_t g) {
 
 void param_gather::wait(std::size_t g) {
   if (state_[g] != state::gathering) return;
-  const tensor& p = mem_.params();
   auto t0 = std::chrono::steady_clock::now();
-  for (std::size_t i : groups_[g].buckets) {
-    works_[i].wait();
-    works_[i] = {};
-    const dp_bucket& b = buckets_[i];
-    if (pad_at_[i] >= 0)  // the staged bucket, without its padding
-      std::memcpy(f32_at(p, b.begin), f32_at(pad_, pad_at_[i]),
-                  static_cast<std::size_t>(b.length) * 4);
-  }
+  for (std::size_t i : groups_[g].buckets) wait_bucket(i);
   wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   state_[g] = state::gathered;
 }
@@ -133,9 +156,19 @@ void param_gather::gather_all() {
   // In forward order: the buckets from the start of the buffer first (they are listed from the
   // end), whatever was gathered before gathered again.
   for (std::size_t g = 0; g < groups_.size(); ++g) wait(g);
-  for (auto i = buckets_.size(); i-- > 0;) issue(i);
-  std::fill(state_.begin(), state_.end(), state::gathering);
-  for (auto g = groups_.size(); g-- > 0;) wait(g);
+  if (opts_.pins != nullptr) {  // one bucket pinned at a time
+    auto t0 = std::chrono::steady_clock::now();
+    for (auto i = buckets_.size(); i-- > 0;) {
+      issue(i);
+      wait_bucket(i);
+    }
+    wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fill(state_.begin(), state_.end(), state::gathered);
+  } else {
+    for (auto i = buckets_.size(); i-- > 0;) issue(i);
+    std::fill(state_.begin(), state_.end(), state::gathering);
+    for (auto g = groups_.size(); g-- > 0;) wait(g);
+  }
   gathered_ = 0;
   for (const auto& gr : groups_) gathered_ += gr.elements;
   peak_ = std::max(peak_, gathered_);
@@ -164,6 +197,9 @@ void param_gather::begin_step(int microbatches, bool with_hook) {
   cursor_ = 0;
   stepping_ = true;
   if (outside_ < groups_.size()) gather(outside_);
+  // A paged shard (opts.pins): the outside group's pins go before the blocks' are taken, so the
+  // host pool holds the larger of the two, not their sum.
+  if (opts_.pins != nullptr && outside_ < groups_.size()) wait(outside_);
   for (std::size_t j = 0; j < schedule_.size() && j <= static_cast<std::size_t>(opts_.prefetch);
        ++j)
     gather(group_of(schedule_[j]));

@@ -32,6 +32,15 @@ namespace troupe::models::parallel {
 
 struct dp_bucket;
 
+// Where a rank's shard chunks are when they are not one tensor (ZeRO 3 with memory tiers:
+// paged_shard.hpp): bucket i's parameter chunk, readable from pin to unpin.
+class shard_pins {
+ public:
+  virtual ~shard_pins() = default;
+  virtual const float* pin_params(std::size_t bucket) = 0;
+  virtual void unpin_params(std::size_t bucket) = 0;
+};
+
 class param_gather {
  public:
   // One group: its block (-1: the parameters outside the blocks), its [begin, length) ranges of
@@ -47,6 +56,9 @@ class param_gather {
     int prefetch = 1;               // blocks gathered ahead of the one in use
     bool poison = false;            // released ranges are filled with NaN instead of given back
     bool measure_resident = false;  // sample layer_memory::resident_param_bytes at every use
+    // The shard's chunks pinned bucket by bucket (each from its gather's issue to its wait;
+    // gather_all then goes one bucket at a time); null: `shard` holds them.
+    shard_pins* pins = nullptr;
   };
 
   // buckets: the dp buckets (every one inside one of `groups`, which tile the flat buffer);
@@ -74,7 +86,8 @@ class param_gather {
 
  private:
   enum class state : std::uint8_t { released, gathering, gathered };
-  void issue(std::size_t bucket);  // its all_gather, into the buffer or its staging
+  void issue(std::size_t bucket);        // its all_gather, into the buffer or its staging
+  void wait_bucket(std::size_t bucket);  // its all_gather done, unpadded, unpinned
   void gather(std::size_t g);
   void wait(std::size_t g);
   void release(std::size_t g);
