@@ -56,6 +56,18 @@ struct algo_tuning {
   bool allreduce_direct = true;
   std::size_t allreduce_direct_min = 64 * 1024;
   std::size_t direct_piece_bytes = 128 * 1024;
+  // reduce_scatter, all_gather, all_to_all and all_to_allv between processes of one host: each
+  // rank pulls what it receives straight from its peers' input buffers with process_vm_readv
+  // (collective/algo_direct_pull.cpp), from these sizes (the op's nccl-tests size: the input of
+  // reduce_scatter, the output of all_gather, one rank's send buffer of all_to_all; all_to_allv,
+  // whose sizes differ between ranks, at every size). pull_direct = false keeps them on messages.
+  // Copies go in pieces of direct_copy_bytes (between pieces the op checks its deadline and
+  // stops).
+  bool pull_direct = true;
+  std::size_t reduce_scatter_direct_min = 64 * 1024;
+  std::size_t all_gather_direct_min = 16 * 1024;
+  std::size_t all_to_all_direct_min = 16 * 1024;
+  std::size_t direct_copy_bytes = 1 << 20;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };
