@@ -273,10 +273,11 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
     soff[j + 1] = soff[j] + send_counts[j];
     roff[j + 1] = roff[j] + recv_counts[j];
   }
-  // all_to_allv's sizes differ between ranks: it goes direct at every size (the same choice on
-  // every rank; its fixed cost, two rounds of small messages, is what the count check costs here).
-  if (direct_ready(c, op_kind_name(k), c.tune.pull_direct, soff[n] * esize,
-                   varied ? 0 : c.tune.all_to_all_direct_min))
+  // The direct path from all_to_all_direct_min bytes: all_to_all's size is the same on every rank;
+  // all_to_allv's differ, so it decides on the largest send buffer of any rank, which every rank
+  // learns in the count check below (the same choice everywhere).
+  const bool direct = direct_ready(c, op_kind_name(k), c.tune.pull_direct, 0, 0);
+  if (!varied && direct && soff[n] * esize >= c.tune.all_to_all_direct_min)
     return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
@@ -286,40 +287,50 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
   std::vector<char> skip_send(n, 0), skip_recv(n, 0);
   std::string mismatch;
   if (varied && n > 1) {
-    // Per peer g: [what this rank sends g, what it expects from g], and g's pair (in scratch: a
-    // late message after a failed op must not land on a stack that is gone).
-    auto* counts = static_cast<std::uint64_t*>(c.scratch->get(3, 4 * n * sizeof(std::uint64_t)));
-    std::uint64_t *mine = counts, *theirs = counts + 2 * n;
+    // Per peer g: [what this rank sends g, what it expects from g, the bytes this rank sends in
+    // all], and g's (in scratch: a late message after a failed op must not land on a stack that
+    // is gone).
+    constexpr int w = 3;
+    auto* counts =
+        static_cast<std::uint64_t*>(c.scratch->get(3, 2 * w * n * sizeof(std::uint64_t)));
+    std::uint64_t *mine = counts, *theirs = counts + w * n;
     for (int s = 1; s < n; ++s) {
       const int g = mod(me - s, n);
-      recvs.push_back(c.irecv(g, theirs + 2 * g, 2 * sizeof(std::uint64_t)));
+      recvs.push_back(c.irecv(g, theirs + w * g, w * sizeof(std::uint64_t)));
     }
     for (int s = 1; s < n; ++s) {
       const int g = mod(me + s, n);
-      mine[2 * g] = send_counts[g];
-      mine[2 * g + 1] = recv_counts[g];
-      sends.push_back(c.isend(g, mine + 2 * g, 2 * sizeof(std::uint64_t)));
+      mine[w * g] = send_counts[g];
+      mine[w * g + 1] = recv_counts[g];
+      mine[w * g + 2] = soff[n] * esize;
+      sends.push_back(c.isend(g, mine + w * g, w * sizeof(std::uint64_t)));
     }
     c.wait_all(recvs);
     c.wait_all(sends);
     recvs.clear();
     sends.clear();
+    std::uint64_t largest = soff[n] * esize;
+    for (int g = 0; g < n; ++g)
+      if (g != me) largest = std::max(largest, theirs[w * g + 2]);
+    // A pair whose counts differ fails in the direct op's hello check, on both of its ranks.
+    if (direct && largest >= c.tune.all_to_all_direct_min)
+      return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
     for (int g = 0; g < n; ++g) {
       if (g == me) continue;
       const std::string who = std::to_string(c.ranks[g]), self = std::to_string(c.ranks[me]);
-      if (theirs[2 * g] != recv_counts[g]) {
+      if (theirs[w * g] != recv_counts[g]) {
         skip_recv[g] = 1;
         if (mismatch.empty())
-          mismatch = "all_to_allv: rank " + who + " sends " + std::to_string(theirs[2 * g]) +
+          mismatch = "all_to_allv: rank " + who + " sends " + std::to_string(theirs[w * g]) +
                      " elements to rank " + self + ", which expects " +
                      std::to_string(recv_counts[g]) + " from it";
       }
-      if (theirs[2 * g + 1] != send_counts[g]) {
+      if (theirs[w * g + 1] != send_counts[g]) {
         skip_send[g] = 1;
         if (mismatch.empty())
           mismatch = "all_to_allv: rank " + self + " sends " + std::to_string(send_counts[g]) +
                      " elements to rank " + who + ", which expects " +
-                     std::to_string(theirs[2 * g + 1]) + " from it";
+                     std::to_string(theirs[w * g + 1]) + " from it";
       }
     }
   }

@@ -59,14 +59,22 @@ struct algo_tuning {
   // reduce_scatter, all_gather, all_to_all and all_to_allv between processes of one host: each
   // rank pulls what it receives straight from its peers' input buffers with process_vm_readv
   // (collective/algo_direct_pull.cpp), from these sizes (the op's nccl-tests size: the input of
-  // reduce_scatter, the output of all_gather, one rank's send buffer of all_to_all; all_to_allv,
-  // whose sizes differ between ranks, at every size). pull_direct = false keeps them on messages.
+  // reduce_scatter, the output of all_gather, one rank's send buffer of all_to_all; all_to_allv
+  // from all_to_all_direct_min bytes in the largest send buffer of any rank, which its count check
+  // tells every rank). pull_direct = false keeps them on messages.
   // Copies go in pieces of direct_copy_bytes (between pieces the op checks its deadline and
   // stops).
+  // Measured (troupe bench collective --pull-direct-min 1 vs --no-direct, load 5-9, 2 and 4
+  // ranks): the direct ops cost two rounds of small messages where the pairwise exchange costs one
+  // (2 ranks 4 KiB: 4.8 vs 2.0 us; 4 ranks on 2 CPUs: 31 vs 10 us), and both move large blocks
+  // with one process_vm_readv copy per byte (UCX's cma rendezvous from 256 KiB), so the direct
+  // path wins from where the ring's steps (all_gather, reduce_scatter at 4 ranks: 256 KiB 59-85
+  // vs 135-180 us and 61-78 vs 85 us) or the rendezvous handshakes (all_to_all at 4 ranks:
+  // 512 KiB 90 vs 100 us, 256 KiB 58 vs 56 us) cost more than the extra round.
   bool pull_direct = true;
-  std::size_t reduce_scatter_direct_min = 64 * 1024;
-  std::size_t all_gather_direct_min = 16 * 1024;
-  std::size_t all_to_all_direct_min = 16 * 1024;
+  std::size_t reduce_scatter_direct_min = 256 * 1024;
+  std::size_t all_gather_direct_min = 256 * 1024;
+  std::size_t all_to_all_direct_min = 512 * 1024;
   std::size_t direct_copy_bytes = 1 << 20;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
