@@ -231,10 +231,10 @@ TEST_CASE(
 }
 
 TEST_CASE("the direct pull ops take the message path below their thresholds", "[collective]") {
-  // Default tuning: 256 KiB all_gather of f32 on 2 ranks goes direct, 16 KiB does not.
+  // Default tuning: a 1 MiB all_gather of f32 on 2 ranks goes direct, 16 KiB does not.
   group g(2, true);
   for (auto& c : g.comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(algo_tuning{});
-  for (std::size_t count : {std::size_t{2048}, std::size_t{32768}}) {
+  for (std::size_t count : {std::size_t{2048}, std::size_t{131072}}) {
     std::vector<bytes> in(2), out(2);
     std::vector<std::uint64_t> sent(2);
     for (int r = 0; r < 2; ++r) {
@@ -247,7 +247,8 @@ TEST_CASE("the direct pull ops take the message path below their thresholds", "[
       sent[r] = g.sent(r) - before;
     });
     REQUIRE(joined(errors).empty());
-    const bool direct = count * 2 * 4 >= algo_tuning{}.all_gather_direct_min;
+    const bool direct = count == 131072;
+    REQUIRE((count * 2 * 4 >= algo_tuning{}.all_gather_direct_min) == direct);
     INFO("count " << count << " sent " << sent[0]);
     CHECK((sent[0] < count * 4) == direct);
     CHECK(std::memcmp(out[0].data() + count * 4, in[1].data(), count * 4) == 0);

@@ -64,17 +64,20 @@ struct algo_tuning {
   // tells every rank). pull_direct = false keeps them on messages.
   // Copies go in pieces of direct_copy_bytes (between pieces the op checks its deadline and
   // stops).
-  // Measured (troupe bench collective --pull-direct-min 1 vs --no-direct, load 5-9, 2 and 4
-  // ranks): the direct ops cost two rounds of small messages where the pairwise exchange costs one
-  // (2 ranks 4 KiB: 4.8 vs 2.0 us; 4 ranks on 2 CPUs: 31 vs 10 us), and both move large blocks
-  // with one process_vm_readv copy per byte (UCX's cma rendezvous from 256 KiB), so the direct
-  // path wins from where the ring's steps (all_gather, reduce_scatter at 4 ranks: 256 KiB 59-85
-  // vs 135-180 us and 61-78 vs 85 us) or the rendezvous handshakes (all_to_all at 4 ranks:
-  // 512 KiB 90 vs 100 us, 256 KiB 58 vs 56 us) cost more than the extra round.
+  // Measured (troupe bench collective --pull-direct-min 1 or the defaults vs --no-direct,
+  // interleaved, load 7-10): the direct ops cost two rounds of small messages where the pairwise
+  // exchange costs one (2 ranks 4 KiB: 4.8 vs 2.0 us; 4 ranks on 2 CPUs: 31 vs 10 us), and
+  // below UCX's rendezvous (256 KiB messages) its shared-memory path beats one process_vm_readv
+  // copy per byte (2 ranks 256 KiB: all_gather 12.5-36 vs 8.9-15.7 us, reduce_scatter 14-15 vs
+  // 11 us). From there both move the data with process_vm_readv and tie at 2 ranks (1 MiB
+  // all_gather 47-76 vs 49-112 us, 4 MiB 195-199 vs 211-217), while at 4 ranks the direct path
+  // saves the ring's steps (all_gather 4 MiB 545-549 vs 628-633 us, 16 MiB 3.2-3.4 vs 4.0-4.2 ms;
+  // reduce_scatter 4 MiB 739-762 vs 1240-1287 us); all_to_all ties at 4 ranks up to 1 MiB
+  // (145 vs 143-161 us).
   bool pull_direct = true;
-  std::size_t reduce_scatter_direct_min = 256 * 1024;
-  std::size_t all_gather_direct_min = 256 * 1024;
-  std::size_t all_to_all_direct_min = 512 * 1024;
+  std::size_t reduce_scatter_direct_min = 512 * 1024;
+  std::size_t all_gather_direct_min = 512 * 1024;
+  std::size_t all_to_all_direct_min = 1 << 20;
   std::size_t direct_copy_bytes = 1 << 20;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
