@@ -60,6 +60,9 @@ struct coll_args {
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
   std::size_t direct_min = 0, piece = 0, copy_piece = 0, pull_min = 0;
   bool direct = true;
+  bool shm = true;
+  std::size_t shm_min = 0, shm_slot = 0;
+  int shm_slots = 0;
   bool touch = false;  // rewrite the buffer before every allreduce (timed with it)
   int window = 0;
 };
@@ -175,6 +178,10 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
           a.pull_min;
     tu.allreduce_direct = tu.allreduce_direct && a.direct;
     tu.pull_direct = tu.pull_direct && a.direct;
+    tu.shm = tu.shm && a.direct && a.shm;
+    if (a.shm_min) tu.shm_min = a.shm_min;
+    if (a.shm_slot) tu.shm_slot_bytes = a.shm_slot;
+    if (a.shm_slots) tu.shm_slots = a.shm_slots;
     p->set_tuning(tu);
   }
   const std::size_t lo = parse_size(a.min_size), hi = parse_size(a.max_size);
@@ -384,6 +391,12 @@ command_fn add_bench_collective_command(CLI::App& bench) {
                 "Override: direct all_gather / all_to_all(v) bytes per process_vm_readv");
   c->add_option("--pull-direct-min", a->pull_min,
                 "Override: direct reduce_scatter, all_gather and all_to_all from this many bytes");
+  c->add_flag("!--no-shm", a->shm,
+              "all_gather and all_to_all(v) without the shared-memory staging between local ranks");
+  c->add_option("--shm-min", a->shm_min,
+                "Override: staged all_gather / all_to_all(v) from this many bytes");
+  c->add_option("--shm-slot", a->shm_slot, "Override: bytes per shared-memory slot");
+  c->add_option("--shm-slots", a->shm_slots, "Override: shared-memory slots per channel");
   c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
   return [c, a]() -> int {
     if (!c->parsed()) return -1;

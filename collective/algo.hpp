@@ -69,8 +69,11 @@ struct direct_state {
   std::vector<direct_msg> outs;  // the hello to each peer, by group rank
   std::vector<direct_msg> in;    // by group rank
   // The probe's first round: each rank's direct tuning (direct_sync.cpp), by group rank.
-  std::vector<std::array<std::uint64_t, 6>> tuning_in;
-  std::array<std::uint64_t, 6> tuning_out{};
+  std::vector<std::array<std::uint64_t, 8>> tuning_in;
+  std::array<std::uint64_t, 8> tuning_out{};
+  // The shared-memory segments of the staged copy ops (direct_shm.cpp): this rank's, created by
+  // the probe, and every peer's, mapped by it; null where the probe could not map them all.
+  std::shared_ptr<struct shm_segments> shm;
   // The end message of each peer: "done" (1) or "stop" (2 + 2 * the world rank whose failure
   // stopped the op, + 1 where that rank was lost), and this rank's (algo_direct.cpp).
   std::vector<std::uint32_t> finished;
@@ -153,6 +156,23 @@ inline std::int32_t direct_kind(op_kind k, dtype t, reduce_op op) {
   return static_cast<std::int32_t>(k) << 16 | static_cast<std::int32_t>(t) << 8 |
          static_cast<std::int32_t>(op);
 }
+
+// The staged copy ops (direct_shm.cpp): all_gather and all_to_all(v) through shared-memory slot
+// rings, each rank copying its blocks into its own segment and its peers' out of theirs, chunk by
+// chunk while both are in cache. The probe creates and maps the segments (shm_create at its
+// first round, shm_map_peers at its verdict; 0 or an errno). shm_ready: the segments exist on
+// every rank and the tuning allows it at this size.
+int shm_create(direct_state& d, int n, const algo_tuning& tune);
+int shm_map_peers(op_context& c);
+bool shm_ready(op_context& c, std::size_t bytes);
+// all_gather and all_to_all(v) through the segments, after a hello round that checks what every
+// rank issued; all_to_allv whose counts were checked already passes what that check found
+// (`mismatch`: empty, or the error to fail with, on both ranks of the pair) and skips it.
+void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count, dtype t);
+void all_to_allv_shm(op_context& c, op_kind k, const void* in,
+                     const std::vector<std::size_t>& send_counts, void* out,
+                     const std::vector<std::size_t>& recv_counts, dtype t,
+                     const std::string* mismatch = nullptr);
 
 // The direct pull ops (algo_direct_pull.cpp): each rank reads what it receives from its peers'
 // input buffers. Called where direct_ready said so.

@@ -51,16 +51,27 @@ bytes make(dtype t, std::size_t count, int rank, int salt, std::size_t first = 0
   return b;
 }
 
-// A group of n threads over a same_host local world, with `direct` on (from 1 byte, small pieces
-// so that every size crosses piece boundaries) or off (the message path).
+// The paths of the copy ops: the pull ops (process_vm_readv), the staged ones (shared-memory
+// rings: reduce_scatter still pulls) and messages.
+enum class path { pull, shm, messages };
+const char* path_name(path p) {
+  return p == path::pull ? "pull" : p == path::shm ? "staged" : "messages";
+}
+
+// A group of n threads over a same_host local world taking path `p` from 1 byte, with small pieces
+// and slots so that every size crosses piece boundaries and wraps the rings.
 struct group {
   std::shared_ptr<local_world> world;
   std::vector<std::unique_ptr<communicator>> comms;
-  group(int n, bool direct) : world(std::make_shared<local_world>(n, true)) {
+  group(int n, path p) : world(std::make_shared<local_world>(n, true)) {
     comms = make_local_group(world);
     algo_tuning tu;
-    tu.pull_direct = direct;
+    tu.pull_direct = p != path::messages;
+    tu.shm = p == path::shm;
     tu.all_gather_direct_min = tu.reduce_scatter_direct_min = tu.all_to_all_direct_min = 1;
+    tu.shm_min = 1;
+    tu.shm_slot_bytes = 4096;
+    tu.shm_slots = 3;
     tu.direct_piece_bytes = 4096;
     tu.direct_copy_bytes = 4096;
     for (auto& c : comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
@@ -101,14 +112,14 @@ std::string joined(const std::vector<std::string>& errors) {
 }
 
 // Runs every pull op at `count` elements per block on `g` and checks results and the path taken.
-void check_ops(group& g, bool direct, std::size_t count, dtype t) {
+void check_ops(group& g, path p, std::size_t count, dtype t) {
+  const bool direct = p != path::messages;
   const int n = g.size();
   const std::size_t es = dtype_size(t);
   std::vector<bytes> in(n), out(n), want(n);
   std::vector<std::uint64_t> sent(n);
-  const std::string where = std::string(direct ? "direct" : "messages") +
-                            " n=" + std::to_string(n) + " count=" + std::to_string(count) + " " +
-                            std::string(dtype_name(t));
+  const std::string where = std::string(path_name(p)) + " n=" + std::to_string(n) +
+                            " count=" + std::to_string(count) + " " + std::string(dtype_name(t));
   // Asserts that every rank's result is `want` and that the op took the expected path: the
   // direct path sends at most a few hundred bytes of messages per peer, the message path the data
   // (a rank whose own share is below that bound is not checked for it).
@@ -220,20 +231,21 @@ TEST_CASE(
     "ranks",
     "[collective]") {
   // Tiny, not a multiple of the 4 KiB pieces, and several pieces per block.
-  for (bool direct : {true, false})
+  for (path p : {path::pull, path::shm, path::messages})
     for (int n : {2, 3, 4}) {
-      group g(n, direct);
+      group g(n, p);
       for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{1023},
                                 std::size_t{4099}, std::size_t{20011}})
-        for (dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16})
-          check_ops(g, direct, count, t);
+        for (dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16}) check_ops(g, p, count, t);
     }
 }
 
 TEST_CASE("the direct pull ops take the message path below their thresholds", "[collective]") {
   // Default tuning: a 1 MiB all_gather of f32 on 2 ranks goes direct, 16 KiB does not.
-  group g(2, true);
-  for (auto& c : g.comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(algo_tuning{});
+  group g(2, path::pull);
+  algo_tuning pull;
+  pull.shm = false;
+  for (auto& c : g.comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(pull);
   for (std::size_t count : {std::size_t{2048}, std::size_t{131072}}) {
     std::vector<bytes> in(2), out(2);
     std::vector<std::uint64_t> sent(2);
@@ -257,9 +269,10 @@ TEST_CASE("the direct pull ops take the message path below their thresholds", "[
 
 TEST_CASE("all_to_allv counts that differ within a pair fail on both of its ranks naming them",
           "[collective][faults]") {
-  for (bool direct : {true, false}) {
-    INFO((direct ? "direct" : "messages"));
-    group g(3, direct);
+  for (path p : {path::pull, path::shm, path::messages}) {
+    const bool direct = p != path::messages;
+    INFO(path_name(p));
+    group g(3, p);
     // Everybody sends everybody 4096 elements, but rank 0 expects 4097 from rank 2.
     std::vector<std::vector<float>> in(3, std::vector<float>(3 * 4096, 1.0f)),
         out(3, std::vector<float>(3 * 4096 + 1, 0.0f));
@@ -280,12 +293,12 @@ TEST_CASE("all_to_allv counts that differ within a pair fail on both of its rank
       CHECK(errors[1].empty());
     std::printf(
         "faults: all_to_allv counts that differ between ranks 0 and 2 (%s) -> refused: %s\n",
-        direct ? "direct" : "messages", errors[0].c_str());
+        path_name(p), errors[0].c_str());
   }
 }
 
 TEST_CASE("ranks that issue different pull ops fail naming both", "[collective][faults]") {
-  group g(2, true);
+  group g(2, path::pull);
   std::vector<std::vector<float>> in(2, std::vector<float>(2048, 1.0f)),
       out(2, std::vector<float>(2048, 0.0f));
   auto errors = g.run([&](int r) {

@@ -230,9 +230,11 @@ void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count,
 }
 
 void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t) {
-  if (direct_ready(c, "all_gather", c.tune.pull_direct, count * c.n * dtype_size(t),
-                   c.tune.all_gather_direct_min))
-    return all_gather_direct(c, in, out, count, t);
+  const std::size_t total = count * c.n * dtype_size(t);
+  const bool direct =
+      direct_ready(c, "all_gather", c.tune.pull_direct, total, c.tune.all_gather_direct_min);
+  if (shm_ready(c, total)) return all_gather_shm(c, in, out, count, t);
+  if (direct) return all_gather_direct(c, in, out, count, t);
   const std::size_t esize = dtype_size(t);
   void* own = at(out, count * c.me, esize);
   if (own != in) std::memcpy(own, in, count * esize);

@@ -277,6 +277,8 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
   // all_to_allv's differ, so it decides on the largest send buffer of any rank, which every rank
   // learns in the count check below (the same choice everywhere).
   const bool direct = direct_ready(c, op_kind_name(k), c.tune.pull_direct, 0, 0);
+  if (!varied && shm_ready(c, soff[n] * esize))
+    return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t);
   if (!varied && direct && soff[n] * esize >= c.tune.all_to_all_direct_min)
     return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   const char* src = static_cast<const char*>(in);
@@ -286,6 +288,7 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
   sends.reserve(n);
   std::vector<char> skip_send(n, 0), skip_recv(n, 0);
   std::string mismatch;
+  std::uint64_t largest = 0;  // all_to_allv: the largest send buffer of any rank, in bytes
   if (varied && n > 1) {
     // Per peer g: [what this rank sends g, what it expects from g, the bytes this rank sends in
     // all], and g's (in scratch: a late message after a failed op must not land on a stack that
@@ -309,12 +312,9 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
     c.wait_all(sends);
     recvs.clear();
     sends.clear();
-    std::uint64_t largest = soff[n] * esize;
+    largest = soff[n] * esize;
     for (int g = 0; g < n; ++g)
       if (g != me) largest = std::max(largest, theirs[w * g + 2]);
-    // A pair whose counts differ fails in the direct op's hello check, on both of its ranks.
-    if (direct && largest >= c.tune.all_to_all_direct_min)
-      return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
     for (int g = 0; g < n; ++g) {
       if (g == me) continue;
       const std::string who = std::to_string(c.ranks[g]), self = std::to_string(c.ranks[me]);
@@ -333,6 +333,14 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
                      std::to_string(theirs[w * g + 1]) + " from it";
       }
     }
+  }
+  if (varied && n > 1) {
+    // The staged path fails both ranks of a pair whose counts differ, and its peers through the
+    // failure word; the pull path in its hello check, the rest through its stop protocol.
+    if (shm_ready(c, largest))
+      return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t, &mismatch);
+    if (direct && largest >= c.tune.all_to_all_direct_min)
+      return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   }
   for (int s = 1; s < n; ++s) {
     const int from = mod(me - s, n);

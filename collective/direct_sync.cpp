@@ -78,12 +78,15 @@ void wait_from_all(op_context& c, std::vector<p2p_request>& rs) {
 }
 
 // The direct tuning every rank must share, as the probe's first round sends it.
-constexpr std::array<const char*, 6> setup_names = {
+constexpr std::array<const char*, 8> setup_names = {
     "allreduce_direct",      "allreduce_direct_min",      "pull_direct",
-    "all_gather_direct_min", "reduce_scatter_direct_min", "all_to_all_direct_min"};
-std::array<std::uint64_t, 6> setup_of(const algo_tuning& t) {
-  return {t.allreduce_direct ? 1u : 0u, t.allreduce_direct_min,      t.pull_direct ? 1u : 0u,
-          t.all_gather_direct_min,      t.reduce_scatter_direct_min, t.all_to_all_direct_min};
+    "all_gather_direct_min", "reduce_scatter_direct_min", "all_to_all_direct_min",
+    "shm (and shm_min)",     "shm_slot_bytes x shm_slots"};
+std::array<std::uint64_t, 8> setup_of(const algo_tuning& t) {
+  return {t.allreduce_direct ? 1u : 0u, t.allreduce_direct_min,
+          t.pull_direct ? 1u : 0u,      t.all_gather_direct_min,
+          t.reduce_scatter_direct_min,  t.all_to_all_direct_min,
+          t.shm ? t.shm_min + 1 : 0u,   t.shm_slot_bytes * static_cast<std::uint64_t>(t.shm_slots)};
 }
 
 // The one-time probe (see the top of the file): every rank sends its pid, the address of a probe
@@ -93,7 +96,11 @@ std::array<std::uint64_t, 6> setup_of(const algo_tuning& t) {
 bool probe(op_context& c, direct_state& d, bool local) {
   const int n = c.n, me = c.me;
   d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
-  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe), 0, 0, getpid(), 0};
+  // The shared-memory segment's descriptor (or ~0: none) travels in aux.
+  const int fd = local && c.tune.shm ? shm_create(d, n, c.tune) : -1;
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe),
+                     0,           fd >= 0 ? static_cast<std::uint64_t>(fd) : ~std::uint64_t{0},
+                     getpid(),    0};
   d.tuning_in.assign(n, {});
   d.tuning_out = setup_of(c.tune);
   std::vector<p2p_request> rs(n), setup_rs(n), sends;
@@ -124,6 +131,12 @@ bool probe(op_context& c, direct_state& d, bool local) {
     if (err != 0)
       mine = direct_msg{hello_magic, 0, static_cast<std::uint64_t>(err), 0, 0, c.ranks[g]};
   }
+  // aux: 0 where this rank mapped every peer's segment, else 1 + the errno.
+  mine.aux = 1;
+  if (local && mine.count == 0 && fd >= 0) {
+    const int err = shm_map_peers(c);
+    mine.aux = err == 0 ? 0 : 1 + static_cast<std::uint64_t>(err);
+  }
   d.out = mine;
   sends.clear();
   recv_from_all(c, d.in, rs);
@@ -131,6 +144,9 @@ bool probe(op_context& c, direct_state& d, bool local) {
   wait_from_all(c, rs);
   c.wait_all(sends);
   d.in[me] = mine;
+  bool shm_all = true;
+  for (int g = 0; g < n; ++g) shm_all = shm_all && d.in[g].aux == 0;
+  if (!shm_all) d.shm.reset();
   for (int g = 0; g < n; ++g)
     if (d.in[g].addr != 0) return false;
   for (int g = 0; g < n; ++g) {

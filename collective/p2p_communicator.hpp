@@ -79,6 +79,16 @@ struct algo_tuning {
   std::size_t all_gather_direct_min = 512 * 1024;
   std::size_t all_to_all_direct_min = 1 << 20;
   std::size_t direct_copy_bytes = 1 << 20;
+  // all_gather and all_to_all(v) between processes of one host from shm_min bytes (the op's
+  // nccl-tests size), where every rank could map every peer's shared-memory segment: staged
+  // through per-peer rings of shm_slots slots of shm_slot_bytes (collective/direct_shm.cpp), two
+  // user-space copies of each byte while it is in cache, which beat one process_vm_readv copy
+  // (its page pinning costs ~350 ns per 4 KiB page here). shm = false keeps them on the pull
+  // ops and messages.
+  bool shm = true;
+  std::size_t shm_min = 64 * 1024;
+  std::size_t shm_slot_bytes = 64 * 1024;
+  int shm_slots = 8;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };

@@ -190,6 +190,7 @@ TEST_CASE("host collectives over UCX match the serial reference on 2 3 and 4 pro
   ring.chunk_bytes = 8192;
   ring.allreduce_direct = false;  // the fallback path: ring and recursive doubling only
   ring.pull_direct = false;       // and messages for the pull ops
+  ring.shm = false;
   // Large messages by cma (the default) and by shared-memory fragments, the transport's two
   // rendezvous paths; the fragments on 2 and 3 ranks only, to keep the test short.
   for (auto [n, single_copy] : {std::pair{2, true}, std::pair{3, true}, std::pair{4, true},
@@ -402,8 +403,15 @@ TEST_CASE("the direct pull ops move only small messages between 2 3 and 4 proces
   every_size.all_gather_direct_min = every_size.all_to_all_direct_min =
       every_size.reduce_scatter_direct_min = 1;
   every_size.direct_piece_bytes = every_size.direct_copy_bytes = 4096;
+  every_size.shm = false;
+  algo_tuning staged = every_size;  // all_gather and all_to_all(v) through small shm rings
+  staged.shm = true;
+  staged.shm_min = 1;
+  staged.shm_slot_bytes = 4096;
+  staged.shm_slots = 3;
   algo_tuning messages;
   messages.pull_direct = false;
+  messages.shm = false;
   for (int n : {2, 3, 4}) {
     local_ranks_options opt;
     opt.timeout = std::chrono::seconds(60);
@@ -415,6 +423,7 @@ TEST_CASE("the direct pull ops move only small messages between 2 3 and 4 proces
           for (dtype ty : {dtype::f32, dtype::bf16})
             for (std::size_t count : {std::size_t{1031}, std::size_t{65537}}) {
               bad += check_pull(t, *c, every_size, count, ty, true);
+              bad += check_pull(t, *c, staged, count, ty, true);
               bad += check_pull(t, *c, messages, count, ty, false);
             }
           // The defaults: direct from the thresholds (1 MiB blocks of f32), messages below.
@@ -563,6 +572,8 @@ TEST_CASE("ranks whose direct allreduce tuning differs fail naming the setting",
 }
 
 TEST_CASE("a rank whose direct all_gather fails stops its peers", "[collective][multirank]") {
+  const bool staged = GENERATE(true, false);
+  INFO("staged " << staged);
   const int n = 3, failing = 1;
   local_ranks_options opt;
   opt.timeout = std::chrono::seconds(60);
@@ -570,6 +581,9 @@ TEST_CASE("a rank whose direct all_gather fails stops its peers", "[collective][
       n,
       [&](ucx_transport& t) {
         auto c = make_communicator(t, everyone(n, 14), "ucx");
+        algo_tuning tu;
+        tu.shm = staged;
+        dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
         const std::size_t count = std::size_t{8} << 20;  // 32 MiB a block: far from done in 1 ms
         std::vector<float> in(count, 1.0f), out(count * n);
         c->all_gather(in.data(), out.data(), 1 << 20, dtype::f32).wait();  // the probe, direct
