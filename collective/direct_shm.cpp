@@ -157,8 +157,17 @@ void check_peers(op_context& c, const shm_segments& s) {
   }
 }
 
-// Moves every chunk of `outs` and `ins`; on failure marks this rank failed for its peers.
-void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>& ins) {
+// The own block, copied a chunk at a time whenever no chunk can move between ranks (so that the
+// copy fills the waits instead of adding to them).
+struct self_copy {
+  const char* src = nullptr;
+  char* dst = nullptr;
+  std::size_t bytes = 0, done = 0;
+};
+
+// Moves every chunk of `outs`, `ins` and `own`.
+void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>& ins,
+          self_copy& own) {
   shm_segments& s = *c.direct->shm;
   const int me = c.me;
   const std::size_t S = s.slot_bytes;
@@ -206,6 +215,12 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
       idle = 0;
       continue;
     }
+    if (own.done < own.bytes) {
+      const std::size_t len = std::min(S, own.bytes - own.done);
+      std::memmove(own.dst + own.done, own.src + own.done, len);
+      own.done += len;
+      continue;
+    }
     ++idle;
     if (idle < 64 && !c.yield_poll)
       cpu_relax();
@@ -213,6 +228,8 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
       sched_yield();
     if ((idle & 255) == 0) check_peers(c, s);
   }
+  if (own.done < own.bytes)
+    std::memmove(own.dst + own.done, own.src + own.done, own.bytes - own.done);
 }
 
 // Runs f; where it throws, this rank's `failed` word tells its peers before the error leaves.
@@ -274,9 +291,8 @@ void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count,
       outs[0].readers.push_back(g);
       ins.push_back(in_channel{g, g, o + g * bytes, bytes});
     }
-    char* own = o + me * bytes;
-    if (own != in) std::memmove(own, in, bytes);
-    pump(c, outs, ins);
+    self_copy own{static_cast<const char*>(in), o + me * bytes, o + me * bytes == in ? 0 : bytes};
+    pump(c, outs, ins, own);
   });
 }
 
@@ -318,9 +334,8 @@ void all_to_allv_shm(op_context& c, op_kind k, const void* in,
       outs.push_back(std::move(o));
       ins.push_back(in_channel{g, me, dst + roff[g] * es, recv_counts[g] * es});
     }
-    if (send_counts[me] > 0)
-      std::memmove(dst + roff[me] * es, src + soff[me] * es, send_counts[me] * es);
-    pump(c, outs, ins);
+    self_copy own{src + soff[me] * es, dst + roff[me] * es, send_counts[me] * es};
+    pump(c, outs, ins, own);
   });
 }
 
