@@ -140,15 +140,27 @@ struct in_channel {
   std::uint64_t base = 0;
 };
 
-// Throws when a peer failed its part (its `failed` word) or is lost.
+// Sets this rank's `failed` word to world rank w + 1 unless it names a rank already.
+void mark_failed(op_context& c, std::uint64_t w) {
+  std::uint64_t none = 0;
+  c.direct->shm->failed(c.me)->compare_exchange_strong(none, w + 1, std::memory_order_acq_rel);
+}
+
+// Throws when a peer failed its part (its `failed` word, which names the rank whose failure
+// stopped the op; this rank relays it) or is lost.
 void check_peers(op_context& c, const shm_segments& s) {
   c.check();
   for (int g = 0; g < c.n; ++g) {
     if (g == c.me) continue;
     const std::uint64_t f = s.failed(g)->load(std::memory_order_acquire);
-    if (f != 0)
+    if (f != 0) {
+      mark_failed(c, f - 1);
       throw troupe::error(std::string("staged ") + c.direct->op + ": rank " +
-                          std::to_string(f - 1) + " failed its part of the op and stopped it");
+                          std::to_string(f - 1) + " failed its part of the op and stopped it" +
+                          (f - 1 != static_cast<std::uint64_t>(c.ranks[g])
+                               ? " (told by rank " + std::to_string(c.ranks[g]) + ")"
+                               : std::string()));
+    }
     const std::string lost = c.t.peer_failure(c.ranks[g]);
     if (!lost.empty()) throw troupe::error("rank " + std::to_string(c.ranks[g]) + " lost: " + lost);
     if (kill(s.pids[g], 0) != 0 && errno == ESRCH)
@@ -183,7 +195,7 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
   std::size_t left = 0;
   for (auto& o : outs) left += o.chunks;
   for (auto& i : ins) left += i.chunks;
-  unsigned idle = 0;
+  unsigned idle = 0, turns = 0;
   while (left > 0) {
     bool moved = false;
     for (auto& o : outs) {
@@ -213,6 +225,7 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
     }
     if (moved) {
       idle = 0;
+      if ((++turns & 15) == 0) c.check();  // the deadline and abort while data flows
       continue;
     }
     if (own.done < own.bytes) {
@@ -238,8 +251,7 @@ void marking_failure(op_context& c, F&& f) {
   try {
     f();
   } catch (...) {
-    c.direct->shm->failed(c.me)->store(static_cast<std::uint64_t>(c.ranks[c.me]) + 1,
-                                       std::memory_order_release);
+    mark_failed(c, static_cast<std::uint64_t>(c.ranks[c.me]));
     throw;
   }
 }
