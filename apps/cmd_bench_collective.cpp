@@ -4,11 +4,12 @@
 // them as threads on the local transport (--backend local), makes one communicator over all ranks
 // and times each op at sizes from --min to --max bytes (x4 steps, or --step). "size" is what
 // nccl-tests calls size: the whole buffer of the op (allreduce, broadcast: the vector; all_gather:
-// the gathered output; reduce_scatter: the input; all_to_all: one rank's send buffer). Time is the
-// slowest rank's mean over the timed iterations of one repetition, the fastest of --reps
+// the gathered output; reduce_scatter: the input; all_to_all, all_to_allv: one rank's send buffer;
+// all_to_allv sends equal blocks, so it differs from all_to_all only by its count check). Time is
+// the slowest rank's mean over the timed iterations of one repetition, the fastest of --reps
 // repetitions (the machine is shared: the best repetition is the least disturbed one), after
 // --warmup untimed ones. algbw = size / time; busbw = algbw * f with f = 2(n-1)/n for allreduce,
-// (n-1)/n for reduce_scatter, all_gather and all_to_all, and 1 for broadcast (nccl-tests
+// (n-1)/n for reduce_scatter, all_gather and all_to_all(v), and 1 for broadcast (nccl-tests
 // doc/PERFORMANCE.md). Rates are GB/s of 1e9 bytes. Before timing each size the op runs once on
 // known data and the result is checked.
 #include <fmt/core.h>
@@ -57,8 +58,11 @@ struct coll_args {
   bool progress_thread = false;
   bool single_copy = true;
   std::size_t ring_min = 0, chain_min = 0, chunk = 0;  // 0: the communicator's defaults
-  std::size_t direct_min = 0, piece = 0;
+  std::size_t direct_min = 0, piece = 0, copy_piece = 0, pull_min = 0;
   bool direct = true;
+  bool shm = true;
+  std::size_t shm_min = 0, shm_slot = 0;
+  int shm_slots = 0;
   bool touch = false;  // rewrite the buffer before every allreduce (timed with it)
   int window = 0;
 };
@@ -168,7 +172,16 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
     if (a.window) tu.window = a.window;
     if (a.direct_min) tu.allreduce_direct_min = a.direct_min;
     if (a.piece) tu.direct_piece_bytes = a.piece;
+    if (a.copy_piece) tu.direct_copy_bytes = a.copy_piece;
+    if (a.pull_min)
+      tu.all_gather_direct_min = tu.reduce_scatter_direct_min = tu.all_to_all_direct_min =
+          a.pull_min;
     tu.allreduce_direct = tu.allreduce_direct && a.direct;
+    tu.pull_direct = tu.pull_direct && a.direct;
+    tu.shm = tu.shm && a.direct && a.shm;
+    if (a.shm_min) tu.shm_min = a.shm_min;
+    if (a.shm_slot) tu.shm_slot_bytes = a.shm_slot;
+    if (a.shm_slots) tu.shm_slots = a.shm_slots;
     p->set_tuning(tu);
   }
   const std::size_t lo = parse_size(a.min_size), hi = parse_size(a.max_size);
@@ -195,9 +208,14 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
         run = [&, elems] { return comm.broadcast(in.data(), elems, t); };
       } else if (op == "all_to_all") {
         run = [&, per_rank] { return comm.all_to_all(in.data(), out.data(), per_rank, t); };
+      } else if (op == "all_to_allv") {
+        run = [&, per_rank, counts = std::vector<std::size_t>(n, per_rank)] {
+          return comm.all_to_allv(in.data(), counts, out.data(), counts, t);
+        };
       } else {
         TROUPE_FAIL("troupe bench collective: unknown op '", op,
-                    "' (allreduce, reduce_scatter, all_gather, broadcast, all_to_all)");
+                    "' (allreduce, reduce_scatter, all_gather, broadcast, all_to_all, "
+                    "all_to_allv)");
       }
       if (per_rank == 0) continue;
       // Check once on known data: every rank holds me+1 (sums exact in every dtype up to 8 ranks).
@@ -213,7 +231,7 @@ std::vector<result_row> run_rank(communicator& comm, const coll_args& a) {
         } else if (op == "reduce_scatter") {
           want = n * (n + 1) / 2.0;
           got = read_at(out, t, per_rank - 1);
-        } else if (op == "all_gather" || op == "all_to_all") {
+        } else if (op == "all_gather" || op == "all_to_all" || op == "all_to_allv") {
           want = n;  // block n-1 came from rank n-1
           got = read_at(out, t, (n - 1) * per_rank);
         } else {
@@ -362,12 +380,23 @@ command_fn add_bench_collective_command(CLI::App& bench) {
   c->add_option("--chain-min", a->chain_min, "Override: broadcast chain from this many bytes");
   c->add_option("--chunk", a->chunk, "Override: pipeline chunk bytes");
   c->add_flag("!--no-direct", a->direct,
-              "Allreduce without the direct path (process_vm_readv between local ranks)");
+              "Every op without the direct path (process_vm_readv/writev between local ranks)");
   c->add_flag("--touch", a->touch,
               "Rewrite the allreduce buffer before every op, as a training step rewrites its "
               "gradients (the time includes the rewrite)");
   c->add_option("--direct-min", a->direct_min, "Override: direct allreduce from this many bytes");
-  c->add_option("--piece", a->piece, "Override: direct allreduce read piece bytes");
+  c->add_option("--piece", a->piece,
+                "Override: direct allreduce and reduce_scatter read piece bytes");
+  c->add_option("--copy-piece", a->copy_piece,
+                "Override: direct all_gather / all_to_all(v) bytes per process_vm_readv");
+  c->add_option("--pull-direct-min", a->pull_min,
+                "Override: direct reduce_scatter, all_gather and all_to_all from this many bytes");
+  c->add_flag("!--no-shm", a->shm,
+              "all_gather and all_to_all(v) without the shared-memory staging between local ranks");
+  c->add_option("--shm-min", a->shm_min,
+                "Override: staged all_gather / all_to_all(v) from this many bytes");
+  c->add_option("--shm-slot", a->shm_slot, "Override: bytes per shared-memory slot");
+  c->add_option("--shm-slots", a->shm_slots, "Override: shared-memory slots per channel");
   c->add_option("--window", a->window, "Override: receives posted ahead in pipelined loops");
   return [c, a]() -> int {
     if (!c->parsed()) return -1;

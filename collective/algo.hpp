@@ -11,10 +11,12 @@
 // (lower rank, higher rank) in that order on both partners.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,27 +41,39 @@ class scratch_pool {
   buf bufs_[4];
 };
 
-// The messages of the direct allreduce (algo_direct.cpp): a hello (pid, buffer address, count,
-// dtype and op) or the probe's verdict (errno in `count`, the rank read in `kind`).
+// The messages of the direct path (direct_sync.cpp): a hello (pid, the address this peer is to
+// read or write, count, what the op is in `kind`, and `aux`: what all_to_allv expects from this
+// peer), the probe's first message (tuning in `count`, `kind` and `aux`) or its verdict (errno in
+// `count`, the rank read in `kind`).
 struct direct_msg {
   std::uint64_t magic = 0;
   std::uint64_t addr = 0;
   std::uint64_t count = 0;
+  std::uint64_t aux = 0;
   std::int32_t pid = 0;
   std::int32_t kind = 0;
 };
 
-// What a communicator knows about reading its peers' memory directly (algo_direct.cpp). Decided
-// once, by the communicator's first allreduce, the same way on every rank. The message
-// buffers live here, not on the stack of the op: after a failed op a live peer's message may
-// still land in them.
+// What a communicator knows about reading its peers' memory directly (direct_sync.cpp). Decided
+// once, by the communicator's first op that may take the direct path (allreduce, reduce_scatter,
+// all_gather, all_to_all, all_to_allv), the same way on every rank. The message buffers live
+// here, not on the stack of the op: after a failed op a live peer's message may still land in
+// them.
 struct direct_state {
   enum class mode { unknown, on, off };
   mode m = mode::unknown;
   std::uint64_t probe = 0;  // the word peers read in the setup probe
   std::string comm_name;    // for the one log line when the probe fails
+  const char* op = "";      // the running op's name, for error texts ("direct all_gather: ...")
   direct_msg out;
-  std::vector<direct_msg> in;  // by group rank
+  std::vector<direct_msg> outs;  // the hello to each peer, by group rank
+  std::vector<direct_msg> in;    // by group rank
+  // The probe's first round: each rank's direct tuning (direct_sync.cpp), by group rank.
+  std::vector<std::array<std::uint64_t, 8>> tuning_in;
+  std::array<std::uint64_t, 8> tuning_out{};
+  // The shared-memory segments of the staged copy ops (direct_shm.cpp): this rank's, created by
+  // the probe, and every peer's, mapped by it; null where the probe could not map them all.
+  std::shared_ptr<struct shm_segments> shm;
   // The end message of each peer: "done" (1) or "stop" (2 + 2 * the world rank whose failure
   // stopped the op, + 1 where that rank was lost), and this rank's (algo_direct.cpp).
   std::vector<std::uint32_t> finished;
@@ -111,6 +125,64 @@ struct op_context {
   std::string waiting_for(const p2p_request& r) const;
 };
 
+// The direct path's shared parts (direct_sync.cpp).
+//
+// Whether an op takes the direct path: `enabled` (its tuning switch) and bytes >= min_bytes, and
+// every member is a process on this host whose memory this rank can read and write (the probe,
+// run once per communicator, with messages, at its first op that calls this: every rank must call
+// it for that op, whatever the size). The probe also fails the op on every rank, naming the ranks
+// and the setting, where the direct tuning differs between ranks.
+// `op` names the op in error texts (and the ops after it, until the next call).
+bool direct_ready(op_context& c, const char* op, bool enabled, std::size_t bytes,
+                  std::size_t min_bytes);
+// Copies `bytes` between `local` and `remote` in peer g's process (process_vm_readv, or
+// process_vm_writev when `write`); throws a lost peer as the transport reports it, else naming the
+// op, rank, pid and address.
+void copy_peer(op_context& c, int g, void* local, std::uint64_t remote, std::size_t bytes,
+               bool write = false);
+// One op of the direct path, on every rank: sends peer g the hello d.outs[g] (d.op names the op),
+// runs local() (the own part, while the hellos travel), waits for every peer's hello and checks it
+// with check(g) (throws naming the ranks), runs body(ends), which copies and may call poll_stops
+// between pieces, then sends every peer "done with your buffer" and waits for theirs. A rank whose
+// op fails tells its peers to stop and waits (bounded by the op's timeout) until none of them reads
+// or writes its buffers any more before it throws (algo_direct.cpp describes the protocol).
+void direct_round(op_context& c, const std::function<void()>& local,
+                  const std::function<void(int)>& check,
+                  const std::function<void(std::vector<p2p_request>&)>& body);
+// Between pieces: throws when a peer said "stop" (its end message arrived early).
+void poll_stops(op_context& c, std::vector<p2p_request>& ends, std::vector<char>& seen);
+// The hello's `kind`: what the op is, so ranks that issue different ops fail naming them.
+inline std::int32_t direct_kind(op_kind k, dtype t, reduce_op op) {
+  return static_cast<std::int32_t>(k) << 16 | static_cast<std::int32_t>(t) << 8 |
+         static_cast<std::int32_t>(op);
+}
+
+// The staged copy ops (direct_shm.cpp): all_gather and all_to_all(v) through shared-memory slot
+// rings, each rank copying its blocks into its own segment and its peers' out of theirs, chunk by
+// chunk while both are in cache. The probe creates and maps the segments (shm_create at its
+// first round, shm_map_peers at its verdict; 0 or an errno). shm_ready: the segments exist on
+// every rank and the tuning allows it at this size.
+int shm_create(direct_state& d, int n, const algo_tuning& tune);
+int shm_map_peers(op_context& c);
+bool shm_ready(op_context& c, std::size_t bytes);
+// all_gather and all_to_all(v) through the segments, after a hello round that checks what every
+// rank issued; all_to_allv whose counts were checked already passes what that check found
+// (`mismatch`: empty, or the error to fail with, on both ranks of the pair) and skips it.
+void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count, dtype t);
+void all_to_allv_shm(op_context& c, op_kind k, const void* in,
+                     const std::vector<std::size_t>& send_counts, void* out,
+                     const std::vector<std::size_t>& recv_counts, dtype t,
+                     const std::string* mismatch = nullptr);
+
+// The direct pull ops (algo_direct_pull.cpp): each rank reads what it receives from its peers'
+// input buffers. Called where direct_ready said so.
+void reduce_scatter_direct(op_context& c, const void* in, void* out, std::size_t count, dtype t,
+                           reduce_op op);
+void all_gather_direct(op_context& c, const void* in, void* out, std::size_t count, dtype t);
+void all_to_allv_direct(op_context& c, op_kind k, const void* in,
+                        const std::vector<std::size_t>& send_counts, void* out,
+                        const std::vector<std::size_t>& recv_counts, dtype t);
+
 // Picks the direct path where allreduce_direct_ready says so, else recursive doubling below
 // tune.allreduce_ring_min bytes, else the ring.
 void allreduce(op_context& c, void* data, std::size_t count, dtype t, reduce_op op);
@@ -127,8 +199,12 @@ void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count,
                     reduce_op op);
 void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t);
 void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root);
-void all_to_allv(op_context& c, const void* in, const std::vector<std::size_t>& send_counts,
-                 void* out, const std::vector<std::size_t>& recv_counts, dtype t);
+// all_to_all (k = op_kind::all_to_all: every count equal, the same on every rank) and
+// all_to_allv (k = op_kind::all_to_allv: the counts of every pair are checked first, and a pair
+// whose counts differ fails the op on both of its ranks naming them).
+void all_to_allv(op_context& c, op_kind k, const void* in,
+                 const std::vector<std::size_t>& send_counts, void* out,
+                 const std::vector<std::size_t>& recv_counts, dtype t);
 void barrier(op_context& c);
 
 }  // namespace troupe::collective::detail

@@ -215,6 +215,9 @@ void allreduce_ring(op_context& c, void* data, std::size_t count, dtype t, reduc
 
 void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count, dtype t,
                     reduce_op op) {
+  if (direct_ready(c, "reduce_scatter", c.tune.pull_direct, count * c.n * dtype_size(t),
+                   c.tune.reduce_scatter_direct_min))
+    return reduce_scatter_direct(c, in, out, count, t, op);
   const bool same = t == dtype::f32 || t == dtype::f64;
   const std::size_t asz = same ? dtype_size(t) : 4;
   ring_pass p;
@@ -227,6 +230,11 @@ void reduce_scatter(op_context& c, const void* in, void* out, std::size_t count,
 }
 
 void all_gather(op_context& c, const void* in, void* out, std::size_t count, dtype t) {
+  const std::size_t total = count * c.n * dtype_size(t);
+  const bool direct =
+      direct_ready(c, "all_gather", c.tune.pull_direct, total, c.tune.all_gather_direct_min);
+  if (shm_ready(c, total)) return all_gather_shm(c, in, out, count, t);
+  if (direct) return all_gather_direct(c, in, out, count, t);
   const std::size_t esize = dtype_size(t);
   void* own = at(out, count * c.me, esize);
   if (own != in) std::memcpy(own, in, count * esize);

@@ -258,34 +258,105 @@ void broadcast(op_context& c, void* data, std::size_t count, dtype t, int root) 
 
 // Pairwise exchange: step s receives from me-s and sends to me+s, so at every step each rank
 // talks to a different peer; all steps are posted at once and the transport overlaps them.
-void all_to_allv(op_context& c, const void* in, const std::vector<std::size_t>& send_counts,
-                 void* out, const std::vector<std::size_t>& recv_counts, dtype t) {
+// all_to_allv first exchanges, with every peer, the pair's counts (what each sends the other), so
+// that a pair whose counts differ is known to both of its ranks: they move nothing that way, finish
+// the rest of the op with everybody else and then fail naming the pair (no rank waits for a
+// message that will not come, nor leaves one unreceived).
+void all_to_allv(op_context& c, op_kind k, const void* in,
+                 const std::vector<std::size_t>& send_counts, void* out,
+                 const std::vector<std::size_t>& recv_counts, dtype t) {
   const int n = c.n, me = c.me;
   const std::size_t esize = dtype_size(t);
+  const bool varied = k == op_kind::all_to_allv;
   std::vector<std::size_t> soff(n + 1, 0), roff(n + 1, 0);
   for (int j = 0; j < n; ++j) {
     soff[j + 1] = soff[j] + send_counts[j];
     roff[j + 1] = roff[j] + recv_counts[j];
   }
+  // The direct path from all_to_all_direct_min bytes: all_to_all's size is the same on every rank;
+  // all_to_allv's differ, so it decides on the largest send buffer of any rank, which every rank
+  // learns in the count check below (the same choice everywhere).
+  const bool direct = direct_ready(c, op_kind_name(k), c.tune.pull_direct, 0, 0);
+  if (!varied && shm_ready(c, soff[n] * esize))
+    return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t);
+  if (!varied && direct && soff[n] * esize >= c.tune.all_to_all_direct_min)
+    return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   std::vector<p2p_request> recvs, sends;
   recvs.reserve(n);
   sends.reserve(n);
+  std::vector<char> skip_send(n, 0), skip_recv(n, 0);
+  std::string mismatch;
+  std::uint64_t largest = 0;  // all_to_allv: the largest send buffer of any rank, in bytes
+  if (varied && n > 1) {
+    // Per peer g: [what this rank sends g, what it expects from g, the bytes this rank sends in
+    // all], and g's (in scratch: a late message after a failed op must not land on a stack that
+    // is gone).
+    constexpr int w = 3;
+    auto* counts =
+        static_cast<std::uint64_t*>(c.scratch->get(3, 2 * w * n * sizeof(std::uint64_t)));
+    std::uint64_t *mine = counts, *theirs = counts + w * n;
+    for (int s = 1; s < n; ++s) {
+      const int g = mod(me - s, n);
+      recvs.push_back(c.irecv(g, theirs + w * g, w * sizeof(std::uint64_t)));
+    }
+    for (int s = 1; s < n; ++s) {
+      const int g = mod(me + s, n);
+      mine[w * g] = send_counts[g];
+      mine[w * g + 1] = recv_counts[g];
+      mine[w * g + 2] = soff[n] * esize;
+      sends.push_back(c.isend(g, mine + w * g, w * sizeof(std::uint64_t)));
+    }
+    c.wait_all(recvs);
+    c.wait_all(sends);
+    recvs.clear();
+    sends.clear();
+    largest = soff[n] * esize;
+    for (int g = 0; g < n; ++g)
+      if (g != me) largest = std::max(largest, theirs[w * g + 2]);
+    for (int g = 0; g < n; ++g) {
+      if (g == me) continue;
+      const std::string who = std::to_string(c.ranks[g]), self = std::to_string(c.ranks[me]);
+      if (theirs[w * g] != recv_counts[g]) {
+        skip_recv[g] = 1;
+        if (mismatch.empty())
+          mismatch = "all_to_allv: rank " + who + " sends " + std::to_string(theirs[w * g]) +
+                     " elements to rank " + self + ", which expects " +
+                     std::to_string(recv_counts[g]) + " from it";
+      }
+      if (theirs[w * g + 1] != send_counts[g]) {
+        skip_send[g] = 1;
+        if (mismatch.empty())
+          mismatch = "all_to_allv: rank " + self + " sends " + std::to_string(send_counts[g]) +
+                     " elements to rank " + who + ", which expects " +
+                     std::to_string(theirs[w * g + 1]) + " from it";
+      }
+    }
+  }
+  if (varied && n > 1) {
+    // The staged path fails both ranks of a pair whose counts differ, and its peers through the
+    // failure word; the pull path in its hello check, the rest through its stop protocol.
+    if (shm_ready(c, largest))
+      return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t, &mismatch);
+    if (direct && largest >= c.tune.all_to_all_direct_min)
+      return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
+  }
   for (int s = 1; s < n; ++s) {
     const int from = mod(me - s, n);
-    if (recv_counts[from] > 0)
+    if (recv_counts[from] > 0 && !skip_recv[from])
       recvs.push_back(c.irecv(from, dst + roff[from] * esize, recv_counts[from] * esize));
   }
   for (int s = 1; s < n; ++s) {
     const int to = mod(me + s, n);
-    if (send_counts[to] > 0)
+    if (send_counts[to] > 0 && !skip_send[to])
       sends.push_back(c.isend(to, src + soff[to] * esize, send_counts[to] * esize));
   }
   if (send_counts[me] > 0)
-    std::memcpy(dst + roff[me] * esize, src + soff[me] * esize, send_counts[me] * esize);
+    std::memmove(dst + roff[me] * esize, src + soff[me] * esize, send_counts[me] * esize);
   c.wait_all(recvs);
   c.wait_all(sends);
+  if (!mismatch.empty()) throw troupe::error(mismatch);
 }
 
 // Dissemination: in round k every rank signals me+2^k and waits for me-2^k; after ceil(log2 n)

@@ -529,8 +529,10 @@ std::string p2p_communicator::name() const {
 }
 
 void p2p_communicator::set_tuning(const algo_tuning& t) {
-  TROUPE_CHECK(t.chunk_bytes > 0 && t.window > 0 && t.direct_piece_bytes > 0, "set_tuning on ",
-               core_->name, ": chunk_bytes, window and direct_piece_bytes must be positive");
+  TROUPE_CHECK(
+      t.chunk_bytes > 0 && t.window > 0 && t.direct_piece_bytes > 0 && t.direct_copy_bytes > 0,
+      "set_tuning on ", core_->name,
+      ": chunk_bytes, window, direct_piece_bytes and direct_copy_bytes must be positive");
   std::lock_guard lock(core_->tune_mu);
   core_->tune = t;
 }
@@ -598,7 +600,7 @@ work p2p_communicator::all_to_all(const void* in, void* out, std::size_t count, 
   const int n = core_->n;
   return issue_collective(core_, op_kind::all_to_all, t, count, -1, o, [=](detail::op_context& c) {
     std::vector<std::size_t> counts(n, count);
-    detail::all_to_allv(c, in, counts, out, counts, t);
+    detail::all_to_allv(c, op_kind::all_to_all, in, counts, out, counts, t);
   });
 }
 
@@ -619,7 +621,7 @@ work p2p_communicator::all_to_allv(const void* in, std::span<const std::size_t> 
   for (auto x : sc) total += x;
   return issue_collective(core_, op_kind::all_to_allv, t, total, -1, o,
                           [=, sc = std::move(sc), rc = std::move(rc)](detail::op_context& c) {
-                            detail::all_to_allv(c, in, sc, out, rc, t);
+                            detail::all_to_allv(c, op_kind::all_to_allv, in, sc, out, rc, t);
                           });
 }
 

@@ -56,6 +56,42 @@ struct algo_tuning {
   bool allreduce_direct = true;
   std::size_t allreduce_direct_min = 64 * 1024;
   std::size_t direct_piece_bytes = 128 * 1024;
+  // reduce_scatter, all_gather, all_to_all and all_to_allv between processes of one host: each
+  // rank pulls what it receives straight from its peers' input buffers with process_vm_readv
+  // (collective/algo_direct_pull.cpp), from these sizes (the op's nccl-tests size: the input of
+  // reduce_scatter, the output of all_gather, one rank's send buffer of all_to_all; all_to_allv
+  // from all_to_all_direct_min bytes in the largest send buffer of any rank, which its count check
+  // tells every rank). pull_direct = false keeps them on messages.
+  // Copies go in pieces of direct_copy_bytes (between pieces the op checks its deadline and
+  // stops).
+  // Measured (troupe bench collective --pull-direct-min 1 or the defaults vs --no-direct,
+  // interleaved, load 7-10): the direct ops cost two rounds of small messages where the pairwise
+  // exchange costs one (2 ranks 4 KiB: 4.8 vs 2.0 us; 4 ranks on 2 CPUs: 31 vs 10 us), and
+  // below UCX's rendezvous (256 KiB messages) its shared-memory path beats one process_vm_readv
+  // copy per byte (2 ranks 256 KiB: all_gather 12.5-36 vs 8.9-15.7 us, reduce_scatter 14-15 vs
+  // 11 us). From there both move the data with process_vm_readv and tie at 2 ranks (1 MiB
+  // all_gather 47-76 vs 49-112 us, 4 MiB 195-199 vs 211-217), while at 4 ranks the direct path
+  // saves the ring's steps (all_gather 4 MiB 545-549 vs 628-633 us, 16 MiB 3.2-3.4 vs 4.0-4.2 ms;
+  // reduce_scatter 4 MiB 739-762 vs 1240-1287 us); all_to_all ties at 4 ranks up to 1 MiB
+  // (145 vs 143-161 us).
+  bool pull_direct = true;
+  std::size_t reduce_scatter_direct_min = 512 * 1024;
+  std::size_t all_gather_direct_min = 512 * 1024;
+  std::size_t all_to_all_direct_min = 1 << 20;
+  std::size_t direct_copy_bytes = 1 << 20;
+  // all_gather and all_to_all(v) between processes of one host from shm_min bytes (the op's
+  // nccl-tests size), where every rank could map every peer's shared-memory segment: staged
+  // through per-peer rings of shm_slots slots of shm_slot_bytes (collective/direct_shm.cpp), two
+  // user-space copies of each byte while it is in cache, which beat one process_vm_readv copy
+  // (its page pinning costs ~350 ns per 4 KiB page here). Measured (load 6-7, --shm-min 1 vs
+  // --no-shm): 2 ranks all_gather 1 MiB 28-34 vs 45-47 us, 4 MiB 130-155 vs 193-202 us; 4 ranks
+  // 1 MiB 62 vs 139 us, all_to_all 4 MiB 550 vs 846 us; at 64 KiB a tie (2.9-7.9 vs 3.0-5.7 us),
+  // at 16 KiB the messages win (1.2-1.4 vs 2.0-3.3 us). 32 KiB x 16, 64 KiB x 8 and 128 KiB x 4
+  // slots were alike. shm = false keeps them on the pull ops and messages.
+  bool shm = true;
+  std::size_t shm_min = 64 * 1024;
+  std::size_t shm_slot_bytes = 64 * 1024;
+  int shm_slots = 8;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };

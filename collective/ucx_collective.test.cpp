@@ -133,6 +133,33 @@ int check_all(communicator& c, const algo_tuning& tune, const char* tune_name) {
                                count * es) == 0;
       }
       expect(ok, "all_to_all", t, count);
+
+      // all_to_allv: uneven splits, zero for some pairs (rank i sends rank j split(i, j)).
+      auto split = [&](int i, int j) {
+        return static_cast<std::size_t>((i * 3 + j * 5) % 4) * count + (i == j ? 1 : 0);
+      };
+      std::vector<std::size_t> sc(n), rc(n);
+      std::size_t stotal = 0, rtotal = 0;
+      for (int r = 0; r < n; ++r) {
+        sc[r] = split(me, r);
+        rc[r] = split(r, me);
+        stotal += sc[r];
+        rtotal += rc[r];
+      }
+      auto v_in = make(t, stotal, me, 6);
+      std::vector<std::byte> v_out(rtotal * es);
+      c.all_to_allv(v_in.data(), sc, v_out.data(), rc, t).wait();
+      ok = true;
+      std::size_t at = 0;
+      for (int r = 0; r < n; ++r) {
+        std::size_t off = 0;
+        for (int j = 0; j < me; ++j) off += split(r, j);
+        auto theirs = make(t, off + split(r, me), r, 6);
+        ok = ok &&
+             std::memcmp(v_out.data() + at * es, theirs.data() + off * es, split(r, me) * es) == 0;
+        at += split(r, me);
+      }
+      expect(ok, "all_to_allv", t, count);
     }
   }
   // send/recv around a ring, both directions posted before either is waited.
@@ -162,6 +189,8 @@ TEST_CASE("host collectives over UCX match the serial reference on 2 3 and 4 pro
   ring.broadcast_chain_min = 0;
   ring.chunk_bytes = 8192;
   ring.allreduce_direct = false;  // the fallback path: ring and recursive doubling only
+  ring.pull_direct = false;       // and messages for the pull ops
+  ring.shm = false;
   // Large messages by cma (the default) and by shared-memory fragments, the transport's two
   // rendezvous paths; the fragments on 2 and 3 ranks only, to keep the test short.
   for (auto [n, single_copy] : {std::pair{2, true}, std::pair{3, true}, std::pair{4, true},
@@ -312,7 +341,101 @@ bool forbid_process_vm_readv() {
   return syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog) == 0;
 }
 
+// all_gather, all_to_all, all_to_allv (equal splits) and reduce_scatter of `count` elements per
+// block against the serial reference; checks through the transport's byte count that each took
+// the path `direct` says (the direct path sends a few small messages per peer, not the data).
+int check_pull(ucx_transport& t, communicator& c, const algo_tuning& tune, std::size_t count,
+               dtype ty, bool direct) {
+  dynamic_cast<p2p_communicator&>(c).set_tuning(tune);
+  const int n = c.size(), me = c.rank();
+  const std::size_t es = dtype_size(ty);
+  int bad = 0;
+  auto expect = [&](bool ok, std::uint64_t sent, const char* what) {
+    const bool moved_data = sent >= count * es;
+    if (ok && moved_data != direct) return;
+    ++bad;
+    std::fprintf(stderr, "rank %d of %d: %s %s count %zu: %s, sent %llu bytes (direct %d)\n", me, n,
+                 what, std::string(dtype_name(ty)).c_str(), count,
+                 ok ? "right result" : "wrong result", static_cast<unsigned long long>(sent),
+                 direct ? 1 : 0);
+  };
+  auto mine = make(ty, count, me, 7);
+  std::vector<std::byte> gathered(count * n * es);
+  std::uint64_t sent =
+      sent_during(t, [&] { c.all_gather(mine.data(), gathered.data(), count, ty).wait(); });
+  bool ok = true;
+  for (int r = 0; r < n; ++r)
+    ok = ok && std::memcmp(gathered.data() + r * count * es, make(ty, count, r, 7).data(),
+                           count * es) == 0;
+  expect(ok, sent, "all_gather");
+
+  auto in = make(ty, count * n, me, 8);
+  std::vector<std::byte> out(count * n * es);
+  for (int v = 0; v < 2; ++v) {
+    std::vector<std::size_t> counts(n, count);
+    sent = sent_during(t, [&] {
+      if (v == 0)
+        c.all_to_all(in.data(), out.data(), count, ty).wait();
+      else
+        c.all_to_allv(in.data(), counts, out.data(), counts, ty).wait();
+    });
+    ok = true;
+    for (int r = 0; r < n; ++r)
+      ok = ok && std::memcmp(out.data() + r * count * es,
+                             make(ty, count * n, r, 8).data() + me * count * es, count * es) == 0;
+    expect(ok, sent, v == 0 ? "all_to_all" : "all_to_allv");
+  }
+
+  std::vector<std::byte> reduced(count * es), want(count * es);
+  sent = sent_during(t, [&] { c.reduce_scatter(in.data(), reduced.data(), count, ty).wait(); });
+  for (std::size_t i = 0; i < count; ++i)
+    put(want, ty, i, reduce_ref(reduce_op::sum, ty, n, me * count + i, 8));
+  expect(reduced == want, sent, "reduce_scatter");
+  c.barrier().wait();
+  return bad;
+}
+
 }  // namespace
+
+TEST_CASE("the direct pull ops move only small messages between 2 3 and 4 processes",
+          "[collective][multirank]") {
+  algo_tuning every_size;  // the direct path from 1 byte, in pieces of 4 KiB
+  every_size.all_gather_direct_min = every_size.all_to_all_direct_min =
+      every_size.reduce_scatter_direct_min = 1;
+  every_size.direct_piece_bytes = every_size.direct_copy_bytes = 4096;
+  every_size.shm = false;
+  algo_tuning staged = every_size;  // all_gather and all_to_all(v) through small shm rings
+  staged.shm = true;
+  staged.shm_min = 1;
+  staged.shm_slot_bytes = 4096;
+  staged.shm_slots = 3;
+  algo_tuning messages;
+  messages.pull_direct = false;
+  messages.shm = false;
+  for (int n : {2, 3, 4}) {
+    local_ranks_options opt;
+    opt.timeout = std::chrono::seconds(60);
+    int rc = run_local_ranks(
+        n,
+        [&](ucx_transport& t) {
+          auto c = make_communicator(t, everyone(n, 13), "ucx");
+          int bad = 0;
+          for (dtype ty : {dtype::f32, dtype::bf16})
+            for (std::size_t count : {std::size_t{1031}, std::size_t{65537}}) {
+              bad += check_pull(t, *c, every_size, count, ty, true);
+              bad += check_pull(t, *c, staged, count, ty, true);
+              bad += check_pull(t, *c, messages, count, ty, false);
+            }
+          // The defaults: direct from the thresholds (1 MiB blocks of f32), messages below.
+          bad += check_pull(t, *c, algo_tuning{}, 262144, dtype::f32, true);
+          bad += check_pull(t, *c, algo_tuning{}, 1024, dtype::f32, false);
+          return bad == 0 ? 0 : 1;
+        },
+        opt);
+    INFO(n << " ranks");
+    CHECK(rc == 0);
+  }
+}
 
 TEST_CASE("the direct allreduce matches the serial reference on 2 3 4 and 8 processes",
           "[collective][multirank]") {
@@ -343,7 +466,7 @@ TEST_CASE("the direct allreduce matches the serial reference on 2 3 4 and 8 proc
   }
 }
 
-TEST_CASE("a rank that may not read its peers keeps every rank on the ring",
+TEST_CASE("a rank that may not read its peers keeps every rank on the ring and messages",
           "[collective][multirank]") {
   const int n = 3, walled = 1;
   local_ranks_options opt;
@@ -356,8 +479,8 @@ TEST_CASE("a rank that may not read its peers keeps every rank on the ring",
       [&](ucx_transport& t) {
         if (t.rank() == walled && !forbid_process_vm_readv()) return 77;
         auto c = make_communicator(t, everyone(n, 6), "ucx");
-        return check_allreduce(t, *c, algo_tuning{}, {1, 65537, 262147}, 262147, false) == 0 ? 0
-                                                                                             : 1;
+        int bad = check_allreduce(t, *c, algo_tuning{}, {1, 65537, 262147}, 262147, false);
+        return bad + check_pull(t, *c, algo_tuning{}, 262147, dtype::f32, false) == 0 ? 0 : 1;
       },
       opt);
   for (const auto& o : outcomes)
@@ -442,6 +565,53 @@ TEST_CASE("ranks whose direct allreduce tuning differs fail naming the setting",
                        t.rank(), err.c_str());
           return 1;
         }
+        return 0;
+      },
+      opt);
+  CHECK(rc == 0);
+}
+
+TEST_CASE("a rank whose direct all_gather fails stops its peers", "[collective][multirank]") {
+  const bool staged = GENERATE(true, false);
+  INFO("staged " << staged);
+  const int n = 3, failing = 1;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 14), "ucx");
+        algo_tuning tu;
+        tu.shm = staged;
+        dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
+        const std::size_t count = std::size_t{8} << 20;  // 32 MiB a block: far from done in 1 ms
+        std::vector<float> in(count, 1.0f), out(count * n);
+        c->all_gather(in.data(), out.data(), 1 << 20, dtype::f32).wait();  // the probe, direct
+        c->barrier().wait();
+        options o;
+        if (t.rank() == failing) o.timeout = std::chrono::milliseconds(1);
+        std::string err;
+        try {
+          c->all_gather(in.data(), out.data(), count, dtype::f32, o).wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        // The failing rank's deadline fires in its copy loop ("deadline" from c.check) or in a
+        // wait on a peer's message; its peers hear its "stop".
+        const bool ok = t.rank() == failing
+                            ? err.find("deadline of 1 ms passed") != std::string::npos ||
+                                  err.find("timed out") != std::string::npos
+                            : err.find("rank 1 failed its part") != std::string::npos;
+        if (!ok) {
+          std::fprintf(stderr, "rank %d: unexpected all_gather outcome: '%s'\n", t.rank(),
+                       err.c_str());
+          return 1;
+        }
+        if (t.rank() == 0)
+          std::printf(
+              "faults: rank 1's direct all_gather past its 1 ms deadline (rank 0) -> "
+              "refused: %s\n",
+              err.c_str());
         return 0;
       },
       opt);

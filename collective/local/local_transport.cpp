@@ -295,7 +295,11 @@ std::string local_transport::peer_failure(int peer) const {
   return failures_[peer];
 }
 
-local_world::local_world(int n) {
+bool local_transport::same_host(int peer) const {
+  return world_.same_host() && peer >= 0 && peer < world_.size() && peer != rank_;
+}
+
+local_world::local_world(int n, bool same_host) : same_host_(same_host) {
   TROUPE_CHECK(n >= 1 && n < (1 << 15), "local_world: size ", n, " outside [1, 32767]");
   ranks_.reserve(n);
   // The transports read size() from the world while being built, so size the vector first.

@@ -10,6 +10,11 @@
 // Waiting spins for a moment, then sleeps on a futex (ranks share few cores). A wait that times out
 // leaves its request pending, so the caller may wait on it again.
 //
+// A world made with `same_host` says that its ranks may read each other's memory directly
+// (transport::same_host): the threads share one process, so process_vm_readv on its own pid works
+// and the communicators' direct paths (collective/README.md) run on threads, for fast tests of
+// them.
+//
 // local_world::fail_peer(k, reason) simulates losing rank k: every survivor's transport gets
 // fail_peer(k, reason), and rank k's own pending and later requests fail too, so its threads
 // unwind.
@@ -46,6 +51,7 @@ class local_transport final : public transport {
 
   void fail_peer(int peer, const std::string& reason) override;
   std::string peer_failure(int peer) const override;
+  bool same_host(int peer) const override;
 
   std::uint64_t bytes_sent() const override { return sent_.load(std::memory_order_relaxed); }
   std::uint64_t bytes_received() const override {
@@ -74,13 +80,14 @@ class local_transport final : public transport {
 
 class local_world {
  public:
-  explicit local_world(int n);
+  explicit local_world(int n, bool same_host = false);
   ~local_world();
   local_world(const local_world&) = delete;
   local_world& operator=(const local_world&) = delete;
 
   int size() const { return static_cast<int>(ranks_.size()); }
   local_transport& transport(int rank);
+  bool same_host() const { return same_host_; }
 
   // Loses rank `rank`: survivors see "rank <rank> lost: <reason>" on every request with it, and
   // rank `rank`'s own requests fail the same way.
@@ -88,6 +95,7 @@ class local_world {
 
  private:
   std::vector<std::unique_ptr<local_transport>> ranks_;
+  bool same_host_ = false;
 };
 
 // N communicators over one local_world (group id 0, ranks 0..n-1, named "local#0[...]"), one per

@@ -19,14 +19,15 @@
 #       [--warmup 5] [--reps 5] [--seconds 0.2] [--rounds 1] [--nice N] [--troupe PATH]
 #       [--keep DIR]
 #
-# Defaults: 2 ranks, all five ops (allreduce, reduce_scatter, all_gather, broadcast, all_to_all),
+# Defaults: 2 ranks, all six ops (allreduce, reduce_scatter, all_gather, broadcast, all_to_all,
+# all_to_allv with equal splits),
 # 1 KiB to 256 MiB in x4 steps, f32, build/apps/troupe. --nice runs every benchmark at that nice
 # level (e.g. -5 on a shared machine; the same for both sides). --keep writes the raw CSVs there.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
-n=2 ops=allreduce,reduce_scatter,all_gather,broadcast,all_to_all min=1K max=256M step=4
+n=2 ops=allreduce,reduce_scatter,all_gather,broadcast,all_to_all,all_to_allv min=1K max=256M step=4
 warmup=5 reps=5 seconds=0.2 rounds=1 nice_level=0 troupe="$root/build/apps/troupe" keep=""
 
 usage() { sed -n '2,/^[^#]/{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -128,6 +129,6 @@ awk -F, -v n="$n" '
       bm = b / (tm * 1e-6) / 1e9 * bus(op)
       printf "%-15s %9s | %11.2f %9.3f | %11.2f %9.3f %-7s | %6.2f\n", op, size, tt, bt, tm, bm, who, bt / bm
     }
-    print "(busbw in GB/s of 1e9 B: algbw x 2(n-1)/n allreduce, (n-1)/n reduce_scatter, all_gather, all_to_all, 1 broadcast)"
+    print "(busbw in GB/s of 1e9 B: algbw x 2(n-1)/n allreduce, (n-1)/n reduce_scatter, all_gather, all_to_all(v), 1 broadcast)"
   }' $(for op in "${op_list[@]}"; do echo "$work"/troupe.*."$op".csv; done) \
     "$work"/mpi_ucx.*.csv "$work"/mpi_ob1.*.csv

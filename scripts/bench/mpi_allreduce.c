@@ -2,7 +2,8 @@
  * `troupe bench collective --csv` (apps/cmd_bench_collective.cpp), on MPI_FLOAT.
  *
  * size = the whole buffer of the op (allreduce, broadcast: the vector; all_gather: the gathered
- * output; reduce_scatter: the input; all_to_all: one rank's send buffer). Per size: one checked
+ * output; reduce_scatter: the input; all_to_all, all_to_allv: one rank's send buffer;
+ * all_to_allv with equal splits, as troupe's bench sends them). Per size: one checked
  * run, `warmup` untimed runs, then `reps` repetitions of `iters` runs (iters chosen by rank 0 from
  * one timed run so that all reps take about `seconds`); a repetition's time is the slowest rank's
  * mean; the fastest repetition is printed as op,bytes,time_us,algbw_GBs,busbw_GBs.
@@ -38,6 +39,12 @@ static int run_op(const char* op, float* in, float* out, size_t bytes, int n) {
   if (strcmp(op, "broadcast") == 0) return MPI_Bcast(in, elems, MPI_FLOAT, 0, MPI_COMM_WORLD);
   if (strcmp(op, "all_to_all") == 0)
     return MPI_Alltoall(in, per, MPI_FLOAT, out, per, MPI_FLOAT, MPI_COMM_WORLD);
+  if (strcmp(op, "all_to_allv") == 0) {
+    static int counts[1024], displs[1024];
+    for (int j = 0; j < n && j < 1024; ++j) counts[j] = per, displs[j] = j * per;
+    return MPI_Alltoallv(in, counts, displs, MPI_FLOAT, out, counts, displs, MPI_FLOAT,
+                         MPI_COMM_WORLD);
+  }
   return MPI_ERR_OP;
 }
 
@@ -51,7 +58,7 @@ static size_t parse_size(const char* s) {
 }
 
 int main(int argc, char** argv) {
-  char ops_arg[256] = "allreduce,reduce_scatter,all_gather,broadcast,all_to_all";
+  char ops_arg[256] = "allreduce,reduce_scatter,all_gather,broadcast,all_to_all,all_to_allv";
   size_t lo = 1024, hi = (size_t)256 << 20;
   int step = 4, warmup = 5, reps = 5;
   double seconds = 0.2;
