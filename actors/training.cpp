@@ -144,6 +144,16 @@ void bind_comms(role_context& ctx, trainer_state& st, int position) {
     auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
     c->set_timeout(std::chrono::milliseconds(
         static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    // Elastic: no direct allreduce (peers writing into each other's buffers with
+    // process_vm_writev). When a step is abandoned, a rank in a direct allreduce waits until each
+    // peer has stopped or is lost, since it may still write there; a survivor aborted in another
+    // op never says it stopped, so the wait lasts the collective deadline. The ring and recursive
+    // doubling only receive into their own buffers.
+    if (auto* p2p = dynamic_cast<collective::p2p_communicator*>(c.get()); p2p && st.elastic) {
+      auto tune = p2p->tuning();
+      tune.allreduce_direct = false;
+      p2p->set_tuning(tune);
+    }
     if (st.comms.size() > i) {
       st.comms[i]->rebind(std::move(c));
       continue;
