@@ -14,13 +14,14 @@ rebindable_communicator::rebindable_communicator(std::unique_ptr<collective::com
 
 rebindable_communicator::~rebindable_communicator() = default;
 
-void rebindable_communicator::rebind(std::unique_ptr<collective::communicator> inner) {
+void rebindable_communicator::rebind(std::unique_ptr<collective::communicator> inner,
+                                     bool any_shape) {
   TROUPE_CHECK(inner != nullptr, "rebindable_communicator: no communicator given");
   std::shared_ptr<collective::communicator> next(std::move(inner));
   std::shared_ptr<collective::communicator> old;
   {
     std::lock_guard lk(mu_);
-    TROUPE_CHECK(next->rank() == inner_->rank() && next->size() == inner_->size(),
+    TROUPE_CHECK(any_shape || (next->rank() == inner_->rank() && next->size() == inner_->size()),
                  "rebindable_communicator: ", next->name(), " is rank ", next->rank(), " of ",
                  next->size(), ", but ", inner_->name(), " was rank ", inner_->rank(), " of ",
                  inner_->size());

@@ -26,8 +26,9 @@ class rebindable_communicator final : public collective::communicator {
   explicit rebindable_communicator(std::unique_ptr<collective::communicator> inner);
   ~rebindable_communicator() override;
 
-  // Replaces the backing communicator (same rank and size, else troupe::error naming both).
-  void rebind(std::unique_ptr<collective::communicator> inner);
+  // Replaces the backing communicator (same rank and size, else troupe::error naming both;
+  // `any_shape`: another group, e.g. a replica's survivors saving on their own).
+  void rebind(std::unique_ptr<collective::communicator> inner, bool any_shape = false);
 
   int rank() const override;
   int size() const override;

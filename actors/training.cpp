@@ -78,6 +78,13 @@ struct recover_request {
                     optimizer_steps);
   }
 };
+// Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
+// committed step on their own (their dp communicator becomes just themselves).
+struct salvage_request {
+  std::int32_t generation = 0;
+  std::string dir;
+  auto fields() { return std::tie(generation, dir); }
+};
 struct recover_reply {
   std::string line;
   std::int64_t bytes = 0;  // piece state sent or received
@@ -499,6 +506,32 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
           bytes};
 }
 
+save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": nothing to save");
+  {
+    std::lock_guard lk2(st.layout_mu);
+    st.layout.generation = r.generation;
+  }
+  node& n = ctx.node();
+  const int position = st.layout.position_of(n.rank());
+  ctx.set_activity("saving the last committed step");
+  for (std::size_t i = 0; i < 4; ++i) {
+    auto g = elastic_group(*st.grid, st.layout, position, group_axes(i));
+    if (i == 0) g.ranks = {n.rank()};  // dp: the replica saves alone
+    auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
+    c->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    st.comms[i]->rebind(std::move(c), true);
+  }
+  st.hybrid->revive();
+  st.broken.clear();
+  save_reply out;
+  out.written = st.hybrid->save(r.dir);
+  ctx.set_activity("idle");
+  return out;
+}
+
 }  // namespace
 
 void add_trainer_role(role_registry& roles) {
@@ -510,6 +543,8 @@ void add_trainer_role(role_registry& roles) {
     b.on<commit_request>(
         [st](role_context& c, const commit_request& r) { return commit_step(c, *st, r); });
     b.on<status_request>([st](role_context& c, const status_request&) { return status(c, *st); });
+    b.on<salvage_request>(
+        [st](role_context& c, const salvage_request& r) { return salvage(c, *st, r); });
     b.on<recover_request>(
         [st](role_context& c, const recover_request& r) { return recover(c, *st, r); });
     b.on_stop([st](role_context& c) {
@@ -661,13 +696,45 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    " (", phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
     auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero);
-    if (!plan)
+    if (!plan) {
+      // No way on: save the last committed step when one whole data-parallel replica survived
+      // (ZeRO 0: it holds the whole state) and there is a checkpoint folder.
+      std::string saved = " (no checkpoint of it was written: ";
+      int replica = -1;
+      for (int d = 0; d < cfg.plan.dp && replica < 0 && cfg.plan.zero == 0; ++d) {
+        bool whole = true;
+        for (int p = 0; p < positions; ++p)
+          if (grid.coord(p, "dp") == d &&
+              std::find(lost.begin(), lost.end(), layout.positions[p]) != lost.end())
+            whole = false;
+        if (whole) replica = d;
+      }
+      if (cfg.ckpt_dir.empty())
+        saved += "no checkpoint.dir)";
+      else if (replica < 0)
+        saved += cfg.plan.zero != 0 ? "ZeRO shards the state)"
+                                    : "no whole data-parallel replica survived)";
+      if (!cfg.ckpt_dir.empty() && replica >= 0) {
+        std::vector<role_handle> savers;
+        for (int p = 0; p < positions; ++p)
+          if (grid.coord(p, "dp") == replica)
+            savers.push_back(trainers[static_cast<std::size_t>(layout.positions[p])]);
+        try {
+          std::string where;
+          for (auto& sv : j.ask_all<save_reply>(
+                   savers, salvage_request{layout.generation + 1, cfg.ckpt_dir},
+                   std::chrono::minutes(5)))
+            if (!sv.written.empty()) where = sv.written;
+          saved = fmt::format("; its checkpoint is in {}, saved by data-parallel replica {}",
+                              where, replica);
+          if (o.on_save) o.on_save(committed, where, std::nullopt);
+        } catch (const std::exception& e) {
+          saved += std::string("saving it failed: ") + e.what() + ")";
+        }
+      }
       TROUPE_FAIL(plan.error_message(), "; lost in step ", step + 1, " (", phase,
-                  "); the last committed step is ", committed,
-                  cfg.ckpt_dir.empty() || committed == 0
-                      ? std::string(" (no checkpoint of it was written)")
-                      : fmt::format(" (checkpoint.dir {} holds the last checkpoint saved)",
-                                    cfg.ckpt_dir));
+                  "); the last committed step is ", committed, saved);
+    }
     recover_request req;
     req.generation = plan->next.generation;
     req.positions = plan->next.positions;
