@@ -278,7 +278,10 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
   st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
                                      st.cfg.seed)
                 .value();
-  if (st.elastic) watch_losses(n, sp);
+  if (st.elastic) {
+    watch_losses(n, sp);
+    ctx.set_metric("elastic.generation", 0);
+  }
   const int position = st.layout.position_of(me);
   if (position < 0) {
     ctx.set_activity("spare: idle until a rank is lost");

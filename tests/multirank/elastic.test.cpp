@@ -182,6 +182,40 @@ TEST_CASE("A rank SIGKILLed from outside mid-run is replaced by a spare, bit for
            p.output());
 }
 
+TEST_CASE("A SIGSTOPped rank is declared lost, fenced and replaced; its SIGCONT changes nothing",
+          "[multirank][faults]") {
+  // A hung rank: silent for the heartbeat timeout (3 s), the coordinator declares it lost, the
+  // survivors abort their step and a spare takes its place. Woken afterwards, it learns that it
+  // was declared lost (its transport fails every peer, its trainer is not in the new generation)
+  // and ends; the run's numbers stay the fault-free run's.
+  scratch_dir dir("elastic-stop");
+  const std::vector<std::string> plan = {"--dp", "2", "--pp", "2", "--microbatches", "2",
+                                         "--log-every", "1"};
+  run(elastic_argv(4, 1, dir.path, "clean", plan, 10), 0);
+  child_process p(elastic_argv(4, 1, dir.path, "stopped", plan, 10));
+  REQUIRE(p.wait_for("step     3/10", 120s));
+  int pid = -1;
+  for (const auto& l : p.lines_with("rank 1 (host ")) {
+    std::smatch m;
+    static const std::regex re("rank 1 \\(host [^,]+, pid ([0-9]+)\\) joined");
+    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
+  }
+  REQUIRE(pid > 0);
+  REQUIRE(::kill(pid, SIGSTOP) == 0);
+  const bool recovered = p.wait_for("rank 4 took its place at generation 1", 120s);
+  ::kill(pid, SIGCONT);
+  auto st = p.wait(300s);
+  INFO(p.output());
+  REQUIRE(recovered);
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) == 0);
+  CHECK(p.output().find("no heartbeat for") != std::string::npos);
+  same_bits(dir.path, "stopped", "clean");
+  survived("SIGSTOP of rank 1 (dp 0 pp 1) after step 3 was logged, SIGCONT after the recovery, "
+           "dp2 x pp2, 1 spare",
+           p.output());
+}
+
 TEST_CASE("Without a spare the run ends naming the lost rank and saves the last committed step",
           "[multirank][faults]") {
   scratch_dir dir("elastic-nospare");
