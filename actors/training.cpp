@@ -163,6 +163,7 @@ void bind_comms(role_context& ctx, trainer_state& st, int position) {
     }
     if (st.comms.size() > i) {
       st.comms[i]->rebind(std::move(c));
+      st.watches[i] = ctx.watch(*st.comms[i]);  // introspection names the new one
       continue;
     }
     auto w = std::make_unique<rebindable_communicator>(std::move(c));
@@ -526,6 +527,7 @@ save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& 
     c->set_timeout(std::chrono::milliseconds(
         static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     st.comms[i]->rebind(std::move(c), true);
+    st.watches[i] = ctx.watch(*st.comms[i]);
   }
   st.hybrid->revive();
   st.broken.clear();
