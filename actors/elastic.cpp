@@ -26,9 +26,13 @@ std::string coordinates(const collective::rank_grid& grid, int position) {
                      grid.coord(position, "tp"));
 }
 
+int buddy_holder(int position, int positions) {
+  return (position + 1) % positions;
+}
+
 expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
                                       const elastic_layout& now, const std::vector<int>& lost,
-                                      int zero) {
+                                      int zero, bool buddies) {
   using result = expected<recovery_plan>;
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   recovery_plan p;
@@ -51,11 +55,25 @@ expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
             grid.coord(q, "tp") == grid.coord(pos, "tp") && !is_lost(now.positions[q]))
           donor = now.positions[q];
     }
+    bool from_buddy = false;
+    const int npos = static_cast<int>(now.positions.size());
+    if (donor < 0 && buddies && npos > 1) {
+      const int holder = now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))];
+      if (!is_lost(holder)) {
+        donor = holder;
+        from_buddy = true;
+      }
+    }
+    if (donor < 0 && buddies)
+      return result::failure(fmt::format(
+          "elastic: {} was lost and no survivor holds its piece: no data-parallel replica{}, and "
+          "rank {}, which holds its buddy replica, was lost too",
+          who, zero != 0 ? fmt::format(" (parallel.zero {} shards its state)", zero) : "",
+          now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))]));
     if (donor < 0)
       return result::failure(fmt::format(
           "elastic: {} was lost and no survivor holds its piece ({}): restoring it needs a "
-          "data-parallel replica with ZeRO 0 (buddy replicas of stages, shards and ZeRO 1-3 "
-          "state are not built yet)",
+          "data-parallel replica with ZeRO 0, or buddy replicas (elastic.replica_interval)",
           who,
           zero != 0 ? fmt::format("parallel.zero {} shards its state", zero)
                     : std::string("every data-parallel replica of it is lost, or dp is 1")));
@@ -64,6 +82,7 @@ expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
     m.lost = r;
     m.spare = p.next.spares.front();
     m.donor = donor;
+    m.buddy = from_buddy;
     p.next.spares.erase(p.next.spares.begin());
     p.next.positions[pos] = m.spare;
     p.moves.push_back(m);
@@ -83,6 +102,14 @@ collective::rank_group restore_group(int position, int donor, int spare, int gen
   // restore groups, the low bits the position.
   g.id = group_id_of((1u << 23) | static_cast<std::uint32_t>(position), generation);
   g.ranks = {donor, spare};
+  return g;
+}
+
+collective::rank_group buddy_group(int from, int sender, int receiver, int generation) {
+  collective::rank_group g;
+  // Bit 23 with bit 21: buddy groups (restore groups have bit 21 clear: positions < 2^20).
+  g.id = group_id_of((1u << 23) | (1u << 21) | static_cast<std::uint32_t>(from), generation);
+  g.ranks = {sender, receiver};
   return g;
 }
 

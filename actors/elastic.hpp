@@ -35,23 +35,31 @@ struct replacement {
   int lost = -1;      // the rank that held it
   int spare = -1;     // the rank that takes it
   int donor = -1;     // the survivor that sends it the piece's state
+  bool buddy = false;  // from the donor's buddy replica (its copy of the last replicated step)
 };
 
+// Buddy replicas (elastic.replica_interval): position p keeps a copy of position p - 1's piece
+// state (the ring in position order), so position p + 1 holds p's.
+int buddy_holder(int position, int positions);
+
 // The replacements for the ranks `lost` (positions and spares among them; others are ignored),
-// and the layout of the next generation. Fails, naming the lost rank, its coordinates and the
-// reason, when no spare is left or no survivor holds its piece (dp 1, or ZeRO 1-3 shards).
+// and the layout of the next generation. The donor is a data-parallel replica (ZeRO 0), else -
+// with `buddies` - the position holding the lost one's buddy replica. Fails, naming the lost rank,
+// its coordinates and the reason, when no spare is left or no survivor holds its piece.
 struct recovery_plan {
   elastic_layout next;
   std::vector<replacement> moves;
 };
 expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
                                       const elastic_layout& now, const std::vector<int>& lost,
-                                      int zero);
+                                      int zero, bool buddies = false);
 
 // The group id of a communicator of generation `generation` (0-255) for a grid group `base`.
 std::uint32_t group_id_of(std::uint32_t base, int generation);
 // The 2-rank group {donor, spare} that moves a piece's state to the spare at `position`.
 collective::rank_group restore_group(int position, int donor, int spare, int generation);
+// The 2-rank group {sender, receiver} that carries position `from`'s buddy replica.
+collective::rank_group buddy_group(int from, int sender, int receiver, int generation);
 // The grid group of position `position` over axes `axes` in `layout` (ranks mapped, id of its
 // generation).
 collective::rank_group elastic_group(const collective::rank_grid& grid, const elastic_layout& layout,

@@ -27,6 +27,7 @@
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
 #include "models/parallel/hybrid.hpp"
+#include "tensor/ops.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -64,7 +65,24 @@ struct status_request {
 struct status_reply {
   std::int64_t steps = 0, optimizer_steps = 0;
   std::int32_t generation = 0;
-  auto fields() { return std::tie(steps, optimizer_steps, generation); }
+  // Buddy replicas: the step of this rank's own snapshot (-1: none) and its optimizer steps.
+  std::int64_t replica_steps = -1, replica_optimizer_steps = 0;
+  auto fields() {
+    return std::tie(steps, optimizer_steps, generation, replica_steps, replica_optimizer_steps);
+  }
+};
+// Buddy replicas, in two phases like a step: every rank sends its piece state to its buddy (the
+// next position) and receives its left neighbour's into a staging copy; once all have, every rank
+// keeps a snapshot of its own state and makes the staging copy its buddy replica (local).
+struct replicate_request {
+  std::int64_t step = 0;  // steps done
+  std::int32_t generation = 0;
+  std::int32_t phase = 0;  // 0: exchange into staging; 1: keep (snapshot and swap)
+  auto fields() { return std::tie(step, generation, phase); }
+};
+struct replicate_reply {
+  std::int64_t bytes = 0;
+  auto fields() { return std::tie(bytes); }
 };
 // Elastic recovery: the next generation's layout and, per replaced position, the spare taking it
 // and the survivor sending it the piece's state; steps and optimizer_steps are the last committed.
@@ -72,10 +90,13 @@ struct recover_request {
   std::int32_t generation = 0;
   std::vector<int> positions, spares;
   std::vector<int> move_position, move_spare, move_donor;
+  std::vector<int> move_buddy;  // 1: the donor sends its buddy replica of the position
+  // steps: the step every rank goes on from; a survivor past it (buddy replicas: the last
+  // replicated step) goes back to its own snapshot.
   std::int64_t steps = 0, optimizer_steps = 0;
   auto fields() {
-    return std::tie(generation, positions, spares, move_position, move_spare, move_donor, steps,
-                    optimizer_steps);
+    return std::tie(generation, positions, spares, move_position, move_spare, move_donor,
+                    move_buddy, steps, optimizer_steps);
   }
 };
 // Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
@@ -134,7 +155,23 @@ struct trainer_state {
   node* n = nullptr;
   int membership_callback = -1;
   std::optional<models::chaos_kill> chaos;
+  // Buddy replicas (elastic.replica_interval): this rank's own state and its left neighbour's at
+  // the last replicated step, the neighbour's next copy while it arrives, and the two pair
+  // communicators of the current generation.
+  struct snapshot {
+    owned_tensor params, m, v;
+    std::int64_t steps = -1, optimizer_steps = 0;
+  };
+  snapshot own, buddy, staging;
+  std::unique_ptr<collective::communicator> buddy_out, buddy_in;
+  int buddy_generation = -1;
 };
+
+// Copies `from` into `to`, allocated to its sizes when they differ.
+void keep(const tensor& from, owned_tensor& to) {
+  if (!to.view().defined() || to.view().numel() != from.numel()) to = empty({from.numel()});
+  ops::copy(from.reshape({from.numel()}), to.view());
+}
 
 const std::vector<std::string>& group_axes(std::size_t i) {
   static const std::vector<std::vector<std::string>> axes = {{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}};
@@ -429,7 +466,75 @@ status_reply status(role_context& ctx, trainer_state& st) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": status of a trainer that holds no piece");
   const auto s = st.hybrid->state();
-  return {s.steps, s.optimizer_steps, st.layout.generation};
+  return {s.steps, s.optimizer_steps, st.layout.generation, st.own.steps,
+          st.own.optimizer_steps};
+}
+
+std::unique_ptr<collective::communicator> pair_comm(node& n, const collective::rank_group& g,
+                                                    const trainer_state& st) {
+  auto c = collective::make_communicator(n.transport(), g, "ucx:buddy");
+  c->set_timeout(std::chrono::milliseconds(
+      static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+  return c;
+}
+
+replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": replicate without a piece");
+  TROUPE_CHECK(r.generation == st.layout.generation && r.step == st.hybrid->steps_done(),
+               ctx.name(), ": asked to replicate step ", r.step, " of generation ", r.generation,
+               " but it has done ", st.hybrid->steps_done(), " at generation ",
+               st.layout.generation);
+  const auto s = st.hybrid->state();
+  if (r.phase == 1) {  // every rank has its neighbour's copy in staging: keep both
+    keep(s.params, st.own.params);
+    keep(s.m, st.own.m);
+    keep(s.v, st.own.v);
+    st.own.steps = s.steps;
+    st.own.optimizer_steps = s.optimizer_steps;
+    std::swap(st.buddy, st.staging);
+    st.buddy.steps = r.step;
+    ctx.set_metric("elastic.replica_step", static_cast<double>(r.step));
+    return {};
+  }
+  node& n = ctx.node();
+  const int me = n.rank();
+  const int npos = static_cast<int>(st.layout.positions.size());
+  const int p = st.layout.position_of(me);
+  if (npos < 2) return {};
+  const int left_pos = (p + npos - 1) % npos;
+  const int right = st.layout.positions[static_cast<std::size_t>(buddy_holder(p, npos))];
+  const int left = st.layout.positions[static_cast<std::size_t>(left_pos)];
+  if (st.buddy_generation != st.layout.generation) {
+    st.buddy_out = pair_comm(n, buddy_group(p, me, right, st.layout.generation), st);
+    st.buddy_in = pair_comm(n, buddy_group(left_pos, left, me, st.layout.generation), st);
+    st.buddy_generation = st.layout.generation;
+  }
+  ctx.set_activity(fmt::format("replicating step {} to rank {}", r.step, right));
+  std::int64_t mine[3] = {s.params.numel(), s.m.numel(), s.v.numel()}, theirs[3] = {0, 0, 0};
+  auto ws = st.buddy_out->send(mine, 3, dtype::i64, 1);
+  auto wr = st.buddy_in->recv(theirs, 3, dtype::i64, 0);
+  ws.wait();
+  wr.wait();
+  owned_tensor* in[3] = {&st.staging.params, &st.staging.m, &st.staging.v};
+  const tensor* out[3] = {&s.params, &s.m, &s.v};
+  std::vector<collective::work> works;
+  std::int64_t bytes = 0;
+  for (int i = 0; i < 3; ++i) {
+    TROUPE_CHECK(theirs[i] >= 0 && theirs[i] < (std::int64_t{1} << 40), ctx.name(),
+                 ": rank ", left, " announced a piece of ", theirs[i], " elements");
+    if (!in[i]->view().defined() || in[i]->view().numel() != theirs[i])
+      *in[i] = empty({theirs[i]});
+    works.push_back(st.buddy_out->send(out[i]->data(), static_cast<std::size_t>(mine[i]),
+                                       dtype::f32, 1));
+    works.push_back(st.buddy_in->recv(in[i]->view().data(), static_cast<std::size_t>(theirs[i]),
+                                      dtype::f32, 0));
+    bytes += mine[i] * 4;
+  }
+  for (auto& w : works) w.wait();
+  st.staging.steps = r.step;
+  ctx.set_activity("idle");
+  return {bytes};
 }
 
 // Elastic recovery on one rank: survivors put the next generation's communicators under their
@@ -458,9 +563,19 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
   if (st.hybrid) {
     st.hybrid->revive();
     st.broken.clear();
-    TROUPE_CHECK(st.hybrid->steps_done() == r.steps, ctx.name(), ": it has done ",
-                 st.hybrid->steps_done(), " steps, the job agreed on ", r.steps);
     what = "survivor";
+    if (st.hybrid->steps_done() != r.steps) {
+      // Buddy replicas: back to this rank's own snapshot of the last replicated step.
+      TROUPE_CHECK(st.own.steps == r.steps, ctx.name(), ": it has done ",
+                   st.hybrid->steps_done(), " steps and holds a snapshot of step ", st.own.steps,
+                   ", the job goes on from step ", r.steps);
+      const auto s = st.hybrid->state();
+      ops::copy(st.own.params.view(), s.params.reshape({s.params.numel()}));
+      ops::copy(st.own.m.view(), s.m.reshape({s.m.numel()}));
+      ops::copy(st.own.v.view(), s.v.reshape({s.v.numel()}));
+      st.hybrid->set_progress(st.own.steps, st.own.optimizer_steps);
+      what = fmt::format("survivor, back to its snapshot of step {}", r.steps);
+    }
   } else {
     set_mesh_of(ctx, st, position);
     ctx.set_metric("elastic.spare", 0);
@@ -482,9 +597,17 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     c->set_timeout(std::chrono::milliseconds(
         static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     const auto s = st.hybrid->state();
-    TROUPE_CHECK(s.whole_optimizer, ctx.name(), ": the piece's optimizer state is a ZeRO shard; ",
-                 "elastic recovery restores whole pieces (parallel.zero 0) only");
-    for (const tensor* t : {&s.params, &s.m, &s.v}) {
+    const bool from_buddy = r.move_buddy.size() > k && r.move_buddy[k] != 0;
+    TROUPE_CHECK(s.whole_optimizer || from_buddy, ctx.name(),
+                 ": the piece's optimizer state is a ZeRO shard; a data-parallel replica restores ",
+                 "whole pieces (parallel.zero 0) only");
+    std::vector<tensor> parts = {s.params, s.m, s.v};
+    if (from_buddy && me == donor) {
+      TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ",
+                   spare, "'s position is of step ", st.buddy.steps, ", not ", r.steps);
+      parts = {st.buddy.params.view(), st.buddy.m.view(), st.buddy.v.view()};
+    }
+    for (const tensor* t : {&parts[0], &parts[1], &parts[2]}) {
       TROUPE_CHECK(t->type() == dtype::f32 && t->is_contiguous(), ctx.name(),
                    ": piece state must be contiguous f32");
       const auto count = static_cast<std::size_t>(t->numel());
@@ -496,7 +619,8 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     }
     if (me == spare) {
       st.hybrid->set_progress(r.steps, r.optimizer_steps);
-      what = fmt::format("promoted spare, state from rank {}", donor);
+      what = fmt::format("promoted spare, state from rank {}{}", donor,
+                         from_buddy ? "'s buddy replica" : "");
     } else {
       what = fmt::format("survivor, sent its state to rank {}", spare);
     }
@@ -548,6 +672,8 @@ void add_trainer_role(role_registry& roles) {
     b.on<commit_request>(
         [st](role_context& c, const commit_request& r) { return commit_step(c, *st, r); });
     b.on<status_request>([st](role_context& c, const status_request&) { return status(c, *st); });
+    b.on<replicate_request>(
+        [st](role_context& c, const replicate_request& r) { return replicate(c, *st, r); });
     b.on<salvage_request>(
         [st](role_context& c, const salvage_request& r) { return salvage(c, *st, r); });
     b.on<recover_request>(
@@ -620,6 +746,10 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    ? fmt::format(" plus elastic.spares {}", cfg.elastic_spares)
                    : std::string(),
                " but the job has ", n.world_size(), " ranks");
+  TROUPE_CHECK(!elastic || cfg.plan.zero == 0, "elastic.*: parallel.zero ", cfg.plan.zero,
+               ": elastic runs restore pieces with whole optimizer state only (parallel.zero 0); ",
+               "ZeRO 1 and 2 all-gather parameters in their commit, ZeRO 3 keeps its master ",
+               "weights in the shard");
   elastic_layout layout = elastic_layout::initial(positions, n.world_size());
   // The trainers holding the grid positions, in position order.
   auto active = [&] {
@@ -677,6 +807,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   // lost position, its state from a surviving replica, the next generation's communicators.
   // Throws, naming the lost rank, the step and the last committed step, when it cannot go on.
   std::optional<std::chrono::steady_clock::time_point> failure_seen;
+  const int replicas = elastic ? cfg.elastic_replica_interval : 0;
+  std::int64_t replica_step = -1;  // the last step every rank's buddy replica holds
   auto recover = [&](std::int64_t step, const char* phase, std::int64_t committed,
                      const std::string& error) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -700,7 +832,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       TROUPE_CHECK(status[i].steps == committed, "elastic: ", who, " lost in step ", step + 1,
                    " (", phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
-    auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero);
+    auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
     if (!plan) {
       // No way on: save the last committed step when one whole data-parallel replica survived
       // (ZeRO 0: it holds the whole state) and there is a checkpoint folder.
@@ -744,13 +876,28 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     req.generation = plan->next.generation;
     req.positions = plan->next.positions;
     req.spares = plan->next.spares;
+    bool buddy = false;
     for (const auto& m : plan->moves) {
       req.move_position.push_back(m.position);
       req.move_spare.push_back(m.spare);
       req.move_donor.push_back(m.donor);
+      req.move_buddy.push_back(m.buddy ? 1 : 0);
+      buddy = buddy || m.buddy;
     }
     req.steps = committed;
     req.optimizer_steps = status.front().optimizer_steps;
+    if (buddy && replica_step != committed) {
+      // A piece from a buddy replica is of the last replicated step: every rank goes back there
+      // (its own snapshot) and the steps since run again, with the batches they had.
+      TROUPE_CHECK(replica_step >= 0, "elastic: ", who, " lost in step ", step + 1, " (", phase,
+                   "): its piece is restored from a buddy replica, but none was made yet");
+      for (std::size_t i = 0; i < status.size(); ++i)
+        TROUPE_CHECK(status[i].replica_steps == replica_step, "elastic: ", survivors[i].name,
+                     " holds a snapshot of step ", status[i].replica_steps, ", not ",
+                     replica_step);
+      req.steps = replica_step;
+      req.optimizer_steps = status.front().replica_optimizer_steps;
+    }
     layout = plan->next;
     const auto replies = j.ask_all<recover_reply>(active(), req, step_wait);
     std::int64_t bytes = 0;
@@ -761,10 +908,40 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (const auto& m : plan->moves)
       say(fmt::format(
           "elastic: rank {} ({}) lost in step {} ({}: {}); rank {} took its place at generation "
-          "{} (membership epoch {}), its state from rank {} (a data-parallel replica, {:.2f} MB "
-          "over UCX); going on from step {}, the last committed; recovery took {:.2f} s",
+          "{} (membership epoch {}), its state from rank {} ({}, {:.2f} MB over UCX); going on "
+          "from step {}, {}; recovery took {:.2f} s",
           m.lost, coordinates(grid, m.position), step + 1, phase, n.lost_reason(m.lost), m.spare,
-          layout.generation, n.epoch(), m.donor, bytes / 1e6, committed, secs));
+          layout.generation, n.epoch(), m.donor,
+          m.buddy ? fmt::format("its buddy replica of step {}", req.steps)
+                  : std::string("a data-parallel replica"),
+          bytes / 1e6, req.steps,
+          req.steps == committed ? std::string("the last committed")
+                                 : fmt::format("the last replicated (every rank went back from "
+                                               "step {}; the steps since run again)",
+                                               committed),
+          secs));
+    return req.steps;
+  };
+  // Buddy replicas after `done` steps: exchange, then keep (both on every rank, or a recovery).
+  // Returns the steps every rank holds afterwards.
+  std::function<std::int64_t(std::int64_t)> replicate = [&](std::int64_t done) -> std::int64_t {
+    for (std::int32_t phase = 0; phase < 2; ++phase) {
+      const auto gen = static_cast<std::int32_t>(layout.generation);
+      auto results = j.try_ask_all<replicate_reply>(active(), replicate_request{done, gen, phase},
+                                                    step_wait);
+      std::string failed;
+      for (auto& r : results)
+        if (!r && failed.empty()) failed = r.error_message();
+      if (phase == 1) replica_step = done;  // kept on every live rank (local)
+      if (!failed.empty()) {
+        const auto at = recover(done - 1, phase == 0 ? "replicating its state to the buddies"
+                                                     : "keeping the buddy replicas",
+                                done, failed);
+        // The new spare holds no replica yet, nor its buddy its copy: replicate again.
+        return at == done ? replicate(done) : at;
+      }
+    }
+    return done;
   };
   // The launched run's policy on the one loop: a step is every trainer's step (the first rank's
   // loss, the slowest rank's time, the largest bubble and wait), a save every trainer's part of it.
@@ -774,16 +951,22 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     // Elastic: two phases. No rank applies step s before every rank has prepared it, so a loss
     // before the commit leaves every survivor at step s; the commit is local (zero 0 and 3), so a
     // loss during it leaves every survivor at step s + 1.
+    // Buddy replicas may take every rank back to an earlier step: `at` is the steps done, the
+    // steps from there to s run again (their results were reported already).
+    std::int64_t at = s;
+    if (replicas > 0 && replica_step < 0) at = replicate(s);  // the first: the starting state
     for (;;) {
       const auto gen = static_cast<std::int32_t>(layout.generation);
       try {
-        j.ask_all<step_reply>(active(), step_request{s, gen, 1}, step_wait);
+        j.ask_all<step_reply>(active(), step_request{at, gen, 1}, step_wait);
       } catch (const std::exception& e) {
-        recover(s, "forward, backward or the gradient collectives, before its commit", s,
-                e.what());
+        at = recover(at, "forward, backward or the gradient collectives, before its commit", at,
+                     e.what());
+        // The spare holds no snapshot, nor its buddy a copy of it: replicate now.
+        if (replicas > 0) at = replicate(at);
         continue;
       }
-      auto results = j.try_ask_all<step_reply>(active(), commit_request{s, gen}, step_wait);
+      auto results = j.try_ask_all<step_reply>(active(), commit_request{at, gen}, step_wait);
       std::vector<step_reply> ok;
       std::string failed;
       for (auto& r : results) {
@@ -792,10 +975,17 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
         else if (failed.empty())
           failed = r.error_message();
       }
+      const std::int64_t ran = at;
+      std::int64_t done = at + 1;
       if (!failed.empty()) {
         if (ok.empty()) throw troupe::error(failed);
-        recover(s, "its commit", s + 1, failed);
+        done = recover(at, "its commit", at + 1, failed);
+        if (replicas > 0) done = replicate(done);
+      } else if (replicas > 0 && done % replicas == 0) {
+        done = replicate(done);
       }
+      at = done;
+      if (ran != s || done != s + 1) continue;  // a step run again, or taken back
       auto result = report_of(ok);
       if (failure_seen) {
         say(fmt::format("elastic: step {} completed {:.2f} s after the failure was seen", s + 1,

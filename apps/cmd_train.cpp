@@ -368,6 +368,10 @@ command_fn add_train_command(CLI::App& app) {
       *c, sub, "--spares",
       "Ranks started beyond the plan's that take lost ranks' places (troupe launch --spares S "
       "gives its S)");
+  bind<&train_config::elastic_replica_interval>(
+      *c, sub, "--replica-interval",
+      "Elastic: every K steps each rank copies its piece state to its buddy rank, so pieces "
+      "without a data-parallel replica can be restored (0: none)");
   bind<&train_config::elastic_chaos_kill>(
       *c, sub, "--chaos-kill",
       "Drill: RANK:STEP:PHASE - that rank's process SIGKILLs itself as step STEP reaches PHASE "

@@ -241,6 +241,7 @@ const std::map<std::string, setter>& setters() {
          c.elastic_enabled = *v;
        }},
       {"elastic.spares", set(&train_config::elastic_spares)},
+      {"elastic.replica_interval", set(&train_config::elastic_replica_interval)},
       {"elastic.chaos_kill", set(&train_config::elastic_chaos_kill)},
   };
   return s;
@@ -374,6 +375,8 @@ void train_config::validate() const {
   validate_memory(*this);
   need(elastic_spares >= 0 && elastic_spares <= 1024, "elastic.spares (--spares)",
        "must be in [0, 1024]");
+  need(elastic_replica_interval >= 0, "elastic.replica_interval (--replica-interval)",
+       "must be >= 0 (0: no buddy replicas)");
   need(elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
        "elastic.chaos_kill (--chaos-kill)",
        "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill +
@@ -503,6 +506,7 @@ std::string to_toml(const train_config& c) {
   toml::table elastic;
   elastic.insert("enabled", c.elastic_enabled);
   elastic.insert("spares", c.elastic_spares);
+  elastic.insert("replica_interval", c.elastic_replica_interval);
   elastic.insert("chaos_kill", c.elastic_chaos_kill);
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);

@@ -95,10 +95,17 @@ struct train_config {
   // chaos_kill (--chaos-kill "RANK:STEP:PHASE", a drill): the process of rank RANK kills itself
   // (SIGKILL) as step STEP (1-based) reaches PHASE: "forward" (before its forward pass) or
   // "commit" (after every rank prepared the step, before its optimizer step); "": none.
+  // replica_interval (--replica-interval K): every K steps each rank sends its piece state to its
+  // buddy (the next grid position) and keeps a snapshot of its own, so a piece without a
+  // data-parallel replica (dp 1, a stage or shard of dp 1, ZeRO 1-3) is restored from the buddy
+  // and every rank goes back to that step; 0: no buddy replicas.
   bool elastic_enabled = false;
   int elastic_spares = 0;
+  int elastic_replica_interval = 0;
   std::string elastic_chaos_kill;
-  bool elastic() const { return elastic_enabled || elastic_spares > 0; }
+  bool elastic() const {
+    return elastic_enabled || elastic_spares > 0 || elastic_replica_interval > 0;
+  }
 
   // Checks ranges and combinations; the message names the key as "section.key".
   void validate() const;

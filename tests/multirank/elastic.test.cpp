@@ -245,3 +245,46 @@ TEST_CASE("Without a spare the run ends naming the lost rank and saves the last 
     CHECK(file_bytes(dir.path + "/resumed/" + f) == file_bytes(dir.path + "/clean/" + f));
   }
 }
+
+TEST_CASE("Stages and tensor shards without a data-parallel replica come back from buddy "
+          "replicas, bit for bit",
+          "[multirank][faults]") {
+  // dp 1: no survivor holds the lost piece but its buddy (the next grid position), which keeps a
+  // copy of it every elastic.replica_interval steps. Every rank goes back to that step (its own
+  // snapshot) and the steps since run again with the batches they had, so the numbers stay the
+  // fault-free run's.
+  scratch_dir dir("elastic-buddy");
+  struct drill {
+    const char* name;
+    std::vector<std::string> plan;
+    const char* kill;
+    const char* from;  // the recovery line's "going on from step N, ..."
+    const char* what;
+  };
+  const std::vector<std::string> pp = {"--pp", "2", "--microbatches", "2", "--replica-interval",
+                                       "2"};
+  const std::vector<std::string> tp = {"--tp", "2", "--replica-interval", "1"};
+  for (const auto& d :
+       {drill{"pp-forward", pp, "1:4:forward",
+              "going on from step 2, the last replicated (every rank went back from step 3",
+              "SIGKILL of rank 1 (pp 1) before its forward pass of step 4, pp2, replicas every 2 "
+              "steps"},
+        drill{"pp-commit", pp, "1:5:commit",
+              "going on from step 4, the last replicated (every rank went back from step 5",
+              "SIGKILL of rank 1 (pp 1) at its commit of step 5, pp2, replicas every 2 steps"},
+        drill{"tp-forward", tp, "1:3:forward", "going on from step 2, the last committed",
+              "SIGKILL of rank 1 (tp 1) before its forward pass of step 3, tp2, replicas every "
+              "step"}}) {
+    SECTION(d.name) {
+      run(elastic_argv(2, 1, dir.path, std::string(d.name) + "-clean", d.plan, 8), 0);
+      auto p = d.plan;
+      p.insert(p.end(), {"--chaos-kill", d.kill});
+      const auto out = run(elastic_argv(2, 1, dir.path, d.name, p, 8), 0);
+      CHECK(out.find("rank 2 took its place at generation 1") != std::string::npos);
+      CHECK(out.find("its state from rank 0 (its buddy replica of step") != std::string::npos);
+      CHECK(out.find(d.from) != std::string::npos);
+      same_bits(dir.path, d.name, std::string(d.name) + "-clean");
+      survived(std::string(d.what) + ", 1 spare", out);
+    }
+  }
+}
