@@ -30,9 +30,8 @@ int buddy_holder(int position, int positions) {
   return (position + 1) % positions;
 }
 
-expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
-                                      const elastic_layout& now, const std::vector<int>& lost,
-                                      int zero, bool buddies) {
+expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
+                                      const std::vector<int>& lost, int zero, bool buddies) {
   using result = expected<recovery_plan>;
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   recovery_plan p;
@@ -113,8 +112,9 @@ collective::rank_group buddy_group(int from, int sender, int receiver, int gener
   return g;
 }
 
-collective::rank_group elastic_group(const collective::rank_grid& grid, const elastic_layout& layout,
-                                     int position, const std::vector<std::string>& axes) {
+collective::rank_group elastic_group(const collective::rank_grid& grid,
+                                     const elastic_layout& layout, int position,
+                                     const std::vector<std::string>& axes) {
   auto g = grid.group(position, axes);
   for (auto& r : g.ranks) r = layout.positions.at(static_cast<std::size_t>(r));
   g.id = group_id_of(g.id, layout.generation);

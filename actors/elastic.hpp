@@ -31,10 +31,10 @@ struct elastic_layout {
 
 // One lost position and how it is filled.
 struct replacement {
-  int position = -1;  // grid position
-  int lost = -1;      // the rank that held it
-  int spare = -1;     // the rank that takes it
-  int donor = -1;     // the survivor that sends it the piece's state
+  int position = -1;   // grid position
+  int lost = -1;       // the rank that held it
+  int spare = -1;      // the rank that takes it
+  int donor = -1;      // the survivor that sends it the piece's state
   bool buddy = false;  // from the donor's buddy replica (its copy of the last replicated step)
 };
 
@@ -50,9 +50,8 @@ struct recovery_plan {
   elastic_layout next;
   std::vector<replacement> moves;
 };
-expected<recovery_plan> plan_recovery(const collective::rank_grid& grid,
-                                      const elastic_layout& now, const std::vector<int>& lost,
-                                      int zero, bool buddies = false);
+expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
+                                      const std::vector<int>& lost, int zero, bool buddies = false);
 
 // The group id of a communicator of generation `generation` (0-255) for a grid group `base`.
 std::uint32_t group_id_of(std::uint32_t base, int generation);
@@ -62,8 +61,9 @@ collective::rank_group restore_group(int position, int donor, int spare, int gen
 collective::rank_group buddy_group(int from, int sender, int receiver, int generation);
 // The grid group of position `position` over axes `axes` in `layout` (ranks mapped, id of its
 // generation).
-collective::rank_group elastic_group(const collective::rank_grid& grid, const elastic_layout& layout,
-                                     int position, const std::vector<std::string>& axes);
+collective::rank_group elastic_group(const collective::rank_grid& grid,
+                                     const elastic_layout& layout, int position,
+                                     const std::vector<std::string>& axes);
 
 // "dp 1 pp 0 tp 0": a position's coordinates.
 std::string coordinates(const collective::rank_grid& grid, int position);

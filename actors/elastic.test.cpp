@@ -54,9 +54,9 @@ TEST_CASE("A piece without a surviving replica cannot be restored, naming why", 
   const auto now = elastic_layout::initial(4, 6);
   auto both = plan_recovery(grid, now, {1, 3}, 0);  // both replicas of stage 1
   REQUIRE(!both);
-  CHECK(both.error_message().find("rank 1 (dp 0 pp 1 tp 0) was lost and no survivor holds its "
-                                  "piece (every data-parallel replica of it is lost, or dp is 1)") !=
-        std::string::npos);
+  CHECK(both.error_message().find(
+            "rank 1 (dp 0 pp 1 tp 0) was lost and no survivor holds its "
+            "piece (every data-parallel replica of it is lost, or dp is 1)") != std::string::npos);
   auto zero = plan_recovery(grid, now, {2}, 1);
   REQUIRE(!zero);
   CHECK(zero.error_message().find("parallel.zero 1 shards its state") != std::string::npos);
@@ -68,6 +68,29 @@ TEST_CASE("A piece without a surviving replica cannot be restored, naming why", 
   CHECK(two->moves[0].donor == 2);
   CHECK(two->moves[1].spare == 5);
   CHECK(two->moves[1].donor == 1);
+}
+
+TEST_CASE("Without a replica a lost position takes its state from its buddy", "[elastic]") {
+  const auto grid = dp_pp(1, 3);  // positions 0, 1, 2: stages; position p + 1 holds p's buddy copy
+  const auto now = elastic_layout::initial(3, 4);
+  CHECK(buddy_holder(2, 3) == 0);
+  auto p = plan_recovery(grid, now, {1}, 0, true);
+  REQUIRE(p);
+  CHECK(p->moves[0].donor == 2);
+  CHECK(p->moves[0].buddy);
+  CHECK(p->moves[0].spare == 3);
+  // A data-parallel replica comes first.
+  auto dp = plan_recovery(dp_pp(2, 1), elastic_layout::initial(2, 3), {1}, 0, true);
+  REQUIRE(dp);
+  CHECK(dp->moves[0].donor == 0);
+  CHECK(!dp->moves[0].buddy);
+  // The piece and its buddy holder both lost.
+  auto both = plan_recovery(grid, elastic_layout::initial(3, 5), {1, 2}, 0, true);
+  REQUIRE(!both);
+  CHECK(both.error_message().find("rank 2, which holds its buddy replica, was lost too") !=
+        std::string::npos);
+  // Without buddies, no way.
+  CHECK(!plan_recovery(grid, now, {1}, 0, false));
 }
 
 TEST_CASE("Group ids differ between generations and from restore groups", "[elastic]") {
@@ -84,9 +107,10 @@ TEST_CASE("Group ids differ between generations and from restore groups", "[elas
         CHECK((g.id >> 24) == static_cast<std::uint32_t>(gen));
       }
     ids.insert(restore_group(3, 1, 4, gen).id);
+    ids.insert(buddy_group(3, 4, 0, gen).id);
   }
-  // Per generation: 2 dp groups, 2 pp groups, 2 mp groups, 1 restore group.
-  CHECK(ids.size() == 3 * 7);
+  // Per generation: 2 dp groups, 2 pp groups, 2 mp groups, 1 restore group, 1 buddy group.
+  CHECK(ids.size() == 3 * 8);
   // Generation 0 keeps the grid's own ids (a run without losses talks as before).
   layout.generation = 0;
   CHECK(elastic_group(grid, layout, 1, {"dp"}).id == grid.group(1, {"dp"}).id);
@@ -96,8 +120,7 @@ TEST_CASE("Group ids differ between generations and from restore groups", "[elas
   CHECK_THROWS(group_id_of(1, 256));
 }
 
-TEST_CASE("A rebindable communicator goes on over a new communicator after an abort",
-          "[elastic]") {
+TEST_CASE("A rebindable communicator goes on over a new communicator after an abort", "[elastic]") {
   auto old_world = std::make_shared<collective::local_world>(2);
   auto olds = collective::make_local_group(old_world, 1);
   std::vector<std::unique_ptr<rebindable_communicator>> comms;

@@ -44,8 +44,8 @@ struct launch_options {
   // Up to `spares` ranks may fail without ending the others (no grace countdown) or failing the
   // launch, when every other rank ends well.
   int spares = 0;
-  bool prefix = true;      // "[rank k] " before every output line
-  bool quiet = false;      // no launcher lines on stderr except errors
+  bool prefix = true;  // "[rank k] " before every output line
+  bool quiet = false;  // no launcher lines on stderr except errors
   // The coordinator's introspection endpoint: its listen address (default 127.0.0.1) and the Host
   // names it answers besides loopback and that address ("*": any; see http_server.hpp).
   std::string introspection_bind;

@@ -36,8 +36,8 @@ namespace mp = models::parallel;
 
 // ---- requests and replies ------------------------------------------------------------------
 struct setup_request {
-  std::string config;           // models::to_toml of the run's train_config
-  std::vector<int> positions;   // elastic: grid position -> rank (the rest are spares)
+  std::string config;          // models::to_toml of the run's train_config
+  std::vector<int> positions;  // elastic: grid position -> rank (the rest are spares)
   auto fields() { return std::tie(config, positions); }
 };
 struct setup_reply {
@@ -241,9 +241,9 @@ void watch_losses(node& n, const std::shared_ptr<trainer_state>& sp) {
       if (st->layout.position_of(e.rank) < 0 || st->layout.position_of(me) < 0) return;
       for (auto& c : st->comms) comms.push_back(c.get());
     }
-    const std::string why = fmt::format(
-        "rank {} {}: {} (elastic: this step is abandoned)", e.rank,
-        e.kind == member_event::lost ? "was lost" : "left the job", e.reason);
+    const std::string why =
+        fmt::format("rank {} {}: {} (elastic: this step is abandoned)", e.rank,
+                    e.kind == member_event::lost ? "was lost" : "left the job", e.reason);
     for (auto* c : comms) c->abort(why);
   });
 }
@@ -253,8 +253,8 @@ void watch_losses(node& n, const std::shared_ptr<trainer_state>& sp) {
 void maybe_chaos_kill(const trainer_state& st, node& n, std::int64_t step, const char* phase) {
   if (!st.chaos || st.layout.generation != 0) return;
   if (st.chaos->rank != n.rank() || st.chaos->step != step + 1 || st.chaos->phase != phase) return;
-  std::fprintf(stderr, "troupe: rank %d: elastic.chaos_kill: SIGKILL in step %lld (%s)\n",
-               n.rank(), static_cast<long long>(step + 1), phase);
+  std::fprintf(stderr, "troupe: rank %d: elastic.chaos_kill: SIGKILL in step %lld (%s)\n", n.rank(),
+               static_cast<long long>(step + 1), phase);
   std::fflush(stderr);
   ::kill(::getpid(), SIGKILL);
 }
@@ -352,8 +352,7 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": step before setup");
   TROUPE_CHECK(r.generation == st.layout.generation, ctx.name(), ": asked for step ", r.step + 1,
-               " of generation ", r.generation, " but it is at generation ",
-               st.layout.generation);
+               " of generation ", r.generation, " but it is at generation ", st.layout.generation);
   TROUPE_CHECK(r.step == st.hybrid->steps_done(), ctx.name(), ": asked for step ", r.step,
                " but it has done ", st.hybrid->steps_done());
   TROUPE_CHECK(st.broken.empty(), ctx.name(), ": an earlier step failed: ", st.broken);
@@ -466,8 +465,7 @@ status_reply status(role_context& ctx, trainer_state& st) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": status of a trainer that holds no piece");
   const auto s = st.hybrid->state();
-  return {s.steps, s.optimizer_steps, st.layout.generation, st.own.steps,
-          st.own.optimizer_steps};
+  return {s.steps, s.optimizer_steps, st.layout.generation, st.own.steps, st.own.optimizer_steps};
 }
 
 std::unique_ptr<collective::communicator> pair_comm(node& n, const collective::rank_group& g,
@@ -521,12 +519,11 @@ replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_
   std::vector<collective::work> works;
   std::int64_t bytes = 0;
   for (int i = 0; i < 3; ++i) {
-    TROUPE_CHECK(theirs[i] >= 0 && theirs[i] < (std::int64_t{1} << 40), ctx.name(),
-                 ": rank ", left, " announced a piece of ", theirs[i], " elements");
-    if (!in[i]->view().defined() || in[i]->view().numel() != theirs[i])
-      *in[i] = empty({theirs[i]});
-    works.push_back(st.buddy_out->send(out[i]->data(), static_cast<std::size_t>(mine[i]),
-                                       dtype::f32, 1));
+    TROUPE_CHECK(theirs[i] >= 0 && theirs[i] < (std::int64_t{1} << 40), ctx.name(), ": rank ", left,
+                 " announced a piece of ", theirs[i], " elements");
+    if (!in[i]->view().defined() || in[i]->view().numel() != theirs[i]) *in[i] = empty({theirs[i]});
+    works.push_back(
+        st.buddy_out->send(out[i]->data(), static_cast<std::size_t>(mine[i]), dtype::f32, 1));
     works.push_back(st.buddy_in->recv(in[i]->view().data(), static_cast<std::size_t>(theirs[i]),
                                       dtype::f32, 0));
     bytes += mine[i] * 4;
@@ -566,8 +563,8 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     what = "survivor";
     if (st.hybrid->steps_done() != r.steps) {
       // Buddy replicas: back to this rank's own snapshot of the last replicated step.
-      TROUPE_CHECK(st.own.steps == r.steps, ctx.name(), ": it has done ",
-                   st.hybrid->steps_done(), " steps and holds a snapshot of step ", st.own.steps,
+      TROUPE_CHECK(st.own.steps == r.steps, ctx.name(), ": it has done ", st.hybrid->steps_done(),
+                   " steps and holds a snapshot of step ", st.own.steps,
                    ", the job goes on from step ", r.steps);
       const auto s = st.hybrid->state();
       ops::copy(st.own.params.view(), s.params.reshape({s.params.numel()}));
@@ -603,8 +600,8 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
                  "whole pieces (parallel.zero 0) only");
     std::vector<tensor> parts = {s.params, s.m, s.v};
     if (from_buddy && me == donor) {
-      TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ",
-                   spare, "'s position is of step ", st.buddy.steps, ", not ", r.steps);
+      TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ", spare,
+                   "'s position is of step ", st.buddy.steps, ", not ", r.steps);
       parts = {st.buddy.params.view(), st.buddy.m.view(), st.buddy.v.view()};
     }
     for (const tensor* t : {&parts[0], &parts[1], &parts[2]}) {
@@ -626,12 +623,11 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     }
   }
   ctx.set_activity("idle");
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return {fmt::format("rank {}: {} {}, {} at generation {} ({:.3f} s)", me,
-                      coordinates(*st.grid, position), st.hybrid->describe(), what, r.generation,
-                      secs),
-          bytes};
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {
+      fmt::format("rank {}: {} {}, {} at generation {} ({:.3f} s)", me,
+                  coordinates(*st.grid, position), st.hybrid->describe(), what, r.generation, secs),
+      bytes};
 }
 
 save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
@@ -679,7 +675,8 @@ void add_trainer_role(role_registry& roles) {
     b.on<recover_request>(
         [st](role_context& c, const recover_request& r) { return recover(c, *st, r); });
     b.on_stop([st](role_context& c) {
-      if (st->membership_callback >= 0) c.node().remove_membership_callback(st->membership_callback);
+      if (st->membership_callback >= 0)
+        c.node().remove_membership_callback(st->membership_callback);
       st->membership_callback = -1;
     });
     b.on<save_request>([st](role_context& c, const save_request& r) { return save(c, *st, r); });
@@ -693,7 +690,8 @@ namespace {
 // The ranks of `layout` (positions and spares) that are not members in good standing any more,
 // waited for up to `bound` after a failed step: its error may reach the driver before the loss
 // that caused it does.
-std::vector<int> lost_ranks(node& n, const elastic_layout& layout, std::chrono::milliseconds bound) {
+std::vector<int> lost_ranks(node& n, const elastic_layout& layout,
+                            std::chrono::milliseconds bound) {
   auto gone = [&] {
     std::vector<int> out;
     for (int r : layout.positions)
@@ -759,7 +757,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   };
   training_summary sum;
   auto lines = j.ask_all<setup_reply>(
-      trainers, setup_request{models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}},
+      trainers,
+      setup_request{models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}},
       std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
   const std::int64_t resumed = lines.front().step;  // checkpoint.resume: the step to go on from
@@ -829,8 +828,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
         survivors.push_back(trainers[static_cast<std::size_t>(r)]);
     const auto status = j.ask_all<status_reply>(survivors, status_request{}, step_wait);
     for (std::size_t i = 0; i < status.size(); ++i)
-      TROUPE_CHECK(status[i].steps == committed, "elastic: ", who, " lost in step ", step + 1,
-                   " (", phase, "); ", survivors[i].name, " holds step ", status[i].steps,
+      TROUPE_CHECK(status[i].steps == committed, "elastic: ", who, " lost in step ", step + 1, " (",
+                   phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
     auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
     if (!plan) {
@@ -858,12 +857,12 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
             savers.push_back(trainers[static_cast<std::size_t>(layout.positions[p])]);
         try {
           std::string where;
-          for (auto& sv : j.ask_all<save_reply>(
-                   savers, salvage_request{layout.generation + 1, cfg.ckpt_dir},
-                   std::chrono::minutes(5)))
+          for (auto& sv :
+               j.ask_all<save_reply>(savers, salvage_request{layout.generation + 1, cfg.ckpt_dir},
+                                     std::chrono::minutes(5)))
             if (!sv.written.empty()) where = sv.written;
-          saved = fmt::format("; its checkpoint is in {}, saved by data-parallel replica {}",
-                              where, replica);
+          saved = fmt::format("; its checkpoint is in {}, saved by data-parallel replica {}", where,
+                              replica);
           if (o.on_save) o.on_save(committed, where, std::nullopt);
         } catch (const std::exception& e) {
           saved += std::string("saving it failed: ") + e.what() + ")";
@@ -893,8 +892,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    "): its piece is restored from a buddy replica, but none was made yet");
       for (std::size_t i = 0; i < status.size(); ++i)
         TROUPE_CHECK(status[i].replica_steps == replica_step, "elastic: ", survivors[i].name,
-                     " holds a snapshot of step ", status[i].replica_steps, ", not ",
-                     replica_step);
+                     " holds a snapshot of step ", status[i].replica_steps, ", not ", replica_step);
       req.steps = replica_step;
       req.optimizer_steps = status.front().replica_optimizer_steps;
     }
@@ -927,16 +925,17 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   std::function<std::int64_t(std::int64_t)> replicate = [&](std::int64_t done) -> std::int64_t {
     for (std::int32_t phase = 0; phase < 2; ++phase) {
       const auto gen = static_cast<std::int32_t>(layout.generation);
-      auto results = j.try_ask_all<replicate_reply>(active(), replicate_request{done, gen, phase},
-                                                    step_wait);
+      auto results =
+          j.try_ask_all<replicate_reply>(active(), replicate_request{done, gen, phase}, step_wait);
       std::string failed;
       for (auto& r : results)
         if (!r && failed.empty()) failed = r.error_message();
       if (phase == 1) replica_step = done;  // kept on every live rank (local)
       if (!failed.empty()) {
-        const auto at = recover(done - 1, phase == 0 ? "replicating its state to the buddies"
-                                                     : "keeping the buddy replicas",
-                                done, failed);
+        const auto at = recover(
+            done - 1,
+            phase == 0 ? "replicating its state to the buddies" : "keeping the buddy replicas",
+            done, failed);
         // The new spare holds no replica yet, nor its buddy its copy: replicate again.
         return at == done ? replicate(done) : at;
       }
@@ -988,10 +987,10 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       if (ran != s || done != s + 1) continue;  // a step run again, or taken back
       auto result = report_of(ok);
       if (failure_seen) {
-        say(fmt::format("elastic: step {} completed {:.2f} s after the failure was seen", s + 1,
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                      *failure_seen)
-                            .count()));
+        say(fmt::format(
+            "elastic: step {} completed {:.2f} s after the failure was seen", s + 1,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - *failure_seen)
+                .count()));
         failure_seen.reset();
       }
       return result;

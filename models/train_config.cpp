@@ -377,10 +377,10 @@ void train_config::validate() const {
        "must be in [0, 1024]");
   need(elastic_replica_interval >= 0, "elastic.replica_interval (--replica-interval)",
        "must be >= 0 (0: no buddy replicas)");
-  need(elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
-       "elastic.chaos_kill (--chaos-kill)",
-       "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill +
-           "'");
+  need(
+      elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
+      "elastic.chaos_kill (--chaos-kill)",
+      "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill + "'");
   need(!elastic() || !tiers(), "elastic.*", "cannot be combined with memory.device (tiers)");
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;

@@ -8,6 +8,9 @@ as dp2 x pp2 on 4 ranks, trained STEPS steps
             one; tcp loopback instead of shared memory between local ranks)
   forward   the same with rank 3 SIGKILLing itself before its forward pass of step KILL
   commit    the same with rank 1 SIGKILLing itself at its commit of step KILL
+  buddy1    elastic with buddy replicas every step (--replica-interval 1), no fault: the cost of
+            copying every rank's piece state (weights, m, v) to its buddy and keeping a snapshot
+  buddy10   the same every 10 steps
 
 Each output line is timestamped on arrival. For the killed runs it prints the time from the
 killed rank's last line (elastic.chaos_kill: printed just before its SIGKILL) to the recovery's
@@ -57,7 +60,9 @@ for name, spares, extra in [
         ("plain", 0, []),
         ("elastic", 1, ["--elastic"]),
         ("forward", 1, ["--elastic", "--chaos-kill", "3:%d:forward" % kill]),
-        ("commit", 1, ["--elastic", "--chaos-kill", "1:%d:commit" % kill])]:
+        ("commit", 1, ["--elastic", "--chaos-kill", "1:%d:commit" % kill]),
+        ("buddy1", 1, ["--elastic", "--replica-interval", "1"]),
+        ("buddy10", 1, ["--elastic", "--replica-interval", "10"])]:
     rc, lines = run(name, spares, extra)
     _, trained = first(lines, "trained to step")
     tps = re.search(r"\(([0-9.]+) tokens/s\)", trained or "")

@@ -57,8 +57,8 @@ std::vector<std::string> numbers_of(const std::string& path) {
 std::vector<std::string> elastic_argv(int n, int spares, const std::string& dir,
                                       const std::string& name, std::vector<std::string> plan,
                                       int steps = 6) {
-  plan.insert(plan.end(), {"--elastic", "--checkpoint-dir", dir + "/" + name,
-                           "--collective-timeout", "60"});
+  plan.insert(plan.end(),
+              {"--elastic", "--checkpoint-dir", dir + "/" + name, "--collective-timeout", "60"});
   auto argv = launch_argv(n, "gpt2-demo", steps, dir, "e-" + name, plan);
   argv.insert(argv.begin() + 4, {"--spares", std::to_string(spares)});
   // launch_argv names the json after its run name.
@@ -84,7 +84,8 @@ void same_bits(const std::string& dir, const std::string& name, const std::strin
   REQUIRE(!want.empty());
   CHECK(got == want);
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    const auto a = file_bytes(dir + "/" + name + "/" + f), b = file_bytes(dir + "/" + clean + "/" + f);
+    const auto a = file_bytes(dir + "/" + name + "/" + f),
+               b = file_bytes(dir + "/" + clean + "/" + f);
     INFO(f);
     REQUIRE(!b.empty());
     CHECK(a == b);
@@ -124,9 +125,10 @@ TEST_CASE("A dp2 run whose rank dies in its forward pass goes on with a spare, b
   survived("SIGKILL of rank 1 (dp 1) before its forward pass of step 3, dp2, 1 spare", out);
 }
 
-TEST_CASE("A dp2 x pp2 run loses a stage in its forward pass or at its commit and a spare takes "
-          "its place, bit for bit",
-          "[multirank][faults]") {
+TEST_CASE(
+    "A dp2 x pp2 run loses a stage in its forward pass or at its commit and a spare takes "
+    "its place, bit for bit",
+    "[multirank][faults]") {
   scratch_dir dir("elastic-pp");
   const std::vector<std::string> plan = {"--dp", "2", "--pp", "2", "--microbatches", "2"};
   run(elastic_argv(4, 1, dir.path, "clean", plan), 0);
@@ -158,8 +160,8 @@ TEST_CASE("A rank SIGKILLed from outside mid-run is replaced by a spare, bit for
   // Wherever the step is when the signal lands (forward, backward, a collective, the commit, or
   // between steps), the run ends with the fault-free numbers.
   scratch_dir dir("elastic-outside");
-  const std::vector<std::string> plan = {"--dp", "2", "--pp", "2", "--microbatches", "2",
-                                         "--log-every", "1"};
+  const std::vector<std::string> plan = {"--dp",           "2", "--pp",        "2",
+                                         "--microbatches", "2", "--log-every", "1"};
   run(elastic_argv(4, 1, dir.path, "clean", plan, 12), 0);
   child_process p(elastic_argv(4, 1, dir.path, "killed", plan, 12));
   REQUIRE(p.wait_for("step     4/12", 120s));
@@ -189,8 +191,8 @@ TEST_CASE("A SIGSTOPped rank is declared lost, fenced and replaced; its SIGCONT 
   // was declared lost (its transport fails every peer, its trainer is not in the new generation)
   // and ends; the run's numbers stay the fault-free run's.
   scratch_dir dir("elastic-stop");
-  const std::vector<std::string> plan = {"--dp", "2", "--pp", "2", "--microbatches", "2",
-                                         "--log-every", "1"};
+  const std::vector<std::string> plan = {"--dp",           "2", "--pp",        "2",
+                                         "--microbatches", "2", "--log-every", "1"};
   run(elastic_argv(4, 1, dir.path, "clean", plan, 10), 0);
   child_process p(elastic_argv(4, 1, dir.path, "stopped", plan, 10));
   REQUIRE(p.wait_for("step     3/10", 120s));
@@ -211,9 +213,10 @@ TEST_CASE("A SIGSTOPped rank is declared lost, fenced and replaced; its SIGCONT 
   CHECK(child_process::code(*st) == 0);
   CHECK(p.output().find("no heartbeat for") != std::string::npos);
   same_bits(dir.path, "stopped", "clean");
-  survived("SIGSTOP of rank 1 (dp 0 pp 1) after step 3 was logged, SIGCONT after the recovery, "
-           "dp2 x pp2, 1 spare",
-           p.output());
+  survived(
+      "SIGSTOP of rank 1 (dp 0 pp 1) after step 3 was logged, SIGCONT after the recovery, "
+      "dp2 x pp2, 1 spare",
+      p.output());
 }
 
 TEST_CASE("Without a spare the run ends naming the lost rank and saves the last committed step",
@@ -246,9 +249,10 @@ TEST_CASE("Without a spare the run ends naming the lost rank and saves the last 
   }
 }
 
-TEST_CASE("Stages and tensor shards without a data-parallel replica come back from buddy "
-          "replicas, bit for bit",
-          "[multirank][faults]") {
+TEST_CASE(
+    "Stages and tensor shards without a data-parallel replica come back from buddy "
+    "replicas, bit for bit",
+    "[multirank][faults]") {
   // dp 1: no survivor holds the lost piece but its buddy (the next grid position), which keeps a
   // copy of it every elastic.replica_interval steps. Every rank goes back to that step (its own
   // snapshot) and the steps since run again with the batches they had, so the numbers stay the
