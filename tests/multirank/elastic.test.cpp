@@ -14,8 +14,10 @@
 // restored a stale or half-updated replica, or let a rank commit alone would change the losses
 // after it or the weights.
 //
-// Without a spare the run ends naming the lost rank and the last committed step, after the
-// surviving replica saved that step; resuming from it gives the fault-free weights, bit for bit.
+// Pieces without a data-parallel replica (a stage or shard of dp 1) come back from buddy
+// replicas, every rank going back to the replicated step. Without a spare the run ends naming the
+// lost rank and the last committed step, after the surviving replica saved that step; resuming
+// from it gives the fault-free weights, bit for bit.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
