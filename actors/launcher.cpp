@@ -196,6 +196,13 @@ int launch(const launch_options& given) {
                  " hosts: give --bind with an address of this host the others reach");
   }
   TROUPE_CHECK(o.nprocs > 0, "troupe launch: -n must be positive (got ", o.nprocs, ")");
+  TROUPE_CHECK(o.spares >= 0, "troupe launch: --spares must not be negative (got ", o.spares, ")");
+  if (o.spares > 0) {
+    TROUPE_CHECK(o.hostfile.empty() && host_coordinator && o.world_size == 0,
+                 "troupe launch: --spares ", o.spares,
+                 " works for a job on one host (no --hostfile, --coordinator or --world-size)");
+    o.nprocs += o.spares;
+  }
   TROUPE_CHECK(o.rank_offset >= 0, "troupe launch: --rank-offset must not be negative");
   if (host_coordinator) {
     TROUPE_CHECK(
@@ -301,6 +308,7 @@ int launch(const launch_options& given) {
   base_env.push_back("TROUPE_BIND=" + bind);
   if (!net_device.empty()) base_env.push_back("TROUPE_NET_DEVICE=" + net_device);
   if (o.world_size > 0) base_env.push_back("TROUPE_WORLD_SIZE=" + std::to_string(o.world_size));
+  if (o.spares > 0) base_env.push_back("TROUPE_SPARES=" + std::to_string(o.spares));
   if (o.use_tls) {
     base_env.push_back("TROUPE_TLS_CERT=" + o.tls.cert);
     base_env.push_back("TROUPE_TLS_KEY=" + o.tls.key);
@@ -459,11 +467,17 @@ int launch(const launch_options& given) {
         }
         if (coord) coord->process_ended(c.rank, static_cast<int>(c.pid), describe_status(status));
         if (failed(status)) {
-          if (failures.empty()) first_failure = steady::now();
           failures.push_back(c.local);
+          // --spares: that many failures leave the others running (an elastic run replaces them).
+          const bool tolerated = failures.size() <= static_cast<std::size_t>(o.spares);
+          if (failures.size() == static_cast<std::size_t>(o.spares) + 1)
+            first_failure = steady::now();
           if (!terminating)
             say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
-                describe_status(status));
+                describe_status(status) +
+                (tolerated ? "; the job goes on (" + std::to_string(failures.size()) + " of " +
+                                 std::to_string(o.spares) + " failures --spares allows)"
+                           : std::string()));
         }
       }
     }
@@ -482,7 +496,8 @@ int launch(const launch_options& given) {
     }
     // After a failure the others get the grace period, then SIGTERM, then SIGKILL.
     const auto now = steady::now();
-    if (first_good_end != steady::time_point{} && failures.empty() && !terminating &&
+    if (first_good_end != steady::time_point{} &&
+        failures.size() <= static_cast<std::size_t>(o.spares) && !terminating &&
         now >= next_lingering_report) {
       std::string running;
       for (const auto& c : children)
@@ -496,7 +511,7 @@ int launch(const launch_options& given) {
             " s after a rank ended well: " + running);
       next_lingering_report = now + lingering_every;
     }
-    if (!failures.empty() && !terminating &&
+    if (failures.size() > static_cast<std::size_t>(o.spares) && !terminating &&
         now - first_failure > std::chrono::duration<double>(o.grace_s)) {
       bool any = false;
       for (auto& c : children)
@@ -545,6 +560,13 @@ int launch(const launch_options& given) {
   }
   if (bad == 0) return 0;
   std::string ranks;
+  bool all_started = true;
+  for (const auto& c : children) all_started = all_started && c.pid > 0;
+  if (all_started && bad <= o.spares && !terminating) {
+    say(report + "; every other rank ended well, within the " + std::to_string(o.spares) +
+        " failures --spares allows");
+    return 0;
+  }
   for (const auto& c : children)
     if (c.pid <= 0 || failed(c.status))
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(c.rank);

@@ -39,8 +39,13 @@ struct launch_options {
   std::string net_device;  // UCX device (default: the device of --bind, "lo" on loopback)
   bool pin = false;        // pin local rank i to the i-th CPU this process may use
   double grace_s = 30.0;   // after a rank fails, the others get this long before SIGTERM
-  bool prefix = true;      // "[rank k] " before every output line
-  bool quiet = false;      // no launcher lines on stderr except errors
+  // Ranks started after the nprocs ones (one host, this launcher's coordinator), told by
+  // TROUPE_SPARES: an elastic `troupe train` keeps them idle until one takes a lost rank's place.
+  // Up to `spares` ranks may fail without ending the others (no grace countdown) or failing the
+  // launch, when every other rank ends well.
+  int spares = 0;
+  bool prefix = true;  // "[rank k] " before every output line
+  bool quiet = false;  // no launcher lines on stderr except errors
   // The coordinator's introspection endpoint: its listen address (default 127.0.0.1) and the Host
   // names it answers besides loopback and that address ("*": any; see http_server.hpp).
   std::string introspection_bind;

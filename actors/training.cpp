@@ -2,8 +2,12 @@
 #include "actors/training.hpp"
 
 #include <fmt/core.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +15,8 @@
 #include <memory>
 #include <mutex>
 
+#include "actors/elastic.hpp"
+#include "actors/rebindable_communicator.hpp"
 #include "collective/grid.hpp"
 #include "collective/p2p_communicator.hpp"
 #include "memory/error.hpp"
@@ -21,6 +27,7 @@
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
 #include "models/parallel/hybrid.hpp"
+#include "tensor/ops.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -29,17 +36,80 @@ namespace mp = models::parallel;
 
 // ---- requests and replies ------------------------------------------------------------------
 struct setup_request {
-  std::string config;  // models::to_toml of the run's train_config
-  auto fields() { return std::tie(config); }
+  std::string config;          // models::to_toml of the run's train_config
+  std::vector<int> positions;  // elastic: grid position -> rank (the rest are spares)
+  auto fields() { return std::tie(config, positions); }
 };
 struct setup_reply {
   std::string line;       // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
-  std::int64_t step = 0;  // steps done: checkpoint.resume's step, else 0
+  std::int64_t step = 0;  // steps done: checkpoint.resume's step, else 0 (-1: a spare)
   auto fields() { return std::tie(line, step); }
 };
+// phase 0: the whole step; 1 (elastic): prepare it (forward, backward, gradient collectives),
+// then commit_request applies it.
 struct step_request {
   std::int64_t step = 0;  // 0-based: the step about to run
-  auto fields() { return std::tie(step); }
+  std::int32_t generation = 0;
+  std::int32_t phase = 0;
+  auto fields() { return std::tie(step, generation, phase); }
+};
+struct commit_request {
+  std::int64_t step = 0;
+  std::int32_t generation = 0;
+  auto fields() { return std::tie(step, generation); }
+};
+struct status_request {
+  std::int64_t unused = 0;
+  auto fields() { return std::tie(unused); }
+};
+struct status_reply {
+  std::int64_t steps = 0, optimizer_steps = 0;
+  std::int32_t generation = 0;
+  // Buddy replicas: the step of this rank's own snapshot (-1: none) and its optimizer steps.
+  std::int64_t replica_steps = -1, replica_optimizer_steps = 0;
+  auto fields() {
+    return std::tie(steps, optimizer_steps, generation, replica_steps, replica_optimizer_steps);
+  }
+};
+// Buddy replicas, in two phases like a step: every rank sends its piece state to its buddy (the
+// next position) and receives its left neighbour's into a staging copy; once all have, every rank
+// keeps a snapshot of its own state and makes the staging copy its buddy replica (local).
+struct replicate_request {
+  std::int64_t step = 0;  // steps done
+  std::int32_t generation = 0;
+  std::int32_t phase = 0;  // 0: exchange into staging; 1: keep (snapshot and swap)
+  auto fields() { return std::tie(step, generation, phase); }
+};
+struct replicate_reply {
+  std::int64_t bytes = 0;
+  auto fields() { return std::tie(bytes); }
+};
+// Elastic recovery: the next generation's layout and, per replaced position, the spare taking it
+// and the survivor sending it the piece's state; steps and optimizer_steps are the last committed.
+struct recover_request {
+  std::int32_t generation = 0;
+  std::vector<int> positions, spares;
+  std::vector<int> move_position, move_spare, move_donor;
+  std::vector<int> move_buddy;  // 1: the donor sends its buddy replica of the position
+  // steps: the step every rank goes on from; a survivor past it (buddy replicas: the last
+  // replicated step) goes back to its own snapshot.
+  std::int64_t steps = 0, optimizer_steps = 0;
+  auto fields() {
+    return std::tie(generation, positions, spares, move_position, move_spare, move_donor,
+                    move_buddy, steps, optimizer_steps);
+  }
+};
+// Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
+// committed step on their own (their dp communicator becomes just themselves).
+struct salvage_request {
+  std::int32_t generation = 0;
+  std::string dir;
+  auto fields() { return std::tie(generation, dir); }
+};
+struct recover_reply {
+  std::string line;
+  std::int64_t bytes = 0;  // piece state sent or received
+  auto fields() { return std::tie(line, bytes); }
 };
 struct step_reply {
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0, bubble = 0, comm_wait = 0;
@@ -70,12 +140,124 @@ struct trainer_state {
   models::train_config cfg;
   models::hf::model_config model;
   std::unique_ptr<collective::rank_grid> grid;
-  std::vector<std::unique_ptr<collective::communicator>> comms;
+  // dp, pp, tp, mp: rebindable, so that elastic recovery puts new ones under the piece. Added to
+  // (a promoted spare) under layout_mu; never removed before the state goes.
+  std::vector<std::unique_ptr<rebindable_communicator>> comms;
   std::vector<collective_watch> watches;  // the comms' flight records in describe (after comms)
   std::unique_ptr<mp::hybrid_trainer> hybrid;
   models::data_source data;
   std::string broken;  // why a step failed: the piece's state is undefined from then on
+  // Elastic runs: who holds which grid position (read by the membership callback), the callback,
+  // and the drill (elastic.chaos_kill).
+  bool elastic = false;
+  std::mutex layout_mu;
+  elastic_layout layout;
+  node* n = nullptr;
+  int membership_callback = -1;
+  std::optional<models::chaos_kill> chaos;
+  // Buddy replicas (elastic.replica_interval): this rank's own state and its left neighbour's at
+  // the last replicated step, the neighbour's next copy while it arrives, and the two pair
+  // communicators of the current generation.
+  struct snapshot {
+    owned_tensor params, m, v;
+    std::int64_t steps = -1, optimizer_steps = 0;
+  };
+  snapshot own, buddy, staging;
+  std::unique_ptr<collective::communicator> buddy_out, buddy_in;
+  int buddy_generation = -1;
 };
+
+// Copies `from` into `to`, allocated to its sizes when they differ.
+void keep(const tensor& from, owned_tensor& to) {
+  if (!to.view().defined() || to.view().numel() != from.numel()) to = empty({from.numel()});
+  ops::copy(from.reshape({from.numel()}), to.view());
+}
+
+const std::vector<std::string>& group_axes(std::size_t i) {
+  static const std::vector<std::vector<std::string>> axes = {{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}};
+  return axes[i];
+}
+constexpr const char* group_labels[] = {"dp", "pp", "tp", "mp"};
+
+// The communicators of `position` in the current layout (its generation's group ids): made the
+// first time, else put under the piece's rebindable ones (the old ones are destroyed).
+void bind_comms(role_context& ctx, trainer_state& st, int position) {
+  node& n = ctx.node();
+  for (std::size_t i = 0; i < 4; ++i) {
+    auto g = elastic_group(*st.grid, st.layout, position, group_axes(i));
+    auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
+    c->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    // Elastic: no direct allreduce (peers writing into each other's buffers with
+    // process_vm_writev). When a step is abandoned, a rank in a direct allreduce waits until each
+    // peer has stopped or is lost, since it may still write there; a survivor aborted in another
+    // op never says it stopped, so the wait lasts the collective deadline. The ring and recursive
+    // doubling only receive into their own buffers.
+    if (auto* p2p = dynamic_cast<collective::p2p_communicator*>(c.get()); p2p && st.elastic) {
+      auto tune = p2p->tuning();
+      tune.allreduce_direct = false;
+      p2p->set_tuning(tune);
+    }
+    if (st.comms.size() > i) {
+      st.comms[i]->rebind(std::move(c));
+      st.watches[i] = ctx.watch(*st.comms[i]);  // introspection names the new one
+      continue;
+    }
+    auto w = std::make_unique<rebindable_communicator>(std::move(c));
+    st.watches.push_back(ctx.watch(*w));
+    std::lock_guard lk(st.layout_mu);
+    st.comms.push_back(std::move(w));
+  }
+}
+
+mp::hybrid_groups groups_of(trainer_state& st) {
+  mp::hybrid_groups g;
+  g.dp = st.comms[0].get();
+  g.pp = st.comms[1].get();
+  g.tp = st.comms[2].get();
+  g.mp = st.comms[3].get();
+  return g;
+}
+
+void set_mesh_of(role_context& ctx, const trainer_state& st, int position) {
+  ctx.set_mesh("dp", st.grid->coord(position, "dp"));
+  ctx.set_mesh("pp", st.grid->coord(position, "pp"));
+  ctx.set_mesh("tp", st.grid->coord(position, "tp"));
+}
+
+// Elastic: a lost rank that holds a grid position fails every op of this rank's communicators at
+// once (its peers' too: every survivor hears of the loss), so the step in progress ends on every
+// rank without waiting for a deadline; the driver then recovers.
+void watch_losses(node& n, const std::shared_ptr<trainer_state>& sp) {
+  std::weak_ptr<trainer_state> weak = sp;
+  const int me = n.rank();
+  sp->membership_callback = n.on_membership([weak, me](const member_event& e) {
+    if (e.kind == member_event::joined) return;
+    auto st = weak.lock();
+    if (!st) return;
+    std::vector<rebindable_communicator*> comms;
+    {
+      std::lock_guard lk(st->layout_mu);
+      if (st->layout.position_of(e.rank) < 0 || st->layout.position_of(me) < 0) return;
+      for (auto& c : st->comms) comms.push_back(c.get());
+    }
+    const std::string why =
+        fmt::format("rank {} {}: {} (elastic: this step is abandoned)", e.rank,
+                    e.kind == member_event::lost ? "was lost" : "left the job", e.reason);
+    for (auto* c : comms) c->abort(why);
+  });
+}
+
+// elastic.chaos_kill: this process ends itself, as SIGKILL from outside would, where the drill
+// says (generation 0 only: the first run through that step).
+void maybe_chaos_kill(const trainer_state& st, node& n, std::int64_t step, const char* phase) {
+  if (!st.chaos || st.layout.generation != 0) return;
+  if (st.chaos->rank != n.rank() || st.chaos->step != step + 1 || st.chaos->phase != phase) return;
+  std::fprintf(stderr, "troupe: rank %d: elastic.chaos_kill: SIGKILL in step %lld (%s)\n", n.rank(),
+               static_cast<long long>(step + 1), phase);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
+}
 
 std::int64_t vocab_of(const models::hf::model_config& m) {
   return std::visit([](const auto& c) { return c.vocab_size; }, m);
@@ -98,15 +280,22 @@ void probe_folder(const std::string& dir) {
   std::filesystem::remove(probe, ec);
 }
 
-setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) {
+setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
+                  const setup_request& r) {
+  trainer_state& st = *sp;
   std::lock_guard lk(st.mu);
-  TROUPE_CHECK(!st.hybrid, ctx.name(), ": already set up");
+  TROUPE_CHECK(!st.hybrid && !st.grid, ctx.name(), ": already set up");
   st.cfg = models::parse_train_config(r.config, "the driver's job").value();
   const auto& plan = st.cfg.plan;
   node& n = ctx.node();
-  TROUPE_CHECK(plan.world_size() == n.world_size(),
+  st.n = &n;
+  st.elastic = st.cfg.elastic();
+  const int spares = st.elastic ? st.cfg.elastic_spares : 0;
+  TROUPE_CHECK(plan.world_size() + spares == n.world_size(),
                "parallel.dp x parallel.pp x parallel.tp = ", plan.dp, " x ", plan.pp, " x ",
-               plan.tp, " = ", plan.world_size(), " but the job has ", n.world_size(), " ranks");
+               plan.tp, " = ", plan.world_size(),
+               spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
+               " but the job has ", n.world_size(), " ranks");
   st.model = models::model_config_of(st.cfg);
   std::vector<collective::grid_axis> axes;
   for (const auto& a : plan.order) {
@@ -114,32 +303,38 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
     axes.push_back({a, d});
   }
   st.grid = std::make_unique<collective::rank_grid>(axes);
+  st.layout = elastic_layout::initial(plan.world_size(), n.world_size());
+  if (!r.positions.empty()) {
+    TROUPE_CHECK(static_cast<int>(r.positions.size()) == plan.world_size(), ctx.name(),
+                 ": the driver gave ", r.positions.size(), " grid positions for a plan of ",
+                 plan.world_size());
+    st.layout.positions = r.positions;
+  }
+  if (!st.cfg.elastic_chaos_kill.empty())
+    st.chaos = models::parse_chaos_kill(st.cfg.elastic_chaos_kill);
   const int me = n.rank();
-  auto comm = [&](const std::vector<std::string>& names, const char* label) {
-    st.comms.push_back(collective::make_communicator(n.transport(), st.grid->group(me, names),
-                                                     std::string("ucx:") + label));
-    st.comms.back()->set_timeout(std::chrono::milliseconds(
-        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
-    st.watches.push_back(ctx.watch(*st.comms.back()));
-    return st.comms.back().get();
-  };
-  mp::hybrid_groups g;
-  g.dp = comm({"dp"}, "dp");
-  g.pp = comm({"pp"}, "pp");
-  g.tp = comm({"tp"}, "tp");
-  g.mp = comm({"pp", "tp"}, "mp");
-  const int dpc = st.grid->coord(me, "dp"), ppc = st.grid->coord(me, "pp"),
-            tpc = st.grid->coord(me, "tp");
-  ctx.set_mesh("dp", dpc);
-  ctx.set_mesh("pp", ppc);
-  ctx.set_mesh("tp", tpc);
+  st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
+                                     st.cfg.seed)
+                .value();
+  if (st.elastic) {
+    watch_losses(n, sp);
+    ctx.set_metric("elastic.generation", 0);
+  }
+  const int position = st.layout.position_of(me);
+  if (position < 0) {
+    ctx.set_activity("spare: idle until a rank is lost");
+    ctx.set_metric("elastic.spare", 1);
+    return {fmt::format("rank {}: spare (holds no piece; takes the place of a lost rank)", me), -1};
+  }
+  bind_comms(ctx, st, position);
+  const mp::hybrid_groups g = groups_of(st);
+  const int dpc = st.grid->coord(position, "dp"), ppc = st.grid->coord(position, "pp"),
+            tpc = st.grid->coord(position, "tp");
+  set_mesh_of(ctx, st, position);
   ctx.set_activity("building its piece");
   if (me == 0 && !st.cfg.ckpt_dir.empty()) probe_folder(st.cfg.ckpt_dir);
   // The piece only: its weights come one whole parameter at a time (init, model.hf or resume).
   st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, st.cfg, g);
-  st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
-                                     st.cfg.seed)
-                .value();
   ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
   ctx.set_activity("ready");
   return {fmt::format("rank {}: dp {} pp {} tp {}, {}, {:.2f} M parameters{}", me, dpc, ppc, tpc,
@@ -150,15 +345,28 @@ setup_reply setup(role_context& ctx, trainer_state& st, const setup_request& r) 
           st.hybrid->steps_done()};
 }
 
+// A step's reply and its series for introspection.
+step_reply step_done(role_context& ctx, trainer_state& st, const models::step_result& res);
+
 step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": step before setup");
+  TROUPE_CHECK(r.generation == st.layout.generation, ctx.name(), ": asked for step ", r.step + 1,
+               " of generation ", r.generation, " but it is at generation ", st.layout.generation);
   TROUPE_CHECK(r.step == st.hybrid->steps_done(), ctx.name(), ": asked for step ", r.step,
                " but it has done ", st.hybrid->steps_done());
   TROUPE_CHECK(st.broken.empty(), ctx.name(), ": an earlier step failed: ", st.broken);
   ctx.set_activity(fmt::format("step {}", r.step + 1));
   models::step_result res;
   try {
+    maybe_chaos_kill(st, ctx.node(), r.step, "forward");
+    if (r.phase == 1) {
+      st.hybrid->prepare(st.data.rows);
+      ctx.set_activity(fmt::format("step {} prepared", r.step + 1));
+      step_reply out;
+      out.step = r.step + 1;
+      return out;
+    }
     res = st.hybrid->step(st.data.rows);
   } catch (const std::exception& e) {
     // Fail what this rank still has in flight; its peers learn of it through their own ops
@@ -168,6 +376,22 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
     ctx.set_activity("failed");
     throw;
   }
+  return step_done(ctx, st, res);
+}
+
+// Elastic: every rank prepared step r.step; its optimizer step (the commit point) runs here.
+step_reply commit_step(role_context& ctx, trainer_state& st, const commit_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": commit before setup");
+  TROUPE_CHECK(r.generation == st.layout.generation && r.step == st.hybrid->steps_done(),
+               ctx.name(), ": asked to commit step ", r.step + 1, " of generation ", r.generation,
+               " but it has done ", st.hybrid->steps_done(), " at generation ",
+               st.layout.generation);
+  maybe_chaos_kill(st, ctx.node(), r.step, "commit");
+  return step_done(ctx, st, st.hybrid->commit());
+}
+
+step_reply step_done(role_context& ctx, trainer_state& st, const models::step_result& res) {
   step_reply out;
   out.loss = res.loss;
   out.grad_norm = res.grad_norm;
@@ -237,19 +461,274 @@ save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
   return out;
 }
 
+status_reply status(role_context& ctx, trainer_state& st) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": status of a trainer that holds no piece");
+  const auto s = st.hybrid->state();
+  return {s.steps, s.optimizer_steps, st.layout.generation, st.own.steps, st.own.optimizer_steps};
+}
+
+std::unique_ptr<collective::communicator> pair_comm(node& n, const collective::rank_group& g,
+                                                    const trainer_state& st) {
+  auto c = collective::make_communicator(n.transport(), g, "ucx:buddy");
+  c->set_timeout(std::chrono::milliseconds(
+      static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+  return c;
+}
+
+replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": replicate without a piece");
+  TROUPE_CHECK(r.generation == st.layout.generation && r.step == st.hybrid->steps_done(),
+               ctx.name(), ": asked to replicate step ", r.step, " of generation ", r.generation,
+               " but it has done ", st.hybrid->steps_done(), " at generation ",
+               st.layout.generation);
+  const auto s = st.hybrid->state();
+  if (r.phase == 1) {  // every rank has its neighbour's copy in staging: keep both
+    keep(s.params, st.own.params);
+    keep(s.m, st.own.m);
+    keep(s.v, st.own.v);
+    st.own.steps = s.steps;
+    st.own.optimizer_steps = s.optimizer_steps;
+    std::swap(st.buddy, st.staging);
+    st.buddy.steps = r.step;
+    ctx.set_metric("elastic.replica_step", static_cast<double>(r.step));
+    return {};
+  }
+  node& n = ctx.node();
+  const int me = n.rank();
+  const int npos = static_cast<int>(st.layout.positions.size());
+  const int p = st.layout.position_of(me);
+  if (npos < 2) return {};
+  const int left_pos = (p + npos - 1) % npos;
+  const int right = st.layout.positions[static_cast<std::size_t>(buddy_holder(p, npos))];
+  const int left = st.layout.positions[static_cast<std::size_t>(left_pos)];
+  if (st.buddy_generation != st.layout.generation) {
+    st.buddy_out = pair_comm(n, buddy_group(p, me, right, st.layout.generation), st);
+    st.buddy_in = pair_comm(n, buddy_group(left_pos, left, me, st.layout.generation), st);
+    st.buddy_generation = st.layout.generation;
+  }
+  ctx.set_activity(fmt::format("replicating step {} to rank {}", r.step, right));
+  std::int64_t mine[3] = {s.params.numel(), s.m.numel(), s.v.numel()}, theirs[3] = {0, 0, 0};
+  auto ws = st.buddy_out->send(mine, 3, dtype::i64, 1);
+  auto wr = st.buddy_in->recv(theirs, 3, dtype::i64, 0);
+  ws.wait();
+  wr.wait();
+  owned_tensor* in[3] = {&st.staging.params, &st.staging.m, &st.staging.v};
+  const tensor* out[3] = {&s.params, &s.m, &s.v};
+  std::vector<collective::work> works;
+  std::int64_t bytes = 0;
+  for (int i = 0; i < 3; ++i) {
+    TROUPE_CHECK(theirs[i] >= 0 && theirs[i] < (std::int64_t{1} << 40), ctx.name(), ": rank ", left,
+                 " announced a piece of ", theirs[i], " elements");
+    if (!in[i]->view().defined() || in[i]->view().numel() != theirs[i]) *in[i] = empty({theirs[i]});
+    works.push_back(
+        st.buddy_out->send(out[i]->data(), static_cast<std::size_t>(mine[i]), dtype::f32, 1));
+    works.push_back(st.buddy_in->recv(in[i]->view().data(), static_cast<std::size_t>(theirs[i]),
+                                      dtype::f32, 0));
+    bytes += mine[i] * 4;
+  }
+  for (auto& w : works) w.wait();
+  st.staging.steps = r.step;
+  ctx.set_activity("idle");
+  return {bytes};
+}
+
+// Elastic recovery on one rank: survivors put the next generation's communicators under their
+// piece and take steps again; a promoted spare builds the lost rank's piece; the donor of each
+// replaced position sends the piece's parameters and AdamW moments to its spare over UCX.
+recover_reply recover(role_context& ctx, trainer_state& st, const recover_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": recovery of a trainer not set up elastic");
+  TROUPE_CHECK(r.generation == st.layout.generation + 1, ctx.name(), ": asked to recover into ",
+               "generation ", r.generation, " from generation ", st.layout.generation);
+  const auto t0 = std::chrono::steady_clock::now();
+  node& n = ctx.node();
+  const int me = n.rank();
+  {
+    std::lock_guard lk2(st.layout_mu);
+    st.layout.positions = r.positions;
+    st.layout.spares = r.spares;
+    st.layout.generation = r.generation;
+  }
+  ctx.set_metric("elastic.generation", r.generation);
+  const int position = st.layout.position_of(me);
+  TROUPE_CHECK(position >= 0, ctx.name(), ": asked to recover, but it holds no grid position");
+  ctx.set_activity(fmt::format("recovering (generation {})", r.generation));
+  std::string what;
+  bind_comms(ctx, st, position);
+  if (st.hybrid) {
+    st.hybrid->revive();
+    st.broken.clear();
+    what = "survivor";
+    if (st.hybrid->steps_done() != r.steps) {
+      // Buddy replicas: back to this rank's own snapshot of the last replicated step.
+      TROUPE_CHECK(st.own.steps == r.steps, ctx.name(), ": it has done ", st.hybrid->steps_done(),
+                   " steps and holds a snapshot of step ", st.own.steps,
+                   ", the job goes on from step ", r.steps);
+      const auto s = st.hybrid->state();
+      ops::copy(st.own.params.view(), s.params.reshape({s.params.numel()}));
+      ops::copy(st.own.m.view(), s.m.reshape({s.m.numel()}));
+      ops::copy(st.own.v.view(), s.v.reshape({s.v.numel()}));
+      st.hybrid->set_progress(st.own.steps, st.own.optimizer_steps);
+      what = fmt::format("survivor, back to its snapshot of step {}", r.steps);
+    }
+  } else {
+    set_mesh_of(ctx, st, position);
+    ctx.set_metric("elastic.spare", 0);
+    // Its weights come from the donor: the piece starts from the init (no checkpoint read).
+    auto cfg = st.cfg;
+    cfg.resume.clear();
+    cfg.model_hf.clear();
+    st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
+    ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
+    what = "promoted spare";
+  }
+  std::int64_t bytes = 0;
+  for (std::size_t k = 0; k < r.move_position.size(); ++k) {
+    const int donor = r.move_donor[k], spare = r.move_spare[k];
+    if (me != donor && me != spare) continue;
+    auto c = collective::make_communicator(
+        n.transport(), restore_group(r.move_position[k], donor, spare, r.generation),
+        "ucx:restore");
+    c->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    const auto s = st.hybrid->state();
+    const bool from_buddy = r.move_buddy.size() > k && r.move_buddy[k] != 0;
+    TROUPE_CHECK(s.whole_optimizer || from_buddy, ctx.name(),
+                 ": the piece's optimizer state is a ZeRO shard; a data-parallel replica restores ",
+                 "whole pieces (parallel.zero 0) only");
+    std::vector<tensor> parts = {s.params, s.m, s.v};
+    if (from_buddy && me == donor) {
+      TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ", spare,
+                   "'s position is of step ", st.buddy.steps, ", not ", r.steps);
+      parts = {st.buddy.params.view(), st.buddy.m.view(), st.buddy.v.view()};
+    }
+    for (const tensor* t : {&parts[0], &parts[1], &parts[2]}) {
+      TROUPE_CHECK(t->type() == dtype::f32 && t->is_contiguous(), ctx.name(),
+                   ": piece state must be contiguous f32");
+      const auto count = static_cast<std::size_t>(t->numel());
+      if (me == donor)
+        c->send(t->data(), count, dtype::f32, 1).wait();
+      else
+        c->recv(t->data(), count, dtype::f32, 0).wait();
+      bytes += t->numel() * 4;
+    }
+    if (me == spare) {
+      st.hybrid->set_progress(r.steps, r.optimizer_steps);
+      what = fmt::format("promoted spare, state from rank {}{}", donor,
+                         from_buddy ? "'s buddy replica" : "");
+    } else {
+      what = fmt::format("survivor, sent its state to rank {}", spare);
+    }
+  }
+  ctx.set_activity("idle");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {
+      fmt::format("rank {}: {} {}, {} at generation {} ({:.3f} s)", me,
+                  coordinates(*st.grid, position), st.hybrid->describe(), what, r.generation, secs),
+      bytes};
+}
+
+save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": nothing to save");
+  {
+    std::lock_guard lk2(st.layout_mu);
+    st.layout.generation = r.generation;
+  }
+  node& n = ctx.node();
+  const int position = st.layout.position_of(n.rank());
+  ctx.set_activity("saving the last committed step");
+  for (std::size_t i = 0; i < 4; ++i) {
+    auto g = elastic_group(*st.grid, st.layout, position, group_axes(i));
+    if (i == 0) g.ranks = {n.rank()};  // dp: the replica saves alone
+    auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
+    c->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    st.comms[i]->rebind(std::move(c), true);
+    st.watches[i] = ctx.watch(*st.comms[i]);
+  }
+  st.hybrid->revive();
+  st.broken.clear();
+  save_reply out;
+  out.written = st.hybrid->save(r.dir);
+  ctx.set_activity("idle");
+  return out;
+}
+
 }  // namespace
 
 void add_trainer_role(role_registry& roles) {
   roles.add("trainer", [](role_builder& b, role_context&) {
     auto st = std::make_shared<trainer_state>();
-    b.on<setup_request>([st](role_context& c, const setup_request& r) { return setup(c, *st, r); });
+    b.on<setup_request>([st](role_context& c, const setup_request& r) { return setup(c, st, r); });
     b.on<step_request>(
         [st](role_context& c, const step_request& r) { return run_step(c, *st, r); });
+    b.on<commit_request>(
+        [st](role_context& c, const commit_request& r) { return commit_step(c, *st, r); });
+    b.on<status_request>([st](role_context& c, const status_request&) { return status(c, *st); });
+    b.on<replicate_request>(
+        [st](role_context& c, const replicate_request& r) { return replicate(c, *st, r); });
+    b.on<salvage_request>(
+        [st](role_context& c, const salvage_request& r) { return salvage(c, *st, r); });
+    b.on<recover_request>(
+        [st](role_context& c, const recover_request& r) { return recover(c, *st, r); });
+    b.on_stop([st](role_context& c) {
+      if (st->membership_callback >= 0)
+        c.node().remove_membership_callback(st->membership_callback);
+      st->membership_callback = -1;
+    });
     b.on<save_request>([st](role_context& c, const save_request& r) { return save(c, *st, r); });
     b.on<memory_request>(
         [st](role_context& c, const memory_request&) { return memory_line(c, *st); });
   });
 }
+
+namespace {
+
+// The ranks of `layout` (positions and spares) that are not members in good standing any more,
+// waited for up to `bound` after a failed step: its error may reach the driver before the loss
+// that caused it does.
+std::vector<int> lost_ranks(node& n, const elastic_layout& layout,
+                            std::chrono::milliseconds bound) {
+  auto gone = [&] {
+    std::vector<int> out;
+    for (int r : layout.positions)
+      if (!n.lost_reason(r).empty()) out.push_back(r);
+    for (int r : layout.spares)
+      if (!n.lost_reason(r).empty()) out.push_back(r);
+    return out;
+  };
+  struct waiter {
+    std::mutex mu;
+    std::condition_variable cv;
+    int changes = 0;
+  };
+  auto w = std::make_shared<waiter>();
+  const int id = n.on_membership([w](const member_event&) {
+    std::lock_guard lk(w->mu);
+    ++w->changes;
+    w->cv.notify_all();
+  });
+  std::vector<int> out = gone();
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  while (out.empty()) {
+    std::unique_lock lk(w->mu);
+    const int seen = w->changes;
+    if (!w->cv.wait_until(lk, deadline, [&] { return w->changes != seen; })) {
+      lk.unlock();
+      out = gone();
+      break;
+    }
+    lk.unlock();
+    out = gone();
+  }
+  n.remove_membership_callback(id);
+  return out;
+}
+
+}  // namespace
 
 training_summary drive_training(node& n, const models::train_config& cfg, const drive_options& o) {
   cfg.validate();
@@ -257,14 +736,36 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   auto trainers = j.spawn_on_all("trainer");
   TROUPE_CHECK(static_cast<int>(trainers.size()) == n.world_size(), "drive_training: spawned ",
                trainers.size(), " trainers in a job of ", n.world_size(), " ranks");
+  const bool elastic = cfg.elastic();
+  const int positions = cfg.plan.world_size();
+  TROUPE_CHECK(positions + (elastic ? cfg.elastic_spares : 0) == n.world_size(),
+               "parallel.dp x parallel.pp x parallel.tp = ", positions,
+               elastic && cfg.elastic_spares > 0
+                   ? fmt::format(" plus elastic.spares {}", cfg.elastic_spares)
+                   : std::string(),
+               " but the job has ", n.world_size(), " ranks");
+  TROUPE_CHECK(!elastic || cfg.plan.zero == 0, "elastic.*: parallel.zero ", cfg.plan.zero,
+               ": elastic runs restore pieces with whole optimizer state only (parallel.zero 0); ",
+               "ZeRO 1 and 2 all-gather parameters in their commit, ZeRO 3 keeps its master ",
+               "weights in the shard");
+  elastic_layout layout = elastic_layout::initial(positions, n.world_size());
+  // The trainers holding the grid positions, in position order.
+  auto active = [&] {
+    std::vector<role_handle> out;
+    for (int r : layout.positions) out.push_back(trainers[static_cast<std::size_t>(r)]);
+    return out;
+  };
   training_summary sum;
-  auto lines = j.ask_all<setup_reply>(trainers, setup_request{models::to_toml(cfg)},
-                                      std::chrono::minutes(5));
+  auto lines = j.ask_all<setup_reply>(
+      trainers,
+      setup_request{models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}},
+      std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
   const std::int64_t resumed = lines.front().step;  // checkpoint.resume: the step to go on from
   for (auto& l : lines)
-    TROUPE_CHECK(l.step == resumed, "drive_training: the trainers resumed at different steps (",
-                 resumed, " and ", l.step, ")");
+    TROUPE_CHECK(l.step == resumed || l.step == -1,
+                 "drive_training: the trainers resumed at different steps (", resumed, " and ",
+                 l.step, ")");
   if (o.on_setup) o.on_setup(sum.ranks);
   // A stuck collective fails on the ranks that wait for it at its deadline, with the text that
   // names the ranks: the driver waits longer than that, so its own timeout does not come first.
@@ -272,12 +773,17 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   if (cfg.collective_timeout > 0)
     step_wait = std::max(step_wait, std::chrono::milliseconds(static_cast<std::int64_t>(
                                         cfg.collective_timeout * 2000.0 + 60000.0)));
-  // The launched run's policy on the one loop: a step is every trainer's step (the first rank's
-  // loss, the slowest rank's time, the largest bubble and wait), a save every trainer's part of it.
+  collective::rank_grid grid([&] {
+    std::vector<collective::grid_axis> axes;
+    for (const auto& a : cfg.plan.order)
+      axes.push_back({a, a == "dp"   ? cfg.plan.dp
+                         : a == "pp" ? cfg.plan.pp
+                         : a == "tp" ? cfg.plan.tp
+                                     : 1});
+    return axes;
+  }());
   step_report rep;  // the last step's
-  models::train_policy policy;
-  policy.step = [&](std::int64_t s) {
-    const auto replies = j.ask_all<step_reply>(trainers, step_request{s}, step_wait);
+  auto report_of = [&](const std::vector<step_reply>& replies) {
     rep = {};
     const auto& first = replies.front();
     rep.result.step = first.step;
@@ -292,8 +798,206 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     }
     return rep.result;
   };
+  auto say = [&](const std::string& line) {
+    if (o.on_recovery) o.on_recovery(line);
+  };
+  // Elastic recovery after step `step` (0-based) failed in `phase`: the lost ranks, the agreement
+  // on the last committed step (`committed` steps done: every survivor must hold it), a spare per
+  // lost position, its state from a surviving replica, the next generation's communicators.
+  // Throws, naming the lost rank, the step and the last committed step, when it cannot go on.
+  std::optional<std::chrono::steady_clock::time_point> failure_seen;
+  const int replicas = elastic ? cfg.elastic_replica_interval : 0;
+  std::int64_t replica_step = -1;  // the last step every rank's buddy replica holds
+  auto recover = [&](std::int64_t step, const char* phase, std::int64_t committed,
+                     const std::string& error) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!failure_seen) failure_seen = t0;
+    const auto lost = lost_ranks(n, layout, std::chrono::seconds(10));
+    std::vector<int> lost_positions;
+    for (int r : lost)
+      if (layout.position_of(r) >= 0) lost_positions.push_back(r);
+    if (lost_positions.empty()) throw troupe::error(error);  // a failure that is not a loss
+    std::string who;
+    for (int r : lost_positions)
+      who += fmt::format("{}rank {} ({}: {})", who.empty() ? "" : ", ", r,
+                         coordinates(grid, layout.position_of(r)), n.lost_reason(r));
+    // Agreement: every survivor holds the last committed step.
+    std::vector<role_handle> survivors;
+    for (int r : layout.positions)
+      if (std::find(lost.begin(), lost.end(), r) == lost.end())
+        survivors.push_back(trainers[static_cast<std::size_t>(r)]);
+    const auto status = j.ask_all<status_reply>(survivors, status_request{}, step_wait);
+    for (std::size_t i = 0; i < status.size(); ++i)
+      TROUPE_CHECK(status[i].steps == committed, "elastic: ", who, " lost in step ", step + 1, " (",
+                   phase, "); ", survivors[i].name, " holds step ", status[i].steps,
+                   " but the last committed step is ", committed);
+    auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
+    if (!plan) {
+      // No way on: save the last committed step when one whole data-parallel replica survived
+      // (ZeRO 0: it holds the whole state) and there is a checkpoint folder.
+      std::string saved = " (no checkpoint of it was written: ";
+      int replica = -1;
+      for (int d = 0; d < cfg.plan.dp && replica < 0 && cfg.plan.zero == 0; ++d) {
+        bool whole = true;
+        for (int p = 0; p < positions; ++p)
+          if (grid.coord(p, "dp") == d &&
+              std::find(lost.begin(), lost.end(), layout.positions[p]) != lost.end())
+            whole = false;
+        if (whole) replica = d;
+      }
+      if (cfg.ckpt_dir.empty())
+        saved += "no checkpoint.dir)";
+      else if (replica < 0)
+        saved += cfg.plan.zero != 0 ? "ZeRO shards the state)"
+                                    : "no whole data-parallel replica survived)";
+      if (!cfg.ckpt_dir.empty() && replica >= 0) {
+        std::vector<role_handle> savers;
+        for (int p = 0; p < positions; ++p)
+          if (grid.coord(p, "dp") == replica)
+            savers.push_back(trainers[static_cast<std::size_t>(layout.positions[p])]);
+        try {
+          std::string where;
+          for (auto& sv :
+               j.ask_all<save_reply>(savers, salvage_request{layout.generation + 1, cfg.ckpt_dir},
+                                     std::chrono::minutes(5)))
+            if (!sv.written.empty()) where = sv.written;
+          saved = fmt::format("; its checkpoint is in {}, saved by data-parallel replica {}", where,
+                              replica);
+          if (o.on_save) o.on_save(committed, where, std::nullopt);
+        } catch (const std::exception& e) {
+          saved += std::string("saving it failed: ") + e.what() + ")";
+        }
+      }
+      TROUPE_FAIL(plan.error_message(), "; lost in step ", step + 1, " (", phase,
+                  "); the last committed step is ", committed, saved);
+    }
+    recover_request req;
+    req.generation = plan->next.generation;
+    req.positions = plan->next.positions;
+    req.spares = plan->next.spares;
+    bool buddy = false;
+    for (const auto& m : plan->moves) {
+      req.move_position.push_back(m.position);
+      req.move_spare.push_back(m.spare);
+      req.move_donor.push_back(m.donor);
+      req.move_buddy.push_back(m.buddy ? 1 : 0);
+      buddy = buddy || m.buddy;
+    }
+    req.steps = committed;
+    req.optimizer_steps = status.front().optimizer_steps;
+    if (buddy && replica_step != committed) {
+      // A piece from a buddy replica is of the last replicated step: every rank goes back there
+      // (its own snapshot) and the steps since run again, with the batches they had.
+      TROUPE_CHECK(replica_step >= 0, "elastic: ", who, " lost in step ", step + 1, " (", phase,
+                   "): its piece is restored from a buddy replica, but none was made yet");
+      for (std::size_t i = 0; i < status.size(); ++i)
+        TROUPE_CHECK(status[i].replica_steps == replica_step, "elastic: ", survivors[i].name,
+                     " holds a snapshot of step ", status[i].replica_steps, ", not ", replica_step);
+      req.steps = replica_step;
+      req.optimizer_steps = status.front().replica_optimizer_steps;
+    }
+    layout = plan->next;
+    const auto replies = j.ask_all<recover_reply>(active(), req, step_wait);
+    std::int64_t bytes = 0;
+    for (const auto& r : replies) bytes = std::max(bytes, r.bytes);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++sum.recoveries;
+    for (const auto& m : plan->moves)
+      say(fmt::format(
+          "elastic: rank {} ({}) lost in step {} ({}: {}); rank {} took its place at generation "
+          "{} (membership epoch {}), its state from rank {} ({}, {:.2f} MB over UCX); going on "
+          "from step {}, {}; recovery took {:.2f} s",
+          m.lost, coordinates(grid, m.position), step + 1, phase, n.lost_reason(m.lost), m.spare,
+          layout.generation, n.epoch(), m.donor,
+          m.buddy ? fmt::format("its buddy replica of step {}", req.steps)
+                  : std::string("a data-parallel replica"),
+          bytes / 1e6, req.steps,
+          req.steps == committed ? std::string("the last committed")
+                                 : fmt::format("the last replicated (every rank went back from "
+                                               "step {}; the steps since run again)",
+                                               committed),
+          secs));
+    return req.steps;
+  };
+  // Buddy replicas after `done` steps: exchange, then keep (both on every rank, or a recovery).
+  // Returns the steps every rank holds afterwards.
+  std::function<std::int64_t(std::int64_t)> replicate = [&](std::int64_t done) -> std::int64_t {
+    for (std::int32_t phase = 0; phase < 2; ++phase) {
+      const auto gen = static_cast<std::int32_t>(layout.generation);
+      auto results =
+          j.try_ask_all<replicate_reply>(active(), replicate_request{done, gen, phase}, step_wait);
+      std::string failed;
+      for (auto& r : results)
+        if (!r && failed.empty()) failed = r.error_message();
+      if (phase == 1) replica_step = done;  // kept on every live rank (local)
+      if (!failed.empty()) {
+        const auto at = recover(
+            done - 1,
+            phase == 0 ? "replicating its state to the buddies" : "keeping the buddy replicas",
+            done, failed);
+        // The new spare holds no replica yet, nor its buddy its copy: replicate again.
+        return at == done ? replicate(done) : at;
+      }
+    }
+    return done;
+  };
+  // The launched run's policy on the one loop: a step is every trainer's step (the first rank's
+  // loss, the slowest rank's time, the largest bubble and wait), a save every trainer's part of it.
+  models::train_policy policy;
+  policy.step = [&](std::int64_t s) {
+    if (!elastic) return report_of(j.ask_all<step_reply>(active(), step_request{s}, step_wait));
+    // Elastic: two phases. No rank applies step s before every rank has prepared it, so a loss
+    // before the commit leaves every survivor at step s; the commit is local (zero 0 and 3), so a
+    // loss during it leaves every survivor at step s + 1.
+    // Buddy replicas may take every rank back to an earlier step: `at` is the steps done, the
+    // steps from there to s run again (their results were reported already).
+    std::int64_t at = s;
+    if (replicas > 0 && replica_step < 0) at = replicate(s);  // the first: the starting state
+    for (;;) {
+      const auto gen = static_cast<std::int32_t>(layout.generation);
+      try {
+        j.ask_all<step_reply>(active(), step_request{at, gen, 1}, step_wait);
+      } catch (const std::exception& e) {
+        at = recover(at, "forward, backward or the gradient collectives, before its commit", at,
+                     e.what());
+        // The spare holds no snapshot, nor its buddy a copy of it: replicate now.
+        if (replicas > 0) at = replicate(at);
+        continue;
+      }
+      auto results = j.try_ask_all<step_reply>(active(), commit_request{at, gen}, step_wait);
+      std::vector<step_reply> ok;
+      std::string failed;
+      for (auto& r : results) {
+        if (r)
+          ok.push_back(*r);
+        else if (failed.empty())
+          failed = r.error_message();
+      }
+      const std::int64_t ran = at;
+      std::int64_t done = at + 1;
+      if (!failed.empty()) {
+        if (ok.empty()) throw troupe::error(failed);
+        done = recover(at, "its commit", at + 1, failed);
+        if (replicas > 0) done = replicate(done);
+      } else if (replicas > 0 && done % replicas == 0) {
+        done = replicate(done);
+      }
+      at = done;
+      if (ran != s || done != s + 1) continue;  // a step run again, or taken back
+      auto result = report_of(ok);
+      if (failure_seen) {
+        say(fmt::format(
+            "elastic: step {} completed {:.2f} s after the failure was seen", s + 1,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - *failure_seen)
+                .count()));
+        failure_seen.reset();
+      }
+      return result;
+    }
+  };
   policy.save = [&](const std::string& folder) {
-    for (auto& sv : j.ask_all<save_reply>(trainers, save_request{folder}, std::chrono::minutes(5)))
+    for (auto& sv : j.ask_all<save_reply>(active(), save_request{folder}, std::chrono::minutes(5)))
       if (!sv.written.empty()) sum.checkpoint = sv.written;
   };
   policy.failed = [&](std::exception_ptr, const models::train_progress&) {
@@ -305,7 +1009,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   };
   hooks.on_save = o.on_save;
   sum.progress = models::run_train_loop(cfg, resumed, policy, hooks);
-  for (auto& m : j.ask_all<memory_reply>(trainers, memory_request{}, std::chrono::minutes(1)))
+  for (auto& m : j.ask_all<memory_reply>(active(), memory_request{}, std::chrono::minutes(1)))
     sum.memory.push_back(m.line);
   for (const auto& t : trainers) j.stop(t);
   return sum;

@@ -52,6 +52,7 @@ struct training_summary {
   // One line per rank at the end of the run: the most parameter bytes it held at once against the
   // whole model's, its peak host buffer bytes and its peak RSS (VmHWM).
   std::vector<std::string> memory;
+  int recoveries = 0;  // elastic: lost ranks replaced
 };
 
 struct drive_options {
@@ -61,6 +62,10 @@ struct drive_options {
   std::function<void(std::int64_t step, const std::string& folder,
                      std::optional<std::int64_t> held)>
       on_save;
+  // Elastic runs: one line per recovery (what was lost, in which step and phase, who took its
+  // place, where its state came from, how long it took) and one when the first step after it
+  // completes.
+  std::function<void(const std::string& line)> on_recovery;
   std::chrono::milliseconds step_timeout{600000};
 };
 
@@ -72,6 +77,19 @@ struct drive_options {
 // steps and at the end; rank 0 checks at setup that it can write there.
 // Throws an error naming the rank when a trainer fails: the first failure ends the wait for the
 // others (which may be blocked on the failed one) and the trainers are stopped.
+//
+// Elastic runs (cfg.elastic(): elastic.enabled or elastic.spares; docs/adr/0005): the job has
+// cfg.elastic_spares ranks beyond the plan's, whose trainers hold no piece. Each step runs in two
+// phases, prepare on every trainer (forward, backward, gradient collectives) then commit (the
+// optimizer step, the commit point; local for ZeRO 0), so a step is applied by every rank or by
+// none. When a rank holding a piece is lost, every survivor's communicators fail at once (the
+// trainers watch the membership), the driver asks the survivors which step they hold (they must
+// agree on the last committed one), gives the lost grid position to a spare at a new generation
+// (new communicators under the pieces, whose group ids carry the generation), has a surviving
+// data-parallel replica of the same piece send it the parameters and AdamW moments over UCX, and
+// runs the abandoned step again: the losses and weights are the fault-free run's, bit for bit.
+// Without a spare, or without a surviving replica (dp 1, ZeRO 1-3), it throws naming the lost
+// rank, the step and the last committed step.
 training_summary drive_training(node& n, const models::train_config& cfg,
                                 const drive_options& o = {});
 

@@ -18,6 +18,10 @@ command_fn add_launch_command(CLI::App& app) {
       "ARGS); every line they print is prefixed with [rank k]");
   sub->add_option("-n,--nprocs", o->nprocs, "Ranks to start on this host")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--spares", o->spares,
+                  "Ranks started beyond -n that idle until one takes a lost rank's place (an "
+                  "elastic troupe train); up to this many ranks may fail without failing the job")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--token", o->token, "Job token (default: 128 random bits)");
   sub->add_option("--token-file", o->token_file, "File whose first line is the job token");
   sub->add_option("--bind", o->bind,

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -137,6 +138,8 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
   actors::add_trainer_role(roles);
   actors::node_options o;
   o.roles = &roles;
+  // Survivors of an elastic run keep exchanging tensors after a local rank is lost.
+  o.survive_local_loss = cfg.elastic();
   actors::node n(o);
   int rc = 0;
   if (n.rank() == 0) {
@@ -158,6 +161,10 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
       wait += r.comm_wait;
     };
     d.on_save = print_saved;
+    d.on_recovery = [](const std::string& line) {
+      fmt::print("{}\n", line);
+      std::fflush(stdout);
+    };
     auto sum = actors::drive_training(n, cfg, d);
     const auto ran = static_cast<double>(sum.progress.ran);
     fmt::print(
@@ -177,7 +184,18 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
     }
     std::fflush(stdout);
   }
-  n.barrier("troupe train: done");
+  // Elastic: a lost rank fails the barrier for those waiting in it; the others wait again,
+  // for as long as the driver (rank 0) is there.
+  for (int attempt = 0;; ++attempt) {
+    try {
+      n.barrier("troupe train: done");
+      break;
+    } catch (const std::exception&) {
+      if (!cfg.elastic() || !n.lost_reason(0).empty() || !n.lost_reason(n.rank()).empty() ||
+          attempt >= n.world_size())
+        throw;
+    }
+  }
   n.shutdown();
   return rc;
 }
@@ -189,6 +207,17 @@ int run_train(train_cli& c) {
     if (opt->count() > 0) apply(cfg, c.flags);
   for (auto& [opt, apply] : c.plan_flags)
     if (opt->count() > 0) apply(cfg);
+  // `troupe launch --spares S` tells its ranks S; the job file or --spares may say it too (they
+  // must then agree with the ranks started: drive_training checks the world size).
+  if (const char* spares = std::getenv("TROUPE_SPARES");
+      spares != nullptr && cfg.elastic_spares == 0) {
+    char* end = nullptr;
+    const long v = std::strtol(spares, &end, 10);
+    TROUPE_CHECK(end != spares && *end == '\0' && v >= 0 && v <= 1024,
+                 "TROUPE_SPARES (set by troupe launch --spares) must be 0 to 1024, got '", spares,
+                 "'");
+    cfg.elastic_spares = static_cast<int>(v);
+  }
   cfg.validate();
   c.sample.seed = cfg.seed;
   if (c.threads > 0) parallel::set_num_threads(c.threads);
@@ -330,6 +359,23 @@ command_fn add_train_command(CLI::App& app) {
       *c, sub, "--collective-timeout",
       "Seconds a collective or transfer of a launched run may take before it fails naming the "
       "ranks it waits for (0: no deadline)");
+  bind<&train_config::elastic_enabled>(
+      *c, sub, "--elastic",
+      "A launched run survives the loss of a rank: each step commits at its optimizer step; "
+      "with spares a spare takes the lost rank's place, else the run ends naming the last "
+      "committed step");
+  bind<&train_config::elastic_spares>(
+      *c, sub, "--spares",
+      "Ranks started beyond the plan's that take lost ranks' places (troupe launch --spares S "
+      "gives its S)");
+  bind<&train_config::elastic_replica_interval>(
+      *c, sub, "--replica-interval",
+      "Elastic: every K steps each rank copies its piece state to its buddy rank, so pieces "
+      "without a data-parallel replica can be restored (0: none)");
+  bind<&train_config::elastic_chaos_kill>(
+      *c, sub, "--chaos-kill",
+      "Drill: RANK:STEP:PHASE - that rank's process SIGKILLs itself as step STEP reaches PHASE "
+      "(forward or commit)");
   auto plan_flag = [&](CLI::Option* opt, std::function<void(train_config&)> apply) {
     c->plan_flags.emplace_back(opt, std::move(apply));
   };

@@ -234,6 +234,15 @@ const std::map<std::string, setter>& setters() {
       {"memory.offload_optimizer", set(&train_config::mem_offload_optimizer)},
       {"memory.params_tier", set(&train_config::mem_params_tier)},
       {"memory.optimizer_tier", set(&train_config::mem_optimizer_tier)},
+      {"elastic.enabled",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value_exact<bool>();
+         if (!v) throw error(where + " must be true or false");
+         c.elastic_enabled = *v;
+       }},
+      {"elastic.spares", set(&train_config::elastic_spares)},
+      {"elastic.replica_interval", set(&train_config::elastic_replica_interval)},
+      {"elastic.chaos_kill", set(&train_config::elastic_chaos_kill)},
   };
   return s;
 }
@@ -320,6 +329,25 @@ std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
   return v << shift;
 }
 
+std::optional<chaos_kill> parse_chaos_kill(std::string_view text) {
+  const auto a = text.find(':');
+  const auto b = a == std::string_view::npos ? a : text.find(':', a + 1);
+  if (b == std::string_view::npos) return std::nullopt;
+  auto number = [](std::string_view t) -> std::optional<std::int64_t> {
+    if (t.empty() || t.size() > 12) return std::nullopt;
+    std::int64_t v = 0;
+    for (char ch : t) {
+      if (ch < '0' || ch > '9') return std::nullopt;
+      v = v * 10 + (ch - '0');
+    }
+    return v;
+  };
+  const auto rank = number(text.substr(0, a)), step = number(text.substr(a + 1, b - a - 1));
+  const std::string_view phase = text.substr(b + 1);
+  if (!rank || !step || *step < 1 || (phase != "forward" && phase != "commit")) return std::nullopt;
+  return chaos_kill{static_cast<int>(*rank), *step, std::string(phase)};
+}
+
 void train_config::validate() const {
   auto need = [](bool ok, const char* key, const std::string& what) {
     if (!ok) throw error(std::string(key) + " " + what);
@@ -345,6 +373,15 @@ void train_config::validate() const {
   need(collective_timeout >= 0 && collective_timeout <= 1e7, "parallel.collective_timeout",
        "must be seconds in [0, 1e7] (0: no deadline)");
   validate_memory(*this);
+  need(elastic_spares >= 0 && elastic_spares <= 1024, "elastic.spares (--spares)",
+       "must be in [0, 1024]");
+  need(elastic_replica_interval >= 0, "elastic.replica_interval (--replica-interval)",
+       "must be >= 0 (0: no buddy replicas)");
+  need(
+      elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
+      "elastic.chaos_kill (--chaos-kill)",
+      "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill + "'");
+  need(!elastic() || !tiers(), "elastic.*", "cannot be combined with memory.device (tiers)");
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;
   shape.seq = seq;
@@ -466,6 +503,11 @@ std::string to_toml(const train_config& c) {
   mem.insert("offload_optimizer", c.mem_offload_optimizer);
   mem.insert("params_tier", c.mem_params_tier);
   mem.insert("optimizer_tier", c.mem_optimizer_tier);
+  toml::table elastic;
+  elastic.insert("enabled", c.elastic_enabled);
+  elastic.insert("spares", c.elastic_spares);
+  elastic.insert("replica_interval", c.elastic_replica_interval);
+  elastic.insert("chaos_kill", c.elastic_chaos_kill);
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);
   par.insert("order", order);
@@ -477,6 +519,7 @@ std::string to_toml(const train_config& c) {
   doc.insert("checkpoint", ckpt);
   doc.insert("parallel", par);
   doc.insert("memory", mem);
+  doc.insert("elastic", elastic);
   std::ostringstream os;
   os << doc;
   return os.str();

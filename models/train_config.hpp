@@ -88,6 +88,24 @@ struct train_config {
   // Where offloaded chunks live: "host" or "nvme" ("": nvme when nvme_dir is given, else host).
   std::string mem_params_tier, mem_optimizer_tier;
   bool tiers() const { return mem_device > 0; }
+  // [elastic] (actors/training.hpp, a launched run): enabled (--elastic) makes the optimizer step
+  // the commit point of every step and turns the loss of a rank into a recovery instead of the
+  // job's end; spares (--spares; `troupe launch --spares S` passes its S): ranks started beyond
+  // the plan's, idle until one takes a lost rank's place (spares > 0 implies enabled);
+  // chaos_kill (--chaos-kill "RANK:STEP:PHASE", a drill): the process of rank RANK kills itself
+  // (SIGKILL) as step STEP (1-based) reaches PHASE: "forward" (before its forward pass) or
+  // "commit" (after every rank prepared the step, before its optimizer step); "": none.
+  // replica_interval (--replica-interval K): every K steps each rank sends its piece state to its
+  // buddy (the next grid position) and keeps a snapshot of its own, so a piece without a
+  // data-parallel replica (dp 1, a stage or shard of dp 1, ZeRO 1-3) is restored from the buddy
+  // and every rank goes back to that step; 0: no buddy replicas.
+  bool elastic_enabled = false;
+  int elastic_spares = 0;
+  int elastic_replica_interval = 0;
+  std::string elastic_chaos_kill;
+  bool elastic() const {
+    return elastic_enabled || elastic_spares > 0 || elastic_replica_interval > 0;
+  }
 
   // Checks ranges and combinations; the message names the key as "section.key".
   void validate() const;
@@ -103,6 +121,14 @@ expected<train_config> parse_train_config(std::string_view text, const std::stri
 // Every key as TOML: parse_train_config(to_toml(c)) == c (to hand a run's settings to other ranks
 // or store them next to a checkpoint).
 std::string to_toml(const train_config& c);
+
+// elastic.chaos_kill parsed: "3:5:forward" -> {3, 5, "forward"}; nullopt when malformed.
+struct chaos_kill {
+  int rank = -1;
+  std::int64_t step = 0;  // 1-based
+  std::string phase;      // "forward" or "commit"
+};
+std::optional<chaos_kill> parse_chaos_kill(std::string_view text);
 
 // "1048576", "64K", "64M", "2G", "1T" (powers of 1024, an optional trailing "B" or "iB") to
 // bytes; nullopt when it is not such a size.

@@ -230,3 +230,37 @@ TEST_CASE("The memory tiers take bf16 and data-parallel ZeRO ranks") {
   REQUIRE(zero3.has_value());
   CHECK(zero3->plan.world_size() == 2);
 }
+
+TEST_CASE("The [elastic] table: spares, buddy replicas and the drill, checked and sent whole") {
+  const train_config d;
+  CHECK(!d.elastic());
+  auto c = parse_train_config(
+      "[elastic]\nspares = 2\nreplica_interval = 5\nchaos_kill = \"3:7:commit\"\n", "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->elastic());
+  CHECK(c->elastic_spares == 2);
+  CHECK(c->elastic_replica_interval == 5);
+  CHECK(parse_train_config(to_toml(*c), "again").value() == *c);
+  auto kill = parse_chaos_kill(c->elastic_chaos_kill);
+  REQUIRE(kill.has_value());
+  CHECK(kill->rank == 3);
+  CHECK(kill->step == 7);
+  CHECK(kill->phase == "commit");
+  CHECK(parse_train_config("[elastic]\nenabled = true\n", "a").value().elastic());
+  for (const char* bad : {"3:7", "3:0:forward", "x:1:forward", "1:1:backward", ""}) {
+    INFO(bad);
+    CHECK(!parse_chaos_kill(bad).has_value());
+  }
+  auto wrong = parse_train_config("[elastic]\nchaos_kill = \"1:2:later\"\n", "job.toml");
+  REQUIRE(!wrong.has_value());
+  CHECK(wrong.error_message().find("job.toml: elastic.chaos_kill (--chaos-kill) must be "
+                                   "\"RANK:STEP:PHASE\"") != std::string::npos);
+  auto negative = parse_train_config("[elastic]\nspares = -1\n", "job.toml");
+  REQUIRE(!negative.has_value());
+  CHECK(negative.error_message().find("elastic.spares (--spares) must be in [0, 1024]") !=
+        std::string::npos);
+  auto tiers = parse_train_config("[elastic]\nspares = 1\n[memory]\ndevice = \"8M\"\n", "job.toml");
+  REQUIRE(!tiers.has_value());
+  CHECK(tiers.error_message().find("elastic.* cannot be combined with memory.device") !=
+        std::string::npos);
+}

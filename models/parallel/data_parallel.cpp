@@ -909,7 +909,14 @@ void dp_trainer::gather_full_parameters() {
 }
 
 step_result dp_trainer::step(const trainer::batch_source& data) {
+  prepare(data);
+  return commit();
+}
+
+void dp_trainer::prepare(const trainer::batch_source& data) {
+  TROUPE_CHECK(!prepared_, "dp_trainer: step ", step_ + 1, " is prepared already (commit it)");
   auto t0 = clock_type::now();
+  prepared_t0_ = t0;
   comm_wait_ = 0;
   early_ = 0;
   resident_peak_ = 0;
@@ -976,6 +983,18 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
     throw;
   }
   grads_dirty_ = false;  // every bucket was reduced and, when releasing, given back
+  prepared_ = true;
+  prepared_loss_ = loss;
+  prepared_norm_ = r.grad_norm;
+}
+
+step_result dp_trainer::commit() {
+  TROUPE_CHECK(prepared_, "dp_trainer: commit of step ", step_ + 1, " before it was prepared");
+  prepared_ = false;
+  const int zero = cfg_.plan.zero;
+  auto& mem = piece_.memory();
+  step_result r;
+  r.grad_norm = prepared_norm_;
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
   if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);
@@ -990,10 +1009,16 @@ step_result dp_trainer::step(const trainer::batch_source& data) {
   }
   ++step_;
   r.step = step_;
-  r.loss = loss;
+  r.loss = prepared_loss_;
   r.tokens = cfg_.batch * cfg_.seq * cfg_.grad_accum;
-  r.seconds = seconds_since(t0);
+  r.seconds = seconds_since(prepared_t0_);
   return r;
+}
+
+void dp_trainer::discard_prepared() {
+  if (!prepared_) return;
+  prepared_ = false;
+  grads_dirty_ = true;  // the next step zeroes the gradient buffer first
 }
 
 }  // namespace troupe::models::parallel

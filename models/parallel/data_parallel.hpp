@@ -68,6 +68,7 @@
 // shard-sized buffer of its own. Losses, norms, weights and moments stay the same, bit for bit.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -157,6 +158,15 @@ class dp_trainer {
   dp_trainer& operator=(const dp_trainer&) = delete;
 
   step_result step(const trainer::batch_source& data);
+  // step() in two phases, for a caller that commits a step only once every rank of the job has
+  // prepared it (actors/training.hpp, elastic runs: the optimizer step is the commit point).
+  // prepare runs forward, backward and every gradient collective and clips (it may throw: nothing
+  // is applied then); commit applies AdamW (zero 0 and 3: local, no collective) and returns the
+  // step's result; discard_prepared drops a prepared step (its gradients are zeroed next step).
+  void prepare(const trainer::batch_source& data);
+  step_result commit();
+  void discard_prepared();
+  bool prepared() const { return prepared_; }
   std::int64_t steps_done() const { return step_; }
   const std::vector<dp_bucket>& buckets() const { return buckets_; }
   // Elements of AdamW state (m or v) this rank holds: the whole buffer for zero 0, its shard else.
@@ -274,6 +284,9 @@ class dp_trainer {
   bool use_hook_ = false;          // zero 3: the piece reports block uses
   std::size_t resident_peak_ = 0;  // zero 0, 1, 2 with measure_resident
   std::int64_t step_ = 0;
+  bool prepared_ = false;  // prepare() ran; commit() applies it
+  double prepared_loss_ = 0, prepared_norm_ = 0;
+  std::chrono::steady_clock::time_point prepared_t0_;
   double comm_wait_ = 0;
   bool overlap_ = false;
   std::int64_t early_ = 0;

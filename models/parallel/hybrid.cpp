@@ -367,6 +367,37 @@ step_result hybrid_trainer::step(const trainer::batch_source& data) {
   return impl_->dp->step(data);
 }
 
+void hybrid_trainer::prepare(const trainer::batch_source& data) {
+  impl_->dp->prepare(data);
+}
+
+step_result hybrid_trainer::commit() {
+  return impl_->dp->commit();
+}
+
+void hybrid_trainer::discard_prepared() {
+  impl_->dp->discard_prepared();
+}
+
+hybrid_trainer::piece_state hybrid_trainer::state() const {
+  const auto opt = impl_->dp->optimizer_state();
+  return {.params = impl_->piece->memory().params(),
+          .m = opt.m,
+          .v = opt.v,
+          .steps = impl_->dp->steps_done(),
+          .optimizer_steps = opt.steps,
+          .whole_optimizer = opt.whole};
+}
+
+void hybrid_trainer::set_progress(std::int64_t steps_done, std::int64_t optimizer_steps) {
+  impl_->dp->set_progress(steps_done, optimizer_steps);
+}
+
+void hybrid_trainer::revive() {
+  impl_->dp->discard_prepared();
+  if (impl_->runner != nullptr) impl_->runner->revive();
+}
+
 std::int64_t hybrid_trainer::steps_done() const {
   return impl_->dp->steps_done();
 }

@@ -58,6 +58,26 @@ class hybrid_trainer {
   step_result step(const trainer::batch_source& data);
   std::int64_t steps_done() const;
 
+  // Elastic runs (actors/training.hpp): step() in two phases, committed only once every rank of
+  // the job prepared the step (dp_trainer::prepare / commit; zero 0 and 3 commit without a
+  // collective, zero 1 and 2 all-gather the parameters in commit).
+  void prepare(const trainer::batch_source& data);
+  step_result commit();
+  void discard_prepared();
+  // This rank's piece state as views of its own buffers (writing them changes the state): the flat
+  // f32 parameters (bf16: the master weights), AdamW's m and v (zero 0: of the whole piece, else
+  // this rank's shard), and the counts. set_progress sets the counts (a restored piece).
+  struct piece_state {
+    tensor params, m, v;
+    std::int64_t steps = 0, optimizer_steps = 0;
+    bool whole_optimizer = false;  // m and v cover every parameter of the piece (zero 0)
+  };
+  piece_state state() const;
+  void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
+  // After a failed step whose communicators the caller replaced with new ones (new group ids): the
+  // pipeline stage takes steps again (pipeline_runner::revive) and a prepared step is dropped.
+  void revive();
+
   // Collective over every rank of the job: writes `folder` atomically from the rank that is rank
   // 0 of its dp and mp groups, and returns it there ("" elsewhere). The writer streams the files
   // into `<folder>.partial` and puts it in place at the end (hf::stage_folder, publish_folder).

@@ -130,6 +130,11 @@ class pipeline_runner final : public grad_producer {
   }
 
   pipeline_stage& stage() { return stage_; }
+  // After a step that gave up its transfers: the caller has made the pp communicator (and every
+  // other one this stage uses) new, with a new group id, so no message of the old ones can reach
+  // it (actors/training.hpp, elastic recovery through a rebindable communicator). The runner takes
+  // steps again; the old transfer buffers stay where abandon() put them.
+  void revive() { broken_.clear(); }
   // This stage's actions for a step of `microbatches` (checked as the constructor does).
   const std::vector<scheduler::action>& schedule(int microbatches);
 

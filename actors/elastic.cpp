@@ -1,0 +1,124 @@
+// Elastic training's bookkeeping (see elastic.hpp).
+#include "actors/elastic.hpp"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+
+namespace troupe::actors {
+
+elastic_layout elastic_layout::initial(int positions, int world) {
+  TROUPE_CHECK(positions > 0 && world >= positions, "elastic: ", positions,
+               " grid positions do not fit a job of ", world, " ranks");
+  elastic_layout l;
+  for (int r = 0; r < positions; ++r) l.positions.push_back(r);
+  for (int r = positions; r < world; ++r) l.spares.push_back(r);
+  return l;
+}
+
+int elastic_layout::position_of(int rank) const {
+  auto it = std::find(positions.begin(), positions.end(), rank);
+  return it == positions.end() ? -1 : static_cast<int>(it - positions.begin());
+}
+
+std::string coordinates(const collective::rank_grid& grid, int position) {
+  return fmt::format("dp {} pp {} tp {}", grid.coord(position, "dp"), grid.coord(position, "pp"),
+                     grid.coord(position, "tp"));
+}
+
+int buddy_holder(int position, int positions) {
+  return (position + 1) % positions;
+}
+
+expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
+                                      const std::vector<int>& lost, int zero, bool buddies) {
+  using result = expected<recovery_plan>;
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+  recovery_plan p;
+  p.next = now;
+  p.next.generation = now.generation + 1;
+  if (p.next.generation > 255)
+    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
+  std::erase_if(p.next.spares, is_lost);
+  for (int pos = 0; pos < static_cast<int>(now.positions.size()); ++pos) {
+    const int r = now.positions[pos];
+    if (!is_lost(r)) continue;
+    const std::string who = fmt::format("rank {} ({})", r, coordinates(grid, pos));
+    if (p.next.spares.empty())
+      return result::failure(fmt::format("elastic: {} was lost and no spare rank is left", who));
+    // A survivor with the same piece: the other dp replicas of this position.
+    int donor = -1;
+    if (zero == 0) {
+      for (int q = 0; q < static_cast<int>(now.positions.size()) && donor < 0; ++q)
+        if (q != pos && grid.coord(q, "pp") == grid.coord(pos, "pp") &&
+            grid.coord(q, "tp") == grid.coord(pos, "tp") && !is_lost(now.positions[q]))
+          donor = now.positions[q];
+    }
+    bool from_buddy = false;
+    const int npos = static_cast<int>(now.positions.size());
+    if (donor < 0 && buddies && npos > 1) {
+      const int holder = now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))];
+      if (!is_lost(holder)) {
+        donor = holder;
+        from_buddy = true;
+      }
+    }
+    if (donor < 0 && buddies)
+      return result::failure(fmt::format(
+          "elastic: {} was lost and no survivor holds its piece: no data-parallel replica{}, and "
+          "rank {}, which holds its buddy replica, was lost too",
+          who, zero != 0 ? fmt::format(" (parallel.zero {} shards its state)", zero) : "",
+          now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))]));
+    if (donor < 0)
+      return result::failure(fmt::format(
+          "elastic: {} was lost and no survivor holds its piece ({}): restoring it needs a "
+          "data-parallel replica with ZeRO 0, or buddy replicas (elastic.replica_interval)",
+          who,
+          zero != 0 ? fmt::format("parallel.zero {} shards its state", zero)
+                    : std::string("every data-parallel replica of it is lost, or dp is 1")));
+    replacement m;
+    m.position = pos;
+    m.lost = r;
+    m.spare = p.next.spares.front();
+    m.donor = donor;
+    m.buddy = from_buddy;
+    p.next.spares.erase(p.next.spares.begin());
+    p.next.positions[pos] = m.spare;
+    p.moves.push_back(m);
+  }
+  return p;
+}
+
+std::uint32_t group_id_of(std::uint32_t base, int generation) {
+  TROUPE_CHECK(base < (1u << 24) && generation >= 0 && generation < 256, "elastic: group id ", base,
+               " of generation ", generation, " does not fit 32 bits");
+  return base | (static_cast<std::uint32_t>(generation) << 24);
+}
+
+collective::rank_group restore_group(int position, int donor, int spare, int generation) {
+  collective::rank_group g;
+  // The grid's ids hold an axis mask below bit 23 (at most 3 axes: bits 20-22); bit 23 marks
+  // restore groups, the low bits the position.
+  g.id = group_id_of((1u << 23) | static_cast<std::uint32_t>(position), generation);
+  g.ranks = {donor, spare};
+  return g;
+}
+
+collective::rank_group buddy_group(int from, int sender, int receiver, int generation) {
+  collective::rank_group g;
+  // Bit 23 with bit 21: buddy groups (restore groups have bit 21 clear: positions < 2^20).
+  g.id = group_id_of((1u << 23) | (1u << 21) | static_cast<std::uint32_t>(from), generation);
+  g.ranks = {sender, receiver};
+  return g;
+}
+
+collective::rank_group elastic_group(const collective::rank_grid& grid,
+                                     const elastic_layout& layout, int position,
+                                     const std::vector<std::string>& axes) {
+  auto g = grid.group(position, axes);
+  for (auto& r : g.ranks) r = layout.positions.at(static_cast<std::size_t>(r));
+  g.id = group_id_of(g.id, layout.generation);
+  return g;
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,149 @@
+// Elastic bookkeeping (elastic.hpp) and the rebindable communicator (rebindable_communicator.hpp):
+// which spare fills which lost position and who sends it the state, the group ids of each
+// generation, and a communicator put under a piece after its old one was aborted.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "actors/elastic.hpp"
+#include "actors/rebindable_communicator.hpp"
+#include "collective/local/local_transport.hpp"
+
+using namespace troupe;
+using namespace troupe::actors;
+
+namespace {
+
+collective::rank_grid dp_pp(int dp, int pp) {
+  return collective::rank_grid({{"dp", dp}, {"pp", pp}, {"tp", 1}});
+}
+
+}  // namespace
+
+TEST_CASE("A lost position gets the lowest spare and a replica of its piece as donor",
+          "[elastic]") {
+  const auto grid = dp_pp(2, 2);  // positions: 0 (dp0 pp0), 1 (dp0 pp1), 2 (dp1 pp0), 3 (dp1 pp1)
+  const auto now = elastic_layout::initial(4, 6);
+  REQUIRE(now.spares == std::vector<int>{4, 5});
+  auto p = plan_recovery(grid, now, {3}, 0);
+  REQUIRE(p);
+  REQUIRE(p->moves.size() == 1);
+  CHECK(p->moves[0].position == 3);
+  CHECK(p->moves[0].lost == 3);
+  CHECK(p->moves[0].spare == 4);
+  CHECK(p->moves[0].donor == 1);  // dp 0 pp 1: the same stage
+  CHECK(p->next.positions == std::vector<int>{0, 1, 2, 4});
+  CHECK(p->next.spares == std::vector<int>{5});
+  CHECK(p->next.generation == 1);
+  CHECK(p->next.position_of(4) == 3);
+  CHECK(p->next.position_of(3) == -1);
+
+  // Next generation: the promoted spare and a lost spare at once.
+  auto q = plan_recovery(grid, p->next, {0, 5}, 0);
+  REQUIRE(!q);
+  CHECK(q.error_message().find("rank 0 (dp 0 pp 0 tp 0) was lost and no spare rank is left") !=
+        std::string::npos);
+}
+
+TEST_CASE("A piece without a surviving replica cannot be restored, naming why", "[elastic]") {
+  const auto grid = dp_pp(2, 2);
+  const auto now = elastic_layout::initial(4, 6);
+  auto both = plan_recovery(grid, now, {1, 3}, 0);  // both replicas of stage 1
+  REQUIRE(!both);
+  CHECK(both.error_message().find(
+            "rank 1 (dp 0 pp 1 tp 0) was lost and no survivor holds its "
+            "piece (every data-parallel replica of it is lost, or dp is 1)") != std::string::npos);
+  auto zero = plan_recovery(grid, now, {2}, 1);
+  REQUIRE(!zero);
+  CHECK(zero.error_message().find("parallel.zero 1 shards its state") != std::string::npos);
+  // Two lost positions of different stages, each with a replica left: two spares, two donors.
+  auto two = plan_recovery(grid, now, {0, 3}, 0);
+  REQUIRE(two);
+  REQUIRE(two->moves.size() == 2);
+  CHECK(two->moves[0].spare == 4);
+  CHECK(two->moves[0].donor == 2);
+  CHECK(two->moves[1].spare == 5);
+  CHECK(two->moves[1].donor == 1);
+}
+
+TEST_CASE("Without a replica a lost position takes its state from its buddy", "[elastic]") {
+  const auto grid = dp_pp(1, 3);  // positions 0, 1, 2: stages; position p + 1 holds p's buddy copy
+  const auto now = elastic_layout::initial(3, 4);
+  CHECK(buddy_holder(2, 3) == 0);
+  auto p = plan_recovery(grid, now, {1}, 0, true);
+  REQUIRE(p);
+  CHECK(p->moves[0].donor == 2);
+  CHECK(p->moves[0].buddy);
+  CHECK(p->moves[0].spare == 3);
+  // A data-parallel replica comes first.
+  auto dp = plan_recovery(dp_pp(2, 1), elastic_layout::initial(2, 3), {1}, 0, true);
+  REQUIRE(dp);
+  CHECK(dp->moves[0].donor == 0);
+  CHECK(!dp->moves[0].buddy);
+  // The piece and its buddy holder both lost.
+  auto both = plan_recovery(grid, elastic_layout::initial(3, 5), {1, 2}, 0, true);
+  REQUIRE(!both);
+  CHECK(both.error_message().find("rank 2, which holds its buddy replica, was lost too") !=
+        std::string::npos);
+  // Without buddies, no way.
+  CHECK(!plan_recovery(grid, now, {1}, 0, false));
+}
+
+TEST_CASE("Group ids differ between generations and from restore groups", "[elastic]") {
+  const auto grid = dp_pp(2, 2);
+  auto layout = elastic_layout::initial(4, 5);
+  std::set<std::uint32_t> ids;
+  for (int gen = 0; gen < 3; ++gen) {
+    layout.generation = gen;
+    for (int pos = 0; pos < 4; ++pos)
+      for (const auto& axes : std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"pp", "tp"}}) {
+        const auto g = elastic_group(grid, layout, pos, axes);
+        // Members of one group agree on its id: count each group once.
+        if (g.ranks.front() == layout.positions[static_cast<std::size_t>(pos)]) ids.insert(g.id);
+        CHECK((g.id >> 24) == static_cast<std::uint32_t>(gen));
+      }
+    ids.insert(restore_group(3, 1, 4, gen).id);
+    ids.insert(buddy_group(3, 4, 0, gen).id);
+  }
+  // Per generation: 2 dp groups, 2 pp groups, 2 mp groups, 1 restore group, 1 buddy group.
+  CHECK(ids.size() == 3 * 8);
+  // Generation 0 keeps the grid's own ids (a run without losses talks as before).
+  layout.generation = 0;
+  CHECK(elastic_group(grid, layout, 1, {"dp"}).id == grid.group(1, {"dp"}).id);
+  // A replaced position maps its group to the spare's rank.
+  layout.positions = {0, 1, 2, 4};
+  CHECK(elastic_group(grid, layout, 1, {"dp"}).ranks == std::vector<int>{1, 4});
+  CHECK_THROWS(group_id_of(1, 256));
+}
+
+TEST_CASE("A rebindable communicator goes on over a new communicator after an abort", "[elastic]") {
+  auto old_world = std::make_shared<collective::local_world>(2);
+  auto olds = collective::make_local_group(old_world, 1);
+  std::vector<std::unique_ptr<rebindable_communicator>> comms;
+  for (auto& c : olds) comms.push_back(std::make_unique<rebindable_communicator>(std::move(c)));
+  // A loss elsewhere: both abort, and ops fail at once, naming it.
+  for (auto& c : comms) c->abort("rank 7 was lost");
+  float x = 1;
+  CHECK_THROWS_WITH(comms[0]->allreduce(&x, 1, dtype::f32).wait(),
+                    Catch::Contains("rank 7 was lost"));
+  // The next generation's communicators under the same objects: allreduce works again.
+  auto new_world = std::make_shared<collective::local_world>(2);
+  auto news = collective::make_local_group(new_world, 2);
+  for (std::size_t i = 0; i < 2; ++i) comms[i]->rebind(std::move(news[i]));
+  float v[2] = {1, 2};
+  std::thread t([&] { comms[1]->allreduce(&v[1], 1, dtype::f32).wait(); });
+  comms[0]->allreduce(&v[0], 1, dtype::f32).wait();
+  t.join();
+  CHECK(v[0] == 3);
+  CHECK(v[1] == 3);
+  // Another shape is refused unless asked for.
+  auto three = collective::make_local_group(3);
+  CHECK_THROWS_WITH(comms[0]->rebind(std::move(three[0])), Catch::Contains("was rank 0 of 2"));
+  auto one = collective::make_local_group(1);
+  comms[0]->rebind(std::move(one[0]), true);
+  CHECK(comms[0]->size() == 1);
+}
