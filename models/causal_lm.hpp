@@ -37,6 +37,13 @@ class causal_lm {
     (void)f;
     return false;
   }
+  // Packed rows for the forwards that follow (trunk::set_packing: segments and positions i32
+  // [B, T]; undefined: one sequence per row). False when the model cannot take them.
+  virtual bool set_packing(const tensor& segments, const tensor& positions) {
+    (void)segments;
+    (void)positions;
+    return false;
+  }
   virtual tensor logits() const = 0;   // [B*T, V] of the last forward
   virtual layer_memory& memory() = 0;  // flat params / grads
   virtual const slot_list& slots() const = 0;
@@ -75,6 +82,14 @@ class causal_lm_of final : public causal_lm {
   bool set_block_use_hook(block_use_hook f) override {
     if constexpr (requires { m_.on_block_use = std::move(f); }) {
       m_.on_block_use = std::move(f);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_packing(const tensor& segments, const tensor& positions) override {
+    if constexpr (requires { m_.set_packing(segments, positions); }) {
+      m_.set_packing(segments, positions);
       return true;
     } else {
       return false;
