@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "models/block_use.hpp"
 #include "models/hf/config.hpp"
@@ -42,6 +43,12 @@ class causal_lm {
   virtual bool set_packing(const tensor& segments, const tensor& positions) {
     (void)segments;
     (void)positions;
+    return false;
+  }
+  // Per-sequence weights of the backwards that follow (trunk::set_sequence_weights; empty: the
+  // mean loss). False when the model cannot take them.
+  virtual bool set_sequence_weights(std::vector<double> w) {
+    (void)w;
     return false;
   }
   virtual tensor logits() const = 0;   // [B*T, V] of the last forward
@@ -90,6 +97,14 @@ class causal_lm_of final : public causal_lm {
   bool set_packing(const tensor& segments, const tensor& positions) override {
     if constexpr (requires { m_.set_packing(segments, positions); }) {
       m_.set_packing(segments, positions);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_sequence_weights(std::vector<double> w) override {
+    if constexpr (requires { m_.set_sequence_weights(std::move(w)); }) {
+      m_.set_sequence_weights(std::move(w));
       return true;
     } else {
       return false;

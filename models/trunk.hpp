@@ -105,6 +105,10 @@ class trunk {
   // its segment; positions restart per sequence (GPT-2's learned positions; RoPE needs none,
   // attention.hpp). Undefined tensors: one sequence per row again.
   void set_packing(const tensor& segments, const tensor& positions);
+  // Weights of the sequences of the batch for the backwards that follow (empty: the mean loss):
+  // backward then gives the gradient of loss_scale * sum_b w_b * (the summed losses of row b)
+  // (cross_entropy_loss::sequence_weights; preference training).
+  void set_sequence_weights(std::vector<double> w) { ends_.loss.sequence_weights = std::move(w); }
   // Logits of the last forward, [B*T, V] (overwritten by backward).
   tensor logits() const { return ends_.logits_cur; }
   // Accumulates d(loss_scale * loss)/d(params) into the gradients; once per forward. With

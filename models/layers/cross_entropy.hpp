@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
@@ -27,6 +28,11 @@ struct cross_entropy_loss {
   tensor logits, targets;  // views of the caller's tensors
   tensor losses;           // per position [rows] (planned; a forward uses a prefix)
   std::int64_t count = 0;  // positions not ignored in the last forward
+  // Per-sequence weights for backward (empty: the mean). With w (one per sequence; the rows are
+  // w.size() sequences of equal length, in order) backward writes the gradient of dloss * sum_b
+  // w_b * (the summed losses of sequence b's rows): preference training, where w_b = -d loss /
+  // d logp_b (models/post/dpo_step.hpp).
+  std::vector<double> sequence_weights;
 
   cross_entropy_loss() = default;
   explicit cross_entropy_loss(const config& c) : cfg(c) {}
