@@ -38,7 +38,7 @@ int run_sft(const sft_cli& c) {
              c.data, rows->conversations, rows->rows(), rows->seq,
              c.pack ? "packed" : "one per row", rows->trained_targets);
   auto json = open_post_json(c.json_path);
-  const auto micro = models::sft_micro_batch(rows, c.batch);
+  const auto micro = models::sft_micro_batch(rows, c.batch, c.grad_accum);
   models::train_hooks hooks;
   hooks.on_step = [&](const models::step_result& r) {
     if (json)
