@@ -22,7 +22,7 @@ struct dpo_cli : post_cli {
 
 int run_dpo(const dpo_cli& c) {
   // A micro-batch of --batch pairs is 2 x --batch rows.
-  post_setup s = prepare_post(c, "dpo", 2 * c.batch);
+  post_setup s = prepare_post(c, "dpo", 2);
   auto type = models::parse_dpo_loss_type(c.loss);
   if (!type) throw error("--loss: " + type.error_message());
   const models::dpo_options opt{
@@ -31,24 +31,23 @@ int run_dpo(const dpo_cli& c) {
   TROUPE_CHECK(c.label_smoothing >= 0 && c.label_smoothing < 0.5,
                "--label-smoothing must be in [0, 0.5), got ", c.label_smoothing);
   const models::preference_options po{.format = s.format,
-                                      .seq = c.seq,
+                                      .seq = s.cfg.seq,
                                       .truncate = c.truncate,
                                       .pad_id = s.tok->eos_id() >= 0 ? s.tok->eos_id() : 0};
   auto rows = std::make_shared<const models::preference_rows>(
       models::read_preference_jsonl(c.data, *s.tok, s.specials, po).value());
-  auto policy = make_post_model(s, c);
+  auto policy = make_post_model(s);
   auto reference = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq});
   ops::copy(policy->memory().params(), reference->memory().params());  // frozen: never stepped
   models::trainer tr(*policy, s.cfg);
-  fmt::print("troupe dpo: {} ({:.2f} M parameters), loss {} beta {} label smoothing {}\n",
-             c.model_hf.empty() ? c.model : c.model_hf,
+  fmt::print("troupe dpo: {} ({:.2f} M parameters), loss {} beta {} label smoothing {}\n", s.label,
              static_cast<double>(policy->slots().param_count()) / 1e6, c.loss, c.beta,
              c.label_smoothing);
   fmt::print("data: {}: {} pairs, {} per micro-batch; the reference is the starting weights\n",
-             c.data, rows->pairs(), c.batch);
+             c.data, rows->pairs(), s.per_batch);
   auto json = open_post_json(c.json_path);
   models::dpo_result last;
-  const auto micro = models::dpo_micro_batch(rows, *reference, c.batch, opt,
+  const auto micro = models::dpo_micro_batch(rows, *reference, s.per_batch, opt,
                                              [&](const models::dpo_result& r) { last = r; });
   models::train_hooks hooks;
   hooks.on_step = [&](const models::step_result& r) {
@@ -59,11 +58,11 @@ int run_dpo(const dpo_cli& c) {
                  "\"rewards/margins\": {}}}\n",
                  r.step, r.loss, r.grad_norm, r.lr, last.rewards_chosen, last.rewards_rejected,
                  last.accuracy, last.margin);
-    if (r.step % c.log_every == 0 || r.step == c.steps || r.step == 1)
+    if (r.step % s.cfg.log_every == 0 || r.step == s.cfg.steps || r.step == 1)
       fmt::print(
           "step {:5d}/{}  loss {:.4f}  rewards/chosen {:.3f}  rewards/rejected {:.3f}  "
           "accuracy {:.2f}  margin {:.3f}  grad norm {:.3f}\n",
-          r.step, c.steps, r.loss, last.rewards_chosen, last.rewards_rejected, last.accuracy,
+          r.step, s.cfg.steps, r.loss, last.rewards_chosen, last.rewards_rejected, last.accuracy,
           last.margin, r.grad_norm);
     std::fflush(stdout);
   };
@@ -73,8 +72,9 @@ int run_dpo(const dpo_cli& c) {
   const auto run =
       models::run_train_loop(s.cfg, 0, models::trainer_policy(tr, s.mcfg, micro), hooks);
   fmt::print("{}\n", models::trained_line(run));
-  if (!c.ckpt_dir.empty())
-    fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", c.ckpt_dir, c.ckpt_dir);
+  if (!s.cfg.ckpt_dir.empty())
+    fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", s.cfg.ckpt_dir,
+               s.cfg.ckpt_dir);
   return 0;
 }
 

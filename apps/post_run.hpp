@@ -6,6 +6,10 @@
 // vocabulary, as HF's add_special_tokens numbers them; the model's vocabulary must hold them (a
 // named size is built so; an HF folder whose vocabulary is too small is refused naming it).
 // Both commands run in one process; under troupe launch they refuse by name.
+//
+// Job files: --config takes the TOML of troupe train (models/train_config.hpp: [model], [train],
+// [optim], [checkpoint]); the flags given override it. The data, template, tokenizer and the
+// losses' settings are flags. For troupe dpo, train.batch counts pairs (rows are twice that).
 #pragma once
 
 #include <fmt/core.h>
@@ -14,8 +18,11 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "actors/bootstrap.hpp"
 #include "models/causal_lm.hpp"
@@ -40,37 +47,62 @@ struct post_cli {
   std::uint64_t seed = 1337;
   bool truncate = false;
   int threads = 0;
+  std::string config_file;
+  // The training flags given on the command line, applied over --config's file.
+  std::vector<std::pair<CLI::Option*, std::function<void(models::train_config&)>>> overrides;
 };
 
 inline void add_post_flags(CLI::App* sub, post_cli& c, const std::string& batch_help) {
+  using models::train_config;
+  sub->add_option("--config", c.config_file, "TOML job file of troupe train (flags override it)")
+      ->check(CLI::ExistingFile);
   sub->add_option("--data", c.data, "JSONL file")->required()->check(CLI::ExistingFile);
   sub->add_option("--template", c.chat_template, "Chat template: llama3 or chatml")
       ->capture_default_str();
-  sub->add_option("--model", c.model, "Named size built from scratch (gpt2-demo, llama-tiny, ...)")
-      ->capture_default_str();
-  sub->add_option("--model-hf", c.model_hf, "HF model folder to start from");
   sub->add_option("--tokenizer", c.tokenizer, "byte, gpt2:DIR or spm:FILE")->capture_default_str();
-  sub->add_option("--steps", c.steps, "Optimizer steps")->capture_default_str();
-  sub->add_option("--batch,-B", c.batch, batch_help)->capture_default_str();
-  sub->add_option("--seq,-T", c.seq, "Tokens per row")->capture_default_str();
-  sub->add_option("--grad-accum", c.grad_accum, "Micro-batches per step")->capture_default_str();
-  sub->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
-  sub->add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine")
-      ->capture_default_str();
-  sub->add_option("--warmup", c.warmup, "Warmup steps")->capture_default_str();
-  sub->add_option("--weight-decay", c.weight_decay, "AdamW weight decay")->capture_default_str();
-  sub->add_option("--clip", c.clip, "Gradient-norm clip (0: off)")->capture_default_str();
-  sub->add_option("--seed", c.seed, "Seed of the weights")->capture_default_str();
   sub->add_flag("--truncate", c.truncate,
                 "Keep the first --seq tokens of a longer example instead of refusing it");
-  sub->add_option("--checkpoint-dir", c.ckpt_dir, "Folder to save the HF checkpoint to");
-  sub->add_option("--checkpoint-every", c.ckpt_every, "Steps between checkpoints (0: the end)");
-  sub->add_option("--log-every", c.log_every, "Steps between log lines")->capture_default_str();
   sub->add_option("--json", c.json_path, "Per-step JSON lines to this file ('-': stdout)");
   sub->add_option("--threads", c.threads, "CPU threads (0: all)");
+  auto knob = [&](CLI::Option* o, std::function<void(train_config&)> apply) {
+    o->capture_default_str();
+    c.overrides.emplace_back(o, std::move(apply));
+  };
+  post_cli* p = &c;
+  knob(sub->add_option("--model", c.model, "Named size built from scratch (llama-tiny, ...)"),
+       [p](train_config& t) { t.model_size = p->model; });
+  knob(sub->add_option("--model-hf", c.model_hf, "HF model folder to start from"),
+       [p](train_config& t) { t.model_hf = p->model_hf; });
+  knob(sub->add_option("--steps", c.steps, "Optimizer steps"),
+       [p](train_config& t) { t.steps = p->steps; });
+  knob(sub->add_option("--batch,-B", c.batch, batch_help),
+       [p](train_config& t) { t.batch = p->batch; });
+  knob(sub->add_option("--seq,-T", c.seq, "Tokens per row"),
+       [p](train_config& t) { t.seq = p->seq; });
+  knob(sub->add_option("--grad-accum", c.grad_accum, "Micro-batches per step"),
+       [p](train_config& t) { t.grad_accum = p->grad_accum; });
+  knob(sub->add_option("--lr", c.lr, "Peak learning rate"), [p](train_config& t) { t.lr = p->lr; });
+  knob(sub->add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine"),
+       [p](train_config& t) { t.min_lr = p->min_lr; });
+  knob(sub->add_option("--warmup", c.warmup, "Warmup steps"),
+       [p](train_config& t) { t.warmup = p->warmup; });
+  knob(sub->add_option("--weight-decay", c.weight_decay, "AdamW weight decay"),
+       [p](train_config& t) { t.weight_decay = p->weight_decay; });
+  knob(sub->add_option("--clip", c.clip, "Gradient-norm clip (0: off)"),
+       [p](train_config& t) { t.clip = p->clip; });
+  knob(sub->add_option("--seed", c.seed, "Seed of the weights"),
+       [p](train_config& t) { t.seed = p->seed; });
+  knob(sub->add_option("--checkpoint-dir", c.ckpt_dir, "Folder to save the HF checkpoint to"),
+       [p](train_config& t) { t.ckpt_dir = p->ckpt_dir; });
+  knob(sub->add_option("--checkpoint-every", c.ckpt_every, "Steps between checkpoints (0: end)"),
+       [p](train_config& t) { t.ckpt_every = p->ckpt_every; });
+  knob(sub->add_option("--log-every", c.log_every, "Steps between log lines"),
+       [p](train_config& t) { t.log_every = p->log_every; });
 }
 
 struct post_setup {
+  std::int64_t per_batch = 0;  // train.batch: rows (sft) or pairs (dpo) per micro-batch
+  std::string label;           // the model, for the log
   std::unique_ptr<models::tokenizer> tok;
   models::chat_format format{};
   models::chat_specials specials;
@@ -78,7 +110,8 @@ struct post_setup {
   models::hf::model_config mcfg;
 };
 
-inline post_setup prepare_post(const post_cli& c, const char* command, std::int64_t rows) {
+// rows_per_unit: rows of one unit of train.batch (1: a row, 2: a pair).
+inline post_setup prepare_post(const post_cli& c, const char* command, std::int64_t rows_per_unit) {
   TROUPE_CHECK(!actors::join_info_from_env().has_value(), "troupe ", command,
                " runs in one process; it does not run under troupe launch yet");
   if (c.threads > 0) parallel::set_num_threads(c.threads);
@@ -89,42 +122,37 @@ inline post_setup prepare_post(const post_cli& c, const char* command, std::int6
   s.format = *f;
   s.specials = models::chat_specials::appended(s.format, s.tok->vocab_size());
   models::train_config& cfg = s.cfg;
-  cfg.model_hf = c.model_hf;
-  cfg.model_size = c.model;
-  cfg.steps = c.steps;
-  cfg.batch = rows;
-  cfg.seq = c.seq;
-  cfg.grad_accum = c.grad_accum;
-  cfg.log_every = c.log_every;
-  cfg.seed = c.seed;
-  cfg.lr = c.lr;
-  cfg.min_lr = c.min_lr;
-  cfg.warmup = c.warmup;
-  cfg.weight_decay = c.weight_decay;
-  cfg.clip = c.clip;
-  cfg.ckpt_dir = c.ckpt_dir;
-  cfg.ckpt_every = c.ckpt_every;
+  if (c.config_file.empty()) {  // the flags and their defaults
+    for (const auto& [opt, apply] : c.overrides) apply(cfg);
+  } else {  // the file, then the flags given
+    cfg = models::load_train_config(c.config_file).value();
+    for (const auto& [opt, apply] : c.overrides)
+      if (opt->count() > 0) apply(cfg);
+  }
+  s.per_batch = cfg.batch;
+  cfg.batch *= rows_per_unit;
+  s.label = cfg.model_hf.empty() ? cfg.model_size : cfg.model_hf;
   cfg.validate();
   const std::int64_t need = s.specials.end();
-  s.mcfg = c.model_hf.empty() ? models::named_model_config(c.model, need).value()
-                              : models::hf::read_config(c.model_hf).value();
+  s.mcfg = cfg.model_hf.empty() ? models::named_model_config(cfg.model_size, need).value()
+                                : models::hf::read_config(cfg.model_hf).value();
   const std::int64_t vocab =
       models::with_family(s.mcfg, [](auto, const auto& mc) { return mc.vocab; });
-  TROUPE_CHECK(vocab >= need, "--model-hf ", c.model_hf, ": its vocabulary (", vocab,
+  TROUPE_CHECK(vocab >= need, "model.hf (--model-hf) ", cfg.model_hf, ": its vocabulary (", vocab,
                ") has no room for the ", c.chat_template, " template's special tokens (ids ",
                s.tok->vocab_size(), "..", need - 1, " after the tokenizer's)");
   return s;
 }
 
 // The model of the run: the HF folder's weights, or initialised from the seed.
-inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s, const post_cli& c) {
+inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s) {
   auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq});
   TROUPE_CHECK(s.cfg.seq <= m->max_seq(), "--seq ", s.cfg.seq, " exceeds the model's ",
                m->max_seq(), " positions");
-  if (c.model_hf.empty())
-    m->init_weights(c.seed);
+  if (s.cfg.model_hf.empty())
+    m->init_weights(s.cfg.seed);
   else
-    models::hf::load_weights(c.model_hf, s.mcfg, m->slots()).value();
+    models::hf::load_weights(s.cfg.model_hf, s.mcfg, m->slots()).value();
   return m;
 }
 

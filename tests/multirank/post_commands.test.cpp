@@ -106,3 +106,16 @@ TEST_CASE("troupe sft and dpo refuse bad data naming the file and line", "[multi
   CHECK(t.code != 0);
   CHECK_THAT(t.output, Contains("--template") && Contains("llama3 or chatml"));
 }
+
+TEST_CASE("troupe sft reads a job file and the flags given override it", "[multirank]") {
+  scratch_dir dir("post-job");
+  const std::string ck = dir.path + "/ck";
+  // The file says 40 steps, seq 128 and /tmp/troupe-sft; the flags change steps and the folder.
+  const auto s =
+      run_troupe({"sft", "--config", examples + "sft.toml", "--data", examples + "chat.jsonl",
+                  "--steps", "3", "--threads", "1", "--checkpoint-dir", ck});
+  INFO(s.output);
+  REQUIRE(s.code == 0);
+  CHECK_THAT(s.output, Contains("rows of 128 tokens") && Contains("step     3/3"));
+  CHECK(fs::exists(ck + "/model.safetensors"));
+}
