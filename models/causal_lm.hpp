@@ -51,6 +51,12 @@ class causal_lm {
     (void)w;
     return false;
   }
+  // The logits' gradient for the backwards that follow (trunk::set_logit_grads). False when the
+  // model cannot take it.
+  virtual bool set_logit_grads(std::function<void(const tensor& dlogits, double dloss)> f) {
+    (void)f;
+    return false;
+  }
   virtual tensor logits() const = 0;   // [B*T, V] of the last forward
   virtual layer_memory& memory() = 0;  // flat params / grads
   virtual const slot_list& slots() const = 0;
@@ -105,6 +111,14 @@ class causal_lm_of final : public causal_lm {
   bool set_sequence_weights(std::vector<double> w) override {
     if constexpr (requires { m_.set_sequence_weights(std::move(w)); }) {
       m_.set_sequence_weights(std::move(w));
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_logit_grads(std::function<void(const tensor&, double)> f) override {
+    if constexpr (requires { m_.set_logit_grads(std::move(f)); }) {
+      m_.set_logit_grads(std::move(f));
       return true;
     } else {
       return false;

@@ -109,6 +109,11 @@ class trunk {
   // backward then gives the gradient of loss_scale * sum_b w_b * (the summed losses of row b)
   // (cross_entropy_loss::sequence_weights; preference training).
   void set_sequence_weights(std::vector<double> w) { ends_.loss.sequence_weights = std::move(w); }
+  // The gradient of the logits for the backwards that follow, written by f instead of the loss's
+  // (cross_entropy_loss::logit_grads; a reward model's score). Empty: the loss's again.
+  void set_logit_grads(std::function<void(const tensor&, double)> f) {
+    ends_.loss.logit_grads = std::move(f);
+  }
   // Logits of the last forward, [B*T, V] (overwritten by backward).
   tensor logits() const { return ends_.logits_cur; }
   // Accumulates d(loss_scale * loss)/d(params) into the gradients; once per forward. With

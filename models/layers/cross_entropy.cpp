@@ -33,6 +33,10 @@ void cross_entropy_loss::backward(const tensor& dlogits, double dloss) {
   TROUPE_CHECK(dlogits.defined() && dlogits.sizes() == logits.sizes(), label, ": dlogits must be ",
                logits.sizes().str(), " like the logits, got ", describe(dlogits));
   std::int64_t n = leading_rows(logits.sizes());
+  if (logit_grads) {
+    logit_grads(dlogits, dloss);
+    return;
+  }
   if (!sequence_weights.empty()) {
     const auto seqs = static_cast<std::int64_t>(sequence_weights.size());
     TROUPE_CHECK(n % seqs == 0, label, ": ", n, " rows are not ", seqs, " sequences");

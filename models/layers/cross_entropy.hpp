@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +34,9 @@ struct cross_entropy_loss {
   // w_b * (the summed losses of sequence b's rows): preference training, where w_b = -d loss /
   // d logp_b (models/post/dpo_step.hpp).
   std::vector<double> sequence_weights;
+  // A head trained on its logits directly (a reward model's score: models/post/reward_model.hpp):
+  // when set, backward calls it to write dlogits (scaled by dloss) instead of the cross-entropy's.
+  std::function<void(const tensor& dlogits, double dloss)> logit_grads;
 
   cross_entropy_loss() = default;
   explicit cross_entropy_loss(const config& c) : cfg(c) {}

@@ -9,6 +9,12 @@ for assistant-only loss ({% generation %} around the assistant content and its e
 token), on the GPT-2 BPE fixture tokenizer with the templates' special tokens added (HF gives them
 the ids vocab_size, vocab_size + 1, ... in the order added).
 
+Reward models: tiny random LlamaForSequenceClassification and GPT2ForSequenceClassification
+(num_labels 1, pad_token_id 0) saved with save_pretrained into tests/fixtures/post/<name>/, with
+reward.json: the rewards of rows padded at the end (HF pools the score at the token before the
+first pad), the Bradley-Terry loss of (row 0 over row 1, row 2 over row 3) and its gradient in a
+few parameters, in float32 as HF computes them.
+
 Losses: written here from the published formulas as TRL's DPOTrainer.dpo_loss implements them
 (sigmoid with label smoothing, IPO) and the reward trainer's -logsigmoid(r_c - r_r), in float64,
 with gradients from autograd.
@@ -110,7 +116,49 @@ def preference_cases():
     return cases
 
 
+def reward_model(kind):
+    import transformers
+    torch.manual_seed(23)
+    if kind == "llama_rm":
+        cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=16,
+                                       attention_dropout=0.0, attn_implementation="eager",
+                                       num_labels=1, pad_token_id=0)
+        model = transformers.LlamaForSequenceClassification(cfg)
+        probe = ["score.weight", "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight",
+                 "model.norm.weight"]
+    else:
+        cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2,
+                                      n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      num_labels=1, pad_token_id=0)
+        model = transformers.GPT2ForSequenceClassification(cfg)
+        probe = ["score.weight", "transformer.h.0.attn.c_attn.weight", "transformer.wte.weight",
+                 "transformer.wpe.weight", "transformer.ln_f.weight"]
+    with torch.no_grad():  # away from init's symmetries (zero biases, unit norms)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    model.eval()
+    folder = os.path.join(OUT, kind)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 32, (4, 9), generator=g)
+    for row, length in enumerate((9, 6, 4, 7)):  # padded at the end with pad_token_id 0
+        ids[row, length:] = 0
+    rewards = model(input_ids=ids).logits[:, 0]
+    loss = -torch.nn.functional.logsigmoid(rewards[0::2] - rewards[1::2]).mean()
+    loss.backward()
+    named = dict(model.named_parameters())
+    grads = {name: named[name].grad.flatten().tolist() for name in probe}
+    with open(os.path.join(folder, "reward.json"), "w") as f:
+        json.dump({"ids": ids.tolist(), "rewards": rewards.tolist(), "loss": loss.item(),
+                   "grads": grads}, f)
+
+
 def main():
+    for kind in ("llama_rm", "gpt2_rm"):
+        reward_model(kind)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "chat_cases.json"), "w") as f:
         json.dump(chat_cases(), f, indent=1)
