@@ -150,7 +150,8 @@ expected<std::filesystem::path> reward_model::save(const std::filesystem::path& 
   }
 }
 
-expected<std::filesystem::path> reward_model::load(const std::filesystem::path& folder) {
+expected<std::filesystem::path> reward_model::load(const std::filesystem::path& folder,
+                                                   bool need_score) {
   using result = expected<std::filesystem::path>;
   const auto path = folder / "model.safetensors";
   auto file = hf::safetensors_file::open(path);
@@ -170,7 +171,8 @@ expected<std::filesystem::path> reward_model::load(const std::filesystem::path& 
       hf::read_into(need(e.hf_name), e.our_name == embed_name(cfg_) ? p.narrow(0, 0, vocab_) : p,
                     e.transpose);
     }
-    hf::read_into(need("score.weight"), param(slots, head_name(cfg_)).narrow(0, vocab_, 1));
+    if (need_score || file->find("score.weight") != nullptr)
+      hf::read_into(need("score.weight"), param(slots, head_name(cfg_)).narrow(0, vocab_, 1));
   } catch (const error& e) {
     return result::failure(e.what());
   }

@@ -44,7 +44,9 @@ class reward_model {
   // HF layout (model.safetensors, config.json) into an existing folder.
   expected<std::filesystem::path> save(const std::filesystem::path& folder) const;
   // The weights of an HF ...ForSequenceClassification folder; errors name the file and tensor.
-  expected<std::filesystem::path> load(const std::filesystem::path& folder);
+  // With need_score false a folder without score.weight (a causal LM's: TRL starts a reward model
+  // from one) leaves the score as it is (initialised).
+  expected<std::filesystem::path> load(const std::filesystem::path& folder, bool need_score = true);
 
  private:
   hf::model_config cfg_;  // HF's (vocabulary V)

@@ -81,6 +81,19 @@ TEST_CASE("troupe sft then troupe dpo train the sample data into HF checkpoints"
   for (const char* key : {"rewards/chosen", "rewards/rejected", "rewards/accuracies"})
     CHECK(dsteps.back().contains(key));
   CHECK(fs::exists(dpo + "/model.safetensors"));
+
+  // A reward model from the SFT checkpoint (a new score), saved in HF's sequence-classification
+  // layout.
+  const std::string rm = dir.path + "/rm";
+  const auto r = run_troupe({"rm", "--data", examples + "pairs.jsonl", "--model-hf", sft, "--seq",
+                             "64", "--steps", "5", "--threads", "1", "--checkpoint-dir", rm});
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Contains("accuracy"));
+  std::ifstream cj(rm + "/config.json");
+  const auto j = nlohmann::json::parse(cj);
+  CHECK(j["architectures"][0] == "LlamaForSequenceClassification");
+  CHECK(j["num_labels"] == 1);
 }
 
 TEST_CASE("troupe sft and dpo refuse bad data naming the file and line", "[multirank][faults]") {
