@@ -76,6 +76,9 @@ std::vector<std::int64_t> pooled_positions(const tensor& ids, std::int32_t pad_i
 reward_model::reward_model(const hf::model_config& cfg, batch_dims dims, std::int32_t pad_id,
                            dtype t)
     : cfg_(cfg), vocab_(vocab_of(cfg)), pad_(pad_id) {
+  TROUPE_CHECK(!std::holds_alternative<hf::moe_config>(cfg),
+               "reward model: GPT-2 and Llama configs only; a mixture-of-experts model has no "
+               "sequence-classification layout here yet");
   TROUPE_CHECK(t == dtype::f32 || t == dtype::f64, "reward model: f32 or f64, got ", dtype_name(t));
   TROUPE_CHECK(pad_id >= 0 && pad_id < vocab_, "reward model: pad_token_id ", pad_id,
                " is not in the vocabulary of ", vocab_);

@@ -29,7 +29,8 @@ namespace troupe::models {
 
 class reward_model {
  public:
-  // cfg: the HF config (its vocabulary V); dims: the planned batch of rows.
+  // cfg: the HF config (its vocabulary V; GPT-2 or Llama, a mixture of experts is refused);
+  // dims: the planned batch of rows.
   reward_model(const hf::model_config& cfg, batch_dims dims, std::int32_t pad_id,
                dtype t = dtype::f32);
 
