@@ -43,6 +43,9 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "troupe 0.1.0");
   std::vector<troupe::apps::command_fn> commands;
   commands.push_back(troupe::apps::add_train_command(app));
+  commands.push_back(troupe::apps::add_sft_command(app));
+  commands.push_back(troupe::apps::add_dpo_command(app));
+  commands.push_back(troupe::apps::add_rm_command(app));
   commands.push_back(troupe::apps::add_eval_command(app));
   commands.push_back(troupe::apps::add_generate_command(app));
   commands.push_back(troupe::apps::add_bench_command(app));

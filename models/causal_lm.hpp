@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "models/block_use.hpp"
 #include "models/hf/config.hpp"
@@ -34,6 +35,25 @@ class causal_lm {
   // Makes forward and backward call f around every use of a block's parameters
   // (models/block_use.hpp; an empty f stops it). False when the model has no such points.
   virtual bool set_block_use_hook(block_use_hook f) {
+    (void)f;
+    return false;
+  }
+  // Packed rows for the forwards that follow (trunk::set_packing: segments and positions i32
+  // [B, T]; undefined: one sequence per row). False when the model cannot take them.
+  virtual bool set_packing(const tensor& segments, const tensor& positions) {
+    (void)segments;
+    (void)positions;
+    return false;
+  }
+  // Per-sequence weights of the backwards that follow (trunk::set_sequence_weights; empty: the
+  // mean loss). False when the model cannot take them.
+  virtual bool set_sequence_weights(std::vector<double> w) {
+    (void)w;
+    return false;
+  }
+  // The logits' gradient for the backwards that follow (trunk::set_logit_grads). False when the
+  // model cannot take it.
+  virtual bool set_logit_grads(std::function<void(const tensor& dlogits, double dloss)> f) {
     (void)f;
     return false;
   }
@@ -75,6 +95,30 @@ class causal_lm_of final : public causal_lm {
   bool set_block_use_hook(block_use_hook f) override {
     if constexpr (requires { m_.on_block_use = std::move(f); }) {
       m_.on_block_use = std::move(f);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_packing(const tensor& segments, const tensor& positions) override {
+    if constexpr (requires { m_.set_packing(segments, positions); }) {
+      m_.set_packing(segments, positions);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_sequence_weights(std::vector<double> w) override {
+    if constexpr (requires { m_.set_sequence_weights(std::move(w)); }) {
+      m_.set_sequence_weights(std::move(w));
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_logit_grads(std::function<void(const tensor&, double)> f) override {
+    if constexpr (requires { m_.set_logit_grads(std::move(f)); }) {
+      m_.set_logit_grads(std::move(f));
       return true;
     } else {
       return false;

@@ -43,8 +43,10 @@ void gpt_ends::embed(const tensor& ids, const tensor& positions, const tensor& x
   const std::int64_t b = ids.size(0), t = ids.size(1);
   tensor pos = planned_view(pos_emb, {t, dim}, "gpt", "pos_emb");
   wte.forward(ids, x0);
-  wpe.forward(positions, pos);
+  row_positions = positions.dim() == 2 ? positions : tensor{};
+  if (!row_positions.defined()) wpe.forward(positions, pos);
   for (std::int64_t r = 0; r < b; ++r) {
+    if (row_positions.defined()) ops::embedding(positions.select(0, r), wpe.weight, pos);
     tensor xr = x0.select(0, r);
     ops::add(xr, pos, xr);
   }
@@ -75,6 +77,11 @@ void gpt_ends::head_backward(double loss_scale, tensor& dx, tensor& spare) {
 
 void gpt_ends::embed_backward(const tensor& dx0) {
   wte.backward(dx0);
+  if (row_positions.defined()) {  // packed rows: each row's positions of its own
+    for (std::int64_t r = 0; r < dx0.size(0); ++r)
+      ops::embedding_backward(row_positions.select(0, r), dx0.select(0, r), wpe.dweight);
+    return;
+  }
   tensor d = planned_view(dpos, {dx0.size(1), dim}, "gpt", "dpos");
   ops::fill(d, 0.0);
   for (std::int64_t r = 0; r < dx0.size(0); ++r) ops::add(d, dx0.select(0, r), d);

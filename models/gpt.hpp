@@ -87,7 +87,8 @@ struct gpt_ends {
   explicit gpt_ends(const gpt_config& c);
   void declare_front(slot_list& s, batch_dims d);
   void declare_back(slot_list& s, batch_dims d);
-  // x0 = wte[ids] + wpe[positions]; ids i32 [B, t], positions i32 [t], x0 [B, t, C].
+  // x0 = wte[ids] + wpe[positions]; ids i32 [B, t], positions i32 [t] (every row) or [B, t] (per
+  // row: packed rows restart positions per sequence), x0 [B, t, C].
   void embed(const tensor& ids, const tensor& positions, const tensor& x0);
   // ln_f, the tied head and the mean loss of x [B, T, C] (the last block's output) on targets.
   double head(const tensor& x, const tensor& targets);
@@ -106,6 +107,7 @@ struct gpt_ends {
   tensor pos_emb, ln_f_out, logits;  // activations
   tensor dx_a, dx_b, dpos;           // backward scratch [B, T, C]
   tensor logits_cur, ln_f_cur;       // views of the last head()
+  tensor row_positions;              // the last embed's positions when per row [B, t]
 };
 
 class gpt;

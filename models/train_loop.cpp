@@ -100,4 +100,12 @@ train_policy trainer_policy(trainer& tr, const hf::model_config& model,
   return p;
 }
 
+train_policy trainer_policy(trainer& tr, const hf::model_config& model,
+                            const trainer::micro_batch& run) {
+  train_policy p;
+  p.step = [&tr, &run](std::int64_t) { return tr.step(run); };
+  p.save = [&tr, &model](const std::string& folder) { tr.save(folder, model).value(); };
+  return p;
+}
+
 }  // namespace troupe::models

@@ -89,5 +89,8 @@ std::string model_label(const train_config& cfg);
 // must outlive it.
 train_policy trainer_policy(trainer& tr, const hf::model_config& model,
                             const trainer::batch_source& data);
+// The same for a mode that brings its own micro-batch (SFT, DPO: models/post/): tr.step(run).
+train_policy trainer_policy(trainer& tr, const hf::model_config& model,
+                            const trainer::micro_batch& run);
 
 }  // namespace troupe::models

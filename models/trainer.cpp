@@ -81,9 +81,16 @@ trainer::trainer(causal_lm& model, const train_config& cfg)
 }
 
 step_result trainer::step(const batch_source& data) {
+  const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
+  return step([&](causal_lm& m, std::uint64_t draw, double scale) {
+    data(draw, b, t, rows_);
+    return run_rows(m, rows_, targets_, b, t, true, scale);
+  });
+}
+
+step_result trainer::step(const micro_batch& run) {
   auto t0 = std::chrono::steady_clock::now();
   auto& mem = model_.memory();
-  const int b = static_cast<int>(cfg_.batch), t = static_cast<int>(cfg_.seq);
   mem.zero_grads();
   double loss = 0;
   step_result r;
@@ -91,8 +98,7 @@ step_result trainer::step(const batch_source& data) {
   for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
     std::uint64_t draw =
         cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_ * cfg_.grad_accum + k);
-    data(draw, b, t, rows_);
-    loss += run_rows(model_, rows_, targets_, b, t, true, loss_scale_);
+    loss += run(model_, draw, loss_scale_);
   }
   loss /= static_cast<double>(cfg_.grad_accum);
   if (mixed()) ops::copy(mem.grads(), grads32_);

@@ -56,6 +56,13 @@ class trainer {
   trainer(causal_lm& model, const train_config& cfg);
 
   step_result step(const batch_source& data);
+  // One micro-batch of a mode that makes its own batches and loss (SFT's packed rows, DPO's
+  // pairs: models/post/): runs forward and backward of loss_scale * its loss for draw `draw` on
+  // the model and returns the loss. The step around it is the same: accumulation, clipping, the
+  // schedule, AdamW, mixed precision.
+  using micro_batch =
+      std::function<double(causal_lm& model, std::uint64_t draw, double loss_scale)>;
+  step_result step(const micro_batch& run);
   std::int64_t steps_done() const { return step_; }
   const adamw_optimizer& optimizer() const { return opt_; }
   // The weights AdamW updates: the f32 master weights with mixed precision, else the model's.

@@ -99,6 +99,21 @@ class trunk {
   // mean loss over non-ignored targets and keeps what backward needs; ids and targets must stay
   // intact until backward is done.
   double forward(const tensor& ids, const tensor& targets);
+  // Packed rows (several sequences per row: models/post/sft_data.hpp) for the forwards that
+  // follow: segments and positions i32 [B, T] on the model's device, like the ids of those
+  // forwards, kept intact until their backward. A token attends only to the earlier tokens of
+  // its segment; positions restart per sequence (GPT-2's learned positions; RoPE needs none,
+  // attention.hpp). Undefined tensors: one sequence per row again.
+  void set_packing(const tensor& segments, const tensor& positions);
+  // Weights of the sequences of the batch for the backwards that follow (empty: the mean loss):
+  // backward then gives the gradient of loss_scale * sum_b w_b * (the summed losses of row b)
+  // (cross_entropy_loss::sequence_weights; preference training).
+  void set_sequence_weights(std::vector<double> w) { ends_.loss.sequence_weights = std::move(w); }
+  // The gradient of the logits for the backwards that follow, written by f instead of the loss's
+  // (cross_entropy_loss::logit_grads; a reward model's score). Empty: the loss's again.
+  void set_logit_grads(std::function<void(const tensor&, double)> f) {
+    ends_.loss.logit_grads = std::move(f);
+  }
   // Logits of the last forward, [B*T, V] (overwritten by backward).
   tensor logits() const { return ends_.logits_cur; }
   // Accumulates d(loss_scale * loss)/d(params) into the gradients; once per forward. With
@@ -146,7 +161,8 @@ class trunk {
   owned_tensor positions_;
   std::vector<std::vector<std::int32_t>> unit_params_;
   tensor ids_, targets_;
-  tensor da_, db_;  // backward: db_ holds d(the current unit's output)
+  tensor segments_, row_positions_;  // set_packing's
+  tensor da_, db_;                   // backward: db_ holds d(the current unit's output)
   std::int64_t b_ = 0, t_ = 0;
   double loss_ = 0;
   std::unique_ptr<kv_cache> cache_;
@@ -230,8 +246,24 @@ void trunk<F>::backward(double loss_scale) {
 }
 
 template <trunk_family F>
+void trunk<F>::set_packing(const tensor& segments, const tensor& positions) {
+  TROUPE_CHECK(segments.defined() == positions.defined(), F::name,
+               ": packed rows need both segments and positions, or neither");
+  segments_ = segments;
+  row_positions_ = positions;
+  // The blocks are this trunk's own (non-const) objects; attention_of gives const access for the
+  // kv cache's sizes, and the segments are the one per-batch input the attention takes.
+  for (auto& blk : blocks_) const_cast<attention&>(F::attention_of(blk)).segments = segments;
+}
+
+template <trunk_family F>
 void trunk<F>::begin(const tensor& ids, const tensor& targets) {
   const batch_dims got = checked_batch(ids, targets, dims_, F::name);
+  if (segments_.defined())
+    for (const tensor* p : {&segments_, &row_positions_})
+      TROUPE_CHECK(p->type() == dtype::i32 && p->sizes() == ids.sizes(), F::name,
+                   ": packed segments and positions must be i32 like the ids ", ids.sizes().str(),
+                   ", got ", describe(*p));
   b_ = got.batch;
   t_ = got.seq;
   ids_ = ids;
@@ -242,7 +274,8 @@ template <trunk_family F>
 void trunk<F>::forward_unit(std::int32_t u) {
   const std::int64_t n = cfg_.n_layer;
   if (u == 0) {
-    ends_.embed(ids_, positions_.narrow(0, 0, t_), x(0, b_, t_));
+    ends_.embed(ids_, row_positions_.defined() ? row_positions_ : positions_.narrow(0, 0, t_),
+                x(0, b_, t_));
   } else if (u <= n) {
     const std::int64_t i = u - 1;
     notify(on_block_use, i, block_use::before_forward);

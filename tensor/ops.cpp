@@ -419,12 +419,31 @@ void check_attention(const char* op, const tensor& q, const tensor& k, const ten
                op, ": lse must be [", q.size(0), ", ", q.size(2), ", ", q.size(1), "], got ",
                lse.describe());
 }
+
+// Packed rows: segments i32 [B, T], T == S, each row non-decreasing (contiguous documents).
+void check_segments(const char* op, const tensor& q, const tensor& k, const tensor& seg) {
+  if (!seg.defined()) return;
+  TROUPE_CHECK(seg.type() == dtype::i32 && seg.dim() == 2 && seg.size(0) == q.size(0) &&
+                   seg.size(1) == q.size(1) && seg.is_contiguous(),
+               op, ": segments must be contiguous i32 [", q.size(0), ", ", q.size(1), "], got ",
+               seg.describe());
+  TROUPE_CHECK(k.size(1) == q.size(1), op, ": segments need as many keys as queries, got ",
+               k.size(1), " keys and ", q.size(1), " queries");
+  if (!seg.is_cpu()) return;
+  const auto* p = seg.data_as<std::int32_t>();
+  for (std::int64_t b = 0; b < seg.size(0); ++b)
+    for (std::int64_t t = 1; t < seg.size(1); ++t)
+      TROUPE_CHECK(p[b * seg.size(1) + t] >= p[b * seg.size(1) + t - 1], op,
+                   ": segments must not decrease along a row, row ", b, " has ",
+                   p[b * seg.size(1) + t - 1], " then ", p[b * seg.size(1) + t], " at ", t);
+}
 }  // namespace
 
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const attention_options& opt) {
   auto d = common_device("attention", {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}});
   check_attention("attention", q, k, v, out, lse);
+  check_segments("attention", q, k, opt.segments);
   TROUPE_DISPATCH(d, attention(q, k, v, out, lse, opt));
 }
 void attention_backward(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
@@ -441,6 +460,7 @@ void attention_backward(const tensor& q, const tensor& k, const tensor& v, const
                               {"dk", dk},
                               {"dv", dv}});
   check_attention(op, q, k, v, out, lse);
+  check_segments(op, q, k, opt.segments);
   for (auto [g, x] : {std::pair<arg, arg>{{"dout", dout}, {"out", out}},
                       {{"dq", dq}, {"q", q}},
                       {{"dk", dk}, {"k", k}},

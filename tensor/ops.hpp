@@ -128,9 +128,14 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.
 // Views with a contiguous last dimension (e.g. slices of a fused qkv buffer) are accepted.
 // lse[B, Hq, T] (contiguous; dtype of q, or f32 for 16-bit q) receives the log-sum-exp of each
 // query's scores, for backward. Causal: query t attends to keys s <= t + (S - T).
+// segments (optional; packed rows of several documents): i32 [B, T] with S == T, contiguous,
+// non-decreasing along T in each row; query t then also sees only keys s with segments[b, s] ==
+// segments[b, t] (a document never attends to another). On the host for the CPU backend; the CUDA
+// backend refuses it.
 struct attention_options {
   double scale = 0.0;  // 0 means 1/sqrt(D)
   bool causal = true;
+  tensor segments{};
 };
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const attention_options& opt = {});

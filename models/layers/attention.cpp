@@ -127,7 +127,7 @@ void attention::forward(const tensor& x, const tensor& y) {
   }
   tensor a = planned_view(att, {b, t, hq, d}, label, "att");
   ops::attention(w.q, w.k, w.v, a, planned_view(lse, {b, hq, t}, label, "lse"),
-                 {.scale = 0.0, .causal = cfg.causal});
+                 {.scale = 0.0, .causal = cfg.causal, .segments = segments});
   o_proj.forward(a.reshape({b, t, hq * d}), y);
 }
 
@@ -141,7 +141,7 @@ void attention::backward(const tensor& dy, const tensor& dx) {
   o_proj.backward(dy, da.reshape({b, t, hq * d}));
   ops::attention_backward(w.q, w.k, w.v, planned_view(att, {b, t, hq, d}, label, "att"), da,
                           planned_view(lse, {b, hq, t}, label, "lse"), w.dq, w.dk, w.dv,
-                          {.scale = 0.0, .causal = cfg.causal});
+                          {.scale = 0.0, .causal = cfg.causal, .segments = segments});
   if (cfg.rope) {  // the saved q, k are rotated: rotate their gradients back
     rope_tables(t);
     tensor c = planned_view(rope_cos, {t, d / 2}, label, "rope_cos");

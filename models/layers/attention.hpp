@@ -47,6 +47,13 @@ struct attention {
   linear q_proj, k_proj, v_proj;  // separate: C -> Hq D, Hkv D, Hkv D
   linear o_proj;                  // Hq D -> C (saves att)
 
+  // Packed rows (several sequences per row): segment ids i32 [B, T] on the device, set by the
+  // model before forward and kept intact until backward; a token attends only to the earlier
+  // tokens of its segment (ops::attention_options::segments). Undefined: one sequence per row.
+  // RoPE needs no per-sequence positions here: with the segment mask, scores depend only on the
+  // distance between two tokens of one sequence, which a shift of both positions keeps.
+  tensor segments;
+
   // Saved by forward for backward (planned for the declared batch; a forward uses a prefix).
   tensor qkv;      // fused: [B, T, (Hq + 2 Hkv) D], holding q, k (rotated) and v
   tensor q, k, v;  // separate: [B, T, Hq, D], [B, T, Hkv, D], [B, T, Hkv, D]

@@ -33,6 +33,21 @@ void cross_entropy_loss::backward(const tensor& dlogits, double dloss) {
   TROUPE_CHECK(dlogits.defined() && dlogits.sizes() == logits.sizes(), label, ": dlogits must be ",
                logits.sizes().str(), " like the logits, got ", describe(dlogits));
   std::int64_t n = leading_rows(logits.sizes());
+  if (logit_grads) {
+    logit_grads(dlogits, dloss);
+    return;
+  }
+  if (!sequence_weights.empty()) {
+    const auto seqs = static_cast<std::int64_t>(sequence_weights.size());
+    TROUPE_CHECK(n % seqs == 0, label, ": ", n, " rows are not ", seqs, " sequences");
+    const std::int64_t t = n / seqs;
+    tensor l = planned_view(losses, {n}, label, "losses");
+    for (std::int64_t b = 0; b < seqs; ++b)
+      ops::cross_entropy(logits.narrow(0, b * t, t), targets.reshape({n}).narrow(0, b * t, t),
+                         l.narrow(0, b * t, t), dlogits.narrow(0, b * t, t),
+                         dloss * sequence_weights[static_cast<std::size_t>(b)], cfg.ignore_index);
+    return;
+  }
   double grad_scale = count == 0 ? 0.0 : dloss / static_cast<double>(count);
   ops::cross_entropy(logits, targets, planned_view(losses, {n}, label, "losses"), dlogits,
                      grad_scale, cfg.ignore_index);

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
@@ -27,6 +29,14 @@ struct cross_entropy_loss {
   tensor logits, targets;  // views of the caller's tensors
   tensor losses;           // per position [rows] (planned; a forward uses a prefix)
   std::int64_t count = 0;  // positions not ignored in the last forward
+  // Per-sequence weights for backward (empty: the mean). With w (one per sequence; the rows are
+  // w.size() sequences of equal length, in order) backward writes the gradient of dloss * sum_b
+  // w_b * (the summed losses of sequence b's rows): preference training, where w_b = -d loss /
+  // d logp_b (models/post/dpo_step.hpp).
+  std::vector<double> sequence_weights;
+  // A head trained on its logits directly (a reward model's score: models/post/reward_model.hpp):
+  // when set, backward calls it to write dlogits (scaled by dloss) instead of the cross-entropy's.
+  std::function<void(const tensor& dlogits, double dloss)> logit_grads;
 
   cross_entropy_loss() = default;
   explicit cross_entropy_loss(const config& c) : cfg(c) {}

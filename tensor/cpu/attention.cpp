@@ -61,6 +61,7 @@ struct attn_args {
   std::int64_t off = 0;  // S - T: query t sees keys s <= t + off when causal
   double scale = 0;
   bool causal = true;
+  const std::int32_t* seg = nullptr;  // packed rows: segment ids [B, T] (T == S), or none
 };
 
 std::int64_t padded_dim(std::int64_t d, std::size_t elem) {
@@ -156,6 +157,7 @@ attn_args<S, L> make_args(const tensor& q, const tensor& k, const tensor& v, con
   g.off = g.s - g.t;
   g.scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(g.d));
   g.causal = opt.causal;
+  if (opt.segments.defined()) g.seg = opt.segments.data_as<std::int32_t>();
   return g;
 }
 

@@ -33,6 +33,12 @@ struct problem {
   dtype type;
   owned_tensor qkv, kv, dqkv, dkv, out_buf, dout_buf, lse_buf;
   tensor q, k, v, out, dout, lse, dq, dk, dv;
+  owned_tensor seg;  // packed rows: segment ids i32 [B, T], or undefined
+  bool visible(std::int64_t b, std::int64_t i, std::int64_t j) const {
+    if (!seg.defined()) return true;
+    const auto* p = seg.data_as<std::int32_t>() + b * c.t;
+    return p[i] == p[j];
+  }
 
   problem(const config& cfg, dtype t) : c(cfg), type(t) {
     const std::int64_t hd = c.hq * c.d, kd = c.hkv * c.d;
@@ -169,6 +175,11 @@ reference naive(const problem& p) {
         const double tiles = static_cast<double>((n + 63) / 64);
         double mx = -std::numeric_limits<double>::infinity();
         for (std::int64_t j = 0; j < n; ++j) {
+          if (!p.visible(b, i, j)) {  // another segment: weight 0, no error
+            score[j] = -std::numeric_limits<double>::infinity();
+            mag[j] = 0;
+            continue;
+          }
           double s = 0, a = 0;
           for (std::int64_t d = 0; d < c.d; ++d) {
             s += problem::at(p.q, b, i, h, d) * problem::at(p.k, b, j, hk, d);
@@ -188,9 +199,10 @@ reference naive(const problem& p) {
         // most the spread of the scores), then of a weight p_j / l.
         double dp_max = 0;
         for (std::int64_t j = 0; j < n; ++j)
-          dp_max =
-              std::max(dp_max, (c.d + 3) * u * mag[j] + (tiles + 2) * u * std::abs(score[j] - mx) +
-                                   u * std::abs(mx));
+          if (p.visible(b, i, j))
+            dp_max =
+                std::max(dp_max, (c.d + 3) * u * mag[j] +
+                                     (tiles + 2) * u * std::abs(score[j] - mx) + u * std::abs(mx));
         const double dw = 2 * dp_max + ((tiles + 2) * c_exp + n + 4) * u;
         r.lse_bound[li] = dp_max + ((tiles + 1) * c_exp + n + 2) * u + u * std::abs(lse);
         for (std::int64_t d = 0; d < c.d; ++d) {
@@ -210,6 +222,7 @@ reference naive(const problem& p) {
           di_err += std::abs(g) * r.out_bound[qi(b, i, h, d)] + (c.d + 1) * u * std::abs(g * o);
         }
         for (std::int64_t j = 0; j < n; ++j) {
+          if (!p.visible(b, i, j)) continue;
           double dp = 0, adp = 0;
           for (std::int64_t d = 0; d < c.d; ++d) {
             const double t = problem::at(p.dout, b, i, h, d) * problem::at(p.v, b, j, hk, d);
@@ -259,12 +272,28 @@ void compare(const char* what, const tensor& got, const std::vector<double>& wan
   REQUIRE(bad < 0);
 }
 
-void check(const config& c, dtype t) {
+// segments: per row, the lengths of its packed segments (summing to T), or empty.
+void check(const config& c, dtype t, const std::vector<std::vector<std::int64_t>>& segments = {}) {
   INFO("B " << c.b << " T " << c.t << " S " << c.s << " Hq " << c.hq << " Hkv " << c.hkv << " D "
-            << c.d << (c.causal ? " causal " : " full ") << dtype_name(t));
+            << c.d << (c.causal ? " causal " : " full ") << dtype_name(t)
+            << (segments.empty() ? "" : " packed"));
   problem p(c, t);
   ops::attention_options opt;
   opt.causal = c.causal;
+  if (!segments.empty()) {
+    p.seg = empty({c.b, c.t}, dtype::i32);
+    auto* s = p.seg.data_as<std::int32_t>();
+    for (std::int64_t b = 0; b < c.b; ++b) {
+      std::int64_t at = 0;
+      std::int32_t id = 0;
+      for (std::int64_t len : segments[b]) {
+        for (std::int64_t i = 0; i < len; ++i) s[b * c.t + at++] = id;
+        ++id;
+      }
+      REQUIRE(at == c.t);
+    }
+    opt.segments = p.seg;
+  }
   ops::attention(p.q, p.k, p.v, p.out, p.lse, opt);
   ops::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.dq, p.dk, p.dv, opt);
   // The bounds (see naive) doubled for second-order terms; in f64 the reference rounds like the
@@ -294,6 +323,16 @@ const config configs[] = {
 
 TEST_CASE("attention matches a naive reference in f64", "[cpu]") {
   for (const config& c : configs) check(c, dtype::f64);
+}
+
+TEST_CASE("attention keeps packed segments apart like a masked naive reference", "[cpu]") {
+  // Segments that start inside, at and after 64-key tile boundaries (a query block whose later
+  // queries see no key of the first tiles it visits), one-token segments, and GQA.
+  const std::vector<std::vector<std::int64_t>> rows{{70, 1, 57, 22}, {1, 63, 64, 22}};
+  for (dtype t : {dtype::f64, dtype::f32}) {
+    check({2, 150, 150, 4, 2, 16, true}, t, rows);
+    check({2, 150, 150, 2, 2, 20, false}, t, rows);  // segments alone, no causal mask
+  }
 }
 
 TEST_CASE("attention matches a naive reference in f32", "[cpu]") {

@@ -298,6 +298,9 @@ attention_args<T, L> make_args(const char* op, const tensor& q, const tensor& k,
   p.heads = q.size(2);
   p.keys = k.size(1);
   p.kv_heads = k.size(2);
+  TROUPE_CHECK(!opt.segments.defined(), "cuda ", op,
+               ": segment ids (packed rows) are not supported on CUDA yet; run packed rows on the "
+               "CPU or without packing");
   TROUPE_CHECK(q.size(3) <= max_d, "cuda ", op, ": head dimension ", q.size(3), " exceeds ", max_d);
   TROUPE_CHECK(p.heads <= 65535 && p.batch <= 65535, "cuda ", op, ": batch ", p.batch, " or heads ",
                p.heads, " exceed the grid limit 65535");

@@ -1,0 +1,98 @@
+// troupe dpo: Direct Preference Optimization (models/post/dpo_step.hpp) on preference pairs
+// (JSONL of {"prompt", "chosen", "rejected"}, as strings or as lists of messages with a chat
+// template), against a frozen reference: a copy of the starting weights, run forward only in
+// the same process. Sigmoid loss with label smoothing, or IPO; TRL's metrics in the log.
+#include <fmt/core.h>
+
+#include <memory>
+
+#include "apps/commands.hpp"
+#include "apps/post_run.hpp"
+#include "models/post/dpo_step.hpp"
+#include "models/post/preference_data.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::apps {
+namespace {
+
+struct dpo_cli : post_cli {
+  double beta = 0.1, label_smoothing = 0.0;
+  std::string loss = "sigmoid";
+};
+
+int run_dpo(const dpo_cli& c) {
+  // A micro-batch of --batch pairs is 2 x --batch rows.
+  post_setup s = prepare_post(c, "dpo", 2);
+  auto type = models::parse_dpo_loss_type(c.loss);
+  if (!type) throw error("--loss: " + type.error_message());
+  const models::dpo_options opt{
+      .type = *type, .beta = c.beta, .label_smoothing = c.label_smoothing};
+  TROUPE_CHECK(c.beta > 0, "--beta must be > 0, got ", c.beta);
+  TROUPE_CHECK(c.label_smoothing >= 0 && c.label_smoothing < 0.5,
+               "--label-smoothing must be in [0, 0.5), got ", c.label_smoothing);
+  const models::preference_options po{.format = s.format,
+                                      .seq = s.cfg.seq,
+                                      .truncate = c.truncate,
+                                      .pad_id = s.tok->eos_id() >= 0 ? s.tok->eos_id() : 0};
+  auto rows = std::make_shared<const models::preference_rows>(
+      models::read_preference_jsonl(c.data, *s.tok, s.specials, po).value());
+  auto policy = make_post_model(s);
+  auto reference = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq});
+  ops::copy(policy->memory().params(), reference->memory().params());  // frozen: never stepped
+  models::trainer tr(*policy, s.cfg);
+  fmt::print("troupe dpo: {} ({:.2f} M parameters), loss {} beta {} label smoothing {}\n", s.label,
+             static_cast<double>(policy->slots().param_count()) / 1e6, c.loss, c.beta,
+             c.label_smoothing);
+  fmt::print("data: {}: {} pairs, {} per micro-batch; the reference is the starting weights\n",
+             c.data, rows->pairs(), s.per_batch);
+  auto json = open_post_json(c.json_path);
+  models::dpo_result last;
+  const auto micro = models::dpo_micro_batch(rows, *reference, s.per_batch, opt,
+                                             [&](const models::dpo_result& r) { last = r; });
+  models::train_hooks hooks;
+  hooks.on_step = [&](const models::step_result& r) {
+    if (json)
+      fmt::print(json.get(),
+                 "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, "
+                 "\"rewards/chosen\": {}, \"rewards/rejected\": {}, \"rewards/accuracies\": {}, "
+                 "\"rewards/margins\": {}}}\n",
+                 r.step, r.loss, r.grad_norm, r.lr, last.rewards_chosen, last.rewards_rejected,
+                 last.accuracy, last.margin);
+    if (r.step % s.cfg.log_every == 0 || r.step == s.cfg.steps || r.step == 1)
+      fmt::print(
+          "step {:5d}/{}  loss {:.4f}  rewards/chosen {:.3f}  rewards/rejected {:.3f}  "
+          "accuracy {:.2f}  margin {:.3f}  grad norm {:.3f}\n",
+          r.step, s.cfg.steps, r.loss, last.rewards_chosen, last.rewards_rejected, last.accuracy,
+          last.margin, r.grad_norm);
+    std::fflush(stdout);
+  };
+  hooks.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
+    fmt::print("{}\n", models::hf::saved_line(dir, step, held));
+  };
+  const auto run =
+      models::run_train_loop(s.cfg, 0, models::trainer_policy(tr, s.mcfg, micro), hooks);
+  fmt::print("{}\n", models::trained_line(run));
+  if (!s.cfg.ckpt_dir.empty())
+    fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", s.cfg.ckpt_dir,
+               s.cfg.ckpt_dir);
+  return 0;
+}
+
+}  // namespace
+
+command_fn add_dpo_command(CLI::App& app) {
+  auto c = std::make_shared<dpo_cli>();
+  auto* sub = app.add_subcommand(
+      "dpo", "Direct Preference Optimization on preference pairs against a frozen reference");
+  add_post_flags(sub, *c, "Pairs per micro-batch");
+  sub->add_option("--beta", c->beta, "DPO beta")->capture_default_str();
+  sub->add_option("--loss", c->loss, "sigmoid or ipo")->capture_default_str();
+  sub->add_option("--label-smoothing", c->label_smoothing, "Conservative DPO (sigmoid only)")
+      ->capture_default_str();
+  return [sub, c]() -> int {
+    if (!sub->parsed()) return -1;
+    return run_dpo(*c);
+  };
+}
+
+}  // namespace troupe::apps
