@@ -66,16 +66,8 @@ int run_dpo(const dpo_cli& c) {
           last.margin, r.grad_norm);
     std::fflush(stdout);
   };
-  hooks.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
-    fmt::print("{}\n", models::hf::saved_line(dir, step, held));
-  };
-  const auto run =
-      models::run_train_loop(s.cfg, 0, models::trainer_policy(tr, s.mcfg, micro), hooks);
-  fmt::print("{}\n", models::trained_line(run));
-  if (!s.cfg.ckpt_dir.empty())
-    fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", s.cfg.ckpt_dir,
-               s.cfg.ckpt_dir);
-  return 0;
+  return run_post_loop(s, models::trainer_policy(tr, s.mcfg, micro), std::move(hooks),
+                       "HF layout; troupe generate --model " + s.cfg.ckpt_dir);
 }
 
 }  // namespace

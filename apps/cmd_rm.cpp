@@ -51,14 +51,7 @@ int run_rm(const post_cli& c) {
                  r.step, s.cfg.steps, r.loss, last.accuracy, r.grad_norm, r.lr);
     std::fflush(stdout);
   };
-  hooks.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
-    fmt::print("{}\n", models::hf::saved_line(dir, step, held));
-  };
-  const auto run = models::run_train_loop(s.cfg, 0, policy, hooks);
-  fmt::print("{}\n", models::trained_line(run));
-  if (!s.cfg.ckpt_dir.empty())
-    fmt::print("checkpoint: {} (HF ...ForSequenceClassification layout)\n", s.cfg.ckpt_dir);
-  return 0;
+  return run_post_loop(s, policy, std::move(hooks), "HF ...ForSequenceClassification layout");
 }
 
 }  // namespace

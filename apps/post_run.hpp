@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -163,6 +164,19 @@ inline std::unique_ptr<std::FILE, int (*)(std::FILE*)> open_post_json(const std:
   json.reset(path == "-" ? fdopen(dup(STDOUT_FILENO), "w") : std::fopen(path.c_str(), "w"));
   TROUPE_CHECK(json != nullptr, "--json: cannot write ", path);
   return json;
+}
+
+// Runs the one training loop (models/train_loop.hpp) with the command's policy and hooks, prints
+// each save, the closing line and where the checkpoint went (`layout`: what kind of folder it is).
+inline int run_post_loop(const post_setup& s, const models::train_policy& policy,
+                         models::train_hooks hooks, const std::string& layout) {
+  hooks.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
+    fmt::print("{}\n", models::hf::saved_line(dir, step, held));
+  };
+  const auto run = models::run_train_loop(s.cfg, 0, policy, hooks);
+  fmt::print("{}\n", models::trained_line(run));
+  if (!s.cfg.ckpt_dir.empty()) fmt::print("checkpoint: {} ({})\n", s.cfg.ckpt_dir, layout);
+  return 0;
 }
 
 }  // namespace troupe::apps
