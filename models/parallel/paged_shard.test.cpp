@@ -14,6 +14,7 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -76,24 +77,30 @@ std::vector<rank_result> run(bool llama, const train_config& c,
   std::vector<std::exception_ptr> errors(dp);
   std::vector<std::thread> threads;
   const bool bf16 = c.precision == "bf16";
+  // A rank that fails aborts the group; its model and trainer live until every rank is out of its
+  // step, so a peer's collective never reads freed buffers.
+  std::latch out_of_steps(dp);
   for (int r = 0; r < dp; ++r)
     threads.emplace_back([&, r] {
+      std::unique_ptr<causal_lm> m;
+      std::unique_ptr<model_producer> inner;
+      std::unique_ptr<mixed_piece> mixed;
+      std::unique_ptr<dp_trainer> trainer;
       try {
         auto cfg = named_model_config(llama ? "llama-tiny" : "gpt2-demo", 29).value();
-        auto m =
-            make_causal_lm(cfg, {dp_trainer::microbatch_rows(c), c.seq},
+        m = make_causal_lm(cfg, {dp_trainer::microbatch_rows(c), c.seq},
                            bf16 ? dtype::bf16 : dtype::f32, device::cpu(), {.recompute = true});
         m->init_weights(5);
-        model_producer inner(*m);
-        std::unique_ptr<mixed_piece> mixed;
-        if (bf16) mixed = std::make_unique<mixed_piece>(inner);
-        grad_producer& piece = bf16 ? static_cast<grad_producer&>(*mixed) : inner;
+        inner = std::make_unique<model_producer>(*m);
+        if (bf16) mixed = std::make_unique<mixed_piece>(*inner);
+        grad_producer& piece = bf16 ? static_cast<grad_producer&>(*mixed) : *inner;
         dp_options o{.bucket_bytes = bucket_bytes};
         if (tiers) {
           o.moments = *tiers;
           o.moments->nvme_dir += "/dp" + std::to_string(r);
         }
-        dp_trainer t(piece, c, *comms[r], o);
+        trainer = std::make_unique<dp_trainer>(piece, c, *comms[r], o);
+        dp_trainer& t = *trainer;
         auto& res = out[r];
         for (int s = 0; s < c.steps; ++s) {
           res.steps.push_back(t.step(rows_of));
@@ -115,6 +122,7 @@ std::vector<rank_result> run(bool llama, const train_config& c,
         errors[r] = std::current_exception();
         for (auto& comm : comms) comm->abort("rank " + std::to_string(r) + " failed");
       }
+      out_of_steps.arrive_and_wait();
     });
   for (auto& t : threads) t.join();
   for (auto& e : errors)
