@@ -22,45 +22,25 @@
 #include "models/parallel/mixed_piece.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/paged_moments.hpp"
+#include "models/parallel/paged_testing.hpp"
+#include "models/parallel/testing.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
 using namespace troupe::models::parallel;
+using troupe::models::testing::flat;
+using troupe::models::testing::paged_rows;
+using troupe::models::testing::paged_run;
+using troupe::models::testing::temp_folder;
 namespace fs = std::filesystem;
 
 namespace {
-
-void rows_of(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
-  rows.resize(static_cast<std::size_t>(batch) * seq);
-  for (std::size_t i = 0; i < rows.size(); ++i)
-    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3 + (i * draw) % 5) % 29);
-}
-
-train_config tiny_run(int zero, bool bf16) {
-  train_config c;
-  c.steps = 4;
-  c.batch = 4;
-  c.seq = 8;
-  c.grad_accum = 2;
-  c.lr = 3e-3;
-  c.warmup = 2;
-  c.clip = 0.5;  // the first steps' norms exceed it
-  c.decay_exempt = true;
-  c.plan.dp = 2;
-  c.plan.zero = zero;
-  if (bf16) c.precision = "bf16";
-  return c;
-}
 
 struct rank_result {
   std::vector<step_result> steps;
   std::vector<float> params, m, v;
   memory::tier_report tiers;
 };
-
-std::vector<float> host_f32(const tensor& t) {
-  return {t.data_as<float>(), t.data_as<float>() + t.numel()};
-}
 
 // dp 2 ranks of a tiny GPT-2 or Llama (bf16: under mixed_piece); moments in tiers when given.
 std::vector<rank_result> run(bool llama, const train_config& c,
@@ -91,12 +71,12 @@ std::vector<rank_result> run(bool llama, const train_config& c,
         }
         dp_trainer t(piece, c, *comms[r], o);
         auto& res = out[r];
-        for (int s = 0; s < c.steps; ++s) res.steps.push_back(t.step(rows_of));
+        for (int s = 0; s < c.steps; ++s) res.steps.push_back(t.step(paged_rows));
         t.gather_full_parameters();
-        res.params = host_f32(piece.memory().params());
+        res.params = flat(piece.memory().params());
         const auto st = t.optimizer_state();
-        res.m = host_f32(st.m);
-        res.v = host_f32(st.v);
+        res.m = flat(st.m);
+        res.v = flat(st.v);
         if (auto* tm = t.moment_tiers_manager(); tm != nullptr) res.tiers = tm->report();
       } catch (...) {
         errors[r] = std::current_exception();
@@ -108,19 +88,6 @@ std::vector<rank_result> run(bool llama, const train_config& c,
     if (e) std::rethrow_exception(e);
   return out;
 }
-
-struct temp_folder {
-  explicit temp_folder(const std::string& what)
-      : path(fs::temp_directory_path() /
-             ("troupe_paged_moments_" + what + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-  }
-  ~temp_folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  fs::path path;
-};
 
 // Moments homed on NVMe in small segments, with a host pool of four segments: every update reads
 // every segment back from the file and writes it out again.
@@ -167,29 +134,29 @@ void check_same(const std::vector<rank_result>& want, const std::vector<rank_res
 
 TEST_CASE("ZeRO 3 on two ranks with its moments paged to NVMe trains as without tiers",
           "[offload]") {
-  temp_folder dir("zero3");
+  temp_folder dir("paged_moments", "zero3");
   SECTION("gpt2, f32") {
-    const auto c = tiny_run(3, false);
+    const auto c = paged_run(3, false);
     check_same(run(false, c, std::nullopt), run(false, c, on_nvme(dir.path)));
   }
   SECTION("llama, bf16 with f32 master weights") {
-    const auto c = tiny_run(3, true);
+    const auto c = paged_run(3, true);
     check_same(run(true, c, std::nullopt), run(true, c, on_nvme(dir.path)));
   }
 }
 
 TEST_CASE("ZeRO 1 and 2 page their moments as ZeRO 3 does", "[offload]") {
-  temp_folder dir("zero12");
+  temp_folder dir("paged_moments", "zero12");
   for (int zero : {1, 2}) {
     INFO("zero " << zero);
-    const auto c = tiny_run(zero, false);
+    const auto c = paged_run(zero, false);
     check_same(run(false, c, std::nullopt), run(false, c, on_nvme(dir.path)));
   }
 }
 
 TEST_CASE("the paged moments resume from a copy written into optimizer_state", "[offload]") {
   // A resume writes the moments into optimizer_state()'s views; the next update must use them.
-  temp_folder dir("resume");
+  temp_folder dir("paged_moments", "resume");
   moment_tiers t = on_nvme(dir.path);
   paged_moments pm(10000, t);
   owned_tensor m = zeros({10000}), v = zeros({10000});
@@ -208,7 +175,7 @@ TEST_CASE("the paged moments resume from a copy written into optimizer_state", "
 
 TEST_CASE("moments in tiers without a ZeRO shard are refused naming the setting",
           "[offload][faults]") {
-  train_config c = tiny_run(0, false);
+  train_config c = paged_run(0, false);
   c.plan.dp = 1;
   auto comms = collective::make_local_group(1);
   auto m = make_causal_lm(named_model_config("gpt2-demo", 29).value(), {4, 8});

@@ -25,35 +25,19 @@
 #include "models/parallel/mixed_piece.hpp"
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/paged_shard.hpp"
+#include "models/parallel/paged_testing.hpp"
+#include "models/parallel/testing.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
 using namespace troupe::models::parallel;
+using troupe::models::testing::flat;
+using troupe::models::testing::paged_rows;
+using troupe::models::testing::paged_run;
+using troupe::models::testing::temp_folder;
 namespace fs = std::filesystem;
 
 namespace {
-
-void rows_of(std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
-  rows.resize(static_cast<std::size_t>(batch) * seq);
-  for (std::size_t i = 0; i < rows.size(); ++i)
-    rows[i] = static_cast<std::int32_t>((draw * 131 + i * i * 7 + i * 3 + (i * draw) % 5) % 29);
-}
-
-train_config tiny_run(int zero, bool bf16) {
-  train_config c;
-  c.steps = 4;
-  c.batch = 4;
-  c.seq = 8;
-  c.grad_accum = 2;
-  c.lr = 3e-3;
-  c.warmup = 2;
-  c.clip = 0.5;  // the first steps' norms exceed it
-  c.decay_exempt = true;
-  c.plan.dp = 2;
-  c.plan.zero = zero;
-  if (bf16) c.precision = "bf16";
-  return c;
-}
 
 struct rank_result {
   std::vector<step_result> steps;
@@ -63,10 +47,6 @@ struct rank_result {
   std::int64_t shard_elements = 0;
   std::size_t segments = 0;
 };
-
-std::vector<float> host_f32(const tensor& t) {
-  return {t.data_as<float>(), t.data_as<float>() + t.numel()};
-}
 
 // dp 2 ranks of a tiny GPT-2 or Llama (bf16: under mixed_piece); moments in tiers when given.
 std::vector<rank_result> run(bool llama, const train_config& c,
@@ -103,19 +83,19 @@ std::vector<rank_result> run(bool llama, const train_config& c,
         dp_trainer& t = *trainer;
         auto& res = out[r];
         for (int s = 0; s < c.steps; ++s) {
-          res.steps.push_back(t.step(rows_of));
+          res.steps.push_back(t.step(paged_rows));
           if (s != 1) continue;
           // A checkpoint's uses between steps: everything gathered, the moments copied out (and
           // written back by the next step).
           t.gather_full_parameters();
-          res.mid_params = host_f32(piece.memory().params());
-          res.mid_m = host_f32(t.optimizer_state().m);
+          res.mid_params = flat(piece.memory().params());
+          res.mid_m = flat(t.optimizer_state().m);
         }
         t.gather_full_parameters();
-        res.params = host_f32(piece.memory().params());
+        res.params = flat(piece.memory().params());
         const auto st = t.optimizer_state();
-        res.m = host_f32(st.m);
-        res.v = host_f32(st.v);
+        res.m = flat(st.m);
+        res.v = flat(st.v);
         if (auto* tm = t.moment_tiers_manager(); tm != nullptr) res.tiers = tm->report();
         for (const auto& b : t.buckets()) res.shard_elements += b.chunk;
       } catch (...) {
@@ -129,19 +109,6 @@ std::vector<rank_result> run(bool llama, const train_config& c,
     if (e) std::rethrow_exception(e);
   return out;
 }
-
-struct temp_folder {
-  explicit temp_folder(const std::string& what)
-      : path(fs::temp_directory_path() /
-             ("troupe_paged_shard_" + what + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-  }
-  ~temp_folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  fs::path path;
-};
 
 // The shard homed on NVMe in segments of two buckets' chunks, with a host pool of `slots`
 // segments.
@@ -198,7 +165,7 @@ void check_same(const std::vector<rank_result>& want, const std::vector<rank_res
 
 TEST_CASE("ZeRO 3 with its whole shard paged to NVMe trains as with the shard in memory",
           "[offload]") {
-  temp_folder dir("zero3");
+  temp_folder dir("paged_shard", "zero3");
   // 64 KiB buckets (32 KiB chunks per rank), segments of two chunks, a host pool of 20 segments:
   // about a quarter of the shard's state. Gradient accumulation: train.grad_accum 2 and two
   // microbatches per rank (the second reduction of each bucket goes through the staging ring and
@@ -209,12 +176,12 @@ TEST_CASE("ZeRO 3 with its whole shard paged to NVMe trains as with the shard in
   };
   const std::size_t bucket = 64 << 10, slots = 20;
   SECTION("gpt2, f32") {
-    const auto c = with_accumulation(tiny_run(3, false));
+    const auto c = with_accumulation(paged_run(3, false));
     check_same(run(false, c, std::nullopt, bucket),
                run(false, c, on_nvme(dir.path, bucket, slots), bucket), slots * bucket);
   }
   SECTION("llama, bf16 with f32 master weights") {
-    const auto c = with_accumulation(tiny_run(3, true));
+    const auto c = with_accumulation(paged_run(3, true));
     check_same(run(true, c, std::nullopt, bucket),
                run(true, c, on_nvme(dir.path, bucket, slots), bucket), slots * bucket);
   }
@@ -222,8 +189,8 @@ TEST_CASE("ZeRO 3 with its whole shard paged to NVMe trains as with the shard in
 
 TEST_CASE("a paged ZeRO 3 shard whose host pool cannot hold one update is refused naming the flag",
           "[offload][faults]") {
-  temp_folder dir("small");
-  const auto c = tiny_run(3, false);
+  temp_folder dir("paged_shard", "small");
+  const auto c = paged_run(3, false);
   try {
     run(false, c, on_nvme(dir.path, 64 << 10, 3), 64 << 10);
     FAIL("a host pool of 3 segments was accepted");
@@ -240,8 +207,8 @@ TEST_CASE(
     "[offload][faults]") {
   // Five segments hold the update's four, but a block's parameter gathers pin six (twelve 64 KiB
   // buckets): both ranks fail at the same acquire of the first step, before its collective.
-  temp_folder dir("gathers");
-  const auto c = tiny_run(3, false);
+  temp_folder dir("paged_shard", "gathers");
+  const auto c = paged_run(3, false);
   try {
     run(false, c, on_nvme(dir.path, 64 << 10, 5), 64 << 10);
     FAIL("a host pool of 5 segments was accepted");
