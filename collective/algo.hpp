@@ -62,9 +62,14 @@ struct direct_msg {
 struct direct_state {
   enum class mode { unknown, on, off };
   mode m = mode::unknown;
-  std::uint64_t probe = 0;  // the word peers read in the setup probe
-  std::string comm_name;    // for the one log line when the probe fails
-  const char* op = "";      // the running op's name, for error texts ("direct all_gather: ...")
+  // This rank's state word, which peers read directly: magic ^ pid from the probe on (the probe
+  // reads it), left_magic ^ pid once this communicator failed an op (direct_left). Never freed
+  // (direct_sync.cpp), so a peer may still read it after this communicator is gone.
+  std::atomic<std::uint64_t>* word = nullptr;
+  std::vector<std::uint64_t> word_at;  // each peer's state word (the address in its process)
+  std::vector<int> pid_of;             // each peer's pid, both from the probe, by group rank
+  std::string comm_name;               // for the one log line when the probe fails
+  const char* op = "";  // the running op's name, for error texts ("direct all_gather: ...")
   direct_msg out;
   std::vector<direct_msg> outs;  // the hello to each peer, by group rank
   std::vector<direct_msg> in;    // by group rank
@@ -151,6 +156,11 @@ void direct_round(op_context& c, const std::function<void()>& local,
                   const std::function<void(std::vector<p2p_request>&)>& body);
 // Between pieces: throws when a peer said "stop" (its end message arrived early).
 void poll_stops(op_context& c, std::vector<p2p_request>& ends, std::vector<char>& seen);
+// Says that this rank left the communicator's direct ops for good (called once the communicator
+// failed an op and that op returned): it reads or writes no peer's buffers any more, so a peer
+// whose own op failed need not wait for this rank's end message of an op this rank never entered
+// (it failed before: at the op's start, or in the probe while the peer passed it).
+void direct_left(direct_state& d);
 // The hello's `kind`: what the op is, so ranks that issue different ops fail naming them.
 inline std::int32_t direct_kind(op_kind k, dtype t, reduce_op op) {
   return static_cast<std::int32_t>(k) << 16 | static_cast<std::int32_t>(t) << 8 |

@@ -21,10 +21,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <mutex>
 
 #include "collective/algo.hpp"
 #include "memory/error.hpp"
@@ -34,6 +37,16 @@ namespace troupe::collective::detail {
 namespace {
 
 constexpr std::uint64_t hello_magic = 0x74726f7570654441ull;  // "troupeDA"
+constexpr std::uint64_t left_magic = 0x74726f7570654c46ull;   // "troupeLF"
+
+// A state word that lives as long as the process: a peer may read it (process_vm_readv) after
+// the communicator that owned it is gone. One word per communicator that ever probed.
+std::atomic<std::uint64_t>* new_state_word() {
+  static std::mutex mu;
+  static std::deque<std::atomic<std::uint64_t>> words;  // never shrinks: addresses stay valid
+  std::lock_guard lk(mu);
+  return &words.emplace_back(0);
+}
 
 // Copies `bytes` between `local` and `remote` in process `pid` (process_vm_readv, or
 // process_vm_writev when `write`); 0 or the errno of the failure.
@@ -95,10 +108,11 @@ std::array<std::uint64_t, 8> setup_of(const algo_tuning& t) {
 // answer.
 bool probe(op_context& c, direct_state& d, bool local) {
   const int n = c.n, me = c.me;
-  d.probe = hello_magic ^ static_cast<std::uint64_t>(getpid());
+  if (d.word == nullptr) d.word = new_state_word();
+  d.word->store(hello_magic ^ static_cast<std::uint64_t>(getpid()), std::memory_order_release);
   // The shared-memory segment's descriptor (or ~0: none) travels in aux.
   const int fd = local && c.tune.shm ? shm_create(d, n, c.tune) : -1;
-  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(&d.probe),
+  d.out = direct_msg{hello_magic, reinterpret_cast<std::uint64_t>(d.word),
                      0,           fd >= 0 ? static_cast<std::uint64_t>(fd) : ~std::uint64_t{0},
                      getpid(),    0};
   d.tuning_in.assign(n, {});
@@ -111,6 +125,13 @@ bool probe(op_context& c, direct_state& d, bool local) {
   wait_from_all(c, rs);
   wait_from_all(c, setup_rs);
   c.wait_all(sends);
+  d.word_at.assign(n, 0);
+  d.pid_of.assign(n, 0);
+  for (int g = 0; g < n; ++g) {
+    if (g == me) continue;
+    d.word_at[g] = d.in[g].addr;
+    d.pid_of[g] = d.in[g].pid;
+  }
   for (int g = 0; g < n; ++g) {
     if (g == me) continue;
     for (std::size_t i = 0; i < setup_names.size(); ++i)
@@ -177,19 +198,29 @@ void throw_if_stopped(op_context& c, direct_state& d, int g) {
 }
 
 // Whether peer g is lost or its process is gone (then it reads or writes nothing any more).
-bool peer_gone(op_context& c, direct_state& d, int g, bool hellos) {
-  std::uint8_t b;
+bool peer_gone(op_context& c, direct_state& d, int g) {
+  std::uint64_t v = 0;
   return !c.t.peer_failure(c.ranks[g]).empty() ||
-         (hellos && try_copy(d.in[g].pid, &b, d.in[g].addr, 1) == ESRCH);
+         try_copy(d.pid_of[g], &v, d.word_at[g], sizeof v) == ESRCH;
+}
+
+// Whether peer g left this communicator's direct ops (direct_left): its state word says so.
+bool peer_left(direct_state& d, int g) {
+  std::uint64_t v = 0;
+  return try_copy(d.pid_of[g], &v, d.word_at[g], sizeof v) == 0 &&
+         v == (left_magic ^ static_cast<std::uint64_t>(d.pid_of[g]));
 }
 
 // After this rank's op failed: tells every peer to stop (unless it already said "done") and waits
-// until each peer's end message ("done" or "stop") arrived, the peer is lost, or its process is
-// gone, so that no peer reads or writes this rank's buffers after the op returns. The wait ignores
-// abort() and the op's deadline (either may be why the op failed) and is bounded by the op's
-// timeout (at least 1 s) where it has one, else only by the membership layer declaring the peer
-// lost; a peer that neither answers nor dies within that bound is the residual case (logged).
-void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends, bool hellos,
+// until each peer's end message ("done" or "stop") arrived, the peer is lost, its process is gone,
+// or it left the communicator's direct ops (a peer that failed this op before its hello round - at
+// the op's start, or in the probe that this rank passed - sends no end message: seen when a rank
+// died during the probe), so that no peer reads or writes this rank's buffers after the op returns.
+// The wait ignores abort() and the op's deadline (either may be why the op failed) and is bounded
+// by the op's timeout (at least 1 s) where it has one, else only by the membership layer declaring
+// the peer lost; a peer that neither answers nor dies within that bound is the residual case
+// (logged).
+void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends,
                 bool sent_done) noexcept {
   using clock = std::chrono::steady_clock;
   const auto until = c.timeout.count() > 0
@@ -198,7 +229,7 @@ void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends, 
   // Relay the "stop" that stopped this rank, else name a lost peer, else this rank.
   d.stop = d.stopped_by != 0 ? d.stopped_by : 2 + 2 * static_cast<std::uint32_t>(c.ranks[c.me]);
   for (int g = 0; g < c.n && d.stopped_by == 0; ++g)
-    if (g != c.me && peer_gone(c, d, g, hellos)) {
+    if (g != c.me && peer_gone(c, d, g)) {
       d.stop = 3 + 2 * static_cast<std::uint32_t>(c.ranks[g]);
       break;
     }
@@ -222,7 +253,7 @@ void stop_peers(op_context& c, direct_state& d, std::vector<p2p_request>& ends, 
           break;  // the request failed: the peer is lost
         }
       }
-      if (peer_gone(c, d, g, hellos)) break;
+      if (peer_gone(c, d, g) || peer_left(d, g)) break;
       if (clock::now() > until) {
         std::fprintf(stderr,
                      "troupe: %s: direct %s failed on rank %d and rank %d neither stopped nor was "
@@ -295,7 +326,7 @@ void direct_round(op_context& c, const std::function<void()>& local,
   sends.reserve(2 * n);
   recv_from_all(c, d.in, hello_rs);
   recv_from_all(c, d.finished, finished_rs);
-  bool hellos = false, sent_done = false;
+  bool sent_done = false;
   try {
     for (int j = 1; j < n; ++j) {
       const int g = (me + j) % n;
@@ -305,7 +336,6 @@ void direct_round(op_context& c, const std::function<void()>& local,
     }
     local();
     wait_from_all(c, hello_rs);
-    hellos = true;
     for (int g = 0; g < n; ++g) {
       if (g == me) continue;
       TROUPE_CHECK(d.in[g].magic == hello_magic, "direct ", d.op, ": rank ", c.ranks[g],
@@ -323,9 +353,14 @@ void direct_round(op_context& c, const std::function<void()>& local,
     }
     c.wait_all(sends);
   } catch (...) {
-    stop_peers(c, d, finished_rs, hellos, sent_done);
+    stop_peers(c, d, finished_rs, sent_done);
     throw;
   }
+}
+
+void direct_left(direct_state& d) {
+  if (d.word != nullptr)
+    d.word->store(left_magic ^ static_cast<std::uint64_t>(getpid()), std::memory_order_release);
 }
 
 }  // namespace troupe::collective::detail

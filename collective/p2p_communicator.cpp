@@ -262,6 +262,7 @@ struct comm_core {
     if (w.finished()) return;  // failed by abort while queued
     if (broken.load()) {
       fail_work(w, broken_cause());
+      detail::direct_left(direct);
       return;
     }
     record_running(w.seq);
@@ -289,6 +290,8 @@ struct comm_core {
       settle(w, nullptr, {});
     } else {
       fail_work(w, why);
+      // The op returned: this rank touches no peer's buffers any more (algo.hpp).
+      detail::direct_left(direct);
       if (!waiting.empty()) abort_after_deadline(w, waiting);
     }
   }
@@ -458,6 +461,9 @@ struct comm_core {
       std::lock_guard lock(mu);
       doomed.swap(queue);
       queued.store(0);
+      // Nothing runs: this rank touches no peer's buffers any more (else the running op, failed
+      // by `cancelled`, says so when it returns).
+      if (!running) detail::direct_left(direct);
     }
     for (auto& w : doomed) {
       fail_work(*w, "aborted: " + reason);

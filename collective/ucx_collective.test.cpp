@@ -540,6 +540,61 @@ TEST_CASE("a rank whose direct allreduce fails stops its peers writing into its 
   CHECK(rc == 0);
 }
 
+TEST_CASE("ranks stopping a direct allreduce do not wait for a rank that left before it",
+          "[collective][multirank]") {
+  // A rank whose op fails before its hello round (here its communicator was aborted; in CI a rank
+  // died inside the probe, which one survivor passed while the others failed in it) never sends
+  // the end message its stopped peers wait for. With no op deadline they waited for it forever;
+  // they must see instead that the rank left the communicator's direct ops.
+  const int n = 3, leaver = 2;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  int rc = run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 12), "ucx");
+        auto side = make_communicator(t, everyone(n, 13), "ucx");
+        c->set_timeout(std::chrono::milliseconds{0});  // none: only abort() ends the op below
+        std::vector<float> d(std::size_t{1} << 20, 1.0f);
+        c->allreduce(d.data(), d.size(), dtype::f32).wait();  // the probe: direct everywhere
+        std::string err;
+        if (t.rank() == leaver) {
+          c->abort("rank 2 leaves");
+          try {
+            c->allreduce(d.data(), d.size(), dtype::f32).wait();
+          } catch (const troupe::error& e) {
+            err = e.what();
+          }
+          side->barrier().wait();  // tells the others it left
+          return err.find("rank 2 leaves") != std::string::npos ? 0 : 1;
+        }
+        // Waits in the direct round for the leaver's hello, which never comes.
+        work w = c->allreduce(d.data(), d.size(), dtype::f32);
+        for (;;) {  // until the op runs (the flight recorder's state)
+          bool running = false;
+          for (const auto& r : c->recent())
+            running = running || (r.seq == 2 && r.state == "running");
+          if (running) break;
+          std::this_thread::yield();
+        }
+        side->barrier().wait();
+        c->abort("stopped by the test");
+        try {
+          w.wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        if (err.find("stopped by the test") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected the abort's reason, got '%s'\n", t.rank(),
+                       err.c_str());
+          return 1;
+        }
+        return 0;
+      },
+      opt);
+  CHECK(rc == 0);
+}
+
 TEST_CASE("ranks whose direct allreduce tuning differs fail naming the setting",
           "[collective][multirank]") {
   const int n = 3;
