@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -79,7 +80,8 @@ struct coordinator_state {
   std::uint64_t epoch = 0;
   std::map<std::string, barrier_rec> barriers;
   std::set<caf::node_id> warned;
-  std::deque<membership_event> events;  // the snapshot's membership log, the last 200
+  std::deque<membership_event> events;                // the snapshot's membership log, the last 200
+  std::map<std::string, std::uint64_t> event_counts;  // every event, by kind
   clock::time_point born = clock::now();
   clock::time_point last_waiting_log = clock::now();
   std::uint64_t msgs_in = 0, msgs_out = 0;
@@ -98,6 +100,7 @@ void remember(coord_actor* self, int rank, const char* kind, const std::string& 
   auto& st = self->state;
   st.events.push_back({seconds_since(st.born), st.epoch, rank, kind, line});
   while (st.events.size() > 200) st.events.pop_front();
+  ++st.event_counts[kind];
 }
 void note(coord_actor* self, int rank, const char* kind, const std::string& line) {
   log(self, line);
@@ -495,6 +498,17 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           fail_forming(self, "rank " + std::to_string(rank) + " " + how + " before joining");
         publish_status(self);
       },
+      [self](msg::job_event& e) -> msg::barrier_reply {
+        auto& st = self->state;
+        ++st.msgs_in;
+        if (!from_member(self, e.rank, "an event")) return {false, "not a member"};
+        const auto& kinds = msg::note_event_kinds;
+        if (std::find(kinds.begin(), kinds.end(), e.kind) == kinds.end())
+          return {false, "event kind '" + e.kind + "' is not one a member may note"};
+        if (e.detail.size() > 4096) e.detail.resize(4096);
+        remember(self, e.rank, e.kind.c_str(), e.detail);
+        return {true, {}};
+      },
       [self](msg::leave_request& req) -> msg::barrier_reply {
         auto& st = self->state;
         ++st.msgs_in;
@@ -561,6 +575,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         }
         g->snap.actors.push_back(own_state(self));
         g->snap.events.assign(st.events.begin(), st.events.end());
+        g->snap.event_counts = st.event_counts;
         auto done = [g] {
           if (--g->pending == 0) g->rp.deliver(std::move(g->snap));
         };

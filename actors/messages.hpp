@@ -10,8 +10,10 @@
 #include <caf/meta/type_name.hpp>
 #include <caf/type_id.hpp>
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "actors/introspection/snapshot.hpp"
@@ -122,7 +124,15 @@ struct barrier_request {
   std::int32_t rank = -1;
   std::string name;
 };
-// Also the answer to leave_request.
+// A member's line for the job's event log (node::note_event); answered with a barrier_reply.
+struct job_event {
+  std::int32_t rank = -1;
+  std::string kind;  // one of note_event_kinds
+  std::string detail;
+};
+// The kinds a member may note (the others are the coordinator's own).
+inline constexpr std::array<std::string_view, 1> note_event_kinds = {"recovery"};
+// Also the answer to leave_request and job_event.
 struct barrier_reply {
   bool ok = false;
   std::string error;
@@ -228,6 +238,10 @@ typename Inspector::result_type inspect(Inspector& f, joined_ack& x) {
   return f(caf::meta::type_name("troupe::joined_ack"), x.rank, x.joined, x.epoch);
 }
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, job_event& x) {
+  return f(caf::meta::type_name("troupe::job_event"), x.rank, x.kind, x.detail);
+}
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, leave_request& x) {
   return f(caf::meta::type_name("troupe::leave_request"), x.rank);
 }
@@ -302,7 +316,7 @@ typename Inspector::result_type inspect(Inspector& f, member_state& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, job_snapshot& x) {
   return f(caf::meta::type_name("troupe::job_snapshot"), x.job, x.world_size, x.uptime_s, x.members,
-           x.actors, x.events);
+           x.actors, x.events, x.event_counts);
 }
 
 // The messages waiting in an actor's mailbox that it has already sorted into its queues (its
@@ -341,4 +355,5 @@ CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::role_reply))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::actor_state))
 CAF_ADD_TYPE_ID(troupe_actors, (std::vector<troupe::actors::actor_state>))
 CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::job_snapshot))
+CAF_ADD_TYPE_ID(troupe_actors, (troupe::actors::msg::job_event))
 CAF_END_TYPE_ID_BLOCK(troupe_actors)

@@ -1171,6 +1171,25 @@ void node::barrier(const std::string& name, std::chrono::milliseconds timeout) {
   if (!rep.ok) TROUPE_FAIL("rank ", I.rank, ": ", rep.error);
 }
 
+void node::note_event(const std::string& kind, const std::string& detail,
+                      std::chrono::milliseconds timeout) {
+  auto& I = *impl_;
+  TROUPE_CHECK(I.sys && I.coordinator_actor, "rank ", I.rank, ": note_event(\"", kind,
+               "\") after shutdown");
+  caf::scoped_actor self{*I.sys};
+  msg::barrier_reply rep;
+  std::string failure;
+  self->request(I.coordinator_actor, caf::duration{timeout}, msg::job_event{I.rank, kind, detail})
+      .receive([&](msg::barrier_reply& r) { rep = std::move(r); },
+               [&](caf::error& e) { failure = I.sys->render(e); });
+  if (!failure.empty())
+    TROUPE_FAIL(
+        "rank ", I.rank, ": note_event(\"", kind, "\"): the coordinator did not record it: ",
+        failure.find("timeout") != std::string::npos ? "no answer within " + timeout_text(timeout)
+                                                     : failure);
+  if (!rep.ok) TROUPE_FAIL("rank ", I.rank, ": note_event(\"", kind, "\") refused: ", rep.error);
+}
+
 void node::shutdown() {
   auto& I = *impl_;
   if (!I.sys) return;

@@ -224,6 +224,13 @@ class node {
   // After this returns, `id` is not running and never runs again.
   void remove_membership_callback(int id);
 
+  // Adds a line to the job's event log (the snapshot's `events` and `event_counts`: the HTTP page,
+  // /json, Prometheus' troupe_job_events_total) as this rank, e.g. kind "recovery" for an elastic
+  // recovery. Waits until the coordinator recorded it; throws troupe::error naming the kind when
+  // the coordinator refuses it (only msg::note_event_kinds) or does not answer within `timeout`.
+  void note_event(const std::string& kind, const std::string& detail,
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds{5000});
+
   // Blocks until every member in good standing calls barrier() with the same name; throws when a
   // member is lost meanwhile or the timeout (0: none) passes.
   void barrier(const std::string& name = "barrier",

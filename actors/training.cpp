@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -800,6 +801,11 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   };
   auto say = [&](const std::string& line) {
     if (o.on_recovery) o.on_recovery(line);
+    try {  // the job's event log (introspection); the recovery itself does not depend on it
+      n.note_event("recovery", line);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "troupe: %s\n", e.what());
+    }
   };
   // Elastic recovery after step `step` (0-based) failed in `phase`: the lost ranks, the agreement
   // on the last committed step (`committed` steps done: every survivor must hold it), a spare per

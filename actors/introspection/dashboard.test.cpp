@@ -6,6 +6,7 @@
 #include <atomic>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include "actors/introspection/dashboard.hpp"
 #include "actors/introspection/http_client.hpp"
@@ -121,6 +122,39 @@ TEST_CASE("Recorded steps and membership events reach the snapshot, the latest o
   CHECK(snap.events[1].epoch == 1);
   CHECK(snap.events[1].detail.find("joined and connected") != std::string::npos);
   // And both survive /json.
+  auto back = snapshot_from_json(to_json(snap), "test");
+  REQUIRE(back.has_value());
+  check_equal(snap, *back);
+}
+
+TEST_CASE("A member's recovery line reaches the event log, its count and Prometheus",
+          "[introspection]") {
+  one_rank_job w(add_stepper_role, "dashboard-event-test");
+  const std::string line = "elastic: rank 3 (dp 1, pp 1) lost in step 7; rank 4 took its place";
+  w.n->note_event("recovery", line);
+  w.n->note_event("recovery", line + " again");
+  // Kinds the coordinator writes itself are not a member's to note.
+  try {
+    w.n->note_event("lost", "rank 0 lost: a forged line");
+    FAIL("a member noted a 'lost' event");
+  } catch (const troupe::error& e) {
+    CHECK(std::string(e.what()).find("note_event(\"lost\") refused") != std::string::npos);
+  }
+  job_snapshot snap;
+  w.find("none", snap);
+  std::vector<membership_event> recoveries;
+  for (const auto& e : snap.events)
+    if (e.kind == "recovery") recoveries.push_back(e);
+  REQUIRE(recoveries.size() == 2);
+  CHECK(recoveries[0].rank == 0);
+  CHECK(recoveries[0].detail == line);
+  CHECK(recoveries[1].detail == line + " again");
+  for (const auto& e : snap.events) CHECK(e.kind != "lost");
+  CHECK(snap.event_counts.at("recovery") == 2);
+  CHECK(snap.event_counts.at("joined") == 1);
+  CHECK(snap.event_counts.count("lost") == 0);
+  const std::string text = to_prometheus(snap);
+  CHECK(text.find("troupe_job_events_total{kind=\"recovery\"} 2") != std::string::npos);
   auto back = snapshot_from_json(to_json(snap), "test");
   REQUIRE(back.has_value());
   check_equal(snap, *back);

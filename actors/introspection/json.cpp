@@ -137,6 +137,15 @@ class reader {
       }
     }
   }
+  void get(const char* key, std::map<std::string, std::uint64_t>& out) {
+    if (const json* v = find(key)) {
+      if (!v->is_object()) return fail(at(key), "expected an object");
+      for (const auto& [k, x] : v->items()) {
+        if (!x.is_number_unsigned()) return fail(at(key) + "." + k, "expected an unsigned integer");
+        out[k] = x.get<std::uint64_t>();
+      }
+    }
+  }
   void get(const char* key, std::map<std::string, double>& out) {
     if (const json* v = find(key)) {
       if (!v->is_object()) return fail(at(key), "expected an object");
@@ -182,8 +191,11 @@ std::string to_json(const job_snapshot& s) {
   for (const auto& m : s.members) members.push_back(to_j(m));
   for (const auto& a : s.actors) actors.push_back(to_j(a));
   for (const auto& e : s.events) events.push_back(to_j(e));
-  json j = {{"job", s.job},       {"world_size", s.world_size}, {"uptime_s", number(s.uptime_s)},
-            {"members", members}, {"actors", actors},           {"events", events}};
+  json counts = json::object();
+  for (const auto& [kind, n] : s.event_counts) counts[kind] = n;
+  json j = {{"job", s.job},          {"world_size", s.world_size}, {"uptime_s", number(s.uptime_s)},
+            {"members", members},    {"actors", actors},           {"events", events},
+            {"event_counts", counts}};
   // Names and activities come from user code: replace invalid UTF-8 instead of throwing.
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
@@ -271,6 +283,7 @@ expected<job_snapshot> snapshot_from_json(std::string_view text, const std::stri
       s.events.push_back(std::move(e));
     }
   }
+  top.get("event_counts", s.event_counts);
   if (!problem.empty()) return expected<job_snapshot>::failure(source + ": " + problem);
   return s;
 }

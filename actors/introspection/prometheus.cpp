@@ -124,6 +124,9 @@ std::string to_prometheus(const job_snapshot& s) {
   w.sample({}, double(s.world_size));
   w.family("troupe_job_uptime_seconds", "gauge", "Seconds since the job started.");
   w.sample({}, s.uptime_s);
+  w.family("troupe_job_events_total", "counter",
+           "Events of the job's log by kind (joined, lost, recovery, ...).");
+  for (const auto& [kind, n] : s.event_counts) w.sample({{"kind", kind}}, double(n));
 
   w.family("troupe_member_up", "gauge", "1 if the rank process is alive, else 0.");
   for (const auto& m : s.members)

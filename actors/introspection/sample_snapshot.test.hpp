@@ -64,6 +64,7 @@ inline job_snapshot sample_snapshot() {
   s.events = {{0.5, 0, 0, "joined", "rank 0 (host node-a, pid 4101) joined (1 of 3)"},
               {1.25, 1, -1, "started", "all 3 ranks joined and connected"},
               {3000.0, 2, 2, "lost", "rank 2 (host \"node-c\") lost: heartbeat timeout\n"}};
+  s.event_counts = {{"joined", 3}, {"lost", 1}, {"recovery", (1ull << 63) + 1}};
   return s;
 }
 
@@ -137,6 +138,7 @@ inline void check_equal(const job_snapshot& a, const job_snapshot& b) {
     CHECK(a.events[i].kind == b.events[i].kind);
     CHECK(a.events[i].detail == b.events[i].detail);
   }
+  CHECK(a.event_counts == b.event_counts);
 }
 
 }  // namespace troupe::actors::testing

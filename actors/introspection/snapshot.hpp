@@ -68,8 +68,10 @@ struct membership_event {
   double uptime_s = 0;      // the coordinator's uptime at the event
   std::uint64_t epoch = 0;  // the membership epoch after it (0 while the job forms)
   int rank = -1;            // the rank concerned; -1: the whole job
-  std::string kind;    // "joined", "started", "lost", "left", "rejoining", "rejoined", "refused"
-  std::string detail;  // the coordinator's log line
+  // The coordinator's: "joined", "started", "lost", "left", "rejoining", "rejoined", "refused";
+  // a member's (node::note_event): "recovery".
+  std::string kind;
+  std::string detail;  // the log line
 };
 
 struct job_snapshot {
@@ -79,6 +81,9 @@ struct job_snapshot {
   std::vector<member_state> members;
   std::vector<actor_state> actors;
   std::vector<membership_event> events;  // oldest first, the most recent ones (a bounded log)
+  // Every event since the job started, counted by kind (not bounded like `events`): e.g.
+  // "recovery" (an elastic run replaced a lost rank: the training driver's line), "lost".
+  std::map<std::string, std::uint64_t> event_counts;
 };
 
 }  // namespace troupe::actors
