@@ -1,8 +1,12 @@
-// An actor script for GRPO on a verifiable task: a tiny Llama (2 x 64, byte tokens) learns to add
-// two 2-digit numbers ("12+34=" -> "46\n"). First a short SFT from scratch in this process gives
-// it the format and some of the arithmetic; then GRPO (actors/grpo_loop.hpp) trains it with a C++
-// verifier as the reward (1 when the completion is exactly the sum and a newline, else 0), with
-// rollout, reward, reference and trainer actors. It prints the mean reward of every iteration.
+// An actor script for GRPO on a verifiable task: a tiny Llama (2 x 64, byte tokens) adds two
+// numbers ("3+5=" -> "8\n"; --digits 2: "12+34=" -> "46\n"). First a short SFT from scratch in
+// this process, on answers of which half (--sft-noise) are replaced by random numbers, gives it
+// the format and a policy that knows the sum but samples it about half of the time; then GRPO
+// (actors/grpo_loop.hpp) trains it with a C++ verifier as the reward (1 when the completion is
+// exactly the sum and a newline, else 0), with rollout, reward, reference and trainer actors. It
+// prints the mean reward of every iteration (the share of sampled answers that are right).
+// (Without the noise, GRPO has far less to gain on this tiny model: on 2-digit sums after a clean
+// SFT the mean reward stayed flat near 0.25 over 100 iterations at every learning rate tried.)
 //
 //   build/apps/troupe launch -n 1 -- build/apps/examples/troupe_example_grpo
 //   ... --iterations 30 --rollouts 2 --async --beta 0
@@ -13,6 +17,7 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <random>
@@ -29,8 +34,11 @@ using namespace troupe;
 
 namespace {
 
-constexpr std::int64_t prompt_len = 6;  // "ab+cd="
-constexpr std::int64_t max_new = 4;     // up to 3 digits and the newline
+// Operands of `digits` digits (1: 0 to 9; 2: 10 to 99): prompts "a+b=" of one length, answers of
+// up to digits + 1 digits and the newline.
+int digits = 1;
+std::int64_t prompt_len = 4;
+std::int64_t max_new = 3;
 constexpr std::int32_t eos = '\n';
 
 struct problem {
@@ -40,17 +48,25 @@ struct problem {
 };
 
 problem draw(std::mt19937_64& g) {
-  std::uniform_int_distribution<int> d(10, 99);
+  std::uniform_int_distribution<int> d(digits == 1 ? 0 : 10, digits == 1 ? 9 : 99);
   const int a = d(g);
   return {a, d(g)};
 }
 
-// The verifier: the reward actor's C++ function.
+// The verifier: the reward actor's C++ function. Exact: 1 when the completion is the sum and a
+// newline, else 0. Digits (partial credit): the share of the answer's characters (newline
+// included) that the completion has in place, 1 only for the exact answer.
+bool partial_credit = false;
 double verify(std::span<const std::int32_t> prompt, std::span<const std::int32_t> completion) {
   std::string p(prompt.begin(), prompt.end()), c(completion.begin(), completion.end());
   int a = 0, b = 0;
   if (std::sscanf(p.c_str(), "%d+%d=", &a, &b) != 2) return 0.0;
-  return c == fmt::format("{}\n", a + b) ? 1.0 : 0.0;
+  const std::string want = fmt::format("{}\n", a + b);
+  if (c == want) return 1.0;
+  if (!partial_credit) return 0.0;
+  std::size_t right = 0;
+  for (std::size_t i = 0; i < want.size() && i < c.size(); ++i) right += c[i] == want[i];
+  return static_cast<double>(right) / static_cast<double>(std::max(want.size(), c.size()));
 }
 
 models::hf::model_config tiny_llama() {
@@ -69,7 +85,7 @@ models::hf::model_config tiny_llama() {
 
 // SFT from scratch: rows "ab+cd=" + answer, trained on the answer tokens; saved in HF layout.
 std::filesystem::path sft(const std::filesystem::path& folder, std::int64_t steps,
-                          std::uint64_t seed, double lr) {
+                          std::uint64_t seed, double lr, double noise) {
   const auto cfg = tiny_llama();
   const std::int64_t batch = 64, seq = prompt_len + max_new;
   auto m = models::make_causal_lm(cfg, {batch, seq});
@@ -86,12 +102,15 @@ std::filesystem::path sft(const std::filesystem::path& folder, std::int64_t step
   models::trainer t(*m, tc);
   std::vector<std::int32_t> ids, targets;
   std::mt19937_64 g(seed);
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  std::uniform_int_distribution<int> wrong(0, digits == 1 ? 18 : 198);
   const auto step = [&](models::causal_lm& model, std::uint64_t, double loss_scale) {
     ids.assign(static_cast<std::size_t>(batch * seq), eos);
     targets.assign(ids.size(), -100);
     for (std::int64_t r = 0; r < batch; ++r) {
       const problem p = draw(g);
-      const std::string text = p.prompt() + p.answer();
+      const bool noisy = coin(g) < noise;
+      const std::string text = p.prompt() + (noisy ? fmt::format("{}\n", wrong(g)) : p.answer());
       for (std::size_t i = 0; i < text.size(); ++i) {
         ids[static_cast<std::size_t>(r * seq) + i] = static_cast<unsigned char>(text[i]);
         if (i >= static_cast<std::size_t>(prompt_len))
@@ -121,15 +140,14 @@ int main(int argc, char** argv) {
   actors::grpo_loop_options o;
   o.iterations = 30;
   o.prompts = 16;
-  o.prompt_len = prompt_len;
+  o.prompt_len = 0;  // set after the flags
   o.group = 8;
-  o.max_new = max_new;
   o.eos = eos;
-  o.trainer.lr = 1e-3;
+  o.trainer.lr = 1e-3;  // 3e-3 lost reward, 3e-4 rose half as fast (docs/performance.md)
   o.trainer.beta = 0.04;
   o.trainer.warmup = 0;
-  std::int64_t sft_steps = 300;
-  double sft_lr = 3e-3;
+  std::int64_t sft_steps = 600;
+  double sft_lr = 3e-3, sft_noise = 0.5;
   int rollouts = 1;
   bool async = false;
   std::string dir = fmt::format("/tmp/troupe-grpo-example-{}", ::getpid());
@@ -138,9 +156,16 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", o.iterations, "GRPO iterations")->capture_default_str();
   app.add_option("--sft-steps", sft_steps, "SFT steps from scratch first")->capture_default_str();
   app.add_option("--sft-lr", sft_lr, "SFT learning rate")->capture_default_str();
+  app.add_option("--sft-noise", sft_noise, "Share of SFT answers replaced by a random number")
+      ->capture_default_str();
+  app.add_option("--digits", digits, "Digits of the operands")
+      ->check(CLI::Range(1, 2))
+      ->capture_default_str();
   app.add_option("--prompts", o.prompts, "Prompts per iteration")->capture_default_str();
   app.add_option("--group", o.group, "Completions per prompt")->capture_default_str();
   app.add_option("--lr", o.trainer.lr, "GRPO learning rate")->capture_default_str();
+  app.add_option("--warmup", o.trainer.warmup, "GRPO learning rate warmup steps")
+      ->capture_default_str();
   app.add_option("--beta", o.trainer.beta, "KL coefficient (0: no reference actor)")
       ->capture_default_str();
   app.add_option("--epsilon", o.trainer.epsilon, "Ratio clip range")->capture_default_str();
@@ -148,11 +173,20 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", o.top_p, "Nucleus sampling")->capture_default_str();
   app.add_option("--rollouts", rollouts, "Rollout actors")->capture_default_str();
   app.add_flag("--async", async, "Sample the next batch while training (staleness 1)");
+  std::string reward = "exact";
+  app.add_option("--reward", reward, "exact (1 or 0) or digits (partial credit per character)")
+      ->check(CLI::IsMember({"exact", "digits"}))
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the model, the data and the sampling")
       ->capture_default_str();
   app.add_option("--dir", dir, "Where the SFT checkpoint is written")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  prompt_len = 2 * digits + 2;
+  max_new = digits + 2;
+  o.prompt_len = prompt_len;
+  o.max_new = max_new;
   o.staleness = async ? 1 : 0;
+  partial_credit = reward == "digits";
   o.rollout_ranks.assign(static_cast<std::size_t>(rollouts), 0);
 
   try {
@@ -162,7 +196,8 @@ int main(int argc, char** argv) {
     no.roles = &roles;
     actors::node n(no);
     if (n.rank() == 0) {
-      o.checkpoint = sft(std::filesystem::path(dir) / "sft", sft_steps, o.seed, sft_lr).string();
+      o.checkpoint =
+          sft(std::filesystem::path(dir) / "sft", sft_steps, o.seed, sft_lr, sft_noise).string();
       std::mt19937_64 g(o.seed + 1);
       auto prompts = [&](std::int64_t) {
         std::vector<std::int32_t> out;
