@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
   o.prompt_len = 0;  // set after the flags
   o.group = 8;
   o.eos = eos;
-  o.trainer.lr = 1e-3;  // 3e-3 lost reward, 3e-4 rose half as fast (docs/performance.md)
+  o.trainer.lr = 1e-3;  // 3e-3 lost reward (docs/performance.md)
   o.trainer.beta = 0.04;
   o.trainer.warmup = 0;
   std::int64_t sft_steps = 600;
@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
       };
       fmt::print("grpo: {} prompts x {} samples per iteration, {} rollout actor(s), {}\n",
                  o.prompts, o.group, rollouts, async ? "async (staleness 1)" : "sync");
-      double gen = 0, train = 0, total = 0;
+      double gen = 0, logp = 0, reward = 0, ref = 0, train = 0, sync = 0, wait = 0, total = 0;
       std::int64_t tokens = 0;
       actors::run_grpo(n, o, prompts, [&](const actors::grpo_iteration& it) {
         fmt::print(
@@ -218,12 +218,24 @@ int main(int argc, char** argv) {
             it.sync_seconds);
         std::fflush(stdout);
         gen += it.generate_seconds;
+        logp += it.logprob_seconds;
+        reward += it.reward_seconds;
+        ref += it.reference_seconds;
         train += it.train_seconds;
+        sync += it.sync_seconds;
+        wait += it.wait_seconds;
         total += it.seconds;
         tokens += it.new_tokens;
       });
-      fmt::print("rollout {:.0f} tokens/s; of {:.1f} s: generating {:.0f}%, training {:.0f}%\n",
-                 static_cast<double>(tokens) / gen, total, 100 * gen / total, 100 * train / total);
+      // Shares of the driver's time. Generating and the old log-probabilities run in the rollout
+      // actors; the driver waits for them (sync: all of it; async: what training did not hide).
+      auto pct = [&](double x) { return 100 * x / total; };
+      fmt::print(
+          "rollout {:.0f} tokens/s ({} tokens in {:.2f} s); of {:.2f} s: waiting for rollouts "
+          "{:.0f}% (generating {:.0f}%, old log-probs {:.0f}%), reward {:.0f}%, reference {:.0f}%, "
+          "training {:.0f}%, weight sync {:.1f}%\n",
+          static_cast<double>(tokens) / gen, tokens, gen, total, pct(wait), pct(gen), pct(logp),
+          pct(reward), pct(ref), pct(train), pct(sync));
       std::filesystem::remove_all(dir);
     }
     n.barrier("grpo: done");
