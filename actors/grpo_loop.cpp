@@ -1,0 +1,164 @@
+// grpo_loop: the GRPO driver (grpo_loop.hpp).
+#include "actors/grpo_loop.hpp"
+
+#include <future>
+#include <optional>
+
+#include "memory/error.hpp"
+#include "models/post/grpo_loss.hpp"
+
+namespace troupe::actors {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+struct batch {
+  grpo_samples samples;  // every rollout actor's rows, in order
+  double seconds = 0;    // the slowest actor's generation and log-probabilities
+  double logprob_seconds = 0;
+};
+
+// Iteration k's batch from the rollout actors (their weights at least min_version).
+batch sample(job& j, const std::vector<role_handle>& rollouts, const grpo_loop_options& opt,
+             const grpo_prompt_source& prompts, std::int64_t k, std::int64_t min_version) {
+  grpo_rollout_request r;
+  r.prompts = prompts(k);
+  TROUPE_CHECK(static_cast<std::int64_t>(r.prompts.size()) == opt.prompts * opt.prompt_len,
+               "grpo: iteration ", k, " has ", r.prompts.size(), " prompt tokens, not ",
+               opt.prompts, " prompts of ", opt.prompt_len);
+  r.prompt_len = opt.prompt_len;
+  r.group = opt.group;
+  r.max_new = opt.max_new;
+  r.temperature = opt.temperature;
+  r.top_p = opt.top_p;
+  r.eos = opt.eos;
+  r.seed = opt.seed * 1000003 + static_cast<std::uint64_t>(k) * rollouts.size();
+  r.min_version = min_version;
+  for (const auto& h : rollouts) r.split.push_back(h.name);
+  auto parts = j.ask_all<grpo_samples>(rollouts, r, opt.timeout);
+  batch b;
+  b.samples = std::move(parts.front());
+  b.seconds = b.samples.generate_seconds;
+  b.logprob_seconds = b.samples.logprob_seconds;
+  for (std::size_t i = 1; i < parts.size(); ++i) {
+    auto& p = parts[i];
+    auto& s = b.samples;
+    s.rows += p.rows;
+    s.ids.insert(s.ids.end(), p.ids.begin(), p.ids.end());
+    s.targets.insert(s.targets.end(), p.targets.begin(), p.targets.end());
+    s.lengths.insert(s.lengths.end(), p.lengths.begin(), p.lengths.end());
+    s.old_logp.insert(s.old_logp.end(), p.old_logp.begin(), p.old_logp.end());
+    s.version = std::min(s.version, p.version);
+    b.seconds = std::max(b.seconds, p.generate_seconds);
+    b.logprob_seconds = std::max(b.logprob_seconds, p.logprob_seconds);
+  }
+  return b;
+}
+
+}  // namespace
+
+std::vector<grpo_iteration> run_grpo(
+    node& n, const grpo_loop_options& opt, const grpo_prompt_source& prompts,
+    const std::function<void(const grpo_iteration&)>& on_iteration) {
+  const auto r = static_cast<std::int64_t>(opt.rollout_ranks.size());
+  TROUPE_CHECK(r > 0 && opt.prompts > 0 && opt.prompts % r == 0, "grpo: ", opt.prompts,
+               " prompts per iteration do not split over ", r, " rollout actors");
+  TROUPE_CHECK(opt.staleness == 0 || opt.staleness == 1, "grpo: staleness ", opt.staleness,
+               " is not 0 (sync) or 1 (async)");
+  TROUPE_CHECK(opt.prompt_len > 0 && opt.group > 1 && opt.max_new > 0, "grpo: prompt_len ",
+               opt.prompt_len, ", group ", opt.group, " (> 1) and max_new ", opt.max_new,
+               " must be positive");
+  const std::int64_t seq = opt.prompt_len + opt.max_new, rows = opt.prompts * opt.group;
+  job j(n);
+  std::vector<role_handle> rollouts;
+  for (int rank : opt.rollout_ranks) rollouts.push_back(j.spawn("grpo_rollout", rank));
+  const role_handle trainer = j.spawn("grpo_trainer", opt.trainer_rank);
+  const role_handle reward = j.spawn("grpo_reward", opt.reward_rank);
+  const bool use_reference = opt.trainer.beta != 0;
+  role_handle reference;
+  if (use_reference) reference = j.spawn("grpo_reference", opt.reference_rank);
+
+  grpo_trainer_setup ts = opt.trainer;
+  ts.model = {opt.checkpoint, rows, seq};
+  j.ask<std::int64_t>(trainer, ts, opt.timeout);
+  j.ask_all<std::int64_t>(rollouts, grpo_model_setup{opt.checkpoint, rows / r, seq}, opt.timeout);
+  if (use_reference)
+    j.ask<std::int64_t>(reference, grpo_model_setup{opt.checkpoint, rows, seq}, opt.timeout);
+  auto push = [&]() {
+    return j.ask<grpo_push_reply>(trainer, grpo_push_request{rollouts}, opt.timeout);
+  };
+  push();  // version 0: the checkpoint's weights
+
+  std::vector<grpo_iteration> out;
+  std::future<batch> ahead;    // async: the next batch, sampled while the trainer steps
+  std::optional<batch> ready;  // async: that batch, once sampled
+  for (std::int64_t k = 0; k < opt.iterations; ++k) {
+    const auto t0 = clock_type::now();
+    grpo_iteration it;
+    it.iteration = k + 1;
+    const bool more = k + 1 < opt.iterations;
+    // Sync: batch k by the trainer's weights (version k). Async: batch k was sampled during
+    // iteration k - 1 by version k - 1; batch k + 1 starts now, by version k.
+    batch cur;
+    auto t = clock_type::now();
+    if (ready) {
+      cur = std::move(*ready);
+      ready.reset();
+    } else {
+      cur = sample(j, rollouts, opt, prompts, k, k);
+    }
+    it.wait_seconds = since(t);
+    if (opt.staleness == 1 && more)
+      ahead = std::async(std::launch::async, [&n, &rollouts, &opt, &prompts, k] {
+        job side(n);  // a job object belongs to one thread
+        return sample(side, rollouts, opt, prompts, k + 1, k);
+      });
+    const grpo_samples& s = cur.samples;
+    it.sampled_by = s.version;
+    it.generate_seconds = cur.seconds;
+    it.logprob_seconds = cur.logprob_seconds;
+    for (auto l : s.lengths) it.new_tokens += l;
+
+    t = clock_type::now();
+    const auto rewards = j.ask<std::vector<double>>(reward, grpo_reward_request{s}, opt.timeout);
+    it.reward_seconds = since(t);
+    for (double x : rewards) it.mean_reward += x;
+    it.mean_reward /= static_cast<double>(rewards.size());
+
+    grpo_train_request tr;
+    if (use_reference) {
+      t = clock_type::now();
+      tr.ref_logp = j.ask<std::vector<double>>(reference, grpo_reference_request{s}, opt.timeout);
+      it.reference_seconds = since(t);
+    }
+    tr.advantages = models::group_advantages(rewards, opt.group);
+    tr.samples = std::move(cur.samples);
+    t = clock_type::now();
+    it.train = j.ask<grpo_train_reply>(trainer, tr, opt.timeout);
+    it.train_seconds = since(t);
+    if (more) {
+      if (opt.staleness == 1) {  // the overlapped sampling ends before the weights move
+        t = clock_type::now();
+        ready = ahead.get();
+        it.wait_seconds += since(t);
+      }
+      t = clock_type::now();
+      push();
+      it.sync_seconds = since(t);
+    }
+    it.seconds = since(t0);
+    out.push_back(it);
+    if (on_iteration) on_iteration(it);
+  }
+  for (const auto& h : rollouts) j.stop(h);
+  j.stop(trainer);
+  j.stop(reward);
+  if (use_reference) j.stop(reference);
+  return out;
+}
+
+}  // namespace troupe::actors
