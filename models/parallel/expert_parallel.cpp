@@ -92,9 +92,10 @@ std::string ep_plan_problems(const hf::model_config& model, const train_config& 
         "train.grad_accum)",
         p.microbatches));
   if (p.dp >= 1 && cfg.batch % p.dp != 0 && (cfg.batch * cfg.grad_accum) % p.dp == 0)
-    out.push_back(fmt::format("parallel.dp {} does not divide train.batch {} (each rank takes its "
-                              "rows of every draw)",
-                              p.dp, cfg.batch));
+    out.push_back(
+        fmt::format("parallel.dp {} does not divide train.batch {} (each rank takes its "
+                    "rows of every draw)",
+                    p.dp, cfg.batch));
   if (cfg.precision != "f32")
     out.push_back("train.precision " + cfg.precision + ": expert parallelism trains in f32");
   std::string s;

@@ -24,6 +24,7 @@
 #include "models/causal_lm.hpp"
 #include "models/parallel/exact_run.hpp"
 #include "models/parallel/expert_parallel.hpp"
+#include "models/parallel/hybrid.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
 #include "tests/rounding.hpp"
@@ -161,7 +162,8 @@ void check_ranks(const std::vector<rank_run>& runs, const reference& ref) {
       for (const auto& [name, values] : runs[d].params)
         if (auto it = runs[o].params.find(name); it != runs[o].params.end()) {
           INFO(name << " on dp ranks " << o << " and " << d);
-          CHECK(it->second == values);
+          const bool same = it->second == values;  // (not expanded: 10^5 floats)
+          CHECK(same);
         }
   }
 }
@@ -336,4 +338,18 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
   train_config c = tiny_run();
   c.plan.dp = 2, c.plan.ep = 2, c.plan.zero = 2;
   CHECK_THROWS_WITH(ep_trainer(tiny_moe(), c, g), Catch::Contains("parallel.zero (--zero) 2"));
+  // troupe train's engine (hybrid.hpp) refuses parallel.ep before any collective, naming --ep.
+  c.plan.zero = 0;
+  const parallel::hybrid_groups h{two[0].get(), one[0].get(), one[0].get(), one[0].get()};
+  for (bool moe : {true, false}) {
+    const hf::model_config m = moe ? tiny_moe() : named_model_config("llama-tiny", 29).value();
+    try {
+      parallel::hybrid_trainer t(m, c, h);
+      FAIL("the hybrid trainer accepted parallel.ep 2");
+    } catch (const troupe::error& e) {
+      CHECK_THAT(e.what(), Catch::Contains("parallel.ep (--ep) 2"));
+      std::printf("faults: troupe train's engine with parallel.ep 2 (%s) -> refused: %s\n",
+                  moe ? "MoE" : "dense", e.what());
+    }
+  }
 }
