@@ -21,7 +21,9 @@ void comm_exchange::counts(const std::vector<std::int64_t>& send, std::vector<st
   TROUPE_CHECK(static_cast<std::int64_t>(send.size()) == per_peer * size(), "expert exchange (",
                ep_.name(), "): ", send.size(), " counts for ", size(), " ranks of ", per_peer);
   recv.assign(send.size(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
   ep_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(per_peer), dtype::i64).wait();
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (std::size_t i = 0; i < recv.size(); ++i)
     TROUPE_CHECK(recv[i] >= 0, "expert exchange (", ep_.name(), "): rank ",
                  static_cast<std::int64_t>(i) / per_peer, " sends ", recv[i], " rows");
@@ -45,7 +47,9 @@ void comm_exchange::rows(const tensor& in, const std::vector<std::int64_t>& send
                    ns <= in.size(0) && nr <= out.size(0),
                "expert exchange (", ep_.name(), "): ", ns, " rows out of ", in.describe(), ", ", nr,
                " rows into ", out.describe());
+  const auto t0 = std::chrono::steady_clock::now();
   ep_.all_to_allv(in.data(), sc, out.data(), rc, in.type()).wait();
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::string describe(const ep_step_load& l) {
@@ -247,6 +251,7 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   // Forward and backward of this rank's rows of every draw.
   std::vector<double> tokens;  // per expert, this rank's choices (then the job's)
   ep_step_load load;
+  const double exchanged = I.exchange->seconds();
   double loss = 0;
   const double scale = 1.0 / (static_cast<double>(dp) * static_cast<double>(c.grad_accum));
   for (std::int64_t k = 0; k < c.grad_accum; ++k) {
@@ -268,6 +273,10 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
     for (std::size_t j = 0; j < l.served.size(); ++j) load.served[j] += l.served[j];
     load.dropped += l.dropped;
   }
+
+  load.exchange_seconds = I.exchange->seconds() - exchanged;
+  load.compute_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // The gradients: non-expert over dp, expert over the expert-data-parallel group; the loss and
   // the load over dp. Every rank issues the same ops in the same order (the layouts agree).

@@ -59,9 +59,12 @@ class comm_exchange final : public moe_exchange {
               std::int64_t per_peer) override;
   void rows(const tensor& in, const std::vector<std::int64_t>& send_rows, const tensor& out,
             const std::vector<std::int64_t>& recv_rows) override;
+  // Seconds spent in the exchanges (issue to completion) since the exchange was made.
+  double seconds() const { return seconds_; }
 
  private:
   collective::communicator& ep_;
+  double seconds_ = 0;
 };
 
 // The three groups of a rank (group ranks as above): dp (all dp ranks), ep (this rank's
@@ -83,6 +86,9 @@ struct ep_step_load {
   std::int32_t first_expert = 0;
   std::vector<std::int64_t> served;
   std::int64_t dropped = 0;  // choices over capacity (dropless: 0)
+  // This rank's seconds in the MoE layers' all-to-alls during the step's forwards and backwards
+  // (waiting for peers included), and the step's seconds up to the gradient reduction.
+  double exchange_seconds = 0, compute_seconds = 0;
   // The most loaded expert's tokens over the mean (1: balanced; at most n_expert / top_k; 0 for a
   // step without tokens).
   double imbalance = 0;

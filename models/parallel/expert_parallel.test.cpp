@@ -393,3 +393,58 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
     }
   }
 }
+
+TEST_CASE("Expert parallel step time at ep 1 2 and 4 with the all to all share", "[.ep_bench]") {
+  // A benchmark, not a test (hidden): one MoE of 8 experts at the same tokens per step on 1, 2 and
+  // 4 ranks (threads: dp = ep), the median step after the first and rank 0's share of it spent in
+  // the MoE layers' all-to-alls (waiting for peers included). Results: docs/performance.md.
+  hf::moe_config m = std::get<hf::moe_config>(tiny_moe());
+  m.vocab_size = 512;
+  m.hidden_size = 256;
+  m.intermediate_size = 512;
+  m.num_hidden_layers = 2;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 4;
+  m.num_experts = 8;
+  train_config c = tiny_run();
+  c.batch = 8;
+  c.seq = 64;
+  c.steps = 6;
+  const auto rows = [](std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& out) {
+    out.resize(static_cast<std::size_t>(batch) * seq);
+    for (std::size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<std::int32_t>((draw * 7919 + i * i * 31 + i * 17) % 512);
+  };
+  for (int ep : {1, 2, 4}) {
+    c.plan.dp = ep;
+    c.plan.ep = ep;
+    auto dp = collective::make_local_group(ep);
+    auto same = collective::make_local_group(ep);
+    std::vector<std::unique_ptr<collective::communicator>> solo;
+    for (int i = 0; i < ep; ++i) solo.push_back(std::move(collective::make_local_group(1)[0]));
+    std::vector<collective::communicator*> all;
+    for (auto* g : {&dp, &same, &solo})
+      for (auto& x : *g) all.push_back(x.get());
+    std::vector<double> step(c.steps), share(c.steps);
+    testing::run_threads(
+        ep,
+        [&](int d) {
+          ep_trainer t(hf::model_config(m), c, {dp[d].get(), same[d].get(), solo[d].get()});
+          t.model().init_weights(1);
+          for (int s = 0; s < c.steps; ++s) {
+            const auto r = t.step(rows);
+            if (d == 0) {
+              step[s] = r.seconds;
+              share[s] = t.last_load().exchange_seconds / r.seconds;
+            }
+          }
+        },
+        all);
+    std::vector<double> st(step.begin() + 1, step.end()), sh(share.begin() + 1, share.end());
+    std::sort(st.begin(), st.end());
+    std::sort(sh.begin(), sh.end());
+    std::printf("ep %d: %lld tokens per step, median step %.1f ms, all-to-all share %.0f%%\n", ep,
+                static_cast<long long>(c.batch * c.seq), st[st.size() / 2] * 1e3,
+                sh[sh.size() / 2] * 100);
+  }
+}
