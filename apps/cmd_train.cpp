@@ -48,6 +48,7 @@ struct train_cli {
   sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
   int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
+  int ep = 1;
   bool sp = false, dp_overlap = true;
   std::string schedule = "1f1b", pipe_p2p = "async", dp_bucket_bytes;
   std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
@@ -386,6 +387,10 @@ command_fn add_train_command(CLI::App& app) {
             [pc](train_config& t) { t.plan.tp = pc->tp; });
   plan_flag(sub->add_option("--pp", c->pp, "Pipeline stages")->capture_default_str(),
             [pc](train_config& t) { t.plan.pp = pc->pp; });
+  plan_flag(sub->add_option("--ep", c->ep,
+                            "Expert-parallel degree, out of the data-parallel ranks (MoE models)")
+                ->capture_default_str(),
+            [pc](train_config& t) { t.plan.ep = pc->ep; });
   plan_flag(sub->add_flag("--sp", c->sp, "Sequence parallelism over the tp group"),
             [pc](train_config& t) { t.plan.sp = pc->sp; });
   plan_flag(sub->add_option("--zero", c->zero, "ZeRO stage (0-3)")->capture_default_str(),

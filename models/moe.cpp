@@ -2,6 +2,7 @@
 #include "models/moe.hpp"
 
 #include <string>
+#include <unordered_map>
 
 #include "memory/error.hpp"
 #include "tensor/ops.hpp"
@@ -65,7 +66,9 @@ moe_block::moe_block(const moe_config& c)
            .top_k = c.top_k,
            .norm_topk_prob = c.norm_topk_prob,
            .shared_hidden = c.shared_hidden,
-           .capacity_factor = c.capacity_factor}) {}
+           .capacity_factor = c.capacity_factor,
+           .ep = c.ep,
+           .ep_rank = c.ep_rank}) {}
 
 moe_ends::moe_ends(const moe_config& c)
     : llama_ends(as_llama(c)), coef(c.router_aux_loss_coef), with_aux(c.aux_loss) {}
@@ -127,7 +130,27 @@ void moe::init_weights(std::uint64_t seed) {
 }
 
 void moe::init_values(std::uint64_t seed, const init_sink& each) const {
-  draw_init(slots_, seed, cfg_.init_std, /*residual_scale=*/1.0, each);
+  if (cfg_.ep == 1) {
+    draw_init(slots_, seed, cfg_.init_std, /*residual_scale=*/1.0, each);
+    return;
+  }
+  // The whole model's draws (its slots only: no memory), kept where this rank has the parameter.
+  moe_config whole = cfg_;
+  whole.ep = 1;
+  whole.ep_rank = 0;
+  whole.unbound = true;
+  const moe full(whole, {1, 1});
+  std::unordered_map<std::string, const tensor_slot*> mine;
+  for (const auto& s : slots_.slots())
+    if (s.kind == slot_kind::param) mine.emplace(s.name, &s);
+  draw_init(full.slots_, seed, cfg_.init_std, /*residual_scale=*/1.0,
+            [&](const tensor_slot& s, const tensor& values) {
+              if (auto it = mine.find(s.name); it != mine.end()) each(*it->second, values);
+            });
+}
+
+void moe::set_expert_exchange(moe_exchange* x) {
+  for (moe_ffn* l : ends().layers) l->exchange = x;
 }
 
 moe_load moe::load() const {
@@ -136,6 +159,9 @@ moe_load moe::load() const {
     r.selected.resize(l->routing.selected.size(), 0);
     for (std::size_t e = 0; e < r.selected.size(); ++e) r.selected[e] += l->routing.selected[e];
     r.dropped += l->routing.dropped;
+    r.first_expert = l->first_expert();
+    r.served.resize(l->served.size(), 0);
+    for (std::size_t j = 0; j < r.served.size(); ++j) r.served[j] += l->served[j];
     r.choices += l->routing.rows * l->routing.top_k;
   }
   return r;

@@ -64,6 +64,11 @@ struct moe_config {
   double init_std = 0.02;               // initializer_range
   bool recompute = false;               // as llama_config::recompute
   bool unbound = false;                 // as llama_config::unbound
+  // Expert parallelism (models/layers/moe_dispatch.hpp): this rank holds experts
+  // [ep_rank * n_expert / ep, (ep_rank + 1) * n_expert / ep) of every layer; the model's
+  // set_expert_exchange gives the layers their group before the first forward.
+  std::int32_t ep = 1;
+  std::int32_t ep_rank = 0;
 };
 
 // r = x + self_attn(input_layernorm(x)); y = r + mlp(post_attention_layernorm(r)).
@@ -85,6 +90,10 @@ struct moe_load {
   std::vector<std::int64_t> selected;  // per expert: top-k choices of it
   std::int64_t dropped = 0;            // choices over an expert's capacity
   std::int64_t choices = 0;            // all top-k choices (layers x rows x top_k)
+  // Per local expert (experts first_expert, first_expert + 1, ...): the rows it served, from
+  // every rank of its expert-parallel group (ep 1: the same as `selected` less the dropped).
+  std::int32_t first_expert = 0;
+  std::vector<std::int64_t> served;
 };
 
 // Llama's ends, with the aux loss added to the loss and its gradient handed to the layers.
@@ -124,12 +133,16 @@ class moe : public trunk<moe_family> {
   moe(const moe_config& cfg, batch_dims dims, dtype t = dtype::f32, device dev = device::cpu());
 
   layer_memory& memory() { return mem_; }
+  // With ep > 1 the values are the whole model's (the same seed gives every expert the same
+  // values on whichever rank holds it), so a plan's weights are the single process's.
   void init_weights(std::uint64_t seed);
   void init_values(std::uint64_t seed, const init_sink& each) const;
 
   // The last forward's aux loss (before router_aux_loss_coef) and load statistics.
   double aux_loss() const { return ends().aux; }
   moe_load load() const;
+  // Expert parallelism: every MoE layer's group (not owned; must outlive the model's use).
+  void set_expert_exchange(moe_exchange* x);
 
  private:
   layer_memory mem_;

@@ -176,6 +176,7 @@ const std::map<std::string, setter>& setters() {
       {"parallel.dp", set_plan(&scheduler::parallel_plan::dp)},
       {"parallel.tp", set_plan(&scheduler::parallel_plan::tp)},
       {"parallel.pp", set_plan(&scheduler::parallel_plan::pp)},
+      {"parallel.ep", set_plan(&scheduler::parallel_plan::ep)},
       {"parallel.sp",
        [](train_config& c, const toml::node& n, const std::string& where) {
          auto v = n.value_exact<bool>();  // value<bool>() would take 1 as true
@@ -481,6 +482,7 @@ std::string to_toml(const train_config& c) {
   par.insert("dp", c.plan.dp);
   par.insert("tp", c.plan.tp);
   par.insert("pp", c.plan.pp);
+  if (c.plan.ep != 1) par.insert("ep", c.plan.ep);
   par.insert("sp", c.plan.sp);
   par.insert("zero", c.plan.zero);
   par.insert("microbatches", c.plan.microbatches);

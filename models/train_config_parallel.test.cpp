@@ -166,3 +166,21 @@ TEST_CASE("every problem of the parallel table is reported at once") {
                                  "parallel.tp > 1 (it splits activations over the tp group); "
                                  "parallel.zero = 7 must be 0, 1, 2 or 3");
 }
+
+TEST_CASE("parallel.ep sets the expert parallel degree and reaches the ranks of a launched run") {
+  auto path = write_job("[train]\nbatch = 8\n[parallel]\ndp = 4\nep = 2\n");
+  auto c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(c.has_value());
+  CHECK(c->plan.ep == 2);
+  CHECK(c->plan.world_size() == 4);  // carved out of dp
+  auto sent = parse_train_config(to_toml(*c), "the driver's job");
+  REQUIRE(sent.has_value());
+  CHECK(sent->plan.ep == 2);
+  // An ep that does not divide dp is refused naming the key.
+  path = write_job("[parallel]\ndp = 4\nep = 3\n");
+  c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(!c.has_value());
+  CHECK_THAT(c.error_message(), Catch::Contains("parallel.ep = 3 does not divide parallel.dp = 4"));
+}

@@ -111,6 +111,10 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
   if (degrees_ok && world_size > 0 && p.world_size() != world_size)
     out.add("parallel.dp x parallel.tp x parallel.pp = ", p.dp, " x ", p.tp, " x ", p.pp, " = ",
             p.world_size(), " does not equal the world size ", world_size);
+  if (p.ep < 1) out.add("parallel.ep = ", p.ep, " must be >= 1");
+  if (p.ep > 1 && p.dp >= 1 && p.dp % p.ep != 0)
+    out.add("parallel.ep = ", p.ep, " does not divide parallel.dp = ", p.dp,
+            " (the expert-parallel groups are carved out of the data-parallel ranks)");
   if (p.sp && p.tp == 1)
     out.add("parallel.sp = true needs parallel.tp > 1 (it splits activations over the tp group)");
   if (p.zero < 0 || p.zero > 3) out.add("parallel.zero = ", p.zero, " must be 0, 1, 2 or 3");
@@ -163,6 +167,8 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
       out.add("parallel.tp = ", p.tp, " does not divide seq = ", m.seq,
               " (needed by parallel.sp = true)");
   }
+  if (p.ep > 1 && m.experts > 0 && m.experts % p.ep != 0)
+    out.add("parallel.ep = ", p.ep, " does not divide experts = ", m.experts);
   if (p.pp >= 1 && p.virtual_stages >= 1 && m.layers > 0 &&
       m.layers < static_cast<long long>(p.pp) * p.virtual_stages)
     out.add("parallel.pp x parallel.virtual_stages = ", p.pp, " x ", p.virtual_stages, " = ",
@@ -192,6 +198,7 @@ std::string describe(const parallel_plan& p) {
     const auto& a = p.order[i];
     int d = a == "dp" ? p.dp : a == "pp" ? p.pp : a == "tp" ? p.tp : 0;
     os << (i ? " x " : "") << a << d;
+    if (a == "dp" && p.ep != 1) os << " (ep" << p.ep << ")";
   }
   if (p.sp) os << " (sp)";
   os << ", zero " << p.zero << ", " << name(p.schedule);

@@ -3,8 +3,14 @@
 // The degrees dp x pp x tp make the rank grid (collective/grid.hpp) in the order `order` (first
 // axis slowest, so the default {"dp", "pp", "tp"} keeps tensor-parallel peers on neighbouring
 // ranks). Sequence parallelism (sp) reuses the tensor-parallel group, so it is a switch, not a
-// degree. validate() checks a plan against a model's shape and the world size and returns every
-// problem at once, each naming the field as "parallel.<key>", so a job file can be fixed in one go.
+// degree. Expert parallelism (ep) is carved out of the data-parallel ranks (DeepSpeed's and
+// Colossal-AI's convention), so it is not a grid axis either: the world is still dp x pp x tp, ep
+// divides dp, dp rank d is rank d % ep of the expert-parallel group of the ep consecutive dp ranks
+// d / ep * ep ..., and holds experts [(d % ep) * n / ep, (d % ep + 1) * n / ep) of every MoE layer.
+// Non-expert parameters are reduced over all dp ranks, expert parameters over their
+// expert-data-parallel group of dp / ep ranks (those with the same d % ep). validate() checks a
+// plan against a model's shape and the world size and returns every problem at once, each naming
+// the field as "parallel.<key>", so a job file can be fixed in one go.
 #pragma once
 
 #include <optional>
@@ -52,6 +58,7 @@ std::optional<p2p_mode> parse_p2p_mode(std::string_view s);
 struct parallel_plan {
   int dp = 1, tp = 1, pp = 1;
   bool sp = false;       // sequence parallel norms/dropout over the tp group (needs tp > 1)
+  int ep = 1;            // expert-parallel degree, out of the dp ranks (see the top; MoE only)
   int zero = 0;          // ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters
   int microbatches = 1;  // per data-parallel rank and step (gradient accumulation)
   schedule_kind schedule = schedule_kind::one_f_one_b;
@@ -81,6 +88,7 @@ struct model_shape {
   long long batch = 0;     // global batch in samples per optimizer step
   long long ffn = 0;       // MLP width (0: 4 x hidden)
   bool gated_mlp = false;  // three MLP matrices (Llama's SwiGLU) instead of two (GPT-2)
+  long long experts = 0;   // MoE experts per layer (0: a dense model, or unknown)
 };
 
 // Every problem of `plan` for model `m` on `world_size` ranks (0: unknown), in field order, each a
@@ -92,6 +100,7 @@ std::vector<std::string> validate(const parallel_plan& plan, const model_shape& 
 std::string join(const std::vector<std::string>& problems);
 
 // One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none"; the
+// expert-parallel degree follows dp where it is not 1 ("dp4 (ep2) x pp1 x tp1"); the
 // gradient buckets, overlap and pipeline transfers are named only where they differ from the
 // defaults (", dp buckets 262144 bytes, dp overlap off, pipe p2p batched").
 std::string describe(const parallel_plan& plan);

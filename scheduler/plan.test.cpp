@@ -175,3 +175,23 @@ TEST_CASE("describe lists the axes in grid order") {
         "selective");
   CHECK(p.world_size() == 64);
 }
+
+TEST_CASE("an expert parallel degree must divide the data parallel degree and the experts") {
+  parallel_plan p;
+  p.dp = 4, p.ep = 2;
+  model_shape m{};
+  m.experts = 8;
+  CHECK(validate(p, m, 4).empty());
+  CHECK(p.world_size() == 4);  // ep is carved out of dp: no extra ranks
+  CHECK(describe(p).starts_with("dp4 (ep2) x pp1 x tp1, zero 0"));
+  p.dp = 6, p.ep = 4;
+  m.experts = 6;
+  CHECK(
+      validate(p, m, 6) ==
+      std::vector<std::string>{
+          "parallel.ep = 4 does not divide parallel.dp = 6 (the expert-parallel groups are carved "
+          "out of the data-parallel ranks)",
+          "parallel.ep = 4 does not divide experts = 6"});
+  p.ep = 0;
+  CHECK(validate(p, {}, 0) == std::vector<std::string>{"parallel.ep = 0 must be >= 1"});
+}

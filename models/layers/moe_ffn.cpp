@@ -67,8 +67,8 @@ moe_ffn::moe_ffn(const config& c)
       shared_expert(c.shared_hidden > 0 ? swiglu_mlp({.dim = c.dim, .hidden = c.shared_hidden})
                                         : swiglu_mlp()),
       shared_expert_gate({c.dim, 1, false, tp_split::none}) {
-  experts.reserve(static_cast<std::size_t>(std::max(c.n_expert, 0)));
-  for (std::int32_t e = 0; e < c.n_expert; ++e)
+  experts.reserve(static_cast<std::size_t>(std::max(local_experts(), 0)));
+  for (std::int32_t e = 0; e < local_experts(); ++e)
     experts.emplace_back(swiglu_mlp::config{.dim = c.dim, .hidden = c.hidden});
 }
 
@@ -87,17 +87,34 @@ void moe_ffn::declare(slot_list& s, std::string_view name, batch_dims b) {
                "capacity_factor >= 0, got ",
                cfg.dim, ", ", cfg.hidden, ", ", cfg.n_expert, ", ", cfg.top_k, ", ",
                cfg.shared_hidden, ", ", cfg.capacity_factor);
+  TROUPE_CHECK(cfg.ep >= 1 && cfg.n_expert % cfg.ep == 0 && cfg.ep_rank >= 0 &&
+                   cfg.ep_rank < cfg.ep && (cfg.ep == 1 || cfg.capacity_factor == 0),
+               "moe_ffn '", name, "': expert parallelism ep ", cfg.ep, " (rank ", cfg.ep_rank,
+               ") must divide n_expert ", cfg.n_expert,
+               " and is dropless only (capacity_factor 0, got ", cfg.capacity_factor, ")");
   auto scope = s.enter(name);
   label = "moe_ffn '" + s.prefix() + "'";
-  const std::int64_t rows = b.rows(), cap = capacity(rows), c = cfg.dim;
+  const std::int64_t rows = b.rows(), c = cfg.dim;
+  // A local expert serves each rank's tokens at most once (dropless) under expert parallelism.
+  const std::int64_t cap = cfg.ep > 1 ? cfg.ep * rows : capacity(rows);
   gate.declare(s, "gate", b);
   expert_in.resize(experts.size());
   expert_out.resize(experts.size());
-  for (std::size_t e = 0; e < experts.size(); ++e) {
-    const auto mark = s.mark_expert(static_cast<std::int32_t>(e));
-    experts[e].declare(s, "experts." + std::to_string(e), {cap, 1});
-    s.activation("expert_in." + std::to_string(e), {cap, c}, expert_in[e]);
-    s.activation("expert_out." + std::to_string(e), {cap, c}, expert_out[e]);
+  for (std::size_t j = 0; j < experts.size(); ++j) {
+    const std::int32_t e = first_expert() + static_cast<std::int32_t>(j);
+    const auto mark = s.mark_expert(e);
+    experts[j].declare(s, "experts." + std::to_string(e), {cap, 1});
+    s.activation("expert_in." + std::to_string(e), {cap, c}, expert_in[j]);
+    s.activation("expert_out." + std::to_string(e), {cap, c}, expert_out[j]);
+  }
+  if (cfg.ep > 1) {
+    // Dropless: rows x top_k choices go out; at most min(top_k, local experts) per token of each
+    // rank come in.
+    const std::int64_t out = rows * cfg.top_k;
+    const std::int64_t in = cfg.ep * rows * std::min<std::int64_t>(cfg.top_k, local_experts());
+    s.activation("ep_out", {out, c}, ep_out);
+    s.scratch("ep_send", {out, c}, ep_send);
+    s.scratch("ep_recv", {in, c}, ep_recv);
   }
   s.activation("logits", {rows, cfg.n_expert}, logits);
   s.activation("probs", {rows, cfg.n_expert}, probs);
@@ -137,15 +154,7 @@ void moe_ffn::forward(const tensor& x, const tensor& y) {
     for (std::int64_t e = 0; e < ne; ++e) prob_sum[e] += p_[n * ne + e];
 
   ops::fill(yr, 0.0);
-  for (std::int32_t e = 0; e < cfg.n_expert; ++e) {
-    const auto count = static_cast<std::int64_t>(routing.experts[e].size());
-    if (count == 0) continue;
-    const tensor in = planned_view(expert_in[e], {count, c}, label, "expert_in");
-    const tensor out = planned_view(expert_out[e], {count, c}, label, "expert_out");
-    dispatch(routing, e, xr, in);
-    experts[e].forward(in, out);
-    combine(routing, e, out, yr);
-  }
+  experts_forward(xr, yr);
   if (cfg.shared_hidden == 0) return;
   const tensor so = planned_view(shared_out, {rows, c}, label, "shared_out");
   const tensor sl = planned_view(shared_logit, {rows, 1}, label, "shared_logit");
@@ -156,6 +165,46 @@ void moe_ffn::forward(const tensor& x, const tensor& y) {
   for (std::int64_t n = 0; n < rows; ++n) {
     sigmoid_[n] = round(1.0 / (1.0 + std::exp(-sigmoid_[n])));
     ops::axpy(sigmoid_[n], so.select(0, n), yr.select(0, n));
+  }
+}
+
+void moe_ffn::experts_forward(const tensor& xr, const tensor& yr) {
+  if (cfg.ep > 1) {
+    ep_forward(xr, yr);
+    return;
+  }
+  const std::int64_t c = cfg.dim;
+  served.assign(experts.size(), 0);
+  for (std::int32_t e = 0; e < cfg.n_expert; ++e) {
+    const auto count = static_cast<std::int64_t>(routing.experts[e].size());
+    served[e] = count;
+    if (count == 0) continue;
+    const tensor in = planned_view(expert_in[e], {count, c}, label, "expert_in");
+    const tensor out = planned_view(expert_out[e], {count, c}, label, "expert_out");
+    dispatch(routing, e, xr, in);
+    experts[e].forward(in, out);
+    combine(routing, e, out, yr);
+  }
+}
+
+void moe_ffn::experts_backward(const tensor& dyr, const tensor& dxr, const tensor& tmp,
+                               std::vector<double>& dweight) {
+  if (cfg.ep > 1) {
+    ep_backward(dyr, dxr, tmp, dweight);
+    return;
+  }
+  const std::int64_t c = cfg.dim, k = cfg.top_k;
+  for (std::int32_t e = 0; e < cfg.n_expert; ++e) {
+    const auto& list = routing.experts[e];
+    const auto count = static_cast<std::int64_t>(list.size());
+    if (count == 0) continue;
+    const tensor out = planned_view(expert_out[e], {count, c}, label, "expert_out");
+    const tensor dout = planned_view(dexpert_out, {count, c}, label, "dexpert_out");
+    const tensor din = planned_view(dexpert_in, {count, c}, label, "dexpert_in");
+    const std::vector<double> dw = combine_backward(routing, e, dyr, out, dout, tmp);
+    for (std::size_t j = 0; j < list.size(); ++j) dweight[list[j].row * k + list[j].choice] = dw[j];
+    experts[e].backward(dout, din);
+    dispatch_backward(routing, e, din, dxr);
   }
 }
 
@@ -172,18 +221,7 @@ void moe_ffn::backward(const tensor& dy, const tensor& dx) {
   // The experts, and d(routing weight) of every served choice.
   std::vector<double> dweight(static_cast<std::size_t>(rows * k), 0.0);
   ops::fill(dxr, 0.0);
-  for (std::int32_t e = 0; e < cfg.n_expert; ++e) {
-    const auto& list = routing.experts[e];
-    const auto count = static_cast<std::int64_t>(list.size());
-    if (count == 0) continue;
-    const tensor out = planned_view(expert_out[e], {count, c}, label, "expert_out");
-    const tensor dout = planned_view(dexpert_out, {count, c}, label, "dexpert_out");
-    const tensor din = planned_view(dexpert_in, {count, c}, label, "dexpert_in");
-    const std::vector<double> dw = combine_backward(routing, e, dyr, out, dout, tmp);
-    for (std::size_t j = 0; j < list.size(); ++j) dweight[list[j].row * k + list[j].choice] = dw[j];
-    experts[e].backward(dout, din);
-    dispatch_backward(routing, e, din, dxr);
-  }
+  experts_backward(dyr, dxr, tmp, dweight);
 
   // d p: through the renormalisation w_i = p_i / S (S the chosen p's sum), then the aux loss's.
   std::vector<double> dp(static_cast<std::size_t>(rows * ne), 0.0);

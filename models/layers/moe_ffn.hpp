@@ -23,6 +23,14 @@
 // expert at most once) or ceil(capacity_factor * rows * top_k / n_expert). Dispatch and combine
 // move rows through the op API one by one, so the layer runs on any device; the router's
 // probabilities are read on the host for the routing decision.
+//
+// Expert parallelism (config::ep > 1, moe_dispatch.hpp): the layer holds only experts
+// [ep_rank * n_expert / ep, (ep_rank + 1) * n_expert / ep) (experts[j] is expert first_expert() +
+// j, its parameters still named experts.<global index>), and forward and backward exchange rows
+// with the group through `exchange` (set before the first forward). Dropless only: a local
+// expert's buffers hold ep x rows (each rank sends it a token at most once). The router, the
+// routing decision, the shared expert, the weighting and the accumulation into y and dx run on
+// each rank's own tokens in the single process's order; only which rank runs an expert changes.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +39,7 @@
 #include <vector>
 
 #include "models/layers/linear.hpp"
+#include "models/layers/moe_dispatch.hpp"
 #include "models/layers/moe_routing.hpp"
 #include "models/layers/slots.hpp"
 #include "models/layers/swiglu_mlp.hpp"
@@ -47,13 +56,15 @@ struct moe_ffn {
     bool norm_topk_prob = true;      // Mixtral: always; Qwen2-MoE: its config's norm_topk_prob
     std::int64_t shared_hidden = 0;  // the shared expert's intermediate size (0: none)
     double capacity_factor = 0;      // 0: dropless
+    std::int32_t ep = 1;             // expert-parallel degree (divides n_expert)
+    std::int32_t ep_rank = 0;        // this rank's place in the expert-parallel group
   };
 
   config cfg;
   std::string label = "moe_ffn";
 
   linear gate;                      // C -> n_expert, the router
-  std::vector<swiglu_mlp> experts;  // n_expert of them
+  std::vector<swiglu_mlp> experts;  // the local ones: n_expert / ep of them
   swiglu_mlp shared_expert;         // shared_hidden > 0
   linear shared_expert_gate;        // C -> 1
 
@@ -71,6 +82,16 @@ struct moe_ffn {
   // d(loss)/d p[n, e] added for every token n (the load balancing loss); empty: none.
   std::vector<double> aux_dprob;
 
+  // Expert parallelism: the group (set by the model; not owned), the rows the last forward's
+  // local experts served (from every rank of the group; with ep 1 routing.experts' sizes), the
+  // rows each rank sent to each local expert ([source rank][local expert]), and the staging:
+  // ep_out (activation) the expert outputs returned to this rank, expert by expert; ep_send,
+  // ep_recv the rows on their way out and in.
+  moe_exchange* exchange = nullptr;
+  std::vector<std::int64_t> served;
+  std::vector<std::int64_t> received;
+  tensor ep_out, ep_send, ep_recv;
+
   moe_ffn() = default;
   explicit moe_ffn(const config& c);
   moe_ffn(const moe_ffn&) = delete;  // the slots point into it
@@ -79,6 +100,9 @@ struct moe_ffn {
 
   // An expert's rows for a batch of `rows` tokens.
   std::int64_t capacity(std::int64_t rows) const;
+  // The first local expert's global index, and how many the layer holds.
+  std::int32_t first_expert() const { return cfg.ep_rank * local_experts(); }
+  std::int32_t local_experts() const { return cfg.ep > 0 ? cfg.n_expert / cfg.ep : 0; }
 
   void declare(slot_list& s, std::string_view name, batch_dims b);
   void forward(const tensor& x, const tensor& y);  // x, y [..., dim]
@@ -89,6 +113,21 @@ struct moe_ffn {
   std::vector<double> p_;        // the last forward's probabilities on the host
   std::vector<double> sigmoid_;  // sigmoid(shared_logit) per row
   std::int64_t rows_ = 0;
+
+  // The routed experts of one forward and backward: in this process (ep 1), or over the group.
+  void experts_forward(const tensor& xr, const tensor& yr);
+  void experts_backward(const tensor& dyr, const tensor& dxr, const tensor& tmp,
+                        std::vector<double>& dweight);
+  void ep_forward(const tensor& xr, const tensor& yr);
+  void ep_backward(const tensor& dyr, const tensor& dxr, const tensor& tmp,
+                   std::vector<double>& dweight);
+  // Rows per peer of the send side (expert-major, peer p's experts consecutive) and of the receive
+  // side (source-major), from routing and `received`.
+  std::vector<std::int64_t> send_rows() const;
+  std::vector<std::int64_t> recv_rows() const;
+  // Local expert j's rows in ep_recv: from source s at recv_offset(s, j), received[s * L + j] of
+  // them.
+  std::int64_t recv_offset(int s, std::int32_t j) const;
 };
 
 }  // namespace troupe::models

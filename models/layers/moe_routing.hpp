@@ -4,9 +4,10 @@
 // shape: combine's backward dispatches the weighted gradient, dispatch's backward combines the
 // experts' input gradients unweighted).
 //
-// One process holds every expert here. An expert-parallel placement replaces these four calls with
-// an all-to-all and its conjugate (as models/parallel/tp_mappings.hpp pairs tensor-parallel
-// communication); the routing decision (route_tokens) and the experts stay as they are.
+// These move rows between one process's tokens and experts. Under expert parallelism
+// (moe_dispatch.hpp) they fill and drain the staging of the all-to-alls instead (expert-major rows
+// out, the returned rows combined); the routing decision (route_tokens) and the experts stay as
+// they are.
 //
 // The decision follows HF's MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock (transformers 4.44):
 // p = softmax(router logits) per token, the top_k experts by p (ties to the lower index), their

@@ -41,7 +41,8 @@ scheduler::model_shape shape_of(const hf::model_config& m, const train_config& c
                                     .heads = c.n_head,
                                     .kv_heads = c.n_kv_head > 0 ? c.n_kv_head : c.n_head,
                                     .hidden = c.dim,
-                                    .vocab = c.vocab};
+                                    .vocab = c.vocab,
+                                    .experts = c.n_expert};
   });
   s.seq = cfg.seq;
   s.batch = cfg.batch * cfg.grad_accum;
@@ -104,6 +105,12 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                    " family trains whole on each rank only (parallel.dp with ZeRO 0-3); tensor, "
                    "pipeline and expert parallel placements of its experts are not written yet");
   });
+  // Expert parallelism: an MoE model's, in its own engine (models/parallel/expert_parallel.hpp).
+  TROUPE_CHECK(plan.ep == 1 || shape.experts > 0, "parallel.ep (--ep) ", plan.ep,
+               " needs an MoE model: this one has no experts");
+  TROUPE_CHECK(plan.ep == 1, "parallel.ep (--ep) ", plan.ep,
+               ": this engine (troupe train's) does not place experts yet; expert parallelism runs "
+               "in models/parallel/expert_parallel.hpp's ep_trainer");
   auto problems = scheduler::validate(plan, shape, world);
   if (plan.tp > 1 && shape.ffn % plan.tp != 0)
     problems.push_back(fmt::format("parallel.tp = {} does not divide {} = {}", plan.tp,
