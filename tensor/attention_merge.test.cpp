@@ -4,9 +4,11 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <vector>
 
+#include "memory/error.hpp"
 #include "tensor/attention_merge.hpp"
 #include "tensor/cpu/testing.hpp"
 #include "tensor/ops.hpp"
