@@ -18,9 +18,18 @@ tensor carve(const tensor& storage, std::int64_t elems, const shape& sizes) {
   return tensor(base, cap, storage.type(), sizes, storage.dev());
 }
 
-// into += x, both [B, n, H, D] views whose per-batch slices are contiguous (rows of one sequence).
+// into += x, both [B, n, H, D] views with contiguous [H, D] rows: x is the op's own buffer (each
+// sequence's rows contiguous); `into` may be a view of a fused buffer (dq of a fused dqkv), whose
+// rows are then added one token at a time.
 void accumulate(const tensor& x, const tensor& into) {
-  for (std::int64_t b = 0; b < x.size(0); ++b) ops::axpy(1.0, x.select(0, b), into.select(0, b));
+  for (std::int64_t b = 0; b < x.size(0); ++b) {
+    const tensor xb = x.select(0, b), ib = into.select(0, b);
+    if (ib.is_contiguous()) {
+      ops::axpy(1.0, xb, ib);
+      continue;
+    }
+    for (std::int64_t t = 0; t < xb.size(0); ++t) ops::axpy(1.0, xb.select(0, t), ib.select(0, t));
+  }
 }
 
 void check_like(const char* what, const tensor& t, const shape& want, dtype type) {
@@ -32,9 +41,10 @@ void check_like(const char* what, const tensor& t, const shape& want, dtype type
 }
 
 void check_rows(const char* what, const tensor& t) {
-  for (std::int64_t b = 0; b < t.size(0); ++b)
-    TROUPE_CHECK(t.select(0, b).is_contiguous(), "ring_attention: ", what,
-                 " must hold each sequence's rows contiguously, got ", t.describe());
+  TROUPE_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "ring_attention: ", what,
+               " needs a contiguous last dimension, got ", t.describe());
+  TROUPE_CHECK(t.size(2) <= 1 || t.stride(2) == t.size(3), "ring_attention: ", what,
+               " needs the heads of a token contiguous, got ", t.describe());
 }
 
 }  // namespace

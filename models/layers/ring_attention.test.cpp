@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "collective/local/local_transport.hpp"
@@ -69,12 +70,30 @@ void run_single(full_run& r, bool causal) {
 
 // This rank's part of the ring run: its rows of q, k, v, dout in, its rows of out, lse, dq, dk,
 // dv written into `got` (full-size; every rank writes only its own rows).
+// With `fused`, q, k, v and dq, dk, dv are views of fused [B, Tl, (Hq + 2 Hkv) D] buffers, as
+// the attention layer's fused qkv projection hands them over.
 void run_ring_rank(collective::communicator& comm, const attn_case& c, sequence_layout layout,
-                   const full_run& in, full_run& got) {
+                   const full_run& in, full_run& got, bool fused = false) {
   const int cp = comm.size(), r = comm.rank();
   attn_case lc = c;
   lc.t = c.t / cp;
   full_run loc = make_run(lc, dtype::f32);
+  owned_tensor qkv, dqkv;
+  if (fused) {
+    const std::int64_t w = (c.hq + 2 * c.hkv) * c.d;
+    qkv = empty({c.b, lc.t, w});
+    dqkv = empty({c.b, lc.t, w});
+    auto view = [&](const owned_tensor& buf, std::int64_t heads, std::int64_t at) {
+      return tensor::strided(buf.data(), buf.nbytes(), dtype::f32, {c.b, lc.t, heads, c.d},
+                             {lc.t * w, w, c.d, 1}, at * c.d);
+    };
+    for (auto [buf, q, k, v] :
+         {std::tuple{&qkv, &loc.q, &loc.k, &loc.v}, {&dqkv, &loc.dq, &loc.dk, &loc.dv}}) {
+      static_cast<tensor&>(*q) = view(*buf, c.hq, 0);
+      static_cast<tensor&>(*k) = view(*buf, c.hkv, c.hq);
+      static_cast<tensor&>(*v) = view(*buf, c.hkv, c.hq + c.hkv);
+    }
+  }
   for (auto [full, part] :
        {std::pair{&in.q, &loc.q}, {&in.k, &loc.k}, {&in.v, &loc.v}, {&in.dout, &loc.dout}})
     split_sequence(*full, cp, r, layout, *part);
@@ -168,6 +187,20 @@ TEST_CASE(
   full_run got = make_run(c, dtype::f32);
   testing::run_ranks(
       cp, [&](int, collective::communicator& comm) { run_ring_rank(comm, c, layout, ref, got); });
+  expect_as_accurate(got, ref, exact);
+}
+
+TEST_CASE("ring attention takes q, k, v and dq, dk, dv as views of fused buffers",
+          "[models][ring]") {
+  attn_case c;
+  full_run ref = make_run(c, dtype::f32), exact = make_run(c, dtype::f64);
+  fill_inputs(ref, exact, 5);
+  run_single(ref, c.causal);
+  run_single(exact, c.causal);
+  full_run got = make_run(c, dtype::f32);
+  testing::run_ranks(2, [&](int, collective::communicator& comm) {
+    run_ring_rank(comm, c, sequence_layout::zigzag, ref, got, /*fused=*/true);
+  });
   expect_as_accurate(got, ref, exact);
 }
 
