@@ -8,7 +8,8 @@
 // rank, T / cp of it per ring rank), the ring's workspace, and the attention kernels' scratch. The
 // largest rank's peak is compared with --budget-mib: the report says which runs fit. Time: the
 // forward + backward wall time of each rank, the slowest reported (the ranks share this machine's
-// CPUs: a measurement, not a scaling claim).
+// CPUs: a measurement, not a scaling claim), and how long the ranks were blocked in the ring's
+// sends and receives (transfers the compute did not hide, and waits for a slower peer).
 //
 // --check runs at the given shape (keep it small) and has every ring rank also compute the
 // single-rank attention in f32 and in f64 and judge its rows by the rounding rule of
@@ -51,6 +52,7 @@ struct rank_report {
   std::int64_t peak = 0;       // host ledger bytes above what the rank held before allocating
   std::int64_t workspace = 0;  // the ring op's own workspace
   double seconds = 0;          // forward + backward
+  double blocked = 0;          // of it, blocked in the ring's sends and receives
   int bad = 0;                 // --check: results that failed the rounding rule
 };
 
@@ -204,6 +206,7 @@ int run(const ring_args& a) {
         reports[r].seconds = std::chrono::duration<double>(clock::now() - t0).count();
         reports[r].peak = memory::stats(memory::tier::host).peak - before;
         reports[r].workspace = static_cast<std::int64_t>(op.workspace_bytes());
+        reports[r].blocked = op.waits().forward + op.waits().backward;
         if (a.check) reports[r].bad = check_rows(x, a, a.cp, r, layout);
         return reports[r].bad == 0 ? 0 : 1;
       },
@@ -213,24 +216,31 @@ int run(const ring_args& a) {
   fmt::print("causal attention forward + backward, f32, B {} T {} heads {} kv heads {} D {}\n",
              a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
   fmt::print("budget per rank: {:.1f} MiB of host tier\n", a.budget_mib);
-  fmt::print("{:<28} {:>6} {:>16} {:>16} {:>8} {:>10} {:>12}\n", "run", "ranks", "peak/rank MiB",
-             "workspace MiB", "fits", "seconds", "tokens/s");
-  auto row = [&](const std::string& name, int ranks, double peak, double ws, double sec) {
-    fmt::print("{:<28} {:>6} {:>16.1f} {:>16.1f} {:>8} {:>10.2f} {:>12.0f}\n", name, ranks,
-               peak / mib, ws / mib, peak / mib <= a.budget_mib ? "yes" : "no", sec,
-               sec > 0 ? static_cast<double>(a.batch * a.seq) / sec : 0.0);
+  fmt::print("{:<28} {:>6} {:>16} {:>16} {:>8} {:>10} {:>12} {:>10}\n", "run", "ranks",
+             "peak/rank MiB", "workspace MiB", "fits", "seconds", "tokens/s", "blocked s");
+  auto row = [&](const std::string& name, int ranks, double peak, double ws, double sec,
+                 double blocked) {
+    fmt::print("{:<28} {:>6} {:>16.1f} {:>16.1f} {:>8} {:>10.2f} {:>12.0f} {:>10.2f}\n", name,
+               ranks, peak / mib, ws / mib, peak / mib <= a.budget_mib ? "yes" : "no", sec,
+               sec > 0 ? static_cast<double>(a.batch * a.seq) / sec : 0.0, blocked);
   };
   if (!a.check)
-    row("one rank, whole sequence", 1, double(reports[a.cp].peak), 0, reports[a.cp].seconds);
-  double peak = 0, ws = 0, sec = 0;
+    row("one rank, whole sequence", 1, double(reports[a.cp].peak), 0, reports[a.cp].seconds, 0);
+  double peak = 0, ws = 0, sec = 0, blocked_min = 1e300, blocked_max = 0;
   int bad = 0;
   for (int r = 0; r < a.cp; ++r) {
     peak = std::max(peak, double(reports[r].peak));
     ws = std::max(ws, double(reports[r].workspace));
     sec = std::max(sec, reports[r].seconds);
+    blocked_min = std::min(blocked_min, reports[r].blocked);
+    blocked_max = std::max(blocked_max, reports[r].blocked);
     bad += reports[r].bad;
   }
-  row(fmt::format("ring attention ({})", a.layout), a.cp, peak, ws, sec);
+  // "blocked s": the least any rank spent blocked in the ring's sends and receives (what the
+  // compute did not hide); the most, below, includes waiting for a slower peer.
+  row(fmt::format("ring attention ({})", a.layout), a.cp, peak, ws, sec, blocked_min);
+  fmt::print("blocked in the ring's sends and receives: {:.2f} to {:.2f} s per rank\n", blocked_min,
+             blocked_max);
   if (a.check)
     fmt::print("check: {}\n", bad == 0 && rc == 0 ? "every rank's rows as accurate as one rank's"
                                                   : "FAILED (see the lines above)");

@@ -1,5 +1,6 @@
 #include "models/layers/ring_attention.hpp"
 
+#include <chrono>
 #include <string>
 
 #include "memory/error.hpp"
@@ -30,6 +31,14 @@ void accumulate(const tensor& x, const tensor& into) {
     }
     for (std::int64_t t = 0; t < xb.size(0); ++t) ops::axpy(1.0, xb.select(0, t), ib.select(0, t));
   }
+}
+
+// Waits for w (when issued), adding the time blocked to `waited`.
+void await(collective::work& w, double& waited) {
+  if (!w.valid()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  w.wait();
+  waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void check_like(const char* what, const tensor& t, const shape& want, dtype type) {
@@ -111,6 +120,7 @@ void ring_attention::forward(const tensor& q, const tensor& k, const tensor& v, 
   check_like("out", out, qs, c.type);
   check_like("lse", lse, {c.batch, c.n_head, c.local_seq}, c.type);
   ops::attention_options causal{c.scale, c.causal, {}}, full{c.scale, false, {}};
+  waited_.forward = 0;
   if (size_ == 1) return ops::attention(q, k, v, out, lse, causal);
 
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
@@ -159,8 +169,8 @@ void ring_attention::forward(const tensor& q, const tensor& k, const tensor& v, 
       case visibility::hidden:
         break;
     }
-    if (got.valid()) got.wait();
-    if (sent.valid()) sent.wait();
+    await(got, waited_.forward);
+    await(sent, waited_.forward);
   }
 }
 
@@ -180,6 +190,7 @@ void ring_attention::backward(const tensor& q, const tensor& k, const tensor& v,
   check_like("dk", dk, ks, c.type);
   check_like("dv", dv, ks, c.type);
   ops::attention_options causal{c.scale, c.causal, {}}, full{c.scale, false, {}};
+  waited_.backward = 0;
   if (size_ == 1) return ops::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, causal);
   check_rows("dq", dq);
 
@@ -203,7 +214,7 @@ void ring_attention::backward(const tensor& q, const tensor& k, const tensor& v,
     const tensor& acc = dkv_[s % 2];
     collective::work acc_got, got, sent;
     if (s > 0) {
-      if (acc_sent[s % 2].valid()) acc_sent[s % 2].wait();  // its send of step s - 2
+      await(acc_sent[s % 2], waited_.backward);  // its send of step s - 2
       acc_got = comm_.recv(acc.data(), kv_count, c.type, prev);
     }
     if (s + 1 < size_) {
@@ -243,7 +254,7 @@ void ring_attention::backward(const tensor& q, const tensor& k, const tensor& v,
           accumulate(dq_share.narrow(1, h, h), dq.narrow(1, h, h));
           break;
       }
-      acc_got.wait();
+      await(acc_got, waited_.backward);
       switch (vis) {
         case visibility::full:
         case visibility::second_half_sees_all:
@@ -262,14 +273,15 @@ void ring_attention::backward(const tensor& q, const tensor& k, const tensor& v,
       }
     }
     acc_sent[s % 2] = comm_.send(acc.data(), kv_count, c.type, next);
-    if (got.valid()) got.wait();
-    if (sent.valid()) sent.wait();
+    await(got, waited_.backward);
+    await(sent, waited_.backward);
   }
   // The own block's accumulator comes home from prev after its round.
   const tensor& home = dkv_[size_ % 2];
-  if (acc_sent[size_ % 2].valid()) acc_sent[size_ % 2].wait();
-  comm_.recv(home.data(), kv_count, c.type, prev).wait();
-  if (acc_sent[(size_ + 1) % 2].valid()) acc_sent[(size_ + 1) % 2].wait();
+  await(acc_sent[size_ % 2], waited_.backward);
+  collective::work home_got = comm_.recv(home.data(), kv_count, c.type, prev);
+  await(home_got, waited_.backward);
+  await(acc_sent[(size_ + 1) % 2], waited_.backward);
   ops::copy(k_of(home), dk);
   ops::copy(v_of(home), dv);
 }

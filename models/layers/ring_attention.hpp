@@ -79,6 +79,12 @@ class ring_attention {
   const ring_attention_config& config() const { return cfg_; }
   // Bytes the op holds for its own use (everything it allocated at construction).
   std::size_t workspace_bytes() const;
+  // Seconds the last forward and the last backward spent blocked in the ring's sends and receives:
+  // the transfers its compute did not hide, plus waiting for a slower peer. For benchmarks.
+  struct transfer_waits {
+    double forward = 0, backward = 0;
+  };
+  const transfer_waits& waits() const { return waited_; }
 
  private:
   enum class visibility : std::uint8_t {
@@ -97,6 +103,7 @@ class ring_attention {
   ring_attention_config cfg_;
   int rank_ = 0, size_ = 1;
   std::int64_t half_ = 0;  // zigzag chunk length Tl / 2
+  transfer_waits waited_;
 
   owned_tensor kv_[2];        // packed k, v blocks [2, B, Tl, Hkv, D]: the one in use, the next
   owned_tensor part_out_;     // [B, Tl, Hq, D]: a block's output, or its dq share in backward
