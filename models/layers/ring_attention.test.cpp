@@ -1,7 +1,9 @@
 // ring_attention against the single-rank flash attention on the whole sequence: forward output and
 // log-sum-exp, backward dq, dk, dv, for cp = 2 and 4, causal, multi-head and grouped-query heads,
-// the contiguous and the zigzag layouts; ranks as threads over the local transport (over UCX
-// processes: `troupe bench ring-attention --check`). Also the sequence split helpers.
+// the contiguous and the zigzag layouts, and q, k, v as views of a fused buffer; ranks as threads
+// over the local transport (over UCX processes: tests/multirank/ring_attention.test.cpp, through
+// `troupe bench ring-attention --check`, since a fork from this process would inherit a tensor
+// thread pool whose workers are gone). Also the sequence split helpers.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
