@@ -33,5 +33,6 @@ command_fn add_bench_p2p_command(CLI::App& bench);
 command_fn add_bench_collective_command(CLI::App& bench);  // (apps/cmd_bench_collective.cpp)
 command_fn add_bench_nvme_command(CLI::App& bench);        // (apps/cmd_bench_nvme.cpp)
 command_fn add_bench_offload_command(CLI::App& bench);     // (apps/cmd_bench_offload.cpp)
+command_fn add_bench_ring_command(CLI::App& bench);        // (apps/cmd_bench_ring.cpp)
 
 }  // namespace troupe::apps
