@@ -188,6 +188,11 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
           "parallel.order = ", quoted_list(p.order),
           " must name each of \"dp\", \"pp\" and \"tp\" exactly once",
           std::count(p.order.begin(), p.order.end(), "cp") > 0 ? " (and \"cp\" at most once)" : "");
+    const auto cp = std::find(p.order.begin(), p.order.end(), "cp");
+    if (cp != p.order.end() && std::find(cp, p.order.end(), "dp") != p.order.end())
+      out.add(
+          "parallel.order = ", quoted_list(p.order),
+          " must name \"cp\" after \"dp\" (the dp x cp group reads data by dp rank, cp fastest)");
   }
 
   // Against the model.

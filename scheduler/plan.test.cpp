@@ -185,9 +185,14 @@ TEST_CASE("a context-parallel degree joins the world size the grid and the descr
   CHECK(describe(p) ==
         "dp2 x cp2 (ulysses) x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none");
   CHECK(validate(p, llama(), 4).empty());
-  p.order = {"cp", "dp", "pp", "tp"};
+  p.order = {"pp", "dp", "tp", "cp"};
   CHECK(grid_order(p) == p.order);
   CHECK(validate(p, llama(), 4).empty());
+  p.order = {"cp", "dp", "pp", "tp"};
+  CHECK(validate(p, llama(), 4) ==
+        std::vector<std::string>{"parallel.order = [\"cp\", \"dp\", \"pp\", \"tp\"] must name "
+                                 "\"cp\" after \"dp\" (the dp x cp group reads data by dp rank, "
+                                 "cp fastest)"});
   // Without context parallelism nothing changes in the line.
   CHECK(describe(parallel_plan{}) ==
         "dp1 x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none");

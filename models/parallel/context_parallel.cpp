@@ -110,7 +110,7 @@ void ulysses_exchange::to_sequence(const tensor& x, const tensor& y,
 }
 
 cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
-                   collective::communicator& cp, dtype t)
+                   collective::communicator& cp, dtype t, bool recompute)
     : cp_(cp), seq_(seq), pool_(std::make_shared<ulysses_pool>()) {
   const int n = cp.size();
   TROUPE_CHECK(n >= 1 && seq > 0 && seq % n == 0, "context parallelism: parallel.cp = ", n,
@@ -121,6 +121,7 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
   local_seq_ = seq / n;
   model_ = with_family(model, [&](auto family, auto c) -> std::unique_ptr<causal_lm> {
     using F = typename decltype(family)::type;
+    c.recompute = recompute;
     std::int64_t heads = c.n_head, kv = c.n_head;
     if constexpr (requires { c.n_kv_head; })
       if (c.n_kv_head > 0) kv = c.n_kv_head;

@@ -63,11 +63,11 @@ class ulysses_exchange final : public sequence_exchange {
 
 class cp_piece final : public grad_producer {
  public:
-  // The model of `model` planned for [rows, seq / cp.size()] (dtype t), this rank's part of the
-  // sequence cp.rank(). Refused naming parallel.cp: an MoE model, a seq or head count that cp does
-  // not divide.
+  // The model of `model` planned for [rows, seq / cp.size()] (dtype t; recompute: per block,
+  // models/trunk.hpp), this rank's part of the sequence cp.rank(). Refused naming parallel.cp: an
+  // MoE model, a seq or head count that cp does not divide.
   cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
-           collective::communicator& cp, dtype t = dtype::f32);
+           collective::communicator& cp, dtype t = dtype::f32, bool recompute = false);
   ~cp_piece() override;
   cp_piece(const cp_piece&) = delete;
   cp_piece& operator=(const cp_piece&) = delete;
