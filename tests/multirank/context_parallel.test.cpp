@@ -11,8 +11,7 @@
 
 using namespace troupe::tests;
 
-TEST_CASE("Launched Ulysses cp2 and dp2 x cp2 runs train like the single process",
-          "[multirank]") {
+TEST_CASE("Launched Ulysses cp2 and dp2 x cp2 runs train like the single process", "[multirank]") {
   const int steps = 8;
   for (const std::string model : {"gpt2-demo", "llama-tiny"}) {
     INFO(model);
