@@ -6,7 +6,10 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "collective/local/local_transport.hpp"
@@ -229,4 +232,31 @@ TEST_CASE(
       }
     }
   }
+}
+
+TEST_CASE(
+    "Ulysses over more ranks than kv heads and a mixture of experts are refused naming "
+    "parallel.cp",
+    "[parallel][cp][faults]") {
+  // llama-tiny has 2 kv heads: 4 ranks would need kv-head replication, which is not written.
+  std::string said;
+  try {
+    t::run_ranks(4, [&](int, collective::communicator& comm) {
+      cp_piece piece(tiny_model(true), 1, 8, comm);
+    });
+  } catch (const std::exception& e) {
+    said = e.what();
+  }
+  std::printf("faults: Ulysses cp4 over 2 kv heads -> refused: %s\n", said.c_str());
+  CHECK_THAT(said, Catch::Contains("parallel.cp = 4") && Catch::Contains("kv heads (2)"));
+  said.clear();
+  try {
+    t::run_ranks(2, [&](int, collective::communicator& comm) {
+      cp_piece piece(named_model_config("mixtral-tiny", 29).value(), 1, 8, comm);
+    });
+  } catch (const std::exception& e) {
+    said = e.what();
+  }
+  std::printf("faults: Ulysses cp2 of a mixture of experts -> refused: %s\n", said.c_str());
+  CHECK_THAT(said, Catch::Contains("parallel.cp = 2") && Catch::Contains("mixture-of-experts"));
 }
