@@ -165,7 +165,9 @@ train_config tiny_run(std::int64_t batch) {
 
 // dp x cp ranks as threads: group `all` (dp x cp, cp fastest) for the engine, a group of cp per
 // data-parallel rank for the exchanges. Every rank's result.
-std::vector<run_result> context_parallel(bool llama, train_config c, int dp, int cp) {
+// recompute: each block's forward again in backward (its all-to-alls included).
+std::vector<run_result> context_parallel(bool llama, train_config c, int dp, int cp,
+                                         bool recompute) {
   c.plan.dp = dp;
   c.plan.cp = cp;
   auto all = collective::make_local_group(dp * cp);
@@ -181,10 +183,11 @@ std::vector<run_result> context_parallel(bool llama, train_config c, int dp, int
       dp * cp,
       [&](int r) {
         cp_piece piece(tiny_model(llama), dp_trainer::microbatch_rows(c), c.seq,
-                       *cps[r / cp][r % cp]);
+                       *cps[r / cp][r % cp], dtype::f32, recompute);
         piece.model().init_weights(5);
         dp_trainer tr(piece, c, *all[r]);
         for (int s = 0; s < c.steps; ++s) out[r].steps.push_back(tr.step(rows_of));
+        tr.gather_full_parameters();  // ZeRO 3: the piece holds only what a step gathered
         out[r].params = host_params(piece.model());
       },
       comms);
@@ -211,12 +214,16 @@ TEST_CASE(
     x64->init_weights(5);
     const t::exact_run exact = t::exact_training(*x64, c, rows_of);
     CHECK(ref.steps[0].grad_norm > c.clip);
-    for (auto [dp, cp, zero] : {std::array{1, 2, 0}, std::array{2, 2, 0}, std::array{2, 2, 2}}) {
+    // (dp, cp, ZeRO stage, recompute): ZeRO 2 and 3 shard over the dp x cp ranks; ZeRO 3 gathers
+    // each block around its uses through the piece's block use hook.
+    for (auto [dp, cp, zero, recompute] :
+         {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{2, 2, 0, 0},
+          std::array{2, 2, 2, 0}, std::array{2, 2, 3, 0}}) {
       INFO((llama ? "llama-tiny" : "gpt2-demo")
-           << " dp " << dp << " cp " << cp << " zero " << zero);
+           << " dp " << dp << " cp " << cp << " zero " << zero << " recompute " << recompute);
       train_config pc = c;
       pc.plan.zero = zero;
-      const auto runs = context_parallel(llama, pc, dp, cp);
+      const auto runs = context_parallel(llama, pc, dp, cp, recompute != 0);
       for (const auto& run : runs) {
         for (int s = 0; s < c.steps; ++s) {
           CHECK(run.steps[s].lr == ref.steps[s].lr);
