@@ -174,17 +174,30 @@ void keep(const tensor& from, owned_tensor& to) {
   ops::copy(from.reshape({from.numel()}), to.view());
 }
 
+// The groups of a rank: dp, pp, tp, mp and, with context parallelism (parallel.cp > 1), cp and
+// dp x cp (cp fastest: scheduler::validate keeps "cp" after "dp" in the grid order).
 const std::vector<std::string>& group_axes(std::size_t i) {
-  static const std::vector<std::vector<std::string>> axes = {{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}};
+  static const std::vector<std::vector<std::string>> axes = {{"dp"},       {"pp"}, {"tp"},
+                                                             {"pp", "tp"}, {"cp"}, {"dp", "cp"}};
   return axes[i];
 }
-constexpr const char* group_labels[] = {"dp", "pp", "tp", "mp"};
+constexpr const char* group_labels[] = {"dp", "pp", "tp", "mp", "cp", "dpcp"};
+std::size_t group_count(const scheduler::parallel_plan& plan) {
+  return plan.cp > 1 ? 6 : 4;
+}
+// The grid's axes: the plan's order, with "cp" (scheduler::grid_order) only when it splits.
+std::vector<collective::grid_axis> grid_axes_of(const scheduler::parallel_plan& plan) {
+  std::vector<collective::grid_axis> axes;
+  for (const auto& a : scheduler::grid_order(plan))
+    if (a != "cp" || plan.cp > 1) axes.push_back({a, scheduler::degree_of(plan, a)});
+  return axes;
+}
 
 // The communicators of `position` in the current layout (its generation's group ids): made the
 // first time, else put under the piece's rebindable ones (the old ones are destroyed).
 void bind_comms(role_context& ctx, trainer_state& st, int position) {
   node& n = ctx.node();
-  for (std::size_t i = 0; i < 4; ++i) {
+  for (std::size_t i = 0; i < group_count(st.cfg.plan); ++i) {
     auto g = elastic_group(*st.grid, st.layout, position, group_axes(i));
     auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
     c->set_timeout(std::chrono::milliseconds(
@@ -217,6 +230,10 @@ mp::hybrid_groups groups_of(trainer_state& st) {
   g.pp = st.comms[1].get();
   g.tp = st.comms[2].get();
   g.mp = st.comms[3].get();
+  if (st.comms.size() > 5) {
+    g.cp = st.comms[4].get();
+    g.dp_cp = st.comms[5].get();
+  }
   return g;
 }
 
@@ -224,6 +241,7 @@ void set_mesh_of(role_context& ctx, const trainer_state& st, int position) {
   ctx.set_mesh("dp", st.grid->coord(position, "dp"));
   ctx.set_mesh("pp", st.grid->coord(position, "pp"));
   ctx.set_mesh("tp", st.grid->coord(position, "tp"));
+  if (st.cfg.plan.cp > 1) ctx.set_mesh("cp", st.grid->coord(position, "cp"));
 }
 
 // Elastic: a lost rank that holds a grid position fails every op of this rank's communicators at
@@ -292,18 +310,17 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
   st.n = &n;
   st.elastic = st.cfg.elastic();
   const int spares = st.elastic ? st.cfg.elastic_spares : 0;
-  TROUPE_CHECK(plan.world_size() + spares == n.world_size(),
-               "parallel.dp x parallel.pp x parallel.tp = ", plan.dp, " x ", plan.pp, " x ",
-               plan.tp, " = ", plan.world_size(),
-               spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
-               " but the job has ", n.world_size(), " ranks");
+  TROUPE_CHECK(!st.elastic || plan.cp == 1,
+               "elastic runs (--elastic) with context parallelism (parallel.cp = ", plan.cp,
+               ") are not supported yet");
+  TROUPE_CHECK(
+      plan.world_size() + spares == n.world_size(), "parallel.dp x parallel.pp x parallel.tp",
+      plan.cp > 1 ? " x parallel.cp" : "", " = ", plan.dp, " x ", plan.pp, " x ", plan.tp,
+      plan.cp > 1 ? fmt::format(" x {}", plan.cp) : std::string(), " = ", plan.world_size(),
+      spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
+      " but the job has ", n.world_size(), " ranks");
   st.model = models::model_config_of(st.cfg);
-  std::vector<collective::grid_axis> axes;
-  for (const auto& a : plan.order) {
-    int d = a == "dp" ? plan.dp : a == "pp" ? plan.pp : a == "tp" ? plan.tp : 1;
-    axes.push_back({a, d});
-  }
-  st.grid = std::make_unique<collective::rank_grid>(axes);
+  st.grid = std::make_unique<collective::rank_grid>(grid_axes_of(plan));
   st.layout = elastic_layout::initial(plan.world_size(), n.world_size());
   if (!r.positions.empty()) {
     TROUPE_CHECK(static_cast<int>(r.positions.size()) == plan.world_size(), ctx.name(),
@@ -774,15 +791,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   if (cfg.collective_timeout > 0)
     step_wait = std::max(step_wait, std::chrono::milliseconds(static_cast<std::int64_t>(
                                         cfg.collective_timeout * 2000.0 + 60000.0)));
-  collective::rank_grid grid([&] {
-    std::vector<collective::grid_axis> axes;
-    for (const auto& a : cfg.plan.order)
-      axes.push_back({a, a == "dp"   ? cfg.plan.dp
-                         : a == "pp" ? cfg.plan.pp
-                         : a == "tp" ? cfg.plan.tp
-                                     : 1});
-    return axes;
-  }());
+  collective::rank_grid grid(grid_axes_of(cfg.plan));
   step_report rep;  // the last step's
   auto report_of = [&](const std::vector<step_reply>& replies) {
     rep = {};

@@ -47,9 +47,10 @@ struct train_cli {
   int threads = 0;
   sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
-  int dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
+  int dp = 1, tp = 1, pp = 1, cp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
   int ep = 1;
   bool sp = false, dp_overlap = true;
+  std::string cp_mode = "ulysses";
   std::string schedule = "1f1b", pipe_p2p = "async", dp_bucket_bytes;
   std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
 };
@@ -393,6 +394,19 @@ command_fn add_train_command(CLI::App& app) {
             [pc](train_config& t) { t.plan.ep = pc->ep; });
   plan_flag(sub->add_flag("--sp", c->sp, "Sequence parallelism over the tp group"),
             [pc](train_config& t) { t.plan.sp = pc->sp; });
+  plan_flag(sub->add_option("--cp", c->cp,
+                            "Context-parallel degree: every sample's sequence split over cp ranks")
+                ->capture_default_str(),
+            [pc](train_config& t) { t.plan.cp = pc->cp; });
+  plan_flag(sub->add_option("--cp-mode", c->cp_mode,
+                            "How attention runs over the split sequence: ulysses (ring: not yet)")
+                ->capture_default_str(),
+            [pc](train_config& t) {
+              auto m = scheduler::parse_cp_mode(pc->cp_mode);
+              TROUPE_CHECK(m.has_value(), "--cp-mode must be ulysses or ring, got '", pc->cp_mode,
+                           "'");
+              t.plan.cp_mode = *m;
+            });
   plan_flag(sub->add_option("--zero", c->zero, "ZeRO stage (0-3)")->capture_default_str(),
             [pc](train_config& t) { t.plan.zero = pc->zero; });
   plan_flag(sub->add_option("--microbatches", c->microbatches,

@@ -177,6 +177,14 @@ const std::map<std::string, setter>& setters() {
       {"parallel.tp", set_plan(&scheduler::parallel_plan::tp)},
       {"parallel.pp", set_plan(&scheduler::parallel_plan::pp)},
       {"parallel.ep", set_plan(&scheduler::parallel_plan::ep)},
+      {"parallel.cp", set_plan(&scheduler::parallel_plan::cp)},
+      {"parallel.cp_mode",
+       [](train_config& c, const toml::node& n, const std::string& where) {
+         auto v = n.value<std::string>();
+         auto m = v ? scheduler::parse_cp_mode(*v) : std::nullopt;
+         if (!m) throw error(where + " must be \"ulysses\" or \"ring\"");
+         c.plan.cp_mode = *m;
+       }},
       {"parallel.sp",
        [](train_config& c, const toml::node& n, const std::string& where) {
          auto v = n.value_exact<bool>();  // value<bool>() would take 1 as true
@@ -484,6 +492,8 @@ std::string to_toml(const train_config& c) {
   par.insert("pp", c.plan.pp);
   if (c.plan.ep != 1) par.insert("ep", c.plan.ep);
   par.insert("sp", c.plan.sp);
+  par.insert("cp", c.plan.cp);
+  par.insert("cp_mode", std::string(scheduler::name(c.plan.cp_mode)));
   par.insert("zero", c.plan.zero);
   par.insert("microbatches", c.plan.microbatches);
   par.insert("schedule", std::string(scheduler::name(c.plan.schedule)));

@@ -184,3 +184,36 @@ TEST_CASE("parallel.ep sets the expert parallel degree and reaches the ranks of 
   REQUIRE(!c.has_value());
   CHECK_THAT(c.error_message(), Catch::Contains("parallel.ep = 3 does not divide parallel.dp = 4"));
 }
+
+TEST_CASE("a job file's context-parallel degree and mode reach the plan and the ranks") {
+  auto path = write_job("[train]\nseq = 64\n[parallel]\ndp = 2\ncp = 2\ncp_mode = \"ulysses\"\n");
+  auto c = load_train_config(path);
+  std::remove(path.c_str());
+  REQUIRE(c.has_value());
+  CHECK(c->plan.cp == 2);
+  CHECK(c->plan.cp_mode == sched::cp_mode_kind::ulysses);
+  CHECK(c->plan.world_size() == 4);
+  auto sent = parse_train_config(to_toml(*c), "the driver's job");
+  REQUIRE(sent.has_value());
+  CHECK(*sent == *c);
+  struct bad_case {
+    const char* text;
+    const char* says;
+  };
+  for (auto [text, says] : {
+           bad_case{"[parallel]\ncp_mode = \"zigzag\"\n",
+                    "parallel.cp_mode must be \"ulysses\" or \"ring\""},
+           bad_case{"[parallel]\ncp = 0\n", "parallel.cp = 0 must be >= 1"},
+           bad_case{"[train]\nseq = 63\n[parallel]\ncp = 2\n",
+                    "parallel.cp = 2 does not divide seq = 63"},
+           bad_case{"[parallel]\ncp = 2\ncp_mode = \"ring\"\n",
+                    "parallel.cp_mode = \"ring\" is not available yet"},
+       }) {
+    auto p = write_job(text);
+    auto bad = load_train_config(p);
+    std::remove(p.c_str());
+    INFO(text);
+    REQUIRE(!bad.has_value());
+    CHECK_THAT(bad.error_message(), Catch::Contains(says) && Catch::Contains(p));
+  }
+}

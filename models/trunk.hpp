@@ -105,6 +105,12 @@ class trunk {
   // its segment; positions restart per sequence (GPT-2's learned positions; RoPE needs none,
   // attention.hpp). Undefined tensors: one sequence per row again.
   void set_packing(const tensor& segments, const tensor& positions);
+  // Context parallelism (models/parallel/context_parallel.hpp) for the forwards that follow: the
+  // ids are positions position_offset.. of each sample (learned positions read those), and block
+  // i's attention exchanges its heads with the other ranks through exchange(i) (attention.hpp;
+  // not owned, null: none). Not with set_packing. (0, {}): the whole sequence again.
+  void set_context(std::int64_t position_offset,
+                   const std::function<sequence_exchange*(std::int64_t block)>& exchange);
   // Weights of the sequences of the batch for the backwards that follow (empty: the mean loss):
   // backward then gives the gradient of loss_scale * sum_b w_b * (the summed losses of row b)
   // (cross_entropy_loss::sequence_weights; preference training).
@@ -161,8 +167,9 @@ class trunk {
   owned_tensor positions_;
   std::vector<std::vector<std::int32_t>> unit_params_;
   tensor ids_, targets_;
-  tensor segments_, row_positions_;  // set_packing's
-  tensor da_, db_;                   // backward: db_ holds d(the current unit's output)
+  tensor segments_, row_positions_;   // set_packing's
+  std::int64_t position_offset_ = 0;  // set_context's
+  tensor da_, db_;                    // backward: db_ holds d(the current unit's output)
   std::int64_t b_ = 0, t_ = 0;
   double loss_ = 0;
   std::unique_ptr<kv_cache> cache_;
@@ -257,8 +264,22 @@ void trunk<F>::set_packing(const tensor& segments, const tensor& positions) {
 }
 
 template <trunk_family F>
+void trunk<F>::set_context(std::int64_t position_offset,
+                           const std::function<sequence_exchange*(std::int64_t block)>& exchange) {
+  TROUPE_CHECK(position_offset >= 0 && position_offset + dims_.seq <= cfg_.max_seq, F::name,
+               ": context position offset ", position_offset, " + the planned seq ", dims_.seq,
+               " exceeds max_seq ", cfg_.max_seq);
+  position_offset_ = position_offset;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    const_cast<attention&>(F::attention_of(blocks_[i])).exchange =
+        exchange ? exchange(static_cast<std::int64_t>(i)) : nullptr;
+}
+
+template <trunk_family F>
 void trunk<F>::begin(const tensor& ids, const tensor& targets) {
   const batch_dims got = checked_batch(ids, targets, dims_, F::name);
+  TROUPE_CHECK(!segments_.defined() || position_offset_ == 0, F::name,
+               ": packed rows cannot be split over context-parallel ranks");
   if (segments_.defined())
     for (const tensor* p : {&segments_, &row_positions_})
       TROUPE_CHECK(p->type() == dtype::i32 && p->sizes() == ids.sizes(), F::name,
@@ -274,8 +295,10 @@ template <trunk_family F>
 void trunk<F>::forward_unit(std::int32_t u) {
   const std::int64_t n = cfg_.n_layer;
   if (u == 0) {
-    ends_.embed(ids_, row_positions_.defined() ? row_positions_ : positions_.narrow(0, 0, t_),
-                x(0, b_, t_));
+    ends_.embed(
+        ids_,
+        row_positions_.defined() ? row_positions_ : positions_.narrow(0, position_offset_, t_),
+        x(0, b_, t_));
   } else if (u <= n) {
     const std::int64_t i = u - 1;
     notify(on_block_use, i, block_use::before_forward);

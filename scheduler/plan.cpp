@@ -75,6 +75,28 @@ std::optional<p2p_mode> parse_p2p_mode(std::string_view s) {
   return std::nullopt;
 }
 
+std::string_view name(cp_mode_kind m) {
+  return m == cp_mode_kind::ring ? "ring" : "ulysses";
+}
+
+std::optional<cp_mode_kind> parse_cp_mode(std::string_view s) {
+  for (auto m : {cp_mode_kind::ulysses, cp_mode_kind::ring})
+    if (name(m) == s) return m;
+  return std::nullopt;
+}
+
+std::vector<std::string> grid_order(const parallel_plan& p) {
+  std::vector<std::string> out = p.order;
+  if (std::find(out.begin(), out.end(), "cp") != out.end()) return out;
+  auto dp = std::find(out.begin(), out.end(), "dp");
+  out.insert(dp == out.end() ? out.begin() : dp + 1, "cp");
+  return out;
+}
+
+int degree_of(const parallel_plan& p, std::string_view axis) {
+  return axis == "dp" ? p.dp : axis == "cp" ? p.cp : axis == "pp" ? p.pp : axis == "tp" ? p.tp : 1;
+}
+
 namespace {
 
 // Collects problems as sentences built from streamable pieces.
@@ -104,19 +126,35 @@ std::string quoted_list(const std::vector<std::string>& v) {
 std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, int world_size) {
   problems out;
   // Degrees and ranges first: later checks divide by them.
-  const bool degrees_ok = p.dp >= 1 && p.tp >= 1 && p.pp >= 1;
+  const bool degrees_ok = p.dp >= 1 && p.tp >= 1 && p.pp >= 1 && p.cp >= 1;
   if (p.dp < 1) out.add("parallel.dp = ", p.dp, " must be >= 1");
   if (p.tp < 1) out.add("parallel.tp = ", p.tp, " must be >= 1");
   if (p.pp < 1) out.add("parallel.pp = ", p.pp, " must be >= 1");
-  if (degrees_ok && world_size > 0 && p.world_size() != world_size)
-    out.add("parallel.dp x parallel.tp x parallel.pp = ", p.dp, " x ", p.tp, " x ", p.pp, " = ",
-            p.world_size(), " does not equal the world size ", world_size);
+  if (p.cp < 1) out.add("parallel.cp = ", p.cp, " must be >= 1");
+  if (degrees_ok && world_size > 0 && p.world_size() != world_size) {
+    if (p.cp == 1)
+      out.add("parallel.dp x parallel.tp x parallel.pp = ", p.dp, " x ", p.tp, " x ", p.pp, " = ",
+              p.world_size(), " does not equal the world size ", world_size);
+    else
+      out.add("parallel.dp x parallel.cp x parallel.tp x parallel.pp = ", p.dp, " x ", p.cp, " x ",
+              p.tp, " x ", p.pp, " = ", p.world_size(), " does not equal the world size ",
+              world_size);
+  }
   if (p.ep < 1) out.add("parallel.ep = ", p.ep, " must be >= 1");
   if (p.ep > 1 && p.dp >= 1 && p.dp % p.ep != 0)
     out.add("parallel.ep = ", p.ep, " does not divide parallel.dp = ", p.dp,
             " (the expert-parallel groups are carved out of the data-parallel ranks)");
   if (p.sp && p.tp == 1)
     out.add("parallel.sp = true needs parallel.tp > 1 (it splits activations over the tp group)");
+  if (p.cp > 1) {
+    // Ulysses runs on a whole model per rank so far (models/parallel/context_parallel.hpp).
+    if (p.cp_mode == cp_mode_kind::ring)
+      out.add("parallel.cp_mode = \"ring\" is not available yet: use \"ulysses\" (parallel.cp = ",
+              p.cp, ")");
+    if (p.tp > 1 || p.pp > 1)
+      out.add("parallel.cp = ", p.cp, " runs with parallel.tp = 1 and parallel.pp = 1 so far (got ",
+              "tp ", p.tp, ", pp ", p.pp, ")");
+  }
   if (p.zero < 0 || p.zero > 3) out.add("parallel.zero = ", p.zero, " must be 0, 1, 2 or 3");
   if (p.microbatches < 1) out.add("parallel.microbatches = ", p.microbatches, " must be >= 1");
   if (p.virtual_stages < 1)
@@ -144,13 +182,21 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
             name(p.schedule), "\")");
   }
 
-  // The grid order: each axis once.
+  // The grid order: each axis once ("cp" may be left out: grid_order places it after "dp").
   {
     std::vector<std::string> sorted = p.order;
     std::sort(sorted.begin(), sorted.end());
-    if (sorted != std::vector<std::string>{"dp", "pp", "tp"})
-      out.add("parallel.order = ", quoted_list(p.order),
-              " must name each of \"dp\", \"pp\" and \"tp\" exactly once");
+    if (sorted != std::vector<std::string>{"dp", "pp", "tp"} &&
+        sorted != std::vector<std::string>{"cp", "dp", "pp", "tp"})
+      out.add(
+          "parallel.order = ", quoted_list(p.order),
+          " must name each of \"dp\", \"pp\" and \"tp\" exactly once",
+          std::count(p.order.begin(), p.order.end(), "cp") > 0 ? " (and \"cp\" at most once)" : "");
+    const auto cp = std::find(p.order.begin(), p.order.end(), "cp");
+    if (cp != p.order.end() && std::find(cp, p.order.end(), "dp") != p.order.end())
+      out.add(
+          "parallel.order = ", quoted_list(p.order),
+          " must name \"cp\" after \"dp\" (the dp x cp group reads data by dp rank, cp fastest)");
   }
 
   // Against the model.
@@ -169,6 +215,17 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
   }
   if (p.ep > 1 && m.experts > 0 && m.experts % p.ep != 0)
     out.add("parallel.ep = ", p.ep, " does not divide experts = ", m.experts);
+  if (p.cp > 1) {
+    auto divides = [&](long long value, const char* what, const char* why) {
+      if (value > 0 && value % p.cp != 0)
+        out.add("parallel.cp = ", p.cp, " does not divide ", what, " = ", value, why);
+    };
+    divides(m.seq, "seq", " (every rank holds seq / cp tokens of each sample)");
+    if (p.cp_mode == cp_mode_kind::ulysses) {
+      divides(m.heads, "heads", " (Ulysses gives each rank heads / cp heads)");
+      divides(m.kv_heads, "kv_heads", " (Ulysses gives each rank kv_heads / cp kv heads)");
+    }
+  }
   if (p.pp >= 1 && p.virtual_stages >= 1 && m.layers > 0 &&
       m.layers < static_cast<long long>(p.pp) * p.virtual_stages)
     out.add("parallel.pp x parallel.virtual_stages = ", p.pp, " x ", p.virtual_stages, " = ",
@@ -194,11 +251,13 @@ std::string join(const std::vector<std::string>& problems) {
 
 std::string describe(const parallel_plan& p) {
   std::ostringstream os;
-  for (std::size_t i = 0; i < p.order.size(); ++i) {
-    const auto& a = p.order[i];
-    int d = a == "dp" ? p.dp : a == "pp" ? p.pp : a == "tp" ? p.tp : 0;
-    os << (i ? " x " : "") << a << d;
+  bool first = true;
+  for (const auto& a : grid_order(p)) {
+    if (a == "cp" && p.cp == 1) continue;  // named only when the sequence is split
+    os << (first ? "" : " x ") << a << degree_of(p, a);
+    if (a == "cp") os << " (" << name(p.cp_mode) << ")";
     if (a == "dp" && p.ep != 1) os << " (ep" << p.ep << ")";
+    first = false;
   }
   if (p.sp) os << " (sp)";
   os << ", zero " << p.zero << ", " << name(p.schedule);

@@ -4,13 +4,15 @@
 // axis slowest, so the default {"dp", "pp", "tp"} keeps tensor-parallel peers on neighbouring
 // ranks). Sequence parallelism (sp) reuses the tensor-parallel group, so it is a switch, not a
 // degree. Expert parallelism (ep) is carved out of the data-parallel ranks (DeepSpeed's and
-// Colossal-AI's convention), so it is not a grid axis either: the world is still dp x pp x tp, ep
-// divides dp, dp rank d is rank d % ep of the expert-parallel group of the ep consecutive dp ranks
-// d / ep * ep ..., and holds experts [(d % ep) * n / ep, (d % ep + 1) * n / ep) of every MoE layer.
-// Non-expert parameters are reduced over all dp ranks, expert parameters over their
-// expert-data-parallel group of dp / ep ranks (those with the same d % ep). validate() checks a
-// plan against a model's shape and the world size and returns every problem at once, each naming
-// the field as "parallel.<key>", so a job file can be fixed in one go.
+// Colossal-AI's convention), so it is not a grid axis either: the world is still dp x cp x pp x
+// tp, ep divides dp, dp rank d is rank d % ep of the expert-parallel group of the ep consecutive
+// dp ranks d / ep * ep ..., and holds experts [(d % ep) * n / ep, (d % ep + 1) * n / ep) of every
+// MoE layer. Non-expert parameters are reduced over all dp ranks, expert parameters over their
+// expert-data-parallel group of dp / ep ranks (those with the same d % ep). Context parallelism
+// (cp, cp_mode) is a degree: the sequence of every sample split over cp ranks; its grid axis "cp"
+// sits right after "dp" unless `order` names it (grid_order). validate() checks a plan against a
+// model's shape and the world size and returns every problem at once, each naming the field as
+// "parallel.<key>", so a job file can be fixed in one go.
 #pragma once
 
 #include <optional>
@@ -55,9 +57,19 @@ enum class p2p_mode { batched, blocking, async };
 std::string_view name(p2p_mode m);  // "batched", "blocking", "async"
 std::optional<p2p_mode> parse_p2p_mode(std::string_view s);
 
+// How context parallelism (parallel.cp > 1) runs attention over a sequence split across ranks.
+// ulysses: an all-to-all turns [T/cp, heads] into [T, heads/cp] around attention and back
+// (DeepSpeed-Ulysses; models/parallel/context_parallel.hpp). ring: key/value blocks passed
+// around the ring (not available yet: refused by validate).
+enum class cp_mode_kind { ulysses, ring };
+std::string_view name(cp_mode_kind m);  // "ulysses", "ring"
+std::optional<cp_mode_kind> parse_cp_mode(std::string_view s);
+
 struct parallel_plan {
   int dp = 1, tp = 1, pp = 1;
-  bool sp = false;       // sequence parallel norms/dropout over the tp group (needs tp > 1)
+  bool sp = false;  // sequence parallel norms/dropout over the tp group (needs tp > 1)
+  int cp = 1;       // context-parallel degree: every sample's sequence split over cp ranks
+  cp_mode_kind cp_mode = cp_mode_kind::ulysses;
   int ep = 1;            // expert-parallel degree, out of the dp ranks (see the top; MoE only)
   int zero = 0;          // ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters
   int microbatches = 1;  // per data-parallel rank and step (gradient accumulation)
@@ -76,9 +88,15 @@ struct parallel_plan {
   std::vector<std::string> order = default_order();
   static std::vector<std::string> default_order() { return {"dp", "pp", "tp"}; }
 
-  int world_size() const { return dp * tp * pp; }
+  int world_size() const { return dp * tp * pp * cp; }
   friend bool operator==(const parallel_plan&, const parallel_plan&) = default;
 };
+
+// The grid axes, slowest first: `order`, with "cp" inserted right after "dp" when order does not
+// name it (so a default plan's context-parallel peers are neighbours within a data-parallel rank).
+std::vector<std::string> grid_order(const parallel_plan& plan);
+// The degree of grid axis `axis` ("dp", "cp", "pp", "tp"; 1 for any other name).
+int degree_of(const parallel_plan& plan, std::string_view axis);
 
 // What a plan is checked against. A field left 0 is unknown and its checks are skipped (a job
 // file is checked before the model is loaded, and before the world size is known).
@@ -99,8 +117,10 @@ std::vector<std::string> validate(const parallel_plan& plan, const model_shape& 
 // The problems joined by "; " (empty when there are none), for an error message.
 std::string join(const std::vector<std::string>& problems);
 
-// One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none"; the
-// expert-parallel degree follows dp where it is not 1 ("dp4 (ep2) x pp1 x tp1"); the
+// One line, e.g. "dp2 x pp2 x tp2 (sp), zero 1, 1f1b x 8 microbatches, recompute none" (with
+// context parallelism the axis "cp2 (ulysses)" in its grid place, e.g. "dp2 x cp2 (ulysses) x
+// pp1 x tp1, ..."); the expert-parallel degree follows dp where it is not 1 ("dp4 (ep2) x pp1 x
+// tp1"); the
 // gradient buckets, overlap and pipeline transfers are named only where they differ from the
 // defaults (", dp buckets 262144 bytes, dp overlap off, pipe p2p batched").
 std::string describe(const parallel_plan& plan);

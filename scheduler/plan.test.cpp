@@ -195,3 +195,58 @@ TEST_CASE("an expert parallel degree must divide the data parallel degree and th
   p.ep = 0;
   CHECK(validate(p, {}, 0) == std::vector<std::string>{"parallel.ep = 0 must be >= 1"});
 }
+
+TEST_CASE("a context-parallel degree joins the world size the grid and the description") {
+  parallel_plan p;
+  p.dp = 2, p.cp = 2;
+  CHECK(p.world_size() == 4);
+  CHECK(grid_order(p) == std::vector<std::string>{"dp", "cp", "pp", "tp"});
+  CHECK(degree_of(p, "cp") == 2);
+  CHECK(describe(p) ==
+        "dp2 x cp2 (ulysses) x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none");
+  CHECK(validate(p, llama(), 4).empty());
+  p.order = {"pp", "dp", "tp", "cp"};
+  CHECK(grid_order(p) == p.order);
+  CHECK(validate(p, llama(), 4).empty());
+  p.order = {"cp", "dp", "pp", "tp"};
+  CHECK(validate(p, llama(), 4) ==
+        std::vector<std::string>{"parallel.order = [\"cp\", \"dp\", \"pp\", \"tp\"] must name "
+                                 "\"cp\" after \"dp\" (the dp x cp group reads data by dp rank, "
+                                 "cp fastest)"});
+  // Without context parallelism nothing changes in the line.
+  CHECK(describe(parallel_plan{}) ==
+        "dp1 x pp1 x tp1, zero 0, 1f1b x 1 microbatches, recompute none");
+  for (auto m : {cp_mode_kind::ulysses, cp_mode_kind::ring}) CHECK(parse_cp_mode(name(m)) == m);
+  CHECK(!parse_cp_mode("megatron"));
+}
+
+TEST_CASE("a context-parallel plan names every shape it does not divide and the ring mode") {
+  parallel_plan p;
+  p.cp = 3;
+  // 32 heads, 8 kv heads, seq 2048: none divisible by 3; the world has 2 ranks.
+  CHECK(
+      validate(p, llama(), 2) ==
+      std::vector<std::string>{
+          "parallel.dp x parallel.cp x parallel.tp x parallel.pp = 1 x 3 x 1 x 1 = 3 does not "
+          "equal the world size 2",
+          "parallel.cp = 3 does not divide seq = 2048 (every rank holds seq / cp tokens of each "
+          "sample)",
+          "parallel.cp = 3 does not divide heads = 32 (Ulysses gives each rank heads / cp heads)",
+          "parallel.cp = 3 does not divide kv_heads = 8 (Ulysses gives each rank kv_heads / cp kv "
+          "heads)"});
+  p.cp = 2;
+  p.cp_mode = cp_mode_kind::ring;
+  p.tp = 2;
+  CHECK(
+      validate(p, llama(), 4) ==
+      std::vector<std::string>{
+          "parallel.cp_mode = \"ring\" is not available yet: use \"ulysses\" (parallel.cp = 2)",
+          "parallel.cp = 2 runs with parallel.tp = 1 and parallel.pp = 1 so far (got tp 2, pp 1)"});
+  p.order = {"dp", "cp", "cp", "pp", "tp"};
+  p.cp_mode = cp_mode_kind::ulysses;
+  p.tp = 1;
+  CHECK(validate(p, llama(), 2) ==
+        std::vector<std::string>{"parallel.order = [\"dp\", \"cp\", \"cp\", \"pp\", \"tp\"] must "
+                                 "name each of \"dp\", \"pp\" and \"tp\" exactly once (and \"cp\" "
+                                 "at most once)"});
+}

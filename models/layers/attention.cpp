@@ -109,6 +109,7 @@ void attention::forward(const tensor& x, const tensor& y) {
                cfg.dim, "], got ", describe(x));
   TROUPE_CHECK(y.defined() && y.sizes() == x.sizes(), label, ": y must be ", x.sizes().str(),
                " like x, got ", describe(y));
+  if (exchange != nullptr) return forward_exchanged(x, y);
   std::int64_t b = x.size(0), t = x.size(1), hq = cfg.n_head, d = cfg.head_dim;
   views w = qkv_views(b, t, false);
   if (cfg.fused_qkv) {
@@ -136,6 +137,7 @@ void attention::backward(const tensor& dy, const tensor& dx) {
   std::int64_t b = o_proj.x.size(0), t = o_proj.x.size(1), hq = cfg.n_head, d = cfg.head_dim;
   TROUPE_CHECK(dy.defined() && dy.sizes() == shape({b, t, cfg.dim}), label, ": dy must be [", b,
                ", ", t, ", ", cfg.dim, "] like the output, got ", describe(dy));
+  if (exchange != nullptr) return backward_exchanged(dy, dx);
   views w = qkv_views(b, t, true);
   tensor da = planned_view(datt, {b, t, hq, d}, label, "datt");
   o_proj.backward(dy, da.reshape({b, t, hq * d}));

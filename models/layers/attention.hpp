@@ -19,6 +19,7 @@
 
 #include "models/layers/linear.hpp"
 #include "models/layers/rope_scaling.hpp"
+#include "models/layers/sequence_exchange.hpp"
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
 
@@ -54,6 +55,12 @@ struct attention {
   // distance between two tokens of one sequence, which a shift of both positions keeps.
   tensor segments;
 
+  // Context parallelism (Ulysses, sequence_exchange.hpp; set by the placement, not owned): x and y
+  // hold this rank's T/cp positions of each sample; q, k and v go to every position of H/cp heads
+  // through the exchange, RoPE rotates them at positions 0..T-1, and the attention output comes
+  // back before o_proj (ulysses_attention.cpp). Null: the whole sequence is here.
+  sequence_exchange* exchange = nullptr;
+
   // Saved by forward for backward (planned for the declared batch; a forward uses a prefix).
   tensor qkv;      // fused: [B, T, (Hq + 2 Hkv) D], holding q, k (rotated) and v
   tensor q, k, v;  // separate: [B, T, Hq, D], [B, T, Hkv, D], [B, T, Hkv, D]
@@ -78,6 +85,8 @@ struct attention {
     tensor q, k, v, dq, dk, dv;
   };
   views qkv_views(std::int64_t b, std::int64_t t, bool with_grads) const;
+  void forward_exchanged(const tensor& x, const tensor& y);  // ulysses_attention.cpp
+  void backward_exchanged(const tensor& dy, const tensor& dx);
   void rope_tables(std::int64_t t) const;
 };
 

@@ -380,8 +380,9 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   cfg_.validate();
   const int dp = comm.size(), rank = comm.rank();
   const int zero = cfg.plan.zero;
-  TROUPE_CHECK(cfg.plan.dp == dp, "dp_trainer: plan.dp is ", cfg.plan.dp, " but ", comm.name(),
-               " has ", dp, " ranks");
+  TROUPE_CHECK(cfg.plan.dp * cfg.plan.cp == dp, "dp_trainer: plan.dp",
+               cfg.plan.cp > 1 ? " x plan.cp" : "", " is ", cfg.plan.dp * cfg.plan.cp, " but ",
+               comm.name(), " has ", dp, " ranks");
   TROUPE_CHECK(zero >= 0 && zero <= 3, "dp_trainer: parallel.zero = ", zero,
                " is not supported (0 to 3) on rank ", rank, " of ", comm.name());
   TROUPE_CHECK(zero < 3 || cfg.plan.pp == 1, "dp_trainer: parallel.zero = 3 needs parallel.pp = 1",
@@ -648,12 +649,13 @@ void dp_trainer::read_rows(std::int64_t begin, std::int64_t end,
 
 microbatch_data dp_trainer::fetch(int k, const trainer::batch_source& data) {
   const int rank = comm_.rank();
+  const int data_rank = rank / cfg_.plan.cp;  // the cp ranks of a replica read the same rows
   TROUPE_CHECK(k >= next_fetch_ && k < plan_.microbatches(), "dp_trainer: rank ", rank, " of ",
                comm_.name(), ": the piece fetched microbatch ", k, " (microbatches are fetched in ",
                "ascending order, each at most once, of ", plan_.microbatches(), "; next is ",
                next_fetch_, ")");
   next_fetch_ = k + 1;
-  auto range = plan_.range(rank, k, step_);
+  auto range = plan_.range(data_rank, k, step_);
   read_rows(range.begin, range.end, data);
   const int rows = static_cast<int>(range.size()), t = static_cast<int>(cfg_.seq);
   targets_.resize(rows_.size());
@@ -661,7 +663,7 @@ microbatch_data dp_trainer::fetch(int k, const trainer::batch_source& data) {
   mb.ids = tensor(rows_.data(), rows_.size() * 4, dtype::i32, {rows, t});
   mb.targets = tensor(targets_.data(), targets_.size() * 4, dtype::i32, {rows, t});
   next_token_targets(mb.ids, mb.targets);
-  mb.weight = plan_.weight(rank, k);
+  mb.weight = plan_.weight(data_rank, k);
   return mb;
 }
 

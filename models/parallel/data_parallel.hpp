@@ -144,7 +144,10 @@ std::vector<dp_bucket> make_buckets(
 
 class dp_trainer {
  public:
-  // cfg.plan.dp must equal dp.size() and cfg.plan.zero be 0 to 3; the piece's weights must be
+  // cfg.plan.dp x cfg.plan.cp must equal dp.size() and cfg.plan.zero be 0 to 3 (with context
+  // parallelism the group is dp x cp, cp fastest: rank r reads data-parallel rank r / cp's rows,
+  // the piece keeps its part of the sequence and its gradients are reduced, and ZeRO sharded, over
+  // the whole group: context_parallel.hpp); the piece's weights must be
   // the same on every dp rank (initialize with the same seed, or load the same checkpoint) and
   // its batch dims hold the largest microbatch (microbatch_rows()). The piece must outlive the
   // trainer.

@@ -16,6 +16,7 @@
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/file_io.hpp"
 #include "models/hf/training_state.hpp"
+#include "models/parallel/context_parallel.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/llama_stage.hpp"
@@ -95,6 +96,16 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   TROUPE_CHECK(size_of(g.mp, "mp") == plan.pp * plan.tp, "hybrid_trainer: the model-parallel ",
                "group has ", g.mp->size(),
                " ranks, not parallel.pp x parallel.tp = ", plan.pp * plan.tp);
+  if (plan.cp > 1) {
+    TROUPE_CHECK(size_of(g.cp, "cp") == plan.cp, "hybrid_trainer: parallel.cp is ", plan.cp,
+                 " but the cp group has ", g.cp->size(), " ranks");
+    TROUPE_CHECK(size_of(g.dp_cp, "dp x cp") == plan.dp * plan.cp,
+                 "hybrid_trainer: the dp x cp group has ", g.dp_cp->size(),
+                 " ranks, not parallel.dp x parallel.cp = ", plan.dp * plan.cp);
+    // The piece is the whole model: its gradients are reduced (and ZeRO sharded) over dp x cp,
+    // which is the data-parallel group of everything below (the engine, checkpoints, moments).
+    I.g.dp = g.dp_cp;
+  }
   const scheduler::model_shape shape = shape_of(model, cfg);
   // A family without tensor-parallel parts (tp_family.hpp) trains as a whole model per rank.
   with_family(model, [&](auto family, const auto&) {
@@ -161,6 +172,13 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                     plan.tp > 1 ? fmt::format(", tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
+  } else if (plan.cp > 1) {
+    auto piece = std::make_unique<cp_piece>(model, dims.batch, cfg.seq, *g.cp, compute, recompute);
+    I.description =
+        fmt::format("whole model on positions {}-{} of each sample (Ulysses, cp {} of {})",
+                    g.cp->rank() * piece->local_seq(), (g.cp->rank() + 1) * piece->local_seq() - 1,
+                    g.cp->rank(), plan.cp);
+    I.piece = std::move(piece);
   } else if (plan.tp == 1) {
     I.model = make_causal_lm(model, dims, compute, device::cpu(), {.recompute = recompute});
     I.piece = std::make_unique<model_producer>(*I.model);
@@ -196,7 +214,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // model, which then cannot overlap with backward).
   dp_options o = dp_options::of(plan);
   if (cfg.tiers()) {  // memory tiers: the ZeRO shard's moments paged (paged_moments.hpp)
-    o.moments = moment_tiers_of(cfg, g.dp->rank());
+    o.moments = moment_tiers_of(cfg, I.g.dp->rank());
     // ZeRO 3: the whole shard (parameters, gradients and moments: paged_shard.hpp).
     I.description += fmt::format(
         ", {} in memory tiers ({}{})",
@@ -205,7 +223,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
         memory::tier_name(o.moments->home),
         o.moments->home == memory::tier::nvme ? " in " + o.moments->nvme_dir : std::string());
   }
-  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *g.dp, o);
+  I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *I.g.dp, o);
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
 

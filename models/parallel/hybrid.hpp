@@ -1,7 +1,7 @@
-// hybrid_trainer: one rank's part of a dp x pp x tp training run, composed from the pieces of
-// models/parallel: the rank's model piece (the whole model, a tensor-parallel shard, a pipeline
-// stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine (dp_trainer:
-// gradient buckets, ZeRO, clipping over the model-parallel group, AdamW).
+// hybrid_trainer: one rank's part of a dp x pp x tp (or dp x cp) training run, composed from the
+// pieces of models/parallel: the rank's model piece (the whole model, a tensor-parallel shard, a
+// pipeline stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine
+// (dp_trainer: gradient buckets, ZeRO, clipping over the model-parallel group, AdamW).
 //
 // Every rank of the job builds one with the same train_config and its own communicators (over UCX
 // in a launched job, over threads in tests); step() is collective over all of them. The update
@@ -37,6 +37,10 @@ struct hybrid_groups {
   collective::communicator* pp = nullptr;  // the stages of this rank's pipeline, in stage order
   collective::communicator* tp = nullptr;  // the tensor shards of this rank's stage
   collective::communicator* mp = nullptr;  // pp x tp: this data-parallel replica's ranks
+  // Context parallelism (parallel.cp > 1 only; context_parallel.hpp): the ranks that share this
+  // rank's samples, in sequence order, and dp x cp (cp fastest), the engine's group then.
+  collective::communicator* cp = nullptr;
+  collective::communicator* dp_cp = nullptr;
 };
 
 class hybrid_trainer {

@@ -1,0 +1,175 @@
+// Ulysses context parallelism (context_parallel.hpp): the exchange over a communicator and the
+// piece that runs a whole model on this rank's part of the sequence.
+#include "models/parallel/context_parallel.hpp"
+
+#include <algorithm>
+#include <utility>
+#include <variant>
+
+#include "memory/error.hpp"
+#include "models/families.hpp"
+#include "tensor/ops.hpp"
+
+namespace troupe::models::parallel {
+
+namespace {
+
+// `slot` holding at least s's elements of type t (reallocated when not), viewed as s.
+tensor grown(owned_tensor& slot, const shape& s, dtype t) {
+  const std::int64_t n = s.numel();
+  if (!slot.defined() || slot.numel() < n || slot.type() != t) {
+    slot = owned_tensor{};  // free the old one first
+    slot = empty({std::max<std::int64_t>(n, 1)}, t);
+  }
+  return slot.reshape({slot.numel()}).narrow(0, 0, n).reshape(s);
+}
+
+// Checks the two layouts of an exchange: seq [B, T/cp, H, D] and heads [B, T, H/cp, D], sections
+// summing to H, each divisible by cp.
+void check_layouts(const tensor& seq, const tensor& heads, std::span<const std::int64_t> sections,
+                   int cp, const char* what) {
+  TROUPE_CHECK(seq.defined() && heads.defined() && seq.dim() == 4 && heads.dim() == 4 &&
+                   seq.is_contiguous() && heads.is_contiguous() && seq.type() == heads.type(),
+               "ulysses_exchange::", what, ": contiguous [B, T/cp, H, D] and [B, T, H/cp, D] ",
+               "tensors of one dtype expected, got ", describe(seq), " and ", describe(heads));
+  std::int64_t h = 0;
+  for (auto s : sections) {
+    TROUPE_CHECK(s > 0 && s % cp == 0, "ulysses_exchange::", what, ": a section of ", s,
+                 " heads does not split over parallel.cp = ", cp, " ranks");
+    h += s;
+  }
+  TROUPE_CHECK(seq.size(2) == h &&
+                   heads.sizes() == shape({seq.size(0), seq.size(1) * cp, h / cp, seq.size(3)}),
+               "ulysses_exchange::", what, ": ", describe(seq), " (sections of ", h,
+               " heads) does not match ", describe(heads), " over ", cp, " ranks");
+}
+
+}  // namespace
+
+ulysses_exchange::ulysses_exchange(collective::communicator& cp, std::shared_ptr<ulysses_pool> pool)
+    : cp_(cp), pool_(std::move(pool)) {}
+
+tensor ulysses_exchange::get(buffer which, const shape& s, dtype t) {
+  switch (which) {
+    case buffer::staging:
+      return grown(pool_->staging, s, t);
+    case buffer::att_heads:
+      return grown(att_heads_, s, t);
+    case buffer::rope_cos:
+      return grown(pool_->rope_cos, s, t);
+    case buffer::rope_sin:
+      return grown(pool_->rope_sin, s, t);
+  }
+  TROUPE_FAIL("ulysses_exchange: unknown buffer");
+}
+
+void ulysses_exchange::to_heads(const tensor& x, const tensor& y,
+                                std::span<const std::int64_t> sections) {
+  const int cp = cp_.size();
+  check_layouts(x, y, sections, cp, "to_heads");
+  const std::int64_t b = x.size(0), tl = x.size(1), hl = y.size(2), d = x.size(3);
+  const shape blocks{cp, b, tl, hl, d};
+  const tensor send = grown(pool_->send, blocks, x.type());
+  const tensor recv = grown(pool_->recv, blocks, x.type());
+  // Block j (to rank j): this rank's positions of rank j's heads of every section.
+  for (int j = 0; j < cp; ++j) {
+    std::int64_t off = 0, local = 0;
+    for (auto h : sections) {
+      const std::int64_t part = h / cp;
+      ops::copy(x.narrow(2, off + j * part, part), send.select(0, j).narrow(2, local, part));
+      off += h;
+      local += part;
+    }
+  }
+  cp_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(b * tl * hl * d), x.type())
+      .wait();
+  // Block i (from rank i): rank i's positions of this rank's heads.
+  for (int i = 0; i < cp; ++i) ops::copy(recv.select(0, i), y.narrow(1, i * tl, tl));
+}
+
+void ulysses_exchange::to_sequence(const tensor& x, const tensor& y,
+                                   std::span<const std::int64_t> sections) {
+  const int cp = cp_.size();
+  check_layouts(y, x, sections, cp, "to_sequence");
+  const std::int64_t b = y.size(0), tl = y.size(1), hl = x.size(2), d = x.size(3);
+  const shape blocks{cp, b, tl, hl, d};
+  const tensor send = grown(pool_->send, blocks, x.type());
+  const tensor recv = grown(pool_->recv, blocks, x.type());
+  for (int j = 0; j < cp; ++j) ops::copy(x.narrow(1, j * tl, tl), send.select(0, j));
+  cp_.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(b * tl * hl * d), x.type())
+      .wait();
+  for (int i = 0; i < cp; ++i) {
+    std::int64_t off = 0, local = 0;
+    for (auto h : sections) {
+      const std::int64_t part = h / cp;
+      ops::copy(recv.select(0, i).narrow(2, local, part), y.narrow(2, off + i * part, part));
+      off += h;
+      local += part;
+    }
+  }
+}
+
+cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
+                   collective::communicator& cp, dtype t, bool recompute)
+    : cp_(cp), seq_(seq), pool_(std::make_shared<ulysses_pool>()) {
+  const int n = cp.size();
+  TROUPE_CHECK(n >= 1 && seq > 0 && seq % n == 0, "context parallelism: parallel.cp = ", n,
+               " does not divide train.seq = ", seq, " (every rank holds seq / cp positions)");
+  TROUPE_CHECK(!std::holds_alternative<hf::moe_config>(model),
+               "context parallelism (parallel.cp = ", n,
+               ") is not available for mixture-of-experts models yet");
+  local_seq_ = seq / n;
+  model_ = with_family(model, [&](auto family, auto c) -> std::unique_ptr<causal_lm> {
+    using F = typename decltype(family)::type;
+    c.recompute = recompute;
+    std::int64_t heads = c.n_head, kv = c.n_head;
+    if constexpr (requires { c.n_kv_head; })
+      if (c.n_kv_head > 0) kv = c.n_kv_head;
+    TROUPE_CHECK(heads % n == 0 && kv % n == 0, "context parallelism (Ulysses): parallel.cp = ", n,
+                 " must divide the heads (", heads, ") and the kv heads (", kv, ")");
+    TROUPE_CHECK(seq <= c.max_seq, "context parallelism: train.seq = ", seq, " exceeds max_seq ",
+                 c.max_seq);
+    auto m = std::make_unique<causal_lm_of<typename F::model>>(c, batch_dims{rows, local_seq_}, t);
+    for (std::int64_t i = 0; i < c.n_layer; ++i)
+      exchanges_.push_back(std::make_unique<ulysses_exchange>(cp, pool_));
+    m->model().set_context(cp.rank() * local_seq_,
+                           [this](std::int64_t i) { return exchanges_.at(i).get(); });
+    return m;
+  });
+  inner_ = std::make_unique<model_producer>(*model_);
+}
+
+cp_piece::~cp_piece() = default;
+
+double cp_piece::forward_backward(int microbatches,
+                                  const std::function<microbatch_data(int k)>& fetch) {
+  constexpr std::int32_t ignore_index = -100;  // next_token_targets' (models/targets.hpp)
+  const std::int64_t tl = local_seq_, first = cp_.rank() * tl;
+  return inner_->forward_backward(microbatches, [&](int k) {
+    const microbatch_data mb = fetch(k);
+    TROUPE_CHECK(
+        mb.ids.dim() == 2 && mb.ids.size(1) == seq_ && mb.targets.sizes() == mb.ids.sizes(),
+        "cp_piece: microbatch ", k, " must be [rows, ", seq_, "] ids and targets, got ",
+        describe(mb.ids), " and ", describe(mb.targets));
+    const std::int64_t rows = mb.ids.size(0);
+    const auto* ids = mb.ids.data_as<std::int32_t>();
+    const auto* targets = mb.targets.data_as<std::int32_t>();
+    ids_.resize(static_cast<std::size_t>(rows * tl));
+    targets_.resize(ids_.size());
+    std::int64_t counted = 0, mine = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t i = 0; i < seq_; ++i) counted += targets[r * seq_ + i] != ignore_index;
+      std::copy_n(ids + r * seq_ + first, tl, ids_.begin() + r * tl);
+      std::copy_n(targets + r * seq_ + first, tl, targets_.begin() + r * tl);
+      for (std::int64_t i = 0; i < tl; ++i) mine += targets_[r * tl + i] != ignore_index;
+    }
+    microbatch_data out;
+    out.ids = tensor(ids_.data(), ids_.size() * 4, dtype::i32, {rows, tl});
+    out.targets = tensor(targets_.data(), targets_.size() * 4, dtype::i32, {rows, tl});
+    out.weight =
+        counted == 0 ? 0.0 : mb.weight * static_cast<double>(mine) / static_cast<double>(counted);
+    return out;
+  });
+}
+
+}  // namespace troupe::models::parallel

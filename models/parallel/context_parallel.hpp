@@ -1,0 +1,103 @@
+// Context parallelism, Ulysses mode (parallel.cp > 1, parallel.cp_mode = "ulysses"): the sequence
+// of every sample split over the cp ranks of a group, each rank holding T/cp consecutive positions
+// through embeddings, norms, MLP, head and loss, and every position of H/cp heads inside attention
+// (DeepSpeed-Ulysses, Jacobs et al. 2023).
+//
+//   ulysses_exchange   the all-to-all of models/layers/sequence_exchange.hpp over a communicator:
+//                      [B, T/cp, H, D] <-> [B, T, H/cp, D] per head section (q | k | v), with the
+//                      buffers the attention needs beyond its planned slots (one per layer for the
+//                      attention output it keeps for backward).
+//   cp_piece           a grad_producer (grad_producer.hpp) over a whole model (gpt, llama) planned
+//                      for [rows, T/cp]: every parameter whole on every rank, its attention layers
+//                      attached to exchanges, positions offset by cp_rank x T/cp (GPT-2's learned
+//                      positions; RoPE rotates after the exchange, at 0..T-1).
+//
+// The step. dp_trainer hands every cp rank of a data-parallel replica the same rows [rows, T] with
+// their next-token targets; the piece keeps its T/cp columns of both. Its loss is the mean over its
+// own targets, so the sample's mean over all T (HF's, and the single process's) is the sum over
+// the ranks of (n_r / N) x each rank's mean, n_r this rank's counted targets, N the whole rows'
+// (both read from the full targets: no collective). The piece runs backward of weight x n_r / N x
+// its loss and returns weight x n_r / N x its loss: its share. The engine's group is dp x cp (every
+// rank of the job holding the whole model: dp_trainer's `cp`), whose gradient reduction sums the
+// shares over cp and dp, as its loss allreduce sums the losses: so no collective of the piece
+// touches the gradients, and ZeRO shards over dp x cp ranks. Replicated parameters thus need no
+// norm group; every rank counts every parameter.
+//
+// Composition: dp x cp so far (tp = pp = 1, refused by scheduler::validate); f32 and bf16 models.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "collective/communicator.hpp"
+#include "models/causal_lm.hpp"
+#include "models/hf/config.hpp"
+#include "models/layers/sequence_exchange.hpp"
+#include "models/parallel/grad_producer.hpp"
+#include "models/parallel/model_producer.hpp"
+
+namespace troupe::models::parallel {
+
+// Buffers the exchanges of one model share (staging, the all-to-all's send and receive buffers,
+// RoPE tables), grown to the largest request and kept.
+struct ulysses_pool {
+  owned_tensor staging, send, recv, rope_cos, rope_sin;
+};
+
+class ulysses_exchange final : public sequence_exchange {
+ public:
+  ulysses_exchange(collective::communicator& cp, std::shared_ptr<ulysses_pool> pool);
+
+  int degree() const override { return cp_.size(); }
+  void to_heads(const tensor& x, const tensor& y, std::span<const std::int64_t> sections) override;
+  void to_sequence(const tensor& x, const tensor& y,
+                   std::span<const std::int64_t> sections) override;
+  tensor get(buffer which, const shape& s, dtype t) override;
+
+ private:
+  collective::communicator& cp_;
+  std::shared_ptr<ulysses_pool> pool_;
+  owned_tensor att_heads_;  // this layer's
+};
+
+class cp_piece final : public grad_producer {
+ public:
+  // The model of `model` planned for [rows, seq / cp.size()] (dtype t; recompute: per block,
+  // models/trunk.hpp), this rank's part of the sequence cp.rank(). Refused naming parallel.cp: an
+  // MoE model, a seq or head count that cp does not divide.
+  cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
+           collective::communicator& cp, dtype t = dtype::f32, bool recompute = false);
+  ~cp_piece() override;
+  cp_piece(const cp_piece&) = delete;
+  cp_piece& operator=(const cp_piece&) = delete;
+
+  causal_lm& model() { return *model_; }
+  std::int64_t local_seq() const { return local_seq_; }
+
+  layer_memory& memory() override { return model_->memory(); }
+  const slot_list& slots() const override { return model_->slots(); }
+  // fetch(k) gives whole rows [rows, seq] (the engine's); see above for the weight and the loss.
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override;
+  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
+    return inner_->set_block_grads_hook(std::move(f));
+  }
+  bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) override {
+    return inner_->set_microbatch_grads_hook(std::move(f));
+  }
+  bool set_block_use_hook(block_use_hook f) override {
+    return inner_->set_block_use_hook(std::move(f));
+  }
+
+ private:
+  collective::communicator& cp_;
+  std::int64_t seq_ = 0, local_seq_ = 0;
+  std::unique_ptr<causal_lm> model_;
+  std::shared_ptr<ulysses_pool> pool_;
+  std::vector<std::unique_ptr<ulysses_exchange>> exchanges_;
+  std::unique_ptr<model_producer> inner_;
+  std::vector<std::int32_t> ids_, targets_;  // this rank's columns of the microbatch
+};
+
+}  // namespace troupe::models::parallel

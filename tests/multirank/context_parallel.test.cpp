@@ -1,0 +1,36 @@
+// `troupe launch ... -- troupe train --cp 2 --cp-mode ulysses` across real processes: every
+// sample's 32 positions split over 2 ranks (Ulysses: models/parallel/context_parallel.hpp), alone
+// and under dp 2, train GPT-2 and grouped-query Llama with the single-process `troupe train`'s
+// losses as far as f32 rounding goes (train_runs.hpp's same_losses against the f64 twin).
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "tests/multirank/train_runs.hpp"
+
+using namespace troupe::tests;
+
+TEST_CASE("Launched Ulysses cp2 and dp2 x cp2 runs train like the single process", "[multirank]") {
+  const int steps = 8;
+  for (const std::string model : {"gpt2-demo", "llama-tiny"}) {
+    INFO(model);
+    scratch_dir dir("cp-" + model);
+    const reference_losses want = single_and_twin(model, steps, dir.path);
+    struct plan_case {
+      int ranks;
+      std::string name;
+      std::vector<std::string> plan;
+    };
+    for (const auto& p : std::vector<plan_case>{
+             {2, "cp2", {"--cp", "2", "--cp-mode", "ulysses"}},
+             {4, "dp2cp2", {"--dp", "2", "--cp", "2", "--zero", "1"}},
+         }) {
+      INFO(p.name);
+      std::string out;
+      const auto got = launched(p.ranks, model, steps, dir.path, p.name, p.plan, &out);
+      CHECK_THAT(out, Catch::Contains("cp2 (ulysses)") && Catch::Contains("(Ulysses, cp 1 of 2)"));
+      same_losses(got, want);
+    }
+  }
+}
