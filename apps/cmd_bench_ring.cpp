@@ -152,6 +152,11 @@ int run(const ring_args& a) {
   TROUPE_CHECK(a.layout == "contiguous" || a.layout == "zigzag",
                "bench ring-attention: --layout must be zigzag or contiguous, got ", a.layout);
   TROUPE_CHECK(a.cp >= 1, "bench ring-attention: --cp must be at least 1, got ", a.cp);
+  // Checked here, before the ranks fork: a rank holds --seq / --cp tokens (zigzag: two chunks).
+  const std::int64_t pieces = layout == models::sequence_layout::zigzag ? 2 * a.cp : a.cp;
+  TROUPE_CHECK(a.seq > 0 && a.seq % pieces == 0, "bench ring-attention: --seq ", a.seq,
+               " must split into ", pieces, " equal pieces (--cp ", a.cp, ", --layout ", a.layout,
+               ")");
   // One report per rank of the ring run, and one for the single rank, shared with the children.
   const std::size_t n_reports = static_cast<std::size_t>(a.cp) + 1;
   void* shared = mmap(nullptr, n_reports * sizeof(rank_report), PROT_READ | PROT_WRITE,
