@@ -19,9 +19,11 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -216,6 +218,17 @@ int run(const ring_args& a) {
         return reports[r].bad == 0 ? 0 : 1;
       },
       opt);
+  auto unmap = [&] {
+    if (munmap(shared, n_reports * sizeof(rank_report)) != 0)
+      fmt::print(stderr, "troupe: bench ring-attention: munmap of the report area failed: {}\n",
+                 std::strerror(errno));
+  };
+  if (rc != 0 && !a.check) {
+    // A rank that failed reported nothing: no table of zeros that would read as a result.
+    unmap();
+    fmt::print(stderr, "troupe: bench ring-attention: a rank failed (see the lines above)\n");
+    return 1;
+  }
 
   const double mib = 1024.0 * 1024.0;
   fmt::print("causal attention forward + backward, f32, B {} T {} heads {} kv heads {} D {}\n",
@@ -249,7 +262,7 @@ int run(const ring_args& a) {
   if (a.check)
     fmt::print("check: {}\n", bad == 0 && rc == 0 ? "every rank's rows as accurate as one rank's"
                                                   : "FAILED (see the lines above)");
-  munmap(shared, n_reports * sizeof(rank_report));
+  unmap();
   return rc == 0 && bad == 0 ? 0 : 1;
 }
 

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -40,12 +41,18 @@ constexpr std::uint64_t hello_magic = 0x74726f7570654441ull;  // "troupeDA"
 constexpr std::uint64_t left_magic = 0x74726f7570654c46ull;   // "troupeLF"
 
 // A state word that lives as long as the process: a peer may read it (process_vm_readv) after
-// the communicator that owned it is gone. One word per communicator that ever probed.
+// the communicator that owned it is gone. One per communicator that ever probed, followed by a
+// word the probe's write test writes (a write into `state` could undo a "left" set meanwhile).
+struct state_words {
+  std::atomic<std::uint64_t> state{0};
+  std::atomic<std::uint64_t> scratch{0};
+};
+static_assert(sizeof(state_words) == 16 && offsetof(state_words, scratch) == 8);
 std::atomic<std::uint64_t>* new_state_word() {
   static std::mutex mu;
-  static std::deque<std::atomic<std::uint64_t>> words;  // never shrinks: addresses stay valid
+  static std::deque<state_words> words;  // never shrinks: addresses stay valid
   std::lock_guard lk(mu);
-  return &words.emplace_back(0);
+  return &words.emplace_back().state;
 }
 
 // Copies `bytes` between `local` and `remote` in process `pid` (process_vm_readv, or
@@ -148,7 +155,8 @@ bool probe(op_context& c, direct_state& d, bool local) {
     std::uint64_t v = 0;
     int err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v);
     if (err == 0 && v != (hello_magic ^ static_cast<std::uint64_t>(d.in[g].pid))) err = EIO;
-    if (err == 0) err = try_copy(d.in[g].pid, &v, d.in[g].addr, sizeof v, true);  // same value
+    // The write test goes to the scratch word after the state word (state_words).
+    if (err == 0) err = try_copy(d.in[g].pid, &v, d.in[g].addr + 8, sizeof v, true);
     if (err != 0)
       mine = direct_msg{hello_magic, 0, static_cast<std::uint64_t>(err), 0, 0, c.ranks[g]};
   }
