@@ -196,6 +196,11 @@ TEST_CASE("a job file's context-parallel degree and mode reach the plan and the 
   auto sent = parse_train_config(to_toml(*c), "the driver's job");
   REQUIRE(sent.has_value());
   CHECK(*sent == *c);
+  auto ring_path = write_job("[train]\nseq = 64\n[parallel]\ncp = 2\ncp_mode = \"ring\"\n");
+  auto ring = load_train_config(ring_path);
+  std::remove(ring_path.c_str());
+  REQUIRE(ring.has_value());
+  CHECK(ring->plan.cp_mode == sched::cp_mode_kind::ring);
   struct bad_case {
     const char* text;
     const char* says;
@@ -206,8 +211,8 @@ TEST_CASE("a job file's context-parallel degree and mode reach the plan and the 
            bad_case{"[parallel]\ncp = 0\n", "parallel.cp = 0 must be >= 1"},
            bad_case{"[train]\nseq = 63\n[parallel]\ncp = 2\n",
                     "parallel.cp = 2 does not divide seq = 63"},
-           bad_case{"[parallel]\ncp = 2\ncp_mode = \"ring\"\n",
-                    "parallel.cp_mode = \"ring\" is not available yet"},
+           bad_case{"[train]\nseq = 66\n[parallel]\ncp = 2\ncp_mode = \"ring\"\n",
+                    "2 x cp = 4 does not divide seq = 66"},
        }) {
     auto p = write_job(text);
     auto bad = load_train_config(p);

@@ -111,6 +111,11 @@ class trunk {
   // not owned, null: none). Not with set_packing. (0, {}): the whole sequence again.
   void set_context(std::int64_t position_offset,
                    const std::function<sequence_exchange*(std::int64_t block)>& exchange);
+  // Context parallelism by ring attention (models/layers/sequence_ring.hpp): the ids are the
+  // tokens at `positions` (i32 [T], the planned seq, on the model's device; kept, not copied) of
+  // each sample, which learned positions read, and every block's attention runs its core through
+  // `ring` (RoPE at ring->pieces()). Null ring and undefined positions: back to a whole sequence.
+  void set_ring_context(const tensor& positions, sequence_ring* ring);
   // Weights of the sequences of the batch for the backwards that follow (empty: the mean loss):
   // backward then gives the gradient of loss_scale * sum_b w_b * (the summed losses of row b)
   // (cross_entropy_loss::sequence_weights; preference training).
@@ -169,6 +174,7 @@ class trunk {
   tensor ids_, targets_;
   tensor segments_, row_positions_;   // set_packing's
   std::int64_t position_offset_ = 0;  // set_context's
+  tensor context_positions_;          // set_ring_context's
   tensor da_, db_;                    // backward: db_ holds d(the current unit's output)
   std::int64_t b_ = 0, t_ = 0;
   double loss_ = 0;
@@ -276,10 +282,25 @@ void trunk<F>::set_context(std::int64_t position_offset,
 }
 
 template <trunk_family F>
+void trunk<F>::set_ring_context(const tensor& positions, sequence_ring* ring) {
+  TROUPE_CHECK(positions.defined() == (ring != nullptr), F::name,
+               ": ring context parallelism needs both positions and a ring, or neither");
+  TROUPE_CHECK(!positions.defined() ||
+                   (positions.type() == dtype::i32 && positions.sizes() == shape({dims_.seq})),
+               F::name, ": ring context positions must be i32 [", dims_.seq, "], got ",
+               describe(positions));
+  context_positions_ = positions;
+  for (auto& blk : blocks_) const_cast<attention&>(F::attention_of(blk)).ring = ring;
+}
+
+template <trunk_family F>
 void trunk<F>::begin(const tensor& ids, const tensor& targets) {
   const batch_dims got = checked_batch(ids, targets, dims_, F::name);
-  TROUPE_CHECK(!segments_.defined() || position_offset_ == 0, F::name,
-               ": packed rows cannot be split over context-parallel ranks");
+  TROUPE_CHECK(!segments_.defined() || (position_offset_ == 0 && !context_positions_.defined()),
+               F::name, ": packed rows cannot be split over context-parallel ranks");
+  TROUPE_CHECK(!context_positions_.defined() || got.seq == dims_.seq, F::name,
+               ": under ring context parallelism every batch holds the planned ", dims_.seq,
+               " tokens of each sample, got ", got.seq);
   if (segments_.defined())
     for (const tensor* p : {&segments_, &row_positions_})
       TROUPE_CHECK(p->type() == dtype::i32 && p->sizes() == ids.sizes(), F::name,
@@ -295,10 +316,11 @@ template <trunk_family F>
 void trunk<F>::forward_unit(std::int32_t u) {
   const std::int64_t n = cfg_.n_layer;
   if (u == 0) {
-    ends_.embed(
-        ids_,
-        row_positions_.defined() ? row_positions_ : positions_.narrow(0, position_offset_, t_),
-        x(0, b_, t_));
+    ends_.embed(ids_,
+                row_positions_.defined()       ? row_positions_
+                : context_positions_.defined() ? context_positions_.narrow(0, 0, t_)
+                                               : positions_.narrow(0, position_offset_, t_),
+                x(0, b_, t_));
   } else if (u <= n) {
     const std::int64_t i = u - 1;
     notify(on_block_use, i, block_use::before_forward);

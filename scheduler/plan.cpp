@@ -147,10 +147,8 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
   if (p.sp && p.tp == 1)
     out.add("parallel.sp = true needs parallel.tp > 1 (it splits activations over the tp group)");
   if (p.cp > 1) {
-    // Ulysses runs on a whole model per rank so far (models/parallel/context_parallel.hpp).
-    if (p.cp_mode == cp_mode_kind::ring)
-      out.add("parallel.cp_mode = \"ring\" is not available yet: use \"ulysses\" (parallel.cp = ",
-              p.cp, ")");
+    // Ulysses and ring run on a whole model per rank so far
+    // (models/parallel/context_parallel.hpp).
     if (p.tp > 1 || p.pp > 1)
       out.add("parallel.cp = ", p.cp, " runs with parallel.tp = 1 and parallel.pp = 1 so far (got ",
               "tp ", p.tp, ", pp ", p.pp, ")");
@@ -221,6 +219,10 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
         out.add("parallel.cp = ", p.cp, " does not divide ", what, " = ", value, why);
     };
     divides(m.seq, "seq", " (every rank holds seq / cp tokens of each sample)");
+    if (p.cp_mode == cp_mode_kind::ring && m.seq > 0 && m.seq % (2 * p.cp) != 0)
+      out.add("parallel.cp = ", p.cp, " with parallel.cp_mode = \"ring\": 2 x cp = ", 2 * p.cp,
+              " does not divide seq = ", m.seq,
+              " (every rank holds two zigzag chunks of seq / (2 cp) tokens of each sample)");
     if (p.cp_mode == cp_mode_kind::ulysses) {
       divides(m.heads, "heads", " (Ulysses gives each rank heads / cp heads)");
       divides(m.kv_heads, "kv_heads", " (Ulysses gives each rank kv_heads / cp kv heads)");

@@ -240,11 +240,21 @@ TEST_CASE("a context-parallel plan names every shape it does not divide and the 
   CHECK(
       validate(p, llama(), 4) ==
       std::vector<std::string>{
-          "parallel.cp_mode = \"ring\" is not available yet: use \"ulysses\" (parallel.cp = 2)",
           "parallel.cp = 2 runs with parallel.tp = 1 and parallel.pp = 1 so far (got tp 2, pp 1)"});
+  // Ring needs no head condition (cp 4 over 8 kv heads would do for Ulysses too), only two
+  // zigzag chunks per rank: seq 2044 = 4 x 511 splits over 4 ranks but not into 8 chunks.
+  p.tp = 1;
+  p.cp = 4;
+  auto ring_model = llama();
+  ring_model.seq = 2044;
+  CHECK(validate(p, ring_model, 4) ==
+        std::vector<std::string>{
+            "parallel.cp = 4 with parallel.cp_mode = \"ring\": 2 x cp = 8 does not divide seq = "
+            "2044 (every rank holds two zigzag chunks of seq / (2 cp) tokens of each sample)"});
+  CHECK(validate(p, llama(), 4).empty());
+  p.cp = 2;
   p.order = {"dp", "cp", "cp", "pp", "tp"};
   p.cp_mode = cp_mode_kind::ulysses;
-  p.tp = 1;
   CHECK(validate(p, llama(), 2) ==
         std::vector<std::string>{"parallel.order = [\"dp\", \"cp\", \"cp\", \"pp\", \"tp\"] must "
                                  "name each of \"dp\", \"pp\" and \"tp\" exactly once (and \"cp\" "

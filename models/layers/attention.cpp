@@ -99,9 +99,18 @@ void attention::rope_tables(std::int64_t t) const {
                " positions but the RoPE tables were planned for ",
                rope_cos.defined() ? rope_cos.size(0) : 0);
   std::int64_t half = cfg.head_dim / 2;
-  ops::rope_tables(0, rope_options_for(cfg.rope_theta, cfg.rope_scale, cfg.head_dim, t),
-                   planned_view(rope_cos, {t, half}, label, "rope_cos"),
-                   planned_view(rope_sin, {t, half}, label, "rope_sin"));
+  const tensor c = planned_view(rope_cos, {t, half}, label, "rope_cos");
+  const tensor s = planned_view(rope_sin, {t, half}, label, "rope_sin");
+  if (ring == nullptr) {
+    ops::rope_tables(0, rope_options_for(cfg.rope_theta, cfg.rope_scale, cfg.head_dim, t), c, s);
+    return;
+  }
+  // Ring: the local tokens are runs of global positions of a sequence of t x cp tokens.
+  const auto options =
+      rope_options_for(cfg.rope_theta, cfg.rope_scale, cfg.head_dim, t * ring->degree());
+  for (const auto& p : ring->pieces(t))
+    ops::rope_tables(p.start, options, c.narrow(0, p.local, p.length),
+                     s.narrow(0, p.local, p.length));
 }
 
 void attention::forward(const tensor& x, const tensor& y) {
@@ -127,8 +136,14 @@ void attention::forward(const tensor& x, const tensor& y) {
     ops::rope(w.k, c, s, w.k);
   }
   tensor a = planned_view(att, {b, t, hq, d}, label, "att");
-  ops::attention(w.q, w.k, w.v, a, planned_view(lse, {b, hq, t}, label, "lse"),
-                 {.scale = 0.0, .causal = cfg.causal, .segments = segments});
+  if (ring != nullptr) {
+    TROUPE_CHECK(!segments.defined(), label,
+                 ": packed rows (segments) are not supported under ring context parallelism");
+    ring->forward(w.q, w.k, w.v, a, planned_view(lse, {b, hq, t}, label, "lse"), cfg.causal);
+  } else {
+    ops::attention(w.q, w.k, w.v, a, planned_view(lse, {b, hq, t}, label, "lse"),
+                   {.scale = 0.0, .causal = cfg.causal, .segments = segments});
+  }
   o_proj.forward(a.reshape({b, t, hq * d}), y);
 }
 
@@ -141,9 +156,13 @@ void attention::backward(const tensor& dy, const tensor& dx) {
   views w = qkv_views(b, t, true);
   tensor da = planned_view(datt, {b, t, hq, d}, label, "datt");
   o_proj.backward(dy, da.reshape({b, t, hq * d}));
-  ops::attention_backward(w.q, w.k, w.v, planned_view(att, {b, t, hq, d}, label, "att"), da,
-                          planned_view(lse, {b, hq, t}, label, "lse"), w.dq, w.dk, w.dv,
-                          {.scale = 0.0, .causal = cfg.causal, .segments = segments});
+  if (ring != nullptr)
+    ring->backward(w.q, w.k, w.v, planned_view(att, {b, t, hq, d}, label, "att"),
+                   planned_view(lse, {b, hq, t}, label, "lse"), da, w.dq, w.dk, w.dv, cfg.causal);
+  else
+    ops::attention_backward(w.q, w.k, w.v, planned_view(att, {b, t, hq, d}, label, "att"), da,
+                            planned_view(lse, {b, hq, t}, label, "lse"), w.dq, w.dk, w.dv,
+                            {.scale = 0.0, .causal = cfg.causal, .segments = segments});
   if (cfg.rope) {  // the saved q, k are rotated: rotate their gradients back
     rope_tables(t);
     tensor c = planned_view(rope_cos, {t, d / 2}, label, "rope_cos");

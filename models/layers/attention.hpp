@@ -20,6 +20,7 @@
 #include "models/layers/linear.hpp"
 #include "models/layers/rope_scaling.hpp"
 #include "models/layers/sequence_exchange.hpp"
+#include "models/layers/sequence_ring.hpp"
 #include "models/layers/slots.hpp"
 #include "tensor/tensor.hpp"
 
@@ -60,6 +61,11 @@ struct attention {
   // through the exchange, RoPE rotates them at positions 0..T-1, and the attention output comes
   // back before o_proj (ulysses_attention.cpp). Null: the whole sequence is here.
   sequence_exchange* exchange = nullptr;
+  // Context parallelism (ring, sequence_ring.hpp; set by the placement, not owned): x and y hold
+  // this rank's pieces of each sample (zigzag), RoPE rotates q and k at the pieces' global
+  // positions, and the attention core runs over the whole sequence through the ring. Null: the
+  // plain core.
+  sequence_ring* ring = nullptr;
 
   // Saved by forward for backward (planned for the declared batch; a forward uses a prefix).
   tensor qkv;      // fused: [B, T, (Hq + 2 Hkv) D], holding q, k (rotated) and v

@@ -110,11 +110,19 @@ void ulysses_exchange::to_sequence(const tensor& x, const tensor& y,
 }
 
 cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
-                   collective::communicator& cp, dtype t, bool recompute)
+                   collective::communicator& cp, dtype t, bool recompute,
+                   scheduler::cp_mode_kind mode)
     : cp_(cp), seq_(seq), pool_(std::make_shared<ulysses_pool>()) {
   const int n = cp.size();
+  const bool ring = mode == scheduler::cp_mode_kind::ring;
   TROUPE_CHECK(n >= 1 && seq > 0 && seq % n == 0, "context parallelism: parallel.cp = ", n,
                " does not divide train.seq = ", seq, " (every rank holds seq / cp positions)");
+  TROUPE_CHECK(!ring || seq % (2 * n) == 0, "context parallelism (ring): 2 x parallel.cp = ", 2 * n,
+               " does not divide train.seq = ", seq,
+               " (every rank holds two zigzag chunks of seq / (2 cp) positions)");
+  TROUPE_CHECK(!ring || t == dtype::f32, "context parallelism: parallel.cp_mode = \"ring\" runs ",
+               "f32 models only so far (the ring's attention merge has no ", dtype_name(t),
+               " kernel): use train.precision = \"f32\" or parallel.cp_mode = \"ulysses\"");
   TROUPE_CHECK(!std::holds_alternative<hf::moe_config>(model),
                "context parallelism (parallel.cp = ", n,
                ") is not available for mixture-of-experts models yet");
@@ -125,17 +133,29 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
     std::int64_t heads = c.n_head, kv = c.n_head;
     if constexpr (requires { c.n_kv_head; })
       if (c.n_kv_head > 0) kv = c.n_kv_head;
-    TROUPE_CHECK(heads % n == 0 && kv % n == 0, "context parallelism (Ulysses): parallel.cp = ", n,
-                 " must divide the heads (", heads, ") and the kv heads (", kv, ")");
+    TROUPE_CHECK(ring || (heads % n == 0 && kv % n == 0),
+                 "context parallelism (Ulysses): parallel.cp = ", n, " must divide the heads (",
+                 heads, ") and the kv heads (", kv, ")");
     TROUPE_CHECK(seq <= c.max_seq, "context parallelism: train.seq = ", seq, " exceeds max_seq ",
                  c.max_seq);
     auto m = std::make_unique<causal_lm_of<typename F::model>>(c, batch_dims{rows, local_seq_}, t);
+    if (ring) {
+      ring_ = std::make_unique<ring_context>(cp, sequence_layout::zigzag);
+      positions_ = empty({local_seq_}, dtype::i32);
+      const auto pos = local_positions(seq, n, cp.rank(), sequence_layout::zigzag);
+      for (std::int64_t i = 0; i < local_seq_; ++i)
+        positions_.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(pos[i]);
+      m->model().set_ring_context(positions_, ring_.get());
+      return m;
+    }
     for (std::int64_t i = 0; i < c.n_layer; ++i)
       exchanges_.push_back(std::make_unique<ulysses_exchange>(cp, pool_));
     m->model().set_context(cp.rank() * local_seq_,
                            [this](std::int64_t i) { return exchanges_.at(i).get(); });
     return m;
   });
+  pieces_ = sequence_pieces(seq, n, cp.rank(),
+                            ring ? sequence_layout::zigzag : sequence_layout::contiguous);
   inner_ = std::make_unique<model_producer>(*model_);
 }
 
@@ -144,7 +164,7 @@ cp_piece::~cp_piece() = default;
 double cp_piece::forward_backward(int microbatches,
                                   const std::function<microbatch_data(int k)>& fetch) {
   constexpr std::int32_t ignore_index = -100;  // next_token_targets' (models/targets.hpp)
-  const std::int64_t tl = local_seq_, first = cp_.rank() * tl;
+  const std::int64_t tl = local_seq_;
   return inner_->forward_backward(microbatches, [&](int k) {
     const microbatch_data mb = fetch(k);
     TROUPE_CHECK(
@@ -159,8 +179,10 @@ double cp_piece::forward_backward(int microbatches,
     std::int64_t counted = 0, mine = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       for (std::int64_t i = 0; i < seq_; ++i) counted += targets[r * seq_ + i] != ignore_index;
-      std::copy_n(ids + r * seq_ + first, tl, ids_.begin() + r * tl);
-      std::copy_n(targets + r * seq_ + first, tl, targets_.begin() + r * tl);
+      for (const auto& p : pieces_) {
+        std::copy_n(ids + r * seq_ + p.start, p.length, ids_.begin() + r * tl + p.local);
+        std::copy_n(targets + r * seq_ + p.start, p.length, targets_.begin() + r * tl + p.local);
+      }
       for (std::int64_t i = 0; i < tl; ++i) mine += targets_[r * tl + i] != ignore_index;
     }
     microbatch_data out;

@@ -24,6 +24,14 @@
 // norm group; every rank counts every parameter.
 //
 // Composition: dp x cp so far (tp = pp = 1, refused by scheduler::validate); f32 and bf16 models.
+//
+// Ring mode (parallel.cp_mode = "ring"): the same piece, each rank holding the zigzag pieces of
+// every sample (models/layers/sequence_split.hpp: chunks r and 2 cp - 1 - r of 2 cp, so T must
+// divide by 2 cp) through the whole block, heads included; the attention core runs ring attention
+// over the cp ranks (ring_context.hpp, models/layers/ring_attention.hpp), RoPE and GPT-2's learned
+// positions read the pieces' global positions (trunk::set_ring_context). The loss share and the
+// gradient reduction are Ulysses' above, over the rank's zigzag columns. No head count condition
+// (grouped-query heads travel as they are); f32 models only (the ring's merge has no bf16 kernel).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +44,8 @@
 #include "models/layers/sequence_exchange.hpp"
 #include "models/parallel/grad_producer.hpp"
 #include "models/parallel/model_producer.hpp"
+#include "models/parallel/ring_context.hpp"
+#include "scheduler/plan.hpp"
 
 namespace troupe::models::parallel {
 
@@ -66,14 +76,19 @@ class cp_piece final : public grad_producer {
   // The model of `model` planned for [rows, seq / cp.size()] (dtype t; recompute: per block,
   // models/trunk.hpp), this rank's part of the sequence cp.rank(). Refused naming parallel.cp: an
   // MoE model, a seq or head count that cp does not divide.
+  // Ring mode: this rank's zigzag pieces; refused naming parallel.cp_mode for bf16, naming
+  // parallel.cp when 2 cp does not divide seq.
   cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
-           collective::communicator& cp, dtype t = dtype::f32, bool recompute = false);
+           collective::communicator& cp, dtype t = dtype::f32, bool recompute = false,
+           scheduler::cp_mode_kind mode = scheduler::cp_mode_kind::ulysses);
   ~cp_piece() override;
   cp_piece(const cp_piece&) = delete;
   cp_piece& operator=(const cp_piece&) = delete;
 
   causal_lm& model() { return *model_; }
   std::int64_t local_seq() const { return local_seq_; }
+  // The runs of global positions this rank holds of each sample, in local order.
+  const std::vector<sequence_piece>& pieces() const { return pieces_; }
 
   layer_memory& memory() override { return model_->memory(); }
   const slot_list& slots() const override { return model_->slots(); }
@@ -96,6 +111,9 @@ class cp_piece final : public grad_producer {
   std::unique_ptr<causal_lm> model_;
   std::shared_ptr<ulysses_pool> pool_;
   std::vector<std::unique_ptr<ulysses_exchange>> exchanges_;
+  std::unique_ptr<ring_context> ring_;  // ring mode
+  owned_tensor positions_;              // ring mode: the global positions of the local tokens
+  std::vector<sequence_piece> pieces_;
   std::unique_ptr<model_producer> inner_;
   std::vector<std::int32_t> ids_, targets_;  // this rank's columns of the microbatch
 };

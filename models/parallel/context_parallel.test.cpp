@@ -1,13 +1,15 @@
-// Ulysses context parallelism (context_parallel.hpp) against the whole model and the single-process
-// trainer: cp ranks as threads of one process (collective/local), each holding T/cp positions of
-// every sample, must give the whole model's loss and gradients (one step) and the single process's
-// losses, gradient norms and weights (training, also dp2 x cp2), at the same tokens per step.
+// Context parallelism (context_parallel.hpp), Ulysses and ring, against the whole model and the
+// single-process trainer: cp ranks as threads of one process (collective/local), each holding T/cp
+// positions of every sample (Ulysses: consecutive; ring: two zigzag chunks), must give the whole
+// model's loss and gradients (one step) and the single process's losses, gradient norms and weights
+// (training, also dp2 x cp2), at the same tokens per step.
 #include <catch2/catch.hpp>
 
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +29,7 @@ using troupe::models::parallel::dp_trainer;
 using troupe::models::parallel::microbatch_data;
 using troupe::models::parallel::ulysses_exchange;
 using troupe::models::parallel::ulysses_pool;
+using troupe::scheduler::cp_mode_kind;
 namespace t = troupe::models::testing;
 
 namespace {
@@ -95,12 +98,13 @@ TEST_CASE(
   }
 }
 
-TEST_CASE(
-    "One step of cp2 ranks gives the whole model's loss and gradients for GPT-2 and "
-    "grouped-query Llama",
-    "[parallel][cp]") {
+namespace {
+
+// One step of `cp` ranks in `mode` against the whole model (f32) and its f64 twin.
+void check_one_step(cp_mode_kind mode, int cp) {
   for (bool llama : {false, true}) {
-    INFO((llama ? "llama-tiny (4 heads, 2 kv heads)" : "gpt2-demo"));
+    INFO((llama ? "llama-tiny (4 heads, 2 kv heads)" : "gpt2-demo")
+         << " " << scheduler::name(mode) << " cp " << cp);
     const batch_dims dims{2, 8};
     auto whole = make_causal_lm(tiny_model(llama), dims);
     whole->init_weights(7);
@@ -114,10 +118,10 @@ TEST_CASE(
       return loss;
     };
     const double ref_loss = step(*whole), exact_loss = step(*exact);
-    std::vector<double> share(2);
-    std::vector<std::vector<float>> grads(2);
-    t::run_ranks(2, [&](int r, collective::communicator& comm) {
-      cp_piece piece(tiny_model(llama), dims.batch, dims.seq, comm);
+    std::vector<double> share(cp);
+    std::vector<std::vector<float>> grads(cp);
+    t::run_ranks(cp, [&](int r, collective::communicator& comm) {
+      cp_piece piece(tiny_model(llama), dims.batch, dims.seq, comm, dtype::f32, false, mode);
       t::copy_params_by_name(whole->slots(), piece.slots());
       piece.memory().zero_grads();
       share[r] = piece.forward_backward(1, [&](int) {
@@ -126,21 +130,44 @@ TEST_CASE(
       grads[r] = t::flat(piece.memory().grads());
     });
     // The ranks' shares and gradients add up to the whole sequence's (the engine's reduction):
-    // the same terms as the whole model's, summed in another order (the attention over all
-    // positions is the same computation on each head; the weight gradients are split over
-    // positions), so as accurate as the whole model against its f64 twin (tests/rounding.hpp).
-    std::vector<float> sum(grads[0].size());
-    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = grads[0][i] + grads[1][i];
-    const auto vl =
-        tests::as_accurate_as(std::vector<double>{share[0] + share[1]},
-                              std::vector<double>{ref_loss}, std::vector<double>{exact_loss});
+    // the same terms as the whole model's, summed in another order (Ulysses: the attention over
+    // all positions is the same computation on each head; ring: each row's softmax is merged from
+    // the ring's blocks by their log-sum-exps; the weight gradients are split over positions), so
+    // as accurate as the whole model against its f64 twin (tests/rounding.hpp).
+    std::vector<float> sum(grads[0].size(), 0.0f);
+    double loss = 0;
+    for (int r = 0; r < cp; ++r) {
+      loss += share[r];
+      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += grads[r][i];
+    }
+    const auto vl = tests::as_accurate_as(std::vector<double>{loss}, std::vector<double>{ref_loss},
+                                          std::vector<double>{exact_loss});
     const auto vg = tests::as_accurate_as(sum, t::flat(whole->memory().grads()),
                                           t::as_f64(exact->memory().grads()));
-    INFO("loss " << share[0] + share[1] << " vs " << ref_loss << ": " << vl.str());
+    INFO("loss " << loss << " vs " << ref_loss << ": " << vl.str());
     INFO("gradients: " << vg.str());
     CHECK(vl.ok());
     CHECK(vg.ok());
   }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "One step of cp2 ranks gives the whole model's loss and gradients for GPT-2 and "
+    "grouped-query Llama",
+    "[parallel][cp]") {
+  check_one_step(cp_mode_kind::ulysses, 2);
+}
+
+TEST_CASE(
+    "One step of ring cp2 and cp4 ranks gives the whole model's loss and gradients for GPT-2 "
+    "and grouped-query Llama",
+    "[parallel][cp]") {
+  // cp4 over llama-tiny's 2 kv heads: the ring needs no head split. seq 8 over 4 ranks: zigzag
+  // chunks of one token, positions {r, 7 - r}.
+  check_one_step(cp_mode_kind::ring, 2);
+  check_one_step(cp_mode_kind::ring, 4);
 }
 
 namespace {
@@ -183,7 +210,7 @@ std::vector<run_result> context_parallel(bool llama, train_config c, int dp, int
       dp * cp,
       [&](int r) {
         cp_piece piece(tiny_model(llama), dp_trainer::microbatch_rows(c), c.seq,
-                       *cps[r / cp][r % cp], dtype::f32, recompute);
+                       *cps[r / cp][r % cp], dtype::f32, recompute, c.plan.cp_mode);
         piece.model().init_weights(5);
         dp_trainer tr(piece, c, *all[r]);
         for (int s = 0; s < c.steps; ++s) out[r].steps.push_back(tr.step(rows_of));
@@ -196,10 +223,10 @@ std::vector<run_result> context_parallel(bool llama, train_config c, int dp, int
 
 }  // namespace
 
-TEST_CASE(
-    "Ulysses cp2 and dp2 x cp2 training equal the single process trainer for GPT-2 and "
-    "grouped-query Llama",
-    "[parallel][cp]") {
+namespace {
+
+// (dp, cp, ZeRO stage, recompute) rows of `mode` against the single process and the f64 run.
+void check_training(cp_mode_kind mode, std::initializer_list<std::array<int, 4>> rows) {
   for (bool llama : {false, true}) {
     const train_config c = tiny_run(4);
     run_result ref;
@@ -216,13 +243,13 @@ TEST_CASE(
     CHECK(ref.steps[0].grad_norm > c.clip);
     // (dp, cp, ZeRO stage, recompute): ZeRO 2 and 3 shard over the dp x cp ranks; ZeRO 3 gathers
     // each block around its uses through the piece's block use hook.
-    for (auto [dp, cp, zero, recompute] :
-         {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{2, 2, 0, 0},
-          std::array{2, 2, 2, 0}, std::array{2, 2, 3, 0}}) {
+    for (auto [dp, cp, zero, recompute] : rows) {
       INFO((llama ? "llama-tiny" : "gpt2-demo")
-           << " dp " << dp << " cp " << cp << " zero " << zero << " recompute " << recompute);
+           << " " << scheduler::name(mode) << " dp " << dp << " cp " << cp << " zero " << zero
+           << " recompute " << recompute);
       train_config pc = c;
       pc.plan.zero = zero;
+      pc.plan.cp_mode = mode;
       const auto runs = context_parallel(llama, pc, dp, cp, recompute != 0);
       for (const auto& run : runs) {
         for (int s = 0; s < c.steps; ++s) {
@@ -239,6 +266,27 @@ TEST_CASE(
       }
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "Ulysses cp2 and dp2 x cp2 training equal the single process trainer for GPT-2 and "
+    "grouped-query Llama",
+    "[parallel][cp]") {
+  check_training(cp_mode_kind::ulysses,
+                 {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{2, 2, 0, 0},
+                  std::array{2, 2, 2, 0}, std::array{2, 2, 3, 0}});
+}
+
+TEST_CASE(
+    "Ring cp2, cp4 and dp2 x cp2 training equal the single process trainer for GPT-2 and "
+    "grouped-query Llama",
+    "[parallel][cp]") {
+  // cp4: four ranks, one-token zigzag chunks, more ranks than llama-tiny's kv heads.
+  check_training(cp_mode_kind::ring,
+                 {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{1, 4, 0, 0},
+                  std::array{2, 2, 0, 0}, std::array{2, 2, 3, 0}});
 }
 
 TEST_CASE(
@@ -266,4 +314,28 @@ TEST_CASE(
   }
   std::printf("faults: Ulysses cp2 of a mixture of experts -> refused: %s\n", said.c_str());
   CHECK_THAT(said, Catch::Contains("parallel.cp = 2") && Catch::Contains("mixture-of-experts"));
+}
+
+TEST_CASE("Ring over a bf16 model and a seq that does not split into 2 cp chunks are refused",
+          "[parallel][cp][faults]") {
+  std::string said;
+  try {
+    t::run_ranks(2, [&](int, collective::communicator& comm) {
+      cp_piece piece(tiny_model(true), 1, 8, comm, dtype::bf16, false, cp_mode_kind::ring);
+    });
+  } catch (const std::exception& e) {
+    said = e.what();
+  }
+  std::printf("faults: ring cp2 of a bf16 model -> refused: %s\n", said.c_str());
+  CHECK_THAT(said, Catch::Contains("parallel.cp_mode = \"ring\"") && Catch::Contains("bf16"));
+  said.clear();
+  try {
+    t::run_ranks(2, [&](int, collective::communicator& comm) {
+      cp_piece piece(tiny_model(false), 1, 6, comm, dtype::f32, false, cp_mode_kind::ring);
+    });
+  } catch (const std::exception& e) {
+    said = e.what();
+  }
+  std::printf("faults: ring cp2 of seq 6 -> refused: %s\n", said.c_str());
+  CHECK_THAT(said, Catch::Contains("2 x parallel.cp = 4") && Catch::Contains("train.seq = 6"));
 }

@@ -173,11 +173,15 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
   } else if (plan.cp > 1) {
-    auto piece = std::make_unique<cp_piece>(model, dims.batch, cfg.seq, *g.cp, compute, recompute);
-    I.description =
-        fmt::format("whole model on positions {}-{} of each sample (Ulysses, cp {} of {})",
-                    g.cp->rank() * piece->local_seq(), (g.cp->rank() + 1) * piece->local_seq() - 1,
-                    g.cp->rank(), plan.cp);
+    auto piece = std::make_unique<cp_piece>(model, dims.batch, cfg.seq, *g.cp, compute, recompute,
+                                            plan.cp_mode);
+    std::string at;
+    for (const auto& p : piece->pieces())
+      at += fmt::format("{}{}-{}", at.empty() ? "" : ", ", p.start, p.start + p.length - 1);
+    I.description = fmt::format(
+        "whole model on positions {} of each sample ({}, cp {} of {})", at,
+        plan.cp_mode == scheduler::cp_mode_kind::ring ? "ring attention, zigzag" : "Ulysses",
+        g.cp->rank(), plan.cp);
     I.piece = std::move(piece);
   } else if (plan.tp == 1) {
     I.model = make_causal_lm(model, dims, compute, device::cpu(), {.recompute = recompute});

@@ -1,4 +1,4 @@
-// `troupe launch ... -- troupe train --cp 2 --cp-mode ulysses` across real processes: every
+// `troupe launch ... -- troupe train --cp 2 --cp-mode ulysses|ring` across real processes: every
 // sample's 32 positions split over 2 ranks (Ulysses: models/parallel/context_parallel.hpp), alone
 // and under dp 2, train GPT-2 and grouped-query Llama with the single-process `troupe train`'s
 // losses as far as f32 rounding goes (train_runs.hpp's same_losses against the f64 twin).
@@ -32,5 +32,23 @@ TEST_CASE("Launched Ulysses cp2 and dp2 x cp2 runs train like the single process
       CHECK_THAT(out, Catch::Contains("cp2 (ulysses)") && Catch::Contains("(Ulysses, cp 1 of 2)"));
       same_losses(got, want);
     }
+  }
+}
+
+TEST_CASE("A launched ring cp2 run trains like the single process", "[multirank]") {
+  // --cp-mode ring: each rank holds two zigzag chunks of every sample's 32 positions and the
+  // attention core passes key/value blocks around the ring (models/layers/ring_attention.hpp).
+  const int steps = 8;
+  for (const std::string model : {"gpt2-demo", "llama-tiny"}) {
+    INFO(model);
+    scratch_dir dir("cp-ring-" + model);
+    const reference_losses want = single_and_twin(model, steps, dir.path);
+    std::string out;
+    const auto got =
+        launched(2, model, steps, dir.path, "ring-cp2", {"--cp", "2", "--cp-mode", "ring"}, &out);
+    CHECK_THAT(out, Catch::Contains("cp2 (ring)") &&
+                        Catch::Contains("positions 8-15, 16-23 of each sample (ring attention, "
+                                        "zigzag, cp 1 of 2)"));
+    same_losses(got, want);
   }
 }
