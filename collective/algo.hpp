@@ -130,6 +130,13 @@ struct op_context {
   std::string waiting_for(const p2p_request& r) const;
 };
 
+// Where each block starts in a buffer of blocks of `counts` elements, and (last) the total.
+inline std::vector<std::size_t> offsets_of(const std::vector<std::size_t>& counts) {
+  std::vector<std::size_t> at(counts.size() + 1, 0);
+  for (std::size_t j = 0; j < counts.size(); ++j) at[j + 1] = at[j] + counts[j];
+  return at;
+}
+
 // The direct path's shared parts (direct_sync.cpp).
 //
 // Whether an op takes the direct path: `enabled` (its tuning switch) and bytes >= min_bytes, and

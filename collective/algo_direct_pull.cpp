@@ -85,11 +85,7 @@ void all_to_allv_direct(op_context& c, op_kind k, const void* in,
   const int n = c.n, me = c.me;
   const std::size_t es = dtype_size(t);
   const std::int32_t kind = direct_kind(k, t, reduce_op::sum);
-  std::vector<std::size_t> soff(n + 1, 0), roff(n + 1, 0);
-  for (int j = 0; j < n; ++j) {
-    soff[j + 1] = soff[j] + send_counts[j];
-    roff[j + 1] = roff[j] + recv_counts[j];
-  }
+  const std::vector<std::size_t> soff = offsets_of(send_counts), roff = offsets_of(recv_counts);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   for (int g = 0; g < n; ++g)

@@ -268,11 +268,7 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
   const int n = c.n, me = c.me;
   const std::size_t esize = dtype_size(t);
   const bool varied = k == op_kind::all_to_allv;
-  std::vector<std::size_t> soff(n + 1, 0), roff(n + 1, 0);
-  for (int j = 0; j < n; ++j) {
-    soff[j + 1] = soff[j] + send_counts[j];
-    roff[j + 1] = roff[j] + recv_counts[j];
-  }
+  const std::vector<std::size_t> soff = offsets_of(send_counts), roff = offsets_of(recv_counts);
   // The direct path from all_to_all_direct_min bytes: all_to_all's size is the same on every rank;
   // all_to_allv's differ, so it decides on the largest send buffer of any rank, which every rank
   // learns in the count check below (the same choice everywhere).

@@ -46,6 +46,20 @@ std::int64_t moe_ffn::recv_offset(int s, std::int32_t j) const {
   return at;
 }
 
+void moe_ffn::move_expert_rows(std::int32_t j, const tensor& recv, const tensor& dense,
+                               bool to_dense) const {
+  const std::int32_t l = local_experts();
+  std::int64_t pos = 0;
+  for (int s = 0; s < cfg.ep; ++s) {
+    const std::int64_t m = received[s * l + j];
+    if (m > 0) {
+      const tensor far = run(recv, recv_offset(s, j), m), near = run(dense, pos, m);
+      to_dense ? ops::copy(far, near) : ops::copy(near, far);
+    }
+    pos += m;
+  }
+}
+
 void moe_ffn::ep_forward(const tensor& xr, const tensor& yr) {
   TROUPE_CHECK(exchange != nullptr && exchange->size() == cfg.ep && exchange->rank() == cfg.ep_rank,
                label, ": expert parallelism ep ", cfg.ep, " rank ", cfg.ep_rank,
@@ -82,19 +96,9 @@ void moe_ffn::ep_forward(const tensor& xr, const tensor& yr) {
     if (n == 0) continue;
     const tensor in = planned_view(expert_in[j], {n, c}, label, "expert_in");
     const tensor out = planned_view(expert_out[j], {n, c}, label, "expert_out");
-    std::int64_t pos = 0;
-    for (int s = 0; s < cfg.ep; ++s) {
-      const std::int64_t m = received[s * l + j];
-      if (m > 0) ops::copy(run(recv, recv_offset(s, j), m), run(in, pos, m));
-      pos += m;
-    }
+    move_expert_rows(j, recv, in, true);
     experts[j].forward(in, out);
-    pos = 0;
-    for (int s = 0; s < cfg.ep; ++s) {
-      const std::int64_t m = received[s * l + j];
-      if (m > 0) ops::copy(run(out, pos, m), run(recv, recv_offset(s, j), m));
-      pos += m;
-    }
+    move_expert_rows(j, recv, out, false);
   }
   // 4. The outputs come back expert by expert, and are weighted into y in expert order.
   const tensor back = planned_view(ep_out, {out_rows, c}, label, "ep_out");
@@ -136,19 +140,9 @@ void moe_ffn::ep_backward(const tensor& dyr, const tensor& dxr, const tensor& tm
     if (n == 0) continue;
     const tensor dout = planned_view(dexpert_out, {n, c}, label, "dexpert_out");
     const tensor din = planned_view(dexpert_in, {n, c}, label, "dexpert_in");
-    std::int64_t pos = 0;
-    for (int s = 0; s < cfg.ep; ++s) {
-      const std::int64_t m = received[s * l + j];
-      if (m > 0) ops::copy(run(recv, recv_offset(s, j), m), run(dout, pos, m));
-      pos += m;
-    }
+    move_expert_rows(j, recv, dout, true);
     experts[j].backward(dout, din);
-    pos = 0;
-    for (int s = 0; s < cfg.ep; ++s) {
-      const std::int64_t m = received[s * l + j];
-      if (m > 0) ops::copy(run(din, pos, m), run(recv, recv_offset(s, j), m));
-      pos += m;
-    }
+    move_expert_rows(j, recv, din, false);
   }
   // The input gradients come back and are added into dx in expert order.
   exchange->rows(recv, from, send, to);

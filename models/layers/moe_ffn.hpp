@@ -128,6 +128,10 @@ struct moe_ffn {
   // Local expert j's rows in ep_recv: from source s at recv_offset(s, j), received[s * L + j] of
   // them.
   std::int64_t recv_offset(int s, std::int32_t j) const;
+  // Local expert j's rows between the receive layout `recv` and its own contiguous rows `dense`:
+  // gathered into dense (to_dense), else scattered back into recv.
+  void move_expert_rows(std::int32_t j, const tensor& recv, const tensor& dense,
+                        bool to_dense) const;
 };
 
 }  // namespace troupe::models
