@@ -10,6 +10,7 @@
 
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
+#include "models/post/central_differences.test.hpp"
 #include "models/post/dpo_step.hpp"
 #include "models/post/sft_step.hpp"
 
@@ -88,26 +89,12 @@ TEST_CASE("a DPO micro-batch backpropagates the gradient of the DPO loss", "[cpu
       return dpo_forward(policy, reference, ids, targets, opt, r, counts);
     };
     CHECK(loss_at() == Approx(loss).epsilon(1e-14));
-    // f64 central differences, step 1e-5: truncation ~1e-10 |f'''|, cancellation ~1e-16 / 1e-5;
-    // 1e-7 + 1e-5 relative is far above both and far below a missing or misweighted sequence
-    // (which changes a gradient by O(its size)).
+    // f64 central differences (central_differences.test.hpp): a missing or misweighted sequence
+    // changes a gradient by O(its size).
     testing::rng pick(2);
-    double largest = 0;
-    for (int k = 0; k < 40; ++k) {
-      const std::int64_t i = pick.integer(0, p.numel() - 1);
-      double* w = p.data_as<double>() + i;
-      const double keep = *w, h = 1e-5;
-      *w = keep + h;
-      const double up = loss_at();
-      *w = keep - h;
-      const double down = loss_at();
-      *w = keep;
-      const double fd = (up - down) / (2 * h), got = g.data_as<double>()[i];
-      largest = std::max(largest, std::abs(fd));
-      INFO("param " << i);
-      CHECK(got == Approx(fd).margin(1e-7).epsilon(1e-5));
-    }
-    CHECK(largest > 1e-4);  // the check saw real gradients
+    std::vector<std::int64_t> at;
+    for (int k = 0; k < 40; ++k) at.push_back(pick.integer(0, p.numel() - 1));
+    testing::check_central_differences(p, g, at, loss_at);
   }
 }
 

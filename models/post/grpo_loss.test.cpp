@@ -11,6 +11,7 @@
 #include "models/generation.hpp"
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
+#include "models/post/central_differences.test.hpp"
 #include "models/post/grpo_step.hpp"
 #include "models/post/rollout.hpp"
 #include "models/post/token_logprob.hpp"
@@ -133,27 +134,13 @@ TEST_CASE("a GRPO micro-batch backpropagates the gradient of the GRPO loss", "[c
     const tensor& p = policy.memory().params();
     auto loss_at = [&]() { return grpo_forward(policy, *b, opt).loss; };
     CHECK(loss_at() == Approx(loss).epsilon(1e-14));
-    // f64 central differences, step 1e-5 (as the DPO test): truncation ~1e-10 |f'''|,
-    // cancellation ~1e-11; 1e-7 + 1e-5 relative is far above both and far below a token
-    // misweighted or left out. The clip's kinks are where the loss has no derivative: a parameter
-    // whose +-h crosses one shows as a mismatch, which is unlikely at h = 1e-5 (none seen).
+    // f64 central differences (central_differences.test.hpp): far below a token misweighted or
+    // left out. The clip's kinks are where the loss has no derivative: a parameter whose +-h
+    // crosses one shows as a mismatch, which is unlikely at h = 1e-5 (none seen).
     testing::rng pick(2);
-    double largest = 0;
-    for (int k = 0; k < 40; ++k) {
-      const std::int64_t i = pick.integer(0, p.numel() - 1);
-      double* w = p.data_as<double>() + i;
-      const double keep = *w, h = 1e-5;
-      *w = keep + h;
-      const double up = loss_at();
-      *w = keep - h;
-      const double down = loss_at();
-      *w = keep;
-      const double fd = (up - down) / (2 * h), got = grad.data_as<double>()[i];
-      largest = std::max(largest, std::abs(fd));
-      INFO("param " << i);
-      CHECK(got == Approx(fd).margin(1e-7).epsilon(1e-5));
-    }
-    CHECK(largest > 1e-4);
+    std::vector<std::int64_t> at;
+    for (int k = 0; k < 40; ++k) at.push_back(pick.integer(0, p.numel() - 1));
+    testing::check_central_differences(p, grad, at, loss_at);
   }
 }
 

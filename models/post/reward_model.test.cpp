@@ -12,6 +12,7 @@
 
 #include "models/hf/config.hpp"
 #include "models/hf/safetensors.hpp"
+#include "models/post/central_differences.test.hpp"
 #include "models/post/preference_loss.hpp"
 #include "models/post/reward_model.hpp"
 #include "models/post/reward_step.hpp"
@@ -169,23 +170,11 @@ TEST_CASE("a reward micro-batch backpropagates the Bradley-Terry loss", "[cpu]")
         .loss;
   };
   CHECK(loss_at() == Approx(loss).epsilon(1e-14));
-  // f64 central differences (step 1e-5), as in the DPO test: 1e-7 + 1e-5 relative separates
-  // rounding and truncation from a misplaced or misweighted score gradient.
+  // f64 central differences (central_differences.test.hpp): they separate rounding and
+  // truncation from a misplaced or misweighted score gradient.
   const tensor& p = rm.lm().memory().params();
   const tensor& g = rm.lm().memory().grads();
-  double largest = 0;
-  for (std::int64_t k = 0, i = 7; k < 40; ++k, i = (i * 7919 + 13) % p.numel()) {
-    double* w = p.data_as<double>() + i;
-    const double keep = *w, h = 1e-5;
-    *w = keep + h;
-    const double up = loss_at();
-    *w = keep - h;
-    const double down = loss_at();
-    *w = keep;
-    const double fd = (up - down) / (2 * h);
-    largest = std::max(largest, std::abs(fd));
-    INFO("param " << i);
-    CHECK(g.data_as<double>()[i] == Approx(fd).margin(1e-7).epsilon(1e-5));
-  }
-  CHECK(largest > 1e-4);
+  std::vector<std::int64_t> at;
+  for (std::int64_t k = 0, i = 7; k < 40; ++k, i = (i * 7919 + 13) % p.numel()) at.push_back(i);
+  models::testing::check_central_differences(p, g, at, loss_at);
 }
