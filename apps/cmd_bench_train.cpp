@@ -1,15 +1,18 @@
-// `troupe bench train`: training throughput and peak memory of one process, f32 on the CPU
-// (docs/performance.md, "Training, single process (CPU)"; scripts/bench/train_pytorch.py is the
-// same model and loop in PyTorch, scripts/bench/train_vs_pytorch.sh runs the two side by side).
+// `troupe bench train`: training throughput and peak memory of one process, on the CPU or one GPU
+// (`--device cuda`), f32 or bf16 with f32 master weights (`--precision`) (docs/performance.md,
+// "Training, single process (CPU)" and "GPU"; scripts/bench/train_pytorch.py is the same model and
+// loop in PyTorch, scripts/bench/train_vs_pytorch.sh runs the two side by side).
 //
 // Builds a named model size (make_causal_lm), then runs `warmup` untimed and `steps` timed steps
 // of the trainer (models/trainer.hpp): forward, backward, clip_grad_norm 1.0, AdamW (torch
 // semantics, weight decay on every parameter) on uniform random token ids drawn per step from
 // (seed, step). tokens/s = B * T * steps / the wall time of the timed steps; the CPU seconds per
-// step (all threads) are reported too. Peak memory: the
+// step (all threads) are reported too. On a GPU each timed step ends with a device synchronise, so
+// its time includes all of its kernels. Peak memory: the
 // host tier ledger's high-water mark (every buffer troupe allocates: parameters, gradients,
 // activations, scratch, optimizer moments) and the process's peak resident set (VmHWM: what the
-// kernel saw, including the binary, libraries and OpenBLAS's buffers).
+// kernel saw, including the binary, libraries and OpenBLAS's buffers), and on a GPU the device
+// tier ledger's high-water mark (every device buffer troupe allocates).
 #include <sys/resource.h>
 #include <time.h>
 
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "memory/gpu.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/trainer.hpp"
@@ -37,6 +41,7 @@ namespace {
 
 struct train_bench_options {
   std::string model = "bench-small";
+  std::string device = "cpu", precision = "f32";
   std::int64_t batch = 8, seq = 256;
   int steps = 10, warmup = 2, threads = 0;
   std::uint64_t seed = 1337;
@@ -83,8 +88,13 @@ int run_train_bench(const train_bench_options& o) {
   const cpu::blas_core_choice& core = cpu::ensure_blas_core();
   const std::int64_t rss_start = proc_status_bytes("VmRSS");
 
+  const bool gpu = o.device == "cuda";
+  TROUPE_CHECK(!gpu || memory::gpu_available(), "--device cuda: ",
+               memory::cuda_built() ? "no GPU is visible" : "troupe was built without CUDA");
   const auto mcfg = models::named_model_config(o.model).value();
-  auto model = models::make_causal_lm(mcfg, {o.batch, o.seq});
+  auto model = models::make_causal_lm(mcfg, {o.batch, o.seq},
+                                      o.precision == "bf16" ? dtype::bf16 : dtype::f32,
+                                      gpu ? device::cuda() : device::cpu());
   TROUPE_CHECK(o.seq <= model->max_seq(), "--seq ", o.seq, " exceeds the model's ",
                model->max_seq(), " positions");
   model->init_weights(o.seed);
@@ -102,7 +112,11 @@ int run_train_bench(const train_bench_options& o) {
   cfg.eps = 1e-8;
   cfg.weight_decay = 0.1;
   cfg.clip = 1.0;
+  cfg.precision = o.precision;
   models::trainer tr(*model, cfg);
+  const auto sync = [gpu] {
+    if (gpu) memory::device_synchronize();
+  };
 
   const auto vocab = static_cast<std::uint64_t>(model->vocab());
   const models::trainer::batch_source data = [&](std::uint64_t draw, int b, int t,
@@ -114,11 +128,13 @@ int run_train_bench(const train_bench_options& o) {
 
   std::vector<double> losses, times;
   for (int i = 0; i < o.warmup; ++i) losses.push_back(tr.step(data).loss);
+  sync();
   const auto t0 = std::chrono::steady_clock::now();
   const double cpu0 = process_cpu_seconds();
   for (int i = 0; i < o.steps; ++i) {
     const auto s0 = std::chrono::steady_clock::now();
     losses.push_back(tr.step(data).loss);
+    sync();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -127,6 +143,7 @@ int run_train_bench(const train_bench_options& o) {
   std::sort(times.begin(), times.end());
 
   const memory::tier_stats host = memory::stats(memory::tier::host);
+  const memory::tier_stats dev = memory::stats(memory::tier::device);
   auto& mem = model->memory();
   const std::int64_t params = model->slots().param_count();
   const std::int64_t rss_peak = peak_rss_bytes();
@@ -134,6 +151,8 @@ int run_train_bench(const train_bench_options& o) {
 
   if (o.json) {
     nlohmann::json j{{"impl", "troupe"},
+                     {"device", o.device},
+                     {"precision", o.precision},
                      {"model", o.model},
                      {"params", params},
                      {"batch", o.batch},
@@ -153,25 +172,30 @@ int run_train_bench(const train_bench_options& o) {
                      {"rss_at_start_bytes", rss_start},
                      {"host_ledger_peak_bytes", host.peak},
                      {"host_ledger_in_use_bytes", host.in_use},
+                     {"device_ledger_peak_bytes", dev.peak},
                      {"model_bytes",
                       {{"params", mem.param_bytes()},
                        {"grads", mem.param_bytes()},
                        {"activations", mem.activation_bytes()},
                        {"scratch", mem.scratch_bytes()},
-                       {"adamw_moments", 2 * mem.params().nbytes()}}},
+                       {"adamw_moments", 2 * tr.master_weights().nbytes()}}},
                      {"loss_first", losses.front()},
                      {"loss_last", losses.back()}};
     fmt::print("{}\n", j.dump());
     return 0;
   }
-  fmt::print("troupe bench train: {} ({:.2f} M parameters), B={} T={}, {} threads, OpenBLAS {}\n",
-             o.model, static_cast<double>(params) / 1e6, o.batch, o.seq, threads, core.after);
+  fmt::print(
+      "troupe bench train: {} ({:.2f} M parameters), {} on {}, B={} T={}, {} threads, "
+      "OpenBLAS {}\n",
+      o.model, static_cast<double>(params) / 1e6, o.precision, o.device, o.batch, o.seq, threads,
+      core.after);
   fmt::print("  {} timed steps after {} warm-up: {:.0f} tokens/s\n", o.steps, o.warmup,
              tokens / total);
   fmt::print("  step time: mean {:.3f} s, min {:.3f}, median {:.3f}, max {:.3f}; CPU {:.3f} s\n",
              total / o.steps, times.front(), times[times.size() / 2], times.back(), cpu / o.steps);
   fmt::print("  peak memory: host ledger {:.1f} MiB, process RSS (VmHWM) {:.1f} MiB\n",
              mib(host.peak), mib(rss_peak));
+  if (gpu) fmt::print("  peak device memory (device ledger): {:.1f} MiB\n", mib(dev.peak));
   fmt::print(
       "  planned: params {:.1f} MiB, grads {:.1f}, activations {:.1f}, scratch {:.1f}, "
       "AdamW moments {:.1f}\n",
@@ -188,10 +212,18 @@ int run_train_bench(const train_bench_options& o) {
 
 command_fn add_bench_train_command(CLI::App& bench) {
   CLI::App* sub = bench.add_subcommand(
-      "train", "Training tokens/s and peak memory of a GPT-2 model (f32, AdamW, clip 1.0)");
+      "train",
+      "Training tokens/s and peak memory of a GPT-2 model (AdamW, clip 1.0) on the CPU or a GPU");
   auto o = std::make_shared<train_bench_options>();
   sub->add_option("--model", o->model, "model size")
       ->check(CLI::IsMember({"bench-small", "gpt2-small", "gpt2-demo"}))
+      ->capture_default_str();
+  sub->add_option("--device", o->device, "where the model trains")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  sub->add_option("--precision", o->precision,
+                  "f32, or bf16 compute with f32 master weights, gradients and AdamW moments")
+      ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   sub->add_option("--batch", o->batch, "sequences per step (B)")
       ->check(CLI::PositiveNumber)

@@ -21,6 +21,10 @@ speed measured here). The JSON says which OpenBLAS core and ATen capability ran.
 
 --device cuda trains on the GPU instead (scripts/gpu/check.sh): the same f32 model and step, with
 PyTorch's defaults there (no TF32 in matmuls); the CPU settings above still apply to the host side.
+--precision bf16 runs the forward and backward under torch.autocast(bfloat16) with f32 parameters,
+gradients and AdamW moments (troupe's bf16 keeps f32 master weights the same way). --fast is
+PyTorch's strongest configuration for the step: F.scaled_dot_product_attention (flash attention
+on a GPU), the fused AdamW (foreach on the CPU) and torch.compile of the model.
 
 Prints one JSON object: tokens/s over the timed steps, seconds per step, peak RSS (and peak device
 memory on a GPU), the settings.
@@ -65,6 +69,10 @@ def parse():
                    help="torch.optim.AdamW(foreach=...): the multi-tensor update (default on)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="bf16: autocast forward and backward, f32 master weights")
+    p.add_argument("--fast", action="store_true",
+                   help="SDPA attention, fused AdamW (GPU), torch.compile")
     return p.parse_args()
 
 
@@ -108,7 +116,7 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def build(torch, vocab, positions, dim, layers, heads):
+def build(torch, vocab, positions, dim, layers, heads, sdpa=False):
     nn, F = torch.nn, torch.nn.functional
 
     class Attention(nn.Module):
@@ -123,6 +131,9 @@ def build(torch, vocab, positions, dim, layers, heads):
             b, t, c = x.shape
             q, k, v = self.c_attn(x).split(dim, dim=2)
             q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+            if sdpa:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // heads))
             att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
             y = F.softmax(att, dim=-1) @ v
@@ -179,10 +190,15 @@ def main():
     if a.seq > positions:
         sys.exit(f"--seq {a.seq} exceeds the model's {positions} positions")
     device = torch.device(a.device)
-    model = build(torch, vocab, positions, dim, layers, heads).to(device)
+    model = build(torch, vocab, positions, dim, layers, heads, sdpa=a.fast).to(device)
     params = sum(p.numel() for p in model.parameters())
+    fused = a.fast and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1, foreach=a.foreach == "on")
+                            weight_decay=0.1, **({"fused": True} if fused else
+                                                 {"foreach": a.foreach == "on"}))
+    run = torch.compile(model) if a.fast else model
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) \
+        if a.precision == "bf16" else None
     gen = torch.Generator().manual_seed(a.seed)
 
     def step():
@@ -191,7 +207,11 @@ def main():
         targets[:, :-1] = ids[:, 1:]
         ids, targets = ids.to(device), targets.to(device)
         opt.zero_grad(set_to_none=True)
-        loss = model(ids, targets)
+        if autocast is not None:
+            with autocast():
+                loss = run(ids, targets)
+        else:
+            loss = run(ids, targets)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -217,6 +237,7 @@ def main():
         "impl": "pytorch",
         "torch": torch.__version__,
         "device": a.device, **gpu,
+        "precision": a.precision, "fast": a.fast,
         "model": a.model, "params": params, "batch": a.batch, "seq": a.seq,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads,
         "tokens_per_s": tokens / total,
@@ -231,7 +252,7 @@ def main():
                  "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY")},
         "openblas_core": core, "openblas_threads": blas_threads,
         "aten_capability": aten_capability(torch),
-        "adamw_foreach": a.foreach == "on",
+        "adamw_foreach": a.foreach == "on" and not fused, "adamw_fused": fused,
         "torch_threads": torch.get_num_threads(),
     }))
 

@@ -266,32 +266,46 @@ gpu_tests() {
   # CTest includes every test binary's list; the ones this check did not build list nothing.
   grep -rhoE 'include\("[^"]*_ctest\.cmake"\)' "$build" --include=CTestTestfile.cmake |
     sed -E 's/include\("(.*)"\)/\1/' | while read -r f; do [ -f "$f" ] || : >"$f"; done
-  ctest --test-dir "$build" -L gpu -V --timeout 300
+  ctest --test-dir "$build" -L gpu -V --timeout "${TROUPE_GPU_TEST_TIMEOUT:-300}"
 }
 
+# troupe on the GPU: the shapes of the PyTorch runs below, f32 and bf16 (f32 master weights).
 bench_troupe() {
   [ "$system_deps" = 0 ] && export LD_LIBRARY_PATH=$lib:$lib/openblas-pthread:$base_ld
-  local t=$build/apps/troupe
-  if "$t" bench train --help 2>&1 | grep -q -- '--device'; then
-    "$t" bench train --device cuda --model bench-small --batch 8 --seq 256 --json || return 1
-    "$t" bench train --device cuda --model gpt2-small --batch 4 --seq 256 --json || return 1
-  else
-    echo "troupe has no GPU benchmark yet: \`troupe bench train\` and \`troupe bench kernels\` run"
-    echo "on the CPU only (no --device). The [gpu] tests above are the only troupe GPU runs."
+  local t=$build/apps/troupe rc=0
+  if ! "$t" bench train --help 2>&1 | grep -q -- '--device'; then
+    echo "troupe has no GPU benchmark yet: \`troupe bench train\` runs on the CPU only (no --device)."
+    return 0
   fi
+  "$t" bench train --device cuda --model bench-small --batch 8 --seq 256 --json || rc=1
+  "$t" bench train --device cuda --model gpt2-small --batch 4 --seq 256 --json || rc=1
+  "$t" bench train --device cuda --precision bf16 --model bench-small --batch 8 --seq 256 --json ||
+    rc=1
+  "$t" bench train --device cuda --precision bf16 --model gpt2-small --batch 16 --seq 1024 \
+    --steps 5 --json || rc=1
+  return $rc
 }
 
+# PyTorch on the same GPU: the two ceilings, the same f32 step as troupe's (manual attention,
+# foreach AdamW, eager), and its strongest configuration (--fast: SDPA, fused AdamW,
+# torch.compile) in f32 and in bf16 autocast. Each run is independent: one failing (a compiler
+# missing for torch.compile) does not hide the others.
 bench_torch() {
   if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "no CUDA device visible to PyTorch: PyTorch GPU baselines skipped"
     return 0
   fi
-  python3 "$root/scripts/gpu/ceilings.py" || return 1
-  # The models and shapes of `troupe bench train` (docs/performance.md), f32 as troupe trains.
-  python3 "$root/scripts/bench/train_pytorch.py" --device cuda --model bench-small --batch 8 \
-    --seq 256 --steps 20 --warmup 3 || return 1
-  python3 "$root/scripts/bench/train_pytorch.py" --device cuda --model gpt2-small --batch 4 \
-    --seq 256 --steps 20 --warmup 3 || return 1
+  local rc=0 py=$root/scripts/bench/train_pytorch.py
+  python3 "$root/scripts/gpu/ceilings.py" || rc=1
+  python3 "$py" --device cuda --model bench-small --batch 8 --seq 256 --steps 20 --warmup 3 || rc=1
+  python3 "$py" --device cuda --model gpt2-small --batch 4 --seq 256 --steps 20 --warmup 3 || rc=1
+  python3 "$py" --device cuda --fast --model gpt2-small --batch 4 --seq 256 --steps 20 \
+    --warmup 3 || rc=1
+  python3 "$py" --device cuda --fast --precision bf16 --model bench-small --batch 8 --seq 256 \
+    --steps 20 --warmup 3 || rc=1
+  python3 "$py" --device cuda --fast --precision bf16 --model gpt2-small --batch 16 --seq 1024 \
+    --steps 10 --warmup 3 || rc=1
+  return $rc
 }
 
 # ---- run -----------------------------------------------------------------------------------------
@@ -307,8 +321,8 @@ fi
 ((ok)) && step gpu-tests 300 gpu_tests
 [ "$until" = tests ] && bench=0
 if ((ok)) && ((bench)); then
-  step bench-troupe 120 bench_troupe
-  step bench-torch 150 bench_torch
+  step bench-troupe 150 bench_troupe
+  step bench-torch 240 bench_torch
 fi
 
 # ---- summary -------------------------------------------------------------------------------------
@@ -337,8 +351,13 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     if "tokens_per_s" in r:
-        who = "%s %s %s B%s T%s" % (r.get("impl", "?"), r.get("device", "cpu"), r["model"],
-                                    r["batch"], r["seq"])
+        who = "%s %s %s%s %s B%s T%s" % (r.get("impl", "?"), r.get("device", "cpu"),
+                                         r.get("precision", "f32"),
+                                         " fast" if r.get("fast") else "", r["model"],
+                                         r["batch"], r["seq"])
+        if r.get("device_ledger_peak_bytes") or r.get("peak_device_bytes"):
+            who += " (peak device %.0f MiB)" % ((r.get("device_ledger_peak_bytes") or
+                                                 r.get("peak_device_bytes")) / 2**20)
         print("  %s: %.0f tokens/s, %.1f ms/step median"
               % (who, r["tokens_per_s"], r["step_s"]["median"] * 1e3))
     elif "ceiling" in r:

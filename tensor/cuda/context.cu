@@ -34,8 +34,12 @@ cublasHandle_t cublas_handle() {
   if (handles[d] == nullptr) {
     cublasHandle_t h = nullptr;
     TROUPE_CUBLAS_CHECK(cublasCreate(&h));
-    // f32 GEMMs stay full f32 (no TF32); 16-bit GEMMs accumulate in f32 (see gemm.cu).
-    TROUPE_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    // f32 GEMMs stay full f32 (no TF32); 16-bit GEMMs accumulate in f32 (see gemm.cu), split-K
+    // partial sums included: by default cuBLAS may reduce them in the 16-bit output type, which
+    // the first H200 run showed (bf16 40x96x24 with beta 1: up to 15 bf16 ulps off, docs/gpu.md).
+    TROUPE_CUBLAS_CHECK(cublasSetMathMode(
+        h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     TROUPE_CUBLAS_CHECK(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
     handles[d] = h;
   }

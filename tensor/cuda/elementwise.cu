@@ -119,21 +119,30 @@ __global__ void add_bias_kernel(T* x, const T* bias, std::int64_t n, std::int64_
   }
 }
 
+// The CPU backend's step (tensor/cpu/adamw.cpp), rounding for rounding: the scalar factors are
+// computed in double on the host and rounded once to f32, m and v each in one fused multiply-add,
+// everything else rounded per operation (the _rn intrinsics keep nvcc from contracting them into
+// other fused multiply-adds; division and sqrt are IEEE without --use_fast_math).
 struct adamw_args {
-  float lr, beta1, beta2, eps, decay;  // decay = lr * weight_decay
-  float step_size;                     // lr / (1 - beta1^step)
-  float bias2;                         // 1 - beta2^step
+  float decay;      // 1 - lr * weight_decay
+  float w1, b1;     // 1 - beta1, and 1 - that (torch.lerp's second formula)
+  float b2, w2;     // beta2, 1 - beta2
+  float step_size;  // lr / (1 - beta1^step)
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float eps;
+  bool lerp_low;  // w1 < 0.5: torch.lerp's first formula
 };
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, std::int64_t n,
                              adamw_args a) {
   TROUPE_GRID_STRIDE(i, n) {
-    float gi = g[i];
-    float pi = p[i] - a.decay * p[i];
-    float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gi;
-    float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gi * gi;
+    const float gi = g[i], mo = m[i];
+    const float d = __fsub_rn(gi, mo);
+    const float mi = a.lerp_low ? fmaf(d, a.w1, mo) : fmaf(-d, a.b1, gi);
+    const float vi = fmaf(a.b2, v[i], __fmul_rn(__fmul_rn(a.w2, gi), gi));
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi - a.step_size * mi / (sqrtf(vi / a.bias2) + a.eps);
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), a.bc2_sqrt), a.eps);
+    p[i] = __fsub_rn(__fmul_rn(p[i], a.decay), __fdiv_rn(__fmul_rn(a.step_size, mi), denom));
   }
 }
 
@@ -197,13 +206,15 @@ void adamw(const tensor& param, const tensor& grad, const tensor& m, const tenso
   if (n == 0) return;
   double t = static_cast<double>(opt.step);
   adamw_args a;
-  a.lr = static_cast<float>(opt.lr);
-  a.beta1 = static_cast<float>(opt.beta1);
-  a.beta2 = static_cast<float>(opt.beta2);
-  a.eps = static_cast<float>(opt.eps);
-  a.decay = static_cast<float>(opt.lr * opt.weight_decay);
+  a.decay = static_cast<float>(1.0 - opt.lr * opt.weight_decay);
+  a.w1 = static_cast<float>(1.0 - opt.beta1);
+  a.b1 = 1.0f - a.w1;
+  a.b2 = static_cast<float>(opt.beta2);
+  a.w2 = static_cast<float>(1.0 - opt.beta2);
   a.step_size = static_cast<float>(opt.lr / (1.0 - std::pow(opt.beta1, t)));
-  a.bias2 = static_cast<float>(1.0 - std::pow(opt.beta2, t));
+  a.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(opt.beta2, t)));
+  a.eps = static_cast<float>(opt.eps);
+  a.lerp_low = a.w1 < 0.5f;
   adamw_kernel<<<detail::grid_for(n), detail::block_threads>>>(ptr<float>(param), ptr<float>(grad),
                                                                ptr<float>(m), ptr<float>(v), n, a);
   TROUPE_CUDA_CHECK_LAUNCH();
