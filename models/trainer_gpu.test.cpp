@@ -98,8 +98,13 @@ TEST_CASE("The trainer on a GPU trains as accurately as on the CPU in f32 and bf
       start->init_weights(c.seed);
       auto x = make_causal_lm(model_of(llama), {c.batch, c.seq}, dtype::f64);
       ops::copy(start->memory().params(), x->memory().params());  // same slots, same layout
+      // Progress on stderr: a run that stops somewhere says where.
+      const char* name = llama ? "llama-tiny" : "gpt2-demo";
+      std::fprintf(stderr, "%s %s: the exact run\n", name, precision.c_str());
       const auto exact = testing::exact_training(*x, c, rows_of);
+      std::fprintf(stderr, "%s %s: the CPU run\n", name, precision.c_str());
       const run_result cpu = train_on(llama, c, t, device::cpu(), start->memory().params());
+      std::fprintf(stderr, "%s %s: the GPU run\n", name, precision.c_str());
       const run_result gpu = train_on(llama, c, t, device::cuda(), start->memory().params());
 
       std::vector<double> gl, rl, gn, rn;

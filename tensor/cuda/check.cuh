@@ -198,4 +198,13 @@ struct scratch_lease {
 };
 scratch_lease lease_scratch();
 
+// A device buffer of at least n floats (grown on demand, kept per device), held under its own lock
+// for as long as the lease lives. Kernels that use it run on the default stream, so the next
+// lease's kernels start after the last one's have read it.
+struct f32_scratch_lease {
+  std::unique_lock<std::mutex> lock;
+  float* p = nullptr;
+};
+f32_scratch_lease lease_f32_scratch(std::int64_t n);
+
 }  // namespace troupe::cuda::detail

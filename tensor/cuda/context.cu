@@ -24,6 +24,10 @@ std::mutex& scratch_mutex() {
   static std::mutex m;
   return m;
 }
+std::mutex& f32_scratch_mutex() {
+  static std::mutex m;
+  return m;
+}
 
 }  // namespace
 
@@ -58,6 +62,26 @@ scratch_lease lease_scratch() {
     s.value = s.partials + max_partials;
     s.words = reinterpret_cast<long long*>(s.value + 1);
   }
+  return lease;
+}
+
+f32_scratch_lease lease_f32_scratch(std::int64_t n) {
+  struct buffer {
+    float* p = nullptr;
+    std::int64_t n = 0;
+  };
+  static buffer per_device[max_devices];
+  int d = current_device();
+  f32_scratch_lease lease{std::unique_lock<std::mutex>(f32_scratch_mutex()), nullptr};
+  buffer& b = per_device[d];
+  if (b.n < n) {
+    if (b.p != nullptr) TROUPE_CUDA_CHECK(cudaFree(b.p));  // waits for the kernels reading it
+    b = buffer{};
+    void* p = nullptr;
+    TROUPE_CUDA_CHECK(cudaMalloc(&p, static_cast<std::size_t>(n) * sizeof(float)));
+    b = buffer{static_cast<float*>(p), n};
+  }
+  lease.p = b.p;
   return lease;
 }
 

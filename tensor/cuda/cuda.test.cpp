@@ -377,18 +377,19 @@ TEST_CASE("cuda matmul in bf16 and f16 matches f32 on the rounded inputs", "[gpu
   TROUPE_NEED_GPU();
   const std::int64_t m = 40, k = 96, n = 24;
   for (dtype t : {dtype::bf16, dtype::f16}) {
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       bool ta = variant & 1, tb = variant & 2;
-      INFO(dtype_name(t) << " transpose a " << ta << " transpose b " << tb);
+      const double beta = variant & 4 ? 0.0 : 1.0;  // accumulating into c, and overwriting it
+      INFO(dtype_name(t) << " transpose a " << ta << " transpose b " << tb << " beta " << beta);
       owned_tensor as = rounded(ta ? random({k, m}, 60) : random({m, k}, 60), t);
       owned_tensor bs = rounded(tb ? random({n, k}, 61) : random({k, n}, 61), t);
       owned_tensor c = rounded(random({m, n}, 62), t);
       owned_tensor gas = gpu(to_16bit(as, t)), gbs = gpu(to_16bit(bs, t)), gc = gpu(to_16bit(c, t));
       auto a_of = [&](const tensor& x) { return ta ? x.transpose(0, 1) : x; };
       auto b_of = [&](const tensor& x) { return tb ? x.transpose(0, 1) : x; };
-      const std::vector<double> mag = gemm_magnitudes(a_of(as), b_of(bs), c, 0.5, 1.0);
-      ops::matmul(a_of(as), b_of(bs), c, 0.5, 1.0);
-      ops::matmul(a_of(gas), b_of(gbs), gc, 0.5, 1.0);
+      const std::vector<double> mag = gemm_magnitudes(a_of(as), b_of(bs), c, 0.5, beta);
+      ops::matmul(a_of(as), b_of(bs), c, 0.5, beta);
+      ops::matmul(a_of(gas), b_of(gbs), gc, 0.5, beta);
       // Products of 16-bit values are exact in f32 and both sides accumulate in f32, each within
       // (k + 2) u mag of the exact result in its own order; the device then rounds once to 16
       // bits (at most half an ulp, below ulp16 relative).
