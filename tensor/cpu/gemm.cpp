@@ -3,8 +3,8 @@
 // A 2-D view maps onto BLAS when one of its strides is 1 and the other does not make rows (or
 // columns) overlap: a unit last stride is a row-major matrix (NoTrans, ld = stride(0)), a unit
 // first stride is the transpose of one (Trans, ld = stride(1)). c needs a unit last stride
-// (ops.cpp). bf16 products run on AMX where the CPU has it (gemm_amx.hpp); other bf16 and f16
-// products run on f32 copies of panels (matmul_half below).
+// (ops.cpp). bf16 products run on AMX when asked for and present (gemm_amx.hpp); other bf16
+// and f16 products run on f32 copies of panels (matmul_half below).
 #include <cblas.h>
 
 #include <algorithm>

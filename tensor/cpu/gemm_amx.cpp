@@ -241,7 +241,7 @@ void block_product(const std::uint16_t* a, const std::uint16_t* b, float* acc, s
 
 bool amx_bf16_usable() {
   const char* env = std::getenv("TROUPE_CPU_AMX");
-  if (env != nullptr && std::string_view(env) == "0") return false;
+  if (env == nullptr || std::string_view(env) != "1") return false;
   return amx_present();
 }
 
