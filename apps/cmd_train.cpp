@@ -22,6 +22,7 @@
 #include "apps/commands.hpp"
 #include "apps/sample_text.hpp"
 #include "apps/train_tiers.hpp"
+#include "memory/gpu.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
 #include "models/data_source.hpp"
@@ -262,7 +263,9 @@ int run_train(train_cli& c) {
                         : cfg.precision == "f16" ? dtype::f16
                         : cfg.precision == "f64" ? dtype::f64
                                                  : dtype::f32;
-  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, compute, device::cpu(),
+  const bool gpu = models::trains_on_gpu(cfg, memory::gpu_available(), memory::cuda_built());
+  const device dev = gpu ? device::cuda() : device::cpu();
+  auto model = models::make_causal_lm(mcfg, {cfg.batch, cfg.seq}, compute, dev,
                                       {.recompute = cfg.recompute});
   TROUPE_CHECK(cfg.seq <= model->max_seq(), "--seq ", cfg.seq, " exceeds the model's ",
                model->max_seq(), " positions");
@@ -285,7 +288,9 @@ int run_train(train_cli& c) {
       models::model_label(cfg),
       models::with_family(mcfg, [](auto f, const auto&) { return decltype(f)::type::label; }),
       static_cast<double>(model->slots().param_count()) / 1e6, cfg.batch, cfg.seq, cfg.grad_accum);
-  fmt::print("data: {}; {} threads\n", data.description, parallel::num_threads());
+  fmt::print("data: {}; {}\n", data.description,
+             gpu ? std::string("on the GPU (cuda:0)")
+                 : fmt::format("{} threads", parallel::num_threads()));
   fmt::print(
       "memory planned before step 1: params {:.1f} MB, grads {:.1f} MB, activations {:.1f} "
       "MB{}, scratch {:.1f} MB\n",
@@ -299,8 +304,11 @@ int run_train(train_cli& c) {
   hooks.on_save = print_saved;
   const auto run = models::run_train_loop(cfg, tr.steps_done(),
                                           models::trainer_policy(tr, mcfg, data.rows), hooks);
-  fmt::print("{}; host memory peak {:.1f} MB\n", models::trained_line(run),
-             memory::stats(memory::tier::host).peak / 1e6);
+  fmt::print("{}; host memory peak {:.1f} MB{}\n", models::trained_line(run),
+             memory::stats(memory::tier::host).peak / 1e6,
+             gpu ? fmt::format(", device memory peak {:.1f} MB",
+                               memory::stats(memory::tier::device).peak / 1e6)
+                 : std::string());
   if (!cfg.ckpt_dir.empty())
     fmt::print("checkpoint: {} (HF layout + optimizer state)\n", cfg.ckpt_dir);
   if (const std::string load = model->load_line(); !load.empty())
@@ -340,6 +348,10 @@ command_fn add_train_command(CLI::App& app) {
       *c, sub, "--precision",
       "f32, bf16 (f32 master weights; under any plan), f16 (+ dynamic loss scaling; one "
       "process) or f64 (the reference that f32 runs are judged against; one process, slow)");
+  bind<&train_config::compute_device>(
+      *c, sub, "--device",
+      "auto (the default: the GPU when one is visible and the run is one process without tiers "
+      "or elastic), cpu or cuda");
   bind<&train_config::recompute>(*c, sub, "--recompute",
                                  "Activation checkpointing: keep only each block's input and run "
                                  "its forward again in backward");

@@ -80,8 +80,15 @@ class causal_lm_of final : public causal_lm {
   template <class... A>
   explicit causal_lm_of(A&&... a) : m_(std::forward<A>(a)...) {}
   M& model() { return m_; }
+  // A model on a GPU takes host ids and targets too: they are copied to its device and kept until
+  // the next call (backward reads the ids).
   double forward(const tensor& ids, const tensor& targets) override {
-    return m_.forward(ids, targets);
+    const device dev = m_.memory().params().dev();
+    if (dev.is_cpu() || !ids.is_cpu()) return m_.forward(ids, targets);
+    ids_up_ = to_device(ids, dev);
+    if (targets.data() == nullptr || !targets.is_cpu()) return m_.forward(ids_up_.view(), targets);
+    targets_up_ = to_device(targets, dev);
+    return m_.forward(ids_up_.view(), targets_up_.view());
   }
   void backward(double loss_scale) override { m_.backward(loss_scale); }
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
@@ -131,7 +138,12 @@ class causal_lm_of final : public causal_lm {
   void begin_generation(std::int64_t batch, std::int64_t capacity) override {
     m_.begin_generation(batch, capacity);
   }
-  tensor step_logits(const tensor& ids) override { return m_.step_logits(ids); }
+  tensor step_logits(const tensor& ids) override {
+    const device dev = m_.memory().params().dev();
+    if (dev.is_cpu() || !ids.is_cpu()) return m_.step_logits(ids);
+    ids_up_ = to_device(ids, dev);
+    return m_.step_logits(ids_up_.view());
+  }
   std::int64_t vocab() const override { return m_.config().vocab; }
   std::int64_t max_seq() const override { return m_.config().max_seq; }
   std::string load_line() const override {
@@ -143,6 +155,7 @@ class causal_lm_of final : public causal_lm {
 
  private:
   M m_;
+  owned_tensor ids_up_, targets_up_;  // host inputs copied to a GPU model's device
 };
 
 // How a model is built beyond what its HF config says.

@@ -161,6 +161,7 @@ const std::map<std::string, setter>& setters() {
       {"train.fixed_batch", set(&train_config::fixed_batch)},
       {"train.recompute", set(&train_config::recompute)},
       {"train.precision", set(&train_config::precision)},
+      {"train.device", set(&train_config::compute_device)},
       {"optim.lr", set(&train_config::lr)},
       {"optim.min_lr", set(&train_config::min_lr)},
       {"optim.beta1", set(&train_config::beta1)},
@@ -338,6 +339,19 @@ std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
   return v << shift;
 }
 
+bool trains_on_gpu(const train_config& c, bool gpu_visible, bool cuda_built) {
+  if (c.compute_device == "cpu") return false;
+  if (c.compute_device == "cuda") {
+    if (!gpu_visible)
+      throw error(
+          std::string("train.device (--device) = \"cuda\": ") +
+          (cuda_built ? "no GPU is visible to this process" : "troupe was built without CUDA"));
+    return true;
+  }
+  return gpu_visible && c.plan.world_size() == 1 && !c.tiers() && !c.elastic() &&
+         c.precision != "f64";
+}
+
 std::optional<chaos_kill> parse_chaos_kill(std::string_view text) {
   const auto a = text.find(':');
   const auto b = a == std::string_view::npos ? a : text.find(':', a + 1);
@@ -369,6 +383,18 @@ void train_config::validate() const {
   need(log_every > 0, "train.log_every", "must be > 0");
   need(precision == "f32" || precision == "bf16" || precision == "f16" || precision == "f64",
        "train.precision", "must be f32, bf16, f16 or f64, got '" + precision + "'");
+  need(compute_device == "auto" || compute_device == "cpu" || compute_device == "cuda",
+       "train.device (--device)", "must be auto, cpu or cuda, got '" + compute_device + "'");
+  if (compute_device == "cuda") {
+    const char* cuda = "train.device (--device) = \"cuda\"";
+    need(plan.world_size() == 1, cuda,
+         "trains one process; launched plans (parallel.*) train on the CPU for now");
+    need(!tiers(), cuda,
+         "cannot be combined with memory.device (--device-memory): the tiers "
+         "page between host memory and NVMe");
+    need(!elastic(), cuda, "cannot be combined with elastic.* (elastic runs train on the CPU)");
+    need(precision != "f64", cuda, "has no f64 kernels: train.precision f32, bf16 or f16");
+  }
   need(lr > 0, "optim.lr", "must be > 0");
   need(min_lr >= 0 && min_lr <= lr, "optim.min_lr", "must be in [0, optim.lr]");
   need(beta1 >= 0 && beta1 < 1, "optim.beta1", "must be in [0, 1)");
@@ -475,6 +501,7 @@ std::string to_toml(const train_config& c) {
   train.insert("fixed_batch", c.fixed_batch);
   train.insert("recompute", c.recompute);
   train.insert("precision", c.precision);
+  train.insert("device", c.compute_device);
   optim.insert("lr", c.lr);
   optim.insert("min_lr", c.min_lr);
   optim.insert("beta1", c.beta1);

@@ -4,7 +4,9 @@
 //
 //   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
 //   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
-//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every, precision
+//   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every,
+//   precision,
+//                 device
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
 //   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute,
@@ -54,6 +56,11 @@ struct train_config {
   // "f32"; "bf16": bf16 compute with f32 master weights; "f16": f16 compute with f32 master
   // weights and dynamic loss scaling (a step whose gradients overflow is skipped).
   std::string precision = "f32";
+  // train.device (--device): "cuda" trains the single process on the first visible GPU (every
+  // tensor on the device, the batch uploaded each step); "cpu"; "auto" (the default): the GPU when
+  // the process sees one and the run is one the GPU path takes (one process, no memory tiers, not
+  // elastic, not f64), else the CPU. Launched plans, tiers and elastic runs train on the CPU.
+  std::string compute_device = "auto";
   // [optim]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   double clip = 1.0;
@@ -121,6 +128,11 @@ expected<train_config> parse_train_config(std::string_view text, const std::stri
 // Every key as TOML: parse_train_config(to_toml(c)) == c (to hand a run's settings to other ranks
 // or store them next to a checkpoint).
 std::string to_toml(const train_config& c);
+
+// Whether `c` trains on the GPU, given whether the process sees one: train.device = "cuda" (an
+// error when none is visible, naming the key and flag), or "auto" and the run is one the GPU path
+// takes.
+bool trains_on_gpu(const train_config& c, bool gpu_visible, bool cuda_built = true);
 
 // elastic.chaos_kill parsed: "3:5:forward" -> {3, 5, "forward"}; nullopt when malformed.
 struct chaos_kill {

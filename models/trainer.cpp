@@ -31,14 +31,8 @@ double run_rows(causal_lm& model, std::vector<std::int32_t>& rows,
   tensor ids(rows.data(), rows.size() * 4, dtype::i32, {batch, seq});
   tensor tg(targets.data(), targets.size() * 4, dtype::i32, {batch, seq});
   next_token_targets(ids, tg);
-  // A model on a GPU reads its batch there: the ids and targets are the only per-step upload.
-  const device dev = model.memory().params().dev();
-  if (!dev.is_cpu()) {
-    const owned_tensor ids_dev = to_device(ids, dev), tg_dev = to_device(tg, dev);
-    const double loss = model.forward(ids_dev, tg_dev);
-    if (backward) model.backward(loss_scale);
-    return loss;
-  }
+  // On a GPU model the ids and targets are copied to its device (causal_lm_of::forward): the only
+  // per-step upload.
   double loss = model.forward(ids, tg);
   if (backward) model.backward(loss_scale);
   return loss;
