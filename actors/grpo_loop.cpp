@@ -155,8 +155,7 @@ std::vector<grpo_iteration> run_grpo(
     it.seconds = since(t0);
     out.push_back(it);
     if (on_iteration) on_iteration(it);
-    if (!opt.save_dir.empty() &&
-        (!more || (opt.save_every > 0 && (k + 1) % opt.save_every == 0))) {
+    if (!opt.save_dir.empty() && (!more || (opt.save_every > 0 && (k + 1) % opt.save_every == 0))) {
       const auto saved =
           j.ask<grpo_save_reply>(trainer, grpo_save_request{opt.save_dir}, opt.timeout);
       if (on_save) on_save(saved, opt.save_dir);

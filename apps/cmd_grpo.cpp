@@ -119,10 +119,9 @@ int run_grpo_command(const grpo_cli& c) {
   TROUPE_CHECK(room > 0, "grpo.max_new_tokens (--max-new-tokens) ", j.max_new_tokens,
                " leaves no room for a prompt in the model's ", positions, " positions");
 
-  const auto prompts =
-      j.task == "addition"
-          ? models::addition_prompts(static_cast<int>(j.digits), *tok, style)
-          : models::read_grpo_prompts(j.prompts_file, *tok, style, room).value();
+  const auto prompts = j.task == "addition"
+                           ? models::addition_prompts(static_cast<int>(j.digits), *tok, style)
+                           : models::read_grpo_prompts(j.prompts_file, *tok, style, room).value();
   models::grpo_prompt_draw draw(prompts, j.prompts_per_step, j.seed + 1);
   TROUPE_CHECK(draw.longest() <= room, "grpo.task ", j.task, ": prompts of ", draw.longest(),
                " tokens and grpo.max_new_tokens ", j.max_new_tokens, " exceed the model's ",
@@ -159,11 +158,11 @@ int run_grpo_command(const grpo_cli& c) {
 
   fmt::print("troupe grpo: {}, tokenizer {}{}\n", label, tok->name(),
              j.chat_template.empty() ? "" : ", template " + j.chat_template);
-  fmt::print("task {}: {} prompts{}, reward {} (stop token {}), {} prompts x {} samples per step, "
-             "{} rollout actor(s), {}\n",
-             j.task, prompts.size(), j.task == "prompts" ? " from " + j.prompts_file : "",
-             j.reward, stop, j.prompts_per_step, j.group, j.rollouts,
-             j.staleness == 1 ? "async (staleness 1)" : "sync");
+  fmt::print(
+      "task {}: {} prompts{}, reward {} (stop token {}), {} prompts x {} samples per step, "
+      "{} rollout actor(s), {}\n",
+      j.task, prompts.size(), j.task == "prompts" ? " from " + j.prompts_file : "", j.reward, stop,
+      j.prompts_per_step, j.group, j.rollouts, j.staleness == 1 ? "async (staleness 1)" : "sync");
   std::fflush(stdout);
 
   auto json = open_post_json(c.json_path);

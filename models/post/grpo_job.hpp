@@ -27,7 +27,7 @@ namespace troupe::models {
 
 struct grpo_job {
   // [model]
-  std::string model_hf;                  // an HF folder (config.json + safetensors)
+  std::string model_hf;                   // an HF folder (config.json + safetensors)
   std::string model_size = "llama-tiny";  // a named size built from scratch (seeded)
   // [grpo]
   std::string task = "addition";  // "addition" or "prompts"

@@ -174,8 +174,8 @@ double grpo_verifier::operator()(std::span<const std::int32_t> prompt,
 grpo_prompt_draw::grpo_prompt_draw(std::span<const grpo_prompt> prompts, std::int64_t per_step,
                                    std::uint64_t seed)
     : prompts_(prompts.begin(), prompts.end()), per_step_(per_step), g_(seed) {
-  TROUPE_CHECK(!prompts_.empty() && per_step > 0, "grpo prompts: ", prompts_.size(),
-               " prompts, ", per_step, " per step");
+  TROUPE_CHECK(!prompts_.empty() && per_step > 0, "grpo prompts: ", prompts_.size(), " prompts, ",
+               per_step, " per step");
   for (std::size_t i = 0; i < prompts_.size(); ++i) {
     by_length_[prompts_[i].ids.size()].push_back(i);
     longest_ = std::max<std::int64_t>(longest_, static_cast<std::int64_t>(prompts_[i].ids.size()));

@@ -91,8 +91,7 @@ double answer_reward(const std::string& completion, bool stopped, const std::str
 // prompts drawn at random among those of that length. Deterministic in the seed.
 class grpo_prompt_draw {
  public:
-  grpo_prompt_draw(std::span<const grpo_prompt> prompts, std::int64_t per_step,
-                   std::uint64_t seed);
+  grpo_prompt_draw(std::span<const grpo_prompt> prompts, std::int64_t per_step, std::uint64_t seed);
   // [per_step, L] row-major, L the length of this step's prompts.
   std::vector<std::int32_t> next();
   std::int64_t longest() const { return longest_; }
