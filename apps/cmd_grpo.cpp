@@ -50,9 +50,10 @@ struct grpo_cli {
   CLI::Option *task_flag = nullptr, *prompts_flag = nullptr;
 };
 
-// --model: an HF folder when it is a directory, else a named size.
+// --model: an HF folder when it is a directory or a path (a missing folder is then refused
+// naming it), else a named size.
 void set_model(grpo_job& j, const std::string& model) {
-  if (fs::is_directory(model)) {
+  if (fs::is_directory(model) || model.find('/') != std::string::npos) {
     j.model_hf = model;
   } else {
     j.model_hf.clear();
@@ -106,8 +107,12 @@ int run_grpo_command(const grpo_cli& c) {
     style.specials = models::chat_specials::appended(*style.format, tok->vocab_size());
     need = style.specials.end();
   }
-  const auto mcfg = j.model_hf.empty() ? models::named_model_config(j.model_size, need).value()
-                                       : models::hf::read_config(j.model_hf).value();
+  auto read = j.model_hf.empty() ? models::named_model_config(j.model_size, need)
+                                 : models::hf::read_config(j.model_hf);
+  if (!read)
+    throw error(std::string(j.model_hf.empty() ? "model.size" : "model.hf") +
+                " (--model): " + read.error_message());
+  const models::hf::model_config mcfg = *read;
   const auto [vocab, positions] = models::with_family(mcfg, [](auto, const auto& mc) {
     return std::pair<std::int64_t, std::int64_t>(mc.vocab, mc.max_seq);
   });
@@ -129,6 +134,11 @@ int run_grpo_command(const grpo_cli& c) {
   const std::int32_t stop = models::completion_stop(*tok, style).value();
   const models::grpo_verifier verifier(tok, prompts, stop, j.reward == "partial");
 
+  if (!j.ckpt_dir.empty()) {  // refused now rather than at the first save
+    auto line = models::hf::check_checkpoint_dir(j.ckpt_dir);
+    if (!line) throw error("checkpoint.dir (--checkpoint-dir): " + line.error_message());
+    fmt::print("{}\n", *line);
+  }
   scratch_folder scratch;
   if (j.model_hf.empty())
     scratch.path = fs::temp_directory_path() / fmt::format("troupe-grpo-init-{}", ::getpid());
