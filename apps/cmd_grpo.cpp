@@ -6,8 +6,11 @@
 // from --config's TOML and the flags; the policy starts from an HF folder (e.g. what troupe sft
 // saved) or a named size, and is saved in HF layout that troupe generate reads.
 //
-// It runs in one process: a coordinator and one node here, every actor on it.
+// It runs in one process (a coordinator and one node here, every actor on it), or under
+// `troupe launch -n N`: rank 0 drives and holds the trainer, reward and reference actors, the
+// rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts).
 #include <fmt/core.h>
+#include <fmt/format.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
@@ -93,9 +96,6 @@ struct scratch_folder {
 };
 
 int run_grpo_command(const grpo_cli& c) {
-  TROUPE_CHECK(!actors::join_info_from_env().has_value(),
-               "troupe grpo runs in one process (its actors on one node); it does not run under "
-               "troupe launch yet");
   const grpo_job j = resolve_job(c);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
 
@@ -134,96 +134,120 @@ int run_grpo_command(const grpo_cli& c) {
   const std::int32_t stop = models::completion_stop(*tok, style).value();
   const models::grpo_verifier verifier(tok, prompts, stop, j.reward == "partial");
 
-  if (!j.ckpt_dir.empty()) {  // refused now rather than at the first save
-    auto line = models::hf::check_checkpoint_dir(j.ckpt_dir);
-    if (!line) throw error("checkpoint.dir (--checkpoint-dir): " + line.error_message());
-    fmt::print("{}\n", *line);
-  }
-  scratch_folder scratch;
-  if (j.model_hf.empty())
-    scratch.path = fs::temp_directory_path() / fmt::format("troupe-grpo-init-{}", ::getpid());
-  actors::grpo_loop_options o;
-  o.checkpoint = starting_checkpoint(j, mcfg, scratch.path);
-  o.rollout_ranks.assign(static_cast<std::size_t>(j.rollouts), 0);
-  o.iterations = j.steps;
-  o.prompts = j.prompts_per_step;
-  o.prompt_len = draw.longest();
-  o.group = j.group;
-  o.max_new = j.max_new_tokens;
-  o.temperature = j.temperature;
-  o.top_p = j.top_p;
-  o.eos = stop;
-  o.seed = j.seed;
-  o.staleness = static_cast<int>(j.staleness);
-  o.trainer.lr = j.lr;
-  o.trainer.weight_decay = j.weight_decay;
-  o.trainer.clip = j.clip;
-  o.trainer.beta1 = j.beta1;
-  o.trainer.beta2 = j.beta2;
-  o.trainer.warmup = j.warmup;
-  o.trainer.epsilon = j.clip_epsilon;
-  o.trainer.beta = j.kl_coef;
-  o.save_dir = j.ckpt_dir;
-  o.save_every = j.ckpt_every;
-
-  fmt::print("troupe grpo: {}, tokenizer {}{}\n", label, tok->name(),
-             j.chat_template.empty() ? "" : ", template " + j.chat_template);
-  fmt::print(
-      "task {}: {} prompts{}, reward {} (stop token {}), {} prompts x {} samples per step, "
-      "{} rollout actor(s), {}\n",
-      j.task, prompts.size(), j.task == "prompts" ? " from " + j.prompts_file : "", j.reward, stop,
-      j.prompts_per_step, j.group, j.rollouts, j.staleness == 1 ? "async (staleness 1)" : "sync");
-  std::fflush(stdout);
-
-  auto json = open_post_json(c.json_path);
-  std::int64_t drawn = 0;
-  const actors::grpo_prompt_source source = [&](std::int64_t k) {
-    // Steps ask in order (async mode asks for step k + 1 while step k trains, from one thread at a
-    // time), so the draw is the same for a seed whatever the staleness.
-    TROUPE_CHECK(k == drawn, "troupe grpo: prompts of step ", k + 1, " asked after ", drawn);
-    ++drawn;
-    return draw.next();
-  };
-  double first_reward = 0, last_reward = 0;
-  const auto on_step = [&](const actors::grpo_iteration& it) {
-    if (it.iteration == 1) first_reward = it.mean_reward;
-    last_reward = it.mean_reward;
-    const double generate = it.generate_seconds + it.logprob_seconds;
-    if (json) {
-      fmt::print(json.get(),
-                 "{{\"step\": {}, \"mean_reward\": {}, \"kl\": {}, \"loss\": {}, "
-                 "\"clip_ratio\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, \"weights_version\": {}, "
-                 "\"new_tokens\": {}, \"generate_seconds\": {}, \"reward_seconds\": {}, "
-                 "\"reference_seconds\": {}, \"train_seconds\": {}, \"sync_seconds\": {}, "
-                 "\"seconds\": {}}}\n",
-                 it.iteration, it.mean_reward, it.train.kl, it.train.loss, it.train.clip_ratio,
-                 it.train.grad_norm, it.train.lr, it.sampled_by, it.new_tokens, generate,
-                 it.reward_seconds, it.reference_seconds, it.train_seconds, it.sync_seconds,
-                 it.seconds);
-      std::fflush(json.get());
+  // Rank 0 (the only one in one process) drives the job.
+  const auto drive = [&](actors::node& n) {
+    if (!j.ckpt_dir.empty()) {  // refused now rather than at the first save
+      auto line = models::hf::check_checkpoint_dir(j.ckpt_dir);
+      if (!line) throw error("checkpoint.dir (--checkpoint-dir): " + line.error_message());
+      fmt::print("{}\n", *line);
     }
-    if (it.iteration % j.log_every == 0 || it.iteration == j.steps || it.iteration == 1)
-      fmt::print(
-          "step {:4d}/{}  mean reward {:.3f}  kl {:.4f}  loss {:+.4f}  clipped {:.3f}  "
-          "weights v{}  generating {:.2f} s  training {:.2f} s  syncing {:.3f} s\n",
-          it.iteration, j.steps, it.mean_reward, it.train.kl, it.train.loss, it.train.clip_ratio,
-          it.sampled_by, generate, it.train_seconds, it.sync_seconds);
+    scratch_folder scratch;
+    if (j.model_hf.empty())
+      scratch.path = fs::temp_directory_path() / fmt::format("troupe-grpo-init-{}", ::getpid());
+    actors::grpo_loop_options o;
+    o.checkpoint = starting_checkpoint(j, mcfg, scratch.path);
+    // One node: every actor on it. Launched on N > 1 ranks: rollout actor i on rank
+    // 1 + i % (N - 1); the trainer, reward and reference actors on rank 0 (the driver's).
+    const int world = n.world_size();
+    o.rollout_ranks.clear();
+    for (std::int64_t i = 0; i < j.rollouts; ++i)
+      o.rollout_ranks.push_back(world > 1 ? 1 + static_cast<int>(i % (world - 1)) : 0);
+    o.iterations = j.steps;
+    o.prompts = j.prompts_per_step;
+    o.prompt_len = draw.longest();
+    o.group = j.group;
+    o.max_new = j.max_new_tokens;
+    o.temperature = j.temperature;
+    o.top_p = j.top_p;
+    o.eos = stop;
+    o.seed = j.seed;
+    o.staleness = static_cast<int>(j.staleness);
+    o.trainer.lr = j.lr;
+    o.trainer.weight_decay = j.weight_decay;
+    o.trainer.clip = j.clip;
+    o.trainer.beta1 = j.beta1;
+    o.trainer.beta2 = j.beta2;
+    o.trainer.warmup = j.warmup;
+    o.trainer.epsilon = j.clip_epsilon;
+    o.trainer.beta = j.kl_coef;
+    o.save_dir = j.ckpt_dir;
+    o.save_every = j.ckpt_every;
+
+    fmt::print("troupe grpo: {}, tokenizer {}{}\n", label, tok->name(),
+               j.chat_template.empty() ? "" : ", template " + j.chat_template);
+    fmt::print(
+        "task {}: {} prompts{}, reward {} (stop token {}), {} prompts x {} samples per step, "
+        "{} rollout actor(s) on rank(s) {}, {}\n",
+        j.task, prompts.size(), j.task == "prompts" ? " from " + j.prompts_file : "", j.reward,
+        stop, j.prompts_per_step, j.group, j.rollouts, fmt::join(o.rollout_ranks, " "),
+        j.staleness == 1 ? "async (staleness 1)" : "sync");
     std::fflush(stdout);
-  };
-  const auto on_save = [](const actors::grpo_save_reply& s, const std::string& dir) {
-    fmt::print("{}\n", models::hf::saved_line(dir, s.version,
-                                              s.held >= 0 ? std::optional(s.held) : std::nullopt));
-    std::fflush(stdout);
+
+    auto json = open_post_json(c.json_path);
+    std::int64_t drawn = 0;
+    const actors::grpo_prompt_source source = [&](std::int64_t k) {
+      // Steps ask in order (async mode asks for step k + 1 while step k trains, from one thread at
+      // a time), so the draw is the same for a seed whatever the staleness.
+      TROUPE_CHECK(k == drawn, "troupe grpo: prompts of step ", k + 1, " asked after ", drawn);
+      ++drawn;
+      return draw.next();
+    };
+    double first_reward = 0, last_reward = 0;
+    const auto on_step = [&](const actors::grpo_iteration& it) {
+      if (it.iteration == 1) first_reward = it.mean_reward;
+      last_reward = it.mean_reward;
+      const double generate = it.generate_seconds + it.logprob_seconds;
+      if (json) {
+        fmt::print(
+            json.get(),
+            "{{\"step\": {}, \"mean_reward\": {}, \"kl\": {}, \"loss\": {}, "
+            "\"clip_ratio\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, \"weights_version\": {}, "
+            "\"new_tokens\": {}, \"generate_seconds\": {}, \"reward_seconds\": {}, "
+            "\"reference_seconds\": {}, \"train_seconds\": {}, \"sync_seconds\": {}, "
+            "\"seconds\": {}}}\n",
+            it.iteration, it.mean_reward, it.train.kl, it.train.loss, it.train.clip_ratio,
+            it.train.grad_norm, it.train.lr, it.sampled_by, it.new_tokens, generate,
+            it.reward_seconds, it.reference_seconds, it.train_seconds, it.sync_seconds, it.seconds);
+        std::fflush(json.get());
+      }
+      if (it.iteration % j.log_every == 0 || it.iteration == j.steps || it.iteration == 1)
+        fmt::print(
+            "step {:4d}/{}  mean reward {:.3f}  kl {:.4f}  loss {:+.4f}  clipped {:.3f}  "
+            "weights v{}  generating {:.2f} s  training {:.2f} s  syncing {:.3f} s\n",
+            it.iteration, j.steps, it.mean_reward, it.train.kl, it.train.loss, it.train.clip_ratio,
+            it.sampled_by, generate, it.train_seconds, it.sync_seconds);
+      std::fflush(stdout);
+    };
+    const auto on_save = [](const actors::grpo_save_reply& s, const std::string& dir) {
+      fmt::print("{}\n", models::hf::saved_line(
+                             dir, s.version, s.held >= 0 ? std::optional(s.held) : std::nullopt));
+      std::fflush(stdout);
+    };
+
+    actors::run_grpo(n, o, source, on_step, on_save);
+    fmt::print("grpo: {} steps, mean reward {:.3f} (step 1) -> {:.3f} (step {})\n", j.steps,
+               first_reward, last_reward, j.steps);
+    if (!j.ckpt_dir.empty())
+      fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", j.ckpt_dir,
+                 j.ckpt_dir);
   };
 
-  actors::one_rank_job node(
-      [&](actors::role_registry& roles) { actors::add_grpo_roles(roles, verifier); },
-      fmt::format("troupe-grpo-{}", ::getpid()));
-  actors::run_grpo(*node.n, o, source, on_step, on_save);
-  fmt::print("grpo: {} steps, mean reward {:.3f} (step 1) -> {:.3f} (step {})\n", j.steps,
-             first_reward, last_reward, j.steps);
-  if (!j.ckpt_dir.empty())
-    fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", j.ckpt_dir, j.ckpt_dir);
+  if (!actors::join_info_from_env()) {  // one process: a coordinator and one node here
+    actors::one_rank_job node(
+        [&](actors::role_registry& roles) { actors::add_grpo_roles(roles, verifier); },
+        fmt::format("troupe-grpo-{}", ::getpid()));
+    drive(*node.n);
+    return 0;
+  }
+  // Under troupe launch: every rank registers the roles (each read the same job and prompts).
+  actors::role_registry roles;
+  actors::add_grpo_roles(roles, verifier);
+  actors::node_options no;
+  no.roles = &roles;
+  actors::node n(no);
+  if (n.rank() == 0) drive(n);
+  n.barrier("troupe grpo: done");
+  n.shutdown();
   return 0;
 }
 

@@ -1,11 +1,14 @@
 // troupe grpo through the binary as a user runs it: from an HF folder (a tiny Llama given the
 // addition format by a short SFT here, as apps/examples/grpo.cpp does), the mean reward of the
-// --json lines rises over a short run with a fixed seed, the checkpoint is an HF folder that troupe
+// --json lines rises over a short run with a fixed seed, under troupe launch -n 2 (the rollout
+// actor on rank 1) its steps are the single process's, the checkpoint is an HF folder that troupe
 // generate reads, the job file's [grpo] section is read and the flags override it, and bad input
 // (a malformed prompts line, a prompt longer than the sequence, a missing answer, a bad job key,
 // an unknown flag) is refused naming the file and line or the key. Each refusal prints its
 // "faults:" line.
 #include <catch2/catch.hpp>
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -156,6 +159,24 @@ TEST_CASE("troupe grpo raises the mean reward and saves a checkpoint troupe gene
   const double first = mean_of(steps, 0, 5), last = mean_of(steps, 35, 5);
   std::printf("troupe grpo: mean reward of steps 1-5 %.3f, 36-40 %.3f\n", first, last);
   CHECK(last > first + 0.15);
+
+  // The same job launched on 2 ranks, its rollout actor on rank 1 (the weights reach it as tensor
+  // messages between processes): the same samples, so the same numbers, bit for bit (the same
+  // kernels in the same order on one thread; JSON writes doubles round-trip exactly).
+  std::vector<std::string> args{
+      "launch", "-n", "2", "--job", "grpo-cmd-" + std::to_string(::getpid()), "--", troupe_bin};
+  args.insert(args.end(), {"grpo", "--model", sft, "--task", "addition", "--max-new-tokens", "3",
+                           "--lr", "1e-3", "--seed", "1", "--threads", "1"});
+  args.insert(args.end(), {"--steps", "8", "--json", json + ".2"});
+  const auto l = run_troupe(args);
+  INFO(l.output);
+  REQUIRE(l.code == 0);
+  CHECK_THAT(l.output, Contains("1 rollout actor(s) on rank(s) 1, sync"));
+  const auto launched = json_lines(json + ".2");
+  REQUIRE(launched.size() == 8);
+  for (std::size_t i = 0; i < launched.size(); ++i)
+    for (const char* key : {"mean_reward", "loss", "kl", "grad_norm", "new_tokens"})
+      CHECK(launched[i][key] == steps[i][key]);
 
   // The checkpoint: an HF folder of the 40th step that troupe generate loads and continues from.
   REQUIRE(fs::exists(ck + "/model.safetensors"));
