@@ -12,7 +12,7 @@
 using namespace troupe::models;
 using Catch::Contains;
 
-TEST_CASE("a grpo job file sets every section's keys over the defaults", "[unit]") {
+TEST_CASE("a grpo job file sets every section's keys over the defaults", "[cpu]") {
   auto j = parse_grpo_job(R"(
 [model]
 hf = "/ck/sft"
@@ -74,7 +74,7 @@ every = 5
 }
 
 TEST_CASE("a grpo job file's bad keys and values are refused naming the file and key",
-          "[unit][faults]") {
+          "[cpu][faults]") {
   const auto refused = [](const std::string& text) {
     const auto j = parse_grpo_job(text, "job.toml");
     REQUIRE_FALSE(j.has_value());

@@ -44,7 +44,7 @@ struct jsonl_file {
 
 }  // namespace
 
-TEST_CASE("addition prompts are every a+b= of the digits with its sum", "[unit]") {
+TEST_CASE("addition prompts are every a+b= of the digits with its sum", "[cpu]") {
   auto tok = bytes();
   const auto one = addition_prompts(1, *tok, {});
   REQUIRE(one.size() == 100);
@@ -58,7 +58,7 @@ TEST_CASE("addition prompts are every a+b= of the digits with its sum", "[unit]"
 }
 
 TEST_CASE("a chat prompt ends with the assistant's header, as HF's add_generation_prompt",
-          "[unit]") {
+          "[cpu]") {
   auto tok = bytes();
   for (const chat_format f : {chat_format::chatml, chat_format::llama3}) {
     const auto st = style_of(f);
@@ -88,7 +88,7 @@ TEST_CASE("a chat prompt ends with the assistant's header, as HF's add_generatio
 }
 
 TEST_CASE("the verifier gives 1 only to the exact answer that stopped, partial the share",
-          "[unit]") {
+          "[cpu]") {
   auto tok = bytes();
   const auto prompts = addition_prompts(1, *tok, {});
   const grpo_verifier exact(tok, prompts, '\n', false), partial(tok, prompts, '\n', true);
@@ -107,7 +107,7 @@ TEST_CASE("the verifier gives 1 only to the exact answer that stopped, partial t
   CHECK(answer_reward("11", true, " 11\n", false) == 1.0);
 }
 
-TEST_CASE("a prompts JSONL file takes strings and messages with their answers", "[unit]") {
+TEST_CASE("a prompts JSONL file takes strings and messages with their answers", "[cpu]") {
   auto tok = bytes();
   const jsonl_file f(
       R"({"prompt": "What is 2 plus 9?", "answer": "11"})"
@@ -126,7 +126,7 @@ TEST_CASE("a prompts JSONL file takes strings and messages with their answers", 
   CHECK(read_grpo_prompts(raw.path, *tok, {}, 100).value()[0].ids == ids_of("1+1="));
 }
 
-TEST_CASE("bad prompts JSONL lines are refused naming the file and line", "[unit][faults]") {
+TEST_CASE("bad prompts JSONL lines are refused naming the file and line", "[cpu][faults]") {
   auto tok = bytes();
   const auto refused = [&](const std::string& text, const grpo_prompt_style& st,
                            std::int64_t max_prompt = 100) {
@@ -165,7 +165,7 @@ TEST_CASE("bad prompts JSONL lines are refused naming the file and line", "[unit
   CHECK_THAT(refused("[1, 2]\n", {}), Contains(":1: expected an object"));
 }
 
-TEST_CASE("each step draws prompts of one length, the same for a seed", "[unit]") {
+TEST_CASE("each step draws prompts of one length, the same for a seed", "[cpu]") {
   auto tok = bytes();
   std::vector<grpo_prompt> ps;
   for (const char* s : {"a", "b", "c", "dd", "ee", "fff"}) ps.push_back({ids_of(s), "x"});
