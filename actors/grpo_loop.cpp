@@ -27,10 +27,11 @@ batch sample(job& j, const std::vector<role_handle>& rollouts, const grpo_loop_o
              const grpo_prompt_source& prompts, std::int64_t k, std::int64_t min_version) {
   grpo_rollout_request r;
   r.prompts = prompts(k);
-  TROUPE_CHECK(static_cast<std::int64_t>(r.prompts.size()) == opt.prompts * opt.prompt_len,
-               "grpo: iteration ", k, " has ", r.prompts.size(), " prompt tokens, not ",
-               opt.prompts, " prompts of ", opt.prompt_len);
-  r.prompt_len = opt.prompt_len;
+  const auto tokens = static_cast<std::int64_t>(r.prompts.size());
+  TROUPE_CHECK(tokens > 0 && tokens % opt.prompts == 0 && tokens / opt.prompts <= opt.prompt_len,
+               "grpo: iteration ", k, " has ", tokens, " prompt tokens, not ", opt.prompts,
+               " prompts of up to ", opt.prompt_len);
+  r.prompt_len = tokens / opt.prompts;
   r.group = opt.group;
   r.max_new = opt.max_new;
   r.temperature = opt.temperature;
@@ -63,7 +64,8 @@ batch sample(job& j, const std::vector<role_handle>& rollouts, const grpo_loop_o
 
 std::vector<grpo_iteration> run_grpo(
     node& n, const grpo_loop_options& opt, const grpo_prompt_source& prompts,
-    const std::function<void(const grpo_iteration&)>& on_iteration) {
+    const std::function<void(const grpo_iteration&)>& on_iteration,
+    const std::function<void(const grpo_save_reply&, const std::string& dir)>& on_save) {
   const auto r = static_cast<std::int64_t>(opt.rollout_ranks.size());
   TROUPE_CHECK(r > 0 && opt.prompts > 0 && opt.prompts % r == 0, "grpo: ", opt.prompts,
                " prompts per iteration do not split over ", r, " rollout actors");
@@ -153,6 +155,11 @@ std::vector<grpo_iteration> run_grpo(
     it.seconds = since(t0);
     out.push_back(it);
     if (on_iteration) on_iteration(it);
+    if (!opt.save_dir.empty() && (!more || (opt.save_every > 0 && (k + 1) % opt.save_every == 0))) {
+      const auto saved =
+          j.ask<grpo_save_reply>(trainer, grpo_save_request{opt.save_dir}, opt.timeout);
+      if (on_save) on_save(saved, opt.save_dir);
+    }
   }
   for (const auto& h : rollouts) j.stop(h);
   j.stop(trainer);

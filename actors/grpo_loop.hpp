@@ -26,6 +26,8 @@ struct grpo_loop_options {
   int trainer_rank = 0, reward_rank = 0, reference_rank = 0;
   std::int64_t iterations = 20;
   std::int64_t prompts = 8;  // per iteration (a multiple of the rollout actors)
+  // prompt_len: the longest prompt; a step's prompts have one length, up to it (the source's
+  // vector holds `prompts` of them).
   std::int64_t prompt_len = 0, group = 8, max_new = 8;
   double temperature = 1.0, top_p = 1.0;
   std::int32_t eos = -1;
@@ -33,6 +35,10 @@ struct grpo_loop_options {
   int staleness = 0;                          // 0: sync; 1: async, one step behind
   grpo_trainer_setup trainer;                 // its model field is filled in here
   std::chrono::milliseconds timeout{600000};  // for each request
+  // The trainer saves its policy (HF layout) into save_dir every save_every iterations (0: none
+  // but the last) and after the last; "": never.
+  std::string save_dir;
+  std::int64_t save_every = 0;
 };
 
 struct grpo_iteration {
@@ -47,13 +53,15 @@ struct grpo_iteration {
   double wait_seconds = 0;  // the driver waiting for sampling (sync: all of it)
 };
 
-// The prompts of iteration k (0-based): [opt.prompts, opt.prompt_len] row-major.
+// The prompts of iteration k (0-based): [opt.prompts, L] row-major, L in 1..opt.prompt_len.
 using grpo_prompt_source = std::function<std::vector<std::int32_t>(std::int64_t iteration)>;
 
 // Spawns the roles (registered with add_grpo_roles on every rank), runs the iterations and stops
-// the actors. on_iteration hears each one. Returns them all.
+// the actors. on_iteration hears each one, on_save each save (after the iteration's line).
+// Returns them all.
 std::vector<grpo_iteration> run_grpo(
     node& n, const grpo_loop_options& opt, const grpo_prompt_source& prompts,
-    const std::function<void(const grpo_iteration&)>& on_iteration = {});
+    const std::function<void(const grpo_iteration&)>& on_iteration = {},
+    const std::function<void(const grpo_save_reply&, const std::string& dir)>& on_save = {});
 
 }  // namespace troupe::actors

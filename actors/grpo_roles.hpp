@@ -8,7 +8,8 @@
 //                  for the KL term.
 //   grpo_trainer   the policy and AdamW (models/trainer.hpp): one GRPO step per batch
 //                  (models/post/grpo_step.hpp); pushes its weights to rollout actors as a
-//                  versioned tensor message (version = optimizer steps done) over the data plane.
+//                  versioned tensor message (version = optimizer steps done) over the data plane;
+//                  saves them as an HF checkpoint on request.
 // Every request and reply is a plain struct (actors/codec.hpp), so the roles can sit on any rank;
 // the driver loop is actors/grpo_loop.hpp.
 #pragma once
@@ -111,6 +112,18 @@ struct grpo_push_reply {
   std::int64_t version = 0, bytes = 0;
   double seconds = 0;
   auto fields() { return std::tie(version, bytes, seconds); }
+};
+
+// Saves the trainer's policy in HF layout (models::trainer::save: weights, config.json, the
+// optimizer's state) into `dir`, replacing a troupe checkpoint there.
+struct grpo_save_request {
+  std::string dir;
+  auto fields() { return std::tie(dir); }
+};
+struct grpo_save_reply {
+  std::int64_t version = 0;  // the optimizer steps the saved weights hold
+  std::int64_t held = -1;    // the step of the checkpoint the folder held before (-1: none)
+  auto fields() { return std::tie(version, held); }
 };
 
 // A role's version of its weights (rollout: the last pushed, -1 before any).

@@ -1,6 +1,7 @@
-// one_rank_job: a test fixture. A coordinator and one node (rank 0 of a world of one) in this
-// process, with the roles the caller registers, for tests of role actors (tier_actor,
-// nvme_actor). The node shuts down when the fixture goes; make job objects after it.
+// one_rank_job: a coordinator and one node (rank 0 of a world of one) in this
+// process, with the roles the caller registers: for tests of role actors (tier_actor,
+// nvme_actor) and for single-process commands (troupe grpo). The node shuts down when the fixture
+// goes; make job objects after it.
 #pragma once
 
 #include <chrono>

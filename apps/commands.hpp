@@ -20,6 +20,7 @@ command_fn add_train_command(CLI::App& app);  // troupe train ...   (apps/cmd_tr
 command_fn add_sft_command(CLI::App& app);    // troupe sft ...     (apps/cmd_sft.cpp)
 command_fn add_dpo_command(CLI::App& app);    // troupe dpo ...     (apps/cmd_dpo.cpp)
 command_fn add_rm_command(CLI::App& app);     // troupe rm ...      (apps/cmd_rm.cpp)
+command_fn add_grpo_command(CLI::App& app);   // troupe grpo ...    (apps/cmd_grpo.cpp)
 command_fn add_tokenize_command(CLI::App& app);
 command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)
 command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/cmd_generate.cpp)  //
