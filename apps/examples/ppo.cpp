@@ -10,8 +10,11 @@
 //   build/apps/troupe launch -n 1 -- build/apps/examples/troupe_example_ppo
 //   ... --iterations 30 --async --rollouts 2 --kl-coef 0
 //
-// Every actor sits on rank 0 here (ppo_loop_options takes other ranks for each role).
+// Every actor sits on rank 0, or with --spread under `troupe launch -n 2` (or more) the rollout
+// actors on ranks 1.. and the critic and the reference on the last rank: the samples, values and
+// log-probabilities then travel as messages and the weights as tensor messages between processes.
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
@@ -43,7 +46,7 @@ int main(int argc, char** argv) {
   std::int64_t sft_steps = 600;
   double sft_lr = 3e-3, sft_noise = 0.5;
   int rollouts = 1;
-  bool async = false, k3 = false;
+  bool async = false, k3 = false, spread = false;
   std::string dir = fmt::format("/tmp/troupe-ppo-example-{}", ::getpid());
 
   CLI::App app("PPO on addition with a C++ verifier (under troupe launch -n 1)");
@@ -73,6 +76,9 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();
   app.add_option("--rollouts", rollouts, "Rollout actors")->capture_default_str();
   app.add_flag("--async", async, "Sample the next batch while training (staleness 1)");
+  app.add_flag("--spread", spread,
+               "Rollout actors on ranks 1.., the critic and the reference on the last rank "
+               "(the policy and the reward stay on rank 0)");
   app.add_option("--seed", o.seed, "Seed of the model, the data and the sampling")
       ->capture_default_str();
   app.add_option("--dir", dir, "Where the SFT checkpoint is written")->capture_default_str();
@@ -95,6 +101,12 @@ int main(int argc, char** argv) {
     no.roles = &roles;
     actors::node n(no);
     if (n.rank() == 0) {
+      if (spread && n.world_size() > 1) {
+        const int others = n.world_size() - 1;
+        for (std::size_t i = 0; i < o.rollout_ranks.size(); ++i)
+          o.rollout_ranks[i] = 1 + static_cast<int>(i) % others;
+        o.critic_rank = o.reference_rank = n.world_size() - 1;
+      }
       o.checkpoint =
           task.sft(std::filesystem::path(dir) / "sft", sft_steps, o.seed, sft_lr, sft_noise)
               .string();
@@ -103,6 +115,10 @@ int main(int argc, char** argv) {
       fmt::print("ppo: {} prompts x {} samples per iteration, {} epochs, {} rollout actor(s), {}\n",
                  o.prompts, o.group, o.policy.epochs, rollouts,
                  async ? "async (staleness 1)" : "sync");
+      fmt::print(
+          "ppo: rollout actors on ranks {}, policy and reward on rank 0, critic on rank {}, "
+          "reference on rank {}\n",
+          fmt::join(o.rollout_ranks, ","), o.critic_rank, o.reference_rank);
       double gen = 0, logp = 0, reward = 0, values = 0, train = 0, sync = 0, wait = 0, total = 0;
       std::int64_t tokens = 0;
       actors::run_ppo(n, o, prompts, [&](const actors::ppo_iteration& it) {

@@ -1,6 +1,7 @@
 // Runs an RL example (apps/examples/grpo.cpp, ppo.cpp) under `troupe launch -n 1`, as a user runs
 // it, and reads its per-iteration lines: "iteration N  mean reward R ... clipped C ... weights vV"
-// (C: the policy's clip fraction, the first "clipped" of the line).
+// (C: the policy's clip fraction, the first "clipped" of the line), and the line's printed
+// numbers up to its timings.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -25,18 +26,21 @@ struct rl_iteration_line {
 struct rl_example_run {
   std::string output;
   std::vector<rl_iteration_line> lines;
+  std::vector<std::string> numbers;  // each iteration line from "mean reward" to its timings
 };
 
+// ranks: the processes `troupe launch -n` starts.
 inline rl_example_run run_rl_example(const std::string& binary, const std::string& job,
-                                     const std::vector<std::string>& flags) {
+                                     const std::vector<std::string>& flags, int ranks = 1) {
   using namespace std::chrono_literals;
-  std::vector<std::string> argv{TROUPE_BIN, "launch", "-n",
-                                "1",        "--job",  job + "-" + std::to_string(::getpid()),
+  std::vector<std::string> argv{TROUPE_BIN, "launch",
+                                "-n",       std::to_string(ranks),
+                                "--job",    job + "-" + std::to_string(::getpid()),
                                 "--",       binary};
   argv.insert(argv.end(), flags.begin(), flags.end());
   child_process p(argv, {{"TROUPE_NUM_THREADS", "1"}});
   auto st = p.wait(300s);
-  rl_example_run r{p.output(), {}};
+  rl_example_run r{p.output(), {}, {}};
   INFO(r.output);
   REQUIRE(st.has_value());
   REQUIRE(child_process::code(*st) == 0);
@@ -46,6 +50,8 @@ inline rl_example_run run_rl_example(const std::string& binary, const std::strin
     std::smatch m;
     REQUIRE(std::regex_search(line, m, re));
     r.lines.push_back({std::stoi(m[1]), std::stod(m[2]), std::stod(m[3]), std::stoi(m[4])});
+    const auto from = line.find("mean reward");
+    r.numbers.push_back(line.substr(from, line.find("  generate") - from));
   }
   return r;
 }
