@@ -5,8 +5,10 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "models/layers/testing.hpp"
 #include "models/llama.hpp"
@@ -242,4 +244,36 @@ TEST_CASE("a PPO critic micro-batch backpropagates the gradient of the clipped v
   std::vector<std::int64_t> at;
   for (int k = 0; k < 40; ++k) at.push_back(pick.integer(0, p.numel() - 1));
   testing::check_central_differences(p, critic.lm().memory().grads(), at, loss_at);
+}
+
+TEST_CASE("PPO's advantages and losses refuse inputs of mismatched sizes", "[cpu][faults]") {
+  const std::vector<double> four(4, 0.5), three(3, 0.5);
+  const std::vector<std::uint8_t> mask{0, 1, 1, 1};
+  const std::vector<double> score{1.0};
+  auto refused = [](const char* what, const std::function<void()>& f, const char* text) {
+    try {
+      f();
+      FAIL(what << " was accepted");
+    } catch (const error& e) {
+      CHECK_THAT(e.what(), Catch::Contains(text));
+      std::printf("faults: %s -> refused: %s\n", what, e.what());
+    }
+  };
+  refused(
+      "values of another length than the log-probabilities",
+      [&] { ppo_token_advantages(four, four, three, mask, score, {}); },
+      "4 log-probabilities but 3 values");
+  refused(
+      "a KL penalty without reference log-probabilities",
+      [&] { ppo_token_advantages(four, {}, four, mask, score, {.kl_coef = 0.05}); },
+      "kl_coef 0.05 needs 4 reference log-probabilities, got 0");
+  refused(
+      "returns of another length than the values",
+      [&] { ppo_value_loss(four, four, three, mask, 0.2); }, "4 values but 4 old ones, 3 returns");
+  refused(
+      "a whitening over one token",
+      [&] {
+        masked_whiten(four, std::vector<std::uint8_t>{0, 0, 1, 0});
+      },
+      "1 masked entries");
 }
