@@ -1,14 +1,13 @@
 // grpo_roles: the rollout, reward, reference and trainer role actors of GRPO (grpo_roles.hpp).
 #include "actors/grpo_roles.hpp"
 
-#include "actors/rl_model.hpp"
-
 #include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "actors/rl_model.hpp"
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
 #include "models/hf/checkpoint.hpp"

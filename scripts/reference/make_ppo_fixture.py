@@ -25,8 +25,8 @@ lays out the responses: [B, L], each row's response tokens first (its eos includ
 (TRL's value mask reaches one token past the response when pad_token_id differs from eos, and its
 score then lands on that pad position; with pad == eos, as here, the two masks are one.)
 new log-probabilities come from logits (log_softmax, gathered at the targets), so the fixture also
-carries d pg_loss / d logits; values and old values are random near the returns so that both clip
-branches are reached.
+carries d pg_loss / d logits; the old values are random and the current ones near the returns or
+the old values, so that both branches of both clips are reached.
 """
 import json
 import os
