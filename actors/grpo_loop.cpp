@@ -4,6 +4,7 @@
 #include <future>
 #include <optional>
 
+#include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
 #include "models/post/grpo_loss.hpp"
 
@@ -16,11 +17,7 @@ double since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-struct batch {
-  grpo_samples samples;  // every rollout actor's rows, in order
-  double seconds = 0;    // the slowest actor's generation and log-probabilities
-  double logprob_seconds = 0;
-};
+using batch = rollout_batch;
 
 // Iteration k's batch from the rollout actors (their weights at least min_version).
 batch sample(job& j, const std::vector<role_handle>& rollouts, const grpo_loop_options& opt,
@@ -39,25 +36,7 @@ batch sample(job& j, const std::vector<role_handle>& rollouts, const grpo_loop_o
   r.eos = opt.eos;
   r.seed = opt.seed * 1000003 + static_cast<std::uint64_t>(k) * rollouts.size();
   r.min_version = min_version;
-  for (const auto& h : rollouts) r.split.push_back(h.name);
-  auto parts = j.ask_all<grpo_samples>(rollouts, r, opt.timeout);
-  batch b;
-  b.samples = std::move(parts.front());
-  b.seconds = b.samples.generate_seconds;
-  b.logprob_seconds = b.samples.logprob_seconds;
-  for (std::size_t i = 1; i < parts.size(); ++i) {
-    auto& p = parts[i];
-    auto& s = b.samples;
-    s.rows += p.rows;
-    s.ids.insert(s.ids.end(), p.ids.begin(), p.ids.end());
-    s.targets.insert(s.targets.end(), p.targets.begin(), p.targets.end());
-    s.lengths.insert(s.lengths.end(), p.lengths.begin(), p.lengths.end());
-    s.old_logp.insert(s.old_logp.end(), p.old_logp.begin(), p.old_logp.end());
-    s.version = std::min(s.version, p.version);
-    b.seconds = std::max(b.seconds, p.generate_seconds);
-    b.logprob_seconds = std::max(b.logprob_seconds, p.logprob_seconds);
-  }
-  return b;
+  return sample_rollouts(j, rollouts, std::move(r), opt.timeout);
 }
 
 }  // namespace

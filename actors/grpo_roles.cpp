@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "actors/rl_model.hpp"
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
 #include "models/hf/checkpoint.hpp"
@@ -20,30 +21,13 @@ namespace troupe::actors {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-constexpr std::string_view weights_prefix = "grpo-weights v";
+constexpr std::string_view weights_prefix = rl_weights_prefix;
 
 double since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-struct built_model {
-  models::hf::model_config cfg;
-  std::unique_ptr<models::causal_lm> model;
-};
-
-// The model of setup.checkpoint's config.json, planned for rows x seq; with its weights when
-// `load` is set.
-built_model build(const grpo_model_setup& s, bool load, const std::string& who) {
-  TROUPE_CHECK(s.rows > 0 && s.seq > 0, who, ": rows ", s.rows, " and seq ", s.seq, " must be > 0");
-  auto cfg = models::hf::read_config(s.checkpoint);
-  TROUPE_CHECK(cfg.has_value(), who, ": ", cfg.error_message());
-  built_model b{*cfg, models::make_causal_lm(*cfg, {s.rows, s.seq})};
-  if (load) {
-    auto files = models::hf::load_weights(s.checkpoint, b.cfg, b.model->slots());
-    TROUPE_CHECK(files.has_value(), who, ": ", files.error_message());
-  }
-  return b;
-}
+using built_model = rl_built_model;
 
 tensor i32_rows(const std::vector<std::int32_t>& v, std::int64_t rows, std::int64_t seq) {
   return tensor(const_cast<std::int32_t*>(v.data()), v.size() * 4, dtype::i32, {rows, seq});
@@ -64,7 +48,7 @@ void make_rollout(role_builder& b, role_context&) {
   };
   auto st = std::make_shared<state>();
   b.on<grpo_model_setup>([st](role_context& c, const grpo_model_setup& s) {
-    st->m = build(s, false, c.name());
+    st->m = build_rl_model(s, false, c.name());
     st->version = -1;
     return st->version;
   });
@@ -149,7 +133,7 @@ void make_reward(role_builder& b, role_context&, const grpo_reward_fn& reward) {
 void make_reference(role_builder& b, role_context&) {
   auto st = std::make_shared<built_model>();
   b.on<grpo_model_setup>([st](role_context& c, const grpo_model_setup& s) {
-    *st = build(s, true, c.name());
+    *st = build_rl_model(s, true, c.name());
     return std::int64_t{0};
   });
   b.on<grpo_reference_request>([st](role_context& c, const grpo_reference_request& r) {
@@ -173,17 +157,9 @@ void make_trainer(role_builder& b, role_context&) {
   };
   auto st = std::make_shared<state>();
   b.on<grpo_trainer_setup>([st](role_context& c, const grpo_trainer_setup& s) {
-    st->m = build(s.model, true, c.name());
-    models::train_config tc;
-    tc.lr = tc.min_lr = s.lr;  // a constant rate after the warmup
-    tc.warmup = s.warmup;
-    tc.steps = 1 << 30;
-    tc.weight_decay = s.weight_decay;
-    tc.clip = s.clip;
-    tc.beta1 = s.beta1;
-    tc.beta2 = s.beta2;
-    tc.batch = s.model.rows;
-    tc.seq = s.model.seq;
+    st->m = build_rl_model(s.model, true, c.name());
+    const models::train_config tc =
+        rl_train_config(s.model, s.lr, s.weight_decay, s.clip, s.beta1, s.beta2, s.warmup);
     st->t = std::make_unique<models::trainer>(*st->m.model, tc);
     st->opt = {.epsilon = s.epsilon, .beta = s.beta};
     return std::int64_t{0};
@@ -225,19 +201,7 @@ void make_trainer(role_builder& b, role_context&) {
   });
   b.on<grpo_push_request>([st](role_context& c, const grpo_push_request& r) {
     TROUPE_CHECK(st->t, c.name(), ": a push before the setup");
-    c.set_activity("pushing weights");
-    const auto t0 = clock_type::now();
-    const tensor& p = st->m.model->memory().params();
-    const std::int64_t version = st->t->steps_done();
-    const std::string name = std::string(weights_prefix) + std::to_string(version);
-    const std::vector<std::int64_t> dims(p.sizes().begin(), p.sizes().end());
-    std::vector<tensor_send> sends;
-    for (const auto& to : r.to) sends.push_back(c.send_tensor(to, p.data(), p.type(), dims, name));
-    for (auto& s : sends) s.wait(std::chrono::milliseconds(60000));
-    c.set_activity("idle");
-    return grpo_push_reply{.version = version,
-                           .bytes = static_cast<std::int64_t>(p.nbytes() * r.to.size()),
-                           .seconds = since(t0)};
+    return push_rl_weights(c, st->m.model->memory().params(), st->t->steps_done(), r.to);
   });
 }
 

@@ -17,7 +17,6 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <random>
@@ -27,114 +26,9 @@
 #include "actors/grpo_loop.hpp"
 #include "actors/grpo_roles.hpp"
 #include "actors/node.hpp"
-#include "models/causal_lm.hpp"
-#include "models/trainer.hpp"
+#include "apps/examples/addition_task.hpp"
 
 using namespace troupe;
-
-namespace {
-
-// Operands of `digits` digits (1: 0 to 9; 2: 10 to 99): prompts "a+b=" of one length, answers of
-// up to digits + 1 digits and the newline.
-int digits = 1;
-std::int64_t prompt_len = 4;
-std::int64_t max_new = 3;
-constexpr std::int32_t eos = '\n';
-
-struct problem {
-  int a = 0, b = 0;
-  std::string prompt() const { return fmt::format("{}+{}=", a, b); }
-  std::string answer() const { return fmt::format("{}\n", a + b); }
-};
-
-problem draw(std::mt19937_64& g) {
-  std::uniform_int_distribution<int> d(digits == 1 ? 0 : 10, digits == 1 ? 9 : 99);
-  const int a = d(g);
-  return {a, d(g)};
-}
-
-// The verifier: the reward actor's C++ function. Exact: 1 when the completion is the sum and a
-// newline, else 0. Digits (partial credit): the share of the answer's characters (newline
-// included) that the completion has in place, 1 only for the exact answer.
-bool partial_credit = false;
-double verify(std::span<const std::int32_t> prompt, std::span<const std::int32_t> completion) {
-  std::string p(prompt.begin(), prompt.end()), c(completion.begin(), completion.end());
-  int a = 0, b = 0;
-  if (std::sscanf(p.c_str(), "%d+%d=", &a, &b) != 2) return 0.0;
-  const std::string want = fmt::format("{}\n", a + b);
-  if (c == want) return 1.0;
-  if (!partial_credit) return 0.0;
-  std::size_t right = 0;
-  for (std::size_t i = 0; i < want.size() && i < c.size(); ++i) right += c[i] == want[i];
-  return static_cast<double>(right) / static_cast<double>(std::max(want.size(), c.size()));
-}
-
-models::hf::model_config tiny_llama() {
-  models::hf::llama_config c;
-  c.vocab_size = 256;
-  c.hidden_size = 64;
-  c.intermediate_size = 176;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
-  c.max_position_embeddings = 16;
-  c.rms_norm_eps = 1e-5;
-  return models::hf::model_config(c);
-}
-
-// SFT from scratch: rows "ab+cd=" + answer, trained on the answer tokens; saved in HF layout.
-std::filesystem::path sft(const std::filesystem::path& folder, std::int64_t steps,
-                          std::uint64_t seed, double lr, double noise) {
-  const auto cfg = tiny_llama();
-  const std::int64_t batch = 64, seq = prompt_len + max_new;
-  auto m = models::make_causal_lm(cfg, {batch, seq});
-  m->init_weights(seed);
-  models::train_config tc;
-  tc.lr = lr;
-  tc.min_lr = lr / 10;
-  tc.warmup = 20;
-  tc.steps = steps;
-  tc.weight_decay = 0.0;
-  tc.batch = batch;
-  tc.seq = seq;
-  tc.seed = seed;
-  models::trainer t(*m, tc);
-  std::vector<std::int32_t> ids, targets;
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<double> coin(0.0, 1.0);
-  std::uniform_int_distribution<int> wrong(0, digits == 1 ? 18 : 198);
-  const auto step = [&](models::causal_lm& model, std::uint64_t, double loss_scale) {
-    ids.assign(static_cast<std::size_t>(batch * seq), eos);
-    targets.assign(ids.size(), -100);
-    for (std::int64_t r = 0; r < batch; ++r) {
-      const problem p = draw(g);
-      const bool noisy = coin(g) < noise;
-      const std::string text = p.prompt() + (noisy ? fmt::format("{}\n", wrong(g)) : p.answer());
-      for (std::size_t i = 0; i < text.size(); ++i) {
-        ids[static_cast<std::size_t>(r * seq) + i] = static_cast<unsigned char>(text[i]);
-        if (i >= static_cast<std::size_t>(prompt_len))
-          targets[static_cast<std::size_t>(r * seq) + i - 1] = static_cast<unsigned char>(text[i]);
-      }
-    }
-    const double loss =
-        model.forward(tensor(ids.data(), ids.size() * 4, dtype::i32, {batch, seq}),
-                      tensor(targets.data(), targets.size() * 4, dtype::i32, {batch, seq}));
-    model.backward(loss_scale);
-    return loss;
-  };
-  double first = 0, last = 0;
-  for (std::int64_t s = 0; s < steps; ++s) {
-    last = t.step(step).loss;
-    if (s == 0) first = last;
-  }
-  fmt::print("sft: {} steps, answer loss {:.3f} -> {:.3f}\n", steps, first, last);
-  auto saved = t.save(folder, cfg);
-  TROUPE_CHECK(saved.has_value(), "sft: ", saved.error_message());
-  return *saved;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   actors::grpo_loop_options o;
@@ -142,7 +36,8 @@ int main(int argc, char** argv) {
   o.prompts = 16;
   o.prompt_len = 0;  // set after the flags
   o.group = 8;
-  o.eos = eos;
+  examples::addition_task task;
+  o.eos = examples::addition_task::eos;
   o.trainer.lr = 1e-3;  // 3e-3 lost reward (docs/performance.md)
   o.trainer.beta = 0.04;
   o.trainer.warmup = 0;
@@ -158,7 +53,7 @@ int main(int argc, char** argv) {
   app.add_option("--sft-lr", sft_lr, "SFT learning rate")->capture_default_str();
   app.add_option("--sft-noise", sft_noise, "Share of SFT answers replaced by a random number")
       ->capture_default_str();
-  app.add_option("--digits", digits, "Digits of the operands")
+  app.add_option("--digits", task.digits, "Digits of the operands")
       ->check(CLI::Range(1, 2))
       ->capture_default_str();
   app.add_option("--prompts", o.prompts, "Prompts per iteration")->capture_default_str();
@@ -181,30 +76,27 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--dir", dir, "Where the SFT checkpoint is written")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  prompt_len = 2 * digits + 2;
-  max_new = digits + 2;
-  o.prompt_len = prompt_len;
-  o.max_new = max_new;
+  o.prompt_len = task.prompt_len();
+  o.max_new = task.max_new();
   o.staleness = async ? 1 : 0;
-  partial_credit = reward == "digits";
+  task.partial_credit = reward == "digits";
   o.rollout_ranks.assign(static_cast<std::size_t>(rollouts), 0);
 
   try {
     actors::role_registry roles;
-    actors::add_grpo_roles(roles, verify);
+    actors::add_grpo_roles(
+        roles, [&task](std::span<const std::int32_t> p, std::span<const std::int32_t> c) {
+          return task.verify(p, c);
+        });
     actors::node_options no;
     no.roles = &roles;
     actors::node n(no);
     if (n.rank() == 0) {
       o.checkpoint =
-          sft(std::filesystem::path(dir) / "sft", sft_steps, o.seed, sft_lr, sft_noise).string();
+          task.sft(std::filesystem::path(dir) / "sft", sft_steps, o.seed, sft_lr, sft_noise)
+              .string();
       std::mt19937_64 g(o.seed + 1);
-      auto prompts = [&](std::int64_t) {
-        std::vector<std::int32_t> out;
-        for (std::int64_t i = 0; i < o.prompts; ++i)
-          for (char ch : draw(g).prompt()) out.push_back(static_cast<unsigned char>(ch));
-        return out;
-      };
+      auto prompts = [&](std::int64_t) { return task.prompts(g, o.prompts); };
       fmt::print("grpo: {} prompts x {} samples per iteration, {} rollout actor(s), {}\n",
                  o.prompts, o.group, rollouts, async ? "async (staleness 1)" : "sync");
       double gen = 0, logp = 0, reward = 0, ref = 0, train = 0, sync = 0, wait = 0, total = 0;

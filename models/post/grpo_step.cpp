@@ -2,20 +2,9 @@
 #include "models/post/grpo_step.hpp"
 
 #include "memory/error.hpp"
-#include "models/post/token_logprob.hpp"
 
 namespace troupe::models {
 namespace {
-
-tensor i32_rows(const std::vector<std::int32_t>& v, std::int64_t rows, std::int64_t seq) {
-  return tensor(const_cast<std::int32_t*>(v.data()), v.size() * 4, dtype::i32, {rows, seq});
-}
-
-std::vector<std::uint8_t> completion_mask(const std::vector<std::int32_t>& targets) {
-  std::vector<std::uint8_t> m(targets.size());
-  for (std::size_t i = 0; i < targets.size(); ++i) m[i] = targets[i] != -100;
-  return m;
-}
 
 void check_batch(const grpo_batch& b, const grpo_options& opt) {
   const auto n = static_cast<std::size_t>(b.rows * b.seq);
@@ -32,13 +21,6 @@ void check_batch(const grpo_batch& b, const grpo_options& opt) {
 
 }  // namespace
 
-std::vector<double> token_logprobs_of(causal_lm& m, const tensor& ids, const tensor& targets) {
-  m.forward(ids, targets);
-  const tensor logits = m.logits();
-  owned_tensor scratch = empty({logits.size(0)}, logits.type(), logits.dev());
-  return token_logprobs(logits, targets.reshape({ids.numel()}), scratch);
-}
-
 grpo_result grpo_forward(causal_lm& policy, const grpo_batch& b, const grpo_options& opt) {
   check_batch(b, opt);
   const std::vector<double> logp =
@@ -52,17 +34,7 @@ trainer::micro_batch grpo_micro_batch(std::shared_ptr<const grpo_batch> batch,
   return [batch, opt, on_result](causal_lm& policy, std::uint64_t, double loss_scale) {
     const grpo_batch& b = *batch;
     const grpo_result r = grpo_forward(policy, b, opt);
-    const tensor logits = policy.logits();
-    const tensor targets = i32_rows(b.targets, b.rows, b.seq).reshape({b.rows * b.seq});
-    owned_tensor scratch = empty({1}, logits.type(), logits.dev());
-    TROUPE_CHECK(policy.set_logit_grads([&](const tensor& dlogits, double dloss) {
-      std::vector<double> d(r.dlogp);
-      for (auto& x : d) x *= dloss;
-      token_logprobs_backward(logits, targets, d, scratch, dlogits);
-    }),
-                 "grpo: the policy model cannot take the logits' gradient");
-    policy.backward(loss_scale);
-    policy.set_logit_grads({});
+    backward_from_logprobs(policy, i32_rows(b.targets, b.rows, b.seq), r.dlogp, loss_scale, "grpo");
     if (on_result) on_result(r);
     return r.loss;
   };

@@ -15,6 +15,7 @@
 
 #include "models/causal_lm.hpp"
 #include "models/post/grpo_loss.hpp"
+#include "models/post/policy_logprobs.hpp"
 #include "models/trainer.hpp"
 
 namespace troupe::models {
@@ -25,10 +26,6 @@ struct grpo_batch {
   std::vector<double> old_logp, ref_logp;  // [rows * seq] (ref_logp empty when beta is 0)
   std::vector<double> advantages;          // [rows]
 };
-
-// The model's log-probability of every target (0 where it is -100): one forward of ids, targets
-// i32 [B, T]. Returns [B * T].
-std::vector<double> token_logprobs_of(causal_lm& m, const tensor& ids, const tensor& targets);
 
 // The GRPO loss of a batch under `policy` (one forward, left in place for a backward).
 grpo_result grpo_forward(causal_lm& policy, const grpo_batch& b, const grpo_options& opt);

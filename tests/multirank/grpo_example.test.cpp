@@ -4,58 +4,19 @@
 // nothing clipped) or one step older (async, staleness 1).
 #include <catch2/catch.hpp>
 
-#include <unistd.h>
-
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
-#include <regex>
 #include <string>
 #include <vector>
 
-#include "tests/multirank/process.hpp"
+#include "tests/multirank/rl_example.hpp"
 
 using namespace troupe::tests;
 
 namespace {
 
-struct iteration_line {
-  int iteration = 0;
-  double reward = 0, clipped = 0;
-  int version = -1;
-};
-
-struct grpo_run {
-  std::string output;
-  std::vector<iteration_line> lines;
-};
-
-grpo_run run_example(const std::vector<std::string>& flags) {
-  using namespace std::chrono_literals;
-  std::vector<std::string> argv{TROUPE_BIN, "launch",
-                                "-n",       "1",
-                                "--job",    "grpo-example-" + std::to_string(::getpid()),
-                                "--",       TROUPE_EXAMPLE_GRPO_BIN};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  child_process p(argv, {{"TROUPE_NUM_THREADS", "1"}});
-  auto st = p.wait(300s);
-  grpo_run r{p.output(), {}};
-  INFO(r.output);
-  REQUIRE(st.has_value());
-  REQUIRE(child_process::code(*st) == 0);
-  const std::regex re(
-      R"(iteration +(\d+) +mean reward ([0-9.]+) .*clipped ([0-9.]+) +weights v(\d+))");
-  for (const auto& line : p.lines_with("mean reward")) {
-    std::smatch m;
-    REQUIRE(std::regex_search(line, m, re));
-    r.lines.push_back({std::stoi(m[1]), std::stod(m[2]), std::stod(m[3]), std::stoi(m[4])});
-  }
-  return r;
-}
-
-double mean_reward(const std::vector<iteration_line>& v, std::size_t from, std::size_t n) {
-  double s = 0;
-  for (std::size_t i = from; i < from + n; ++i) s += v[i].reward;
-  return s / static_cast<double>(n);
+rl_example_run run_example(const std::vector<std::string>& flags) {
+  return run_rl_example(TROUPE_EXAMPLE_GRPO_BIN, "grpo-example", flags);
 }
 
 }  // namespace
@@ -67,7 +28,7 @@ TEST_CASE("the GRPO example's mean reward rises over its first iterations", "[mu
   // (standard deviation ~0.05 over those 20 iterations), so a difference of two means of 5 has a
   // deviation of ~0.03. A margin of 0.15 is ~5 of those and 60% of the rise seen: the test fails
   // without learning (0.034) and passes with it (0.253).
-  const grpo_run r = run_example({"--iterations", "20"});
+  const rl_example_run r = run_example({"--iterations", "20"});
   INFO(r.output);
   REQUIRE(r.lines.size() == 20);
   const double first = mean_reward(r.lines, 0, 5), last = mean_reward(r.lines, 15, 5);
@@ -82,7 +43,7 @@ TEST_CASE("the GRPO example's mean reward rises over its first iterations", "[mu
 
 TEST_CASE("async GRPO samples with weights one step behind and several rollout actors",
           "[multirank]") {
-  const grpo_run r = run_example({"--iterations", "4", "--async", "--rollouts", "2"});
+  const rl_example_run r = run_example({"--iterations", "4", "--async", "--rollouts", "2"});
   INFO(r.output);
   REQUIRE(r.lines.size() == 4);
   CHECK_THAT(r.output, Catch::Contains("2 rollout actor(s), async (staleness 1)"));

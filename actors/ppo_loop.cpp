@@ -1,0 +1,160 @@
+// ppo_loop: the PPO driver (ppo_loop.hpp).
+#include "actors/ppo_loop.hpp"
+
+#include <future>
+#include <optional>
+
+#include "actors/rollout_batch.hpp"
+#include "memory/error.hpp"
+#include "models/post/policy_logprobs.hpp"
+
+namespace troupe::actors {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// Iteration k's batch from the rollout actors (their weights at least min_version).
+rollout_batch sample(job& j, const std::vector<role_handle>& rollouts, const ppo_loop_options& opt,
+                     const grpo_prompt_source& prompts, std::int64_t k, std::int64_t min_version) {
+  grpo_rollout_request r;
+  r.prompts = prompts(k);
+  TROUPE_CHECK(static_cast<std::int64_t>(r.prompts.size()) == opt.prompts * opt.prompt_len,
+               "ppo: iteration ", k, " has ", r.prompts.size(), " prompt tokens, not ", opt.prompts,
+               " prompts of ", opt.prompt_len);
+  r.prompt_len = opt.prompt_len;
+  r.group = opt.group;
+  r.max_new = opt.max_new;
+  r.temperature = opt.temperature;
+  r.top_p = opt.top_p;
+  r.eos = opt.eos;
+  r.seed = opt.seed * 1000003 + static_cast<std::uint64_t>(k) * rollouts.size();
+  r.min_version = min_version;
+  return sample_rollouts(j, rollouts, std::move(r), opt.timeout);
+}
+
+}  // namespace
+
+std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
+                                   const grpo_prompt_source& prompts,
+                                   const std::function<void(const ppo_iteration&)>& on_iteration) {
+  const auto r = static_cast<std::int64_t>(opt.rollout_ranks.size());
+  TROUPE_CHECK(r > 0 && opt.prompts > 0 && opt.prompts % r == 0, "ppo: ", opt.prompts,
+               " prompts per iteration do not split over ", r, " rollout actors");
+  TROUPE_CHECK(opt.staleness == 0 || opt.staleness == 1, "ppo: staleness ", opt.staleness,
+               " is not 0 (sync) or 1 (async)");
+  TROUPE_CHECK(opt.prompt_len > 0 && opt.group > 0 && opt.max_new > 0, "ppo: prompt_len ",
+               opt.prompt_len, ", group ", opt.group, " and max_new ", opt.max_new,
+               " must be positive");
+  const std::int64_t seq = opt.prompt_len + opt.max_new, rows = opt.prompts * opt.group;
+  job j(n);
+  std::vector<role_handle> rollouts;
+  for (int rank : opt.rollout_ranks) rollouts.push_back(j.spawn("grpo_rollout", rank));
+  const role_handle policy = j.spawn("ppo_policy", opt.policy_rank);
+  const role_handle critic = j.spawn("ppo_critic", opt.critic_rank);
+  const role_handle reward = j.spawn("grpo_reward", opt.reward_rank);
+  const bool use_reference = opt.rewards.kl_coef != 0;
+  role_handle reference;
+  if (use_reference) reference = j.spawn("grpo_reference", opt.reference_rank);
+
+  ppo_trainer_setup ps = opt.policy, cs = opt.critic;
+  ps.model = cs.model = {opt.checkpoint, rows, seq};
+  j.ask<std::int64_t>(policy, ps, opt.timeout);
+  j.ask<std::int64_t>(critic, cs, opt.timeout);
+  j.ask_all<std::int64_t>(rollouts, grpo_model_setup{opt.checkpoint, rows / r, seq}, opt.timeout);
+  if (use_reference)
+    j.ask<std::int64_t>(reference, grpo_model_setup{opt.checkpoint, rows, seq}, opt.timeout);
+  auto push = [&]() {
+    return j.ask<grpo_push_reply>(policy, grpo_push_request{rollouts}, opt.timeout).version;
+  };
+  std::int64_t version = push();  // 0: the checkpoint's weights
+
+  std::vector<ppo_iteration> out;
+  std::future<rollout_batch> ahead;    // async: the next batch, sampled while the policy trains
+  std::optional<rollout_batch> ready;  // async: that batch, once sampled
+  for (std::int64_t k = 0; k < opt.iterations; ++k) {
+    const auto t0 = clock_type::now();
+    ppo_iteration it;
+    it.iteration = k + 1;
+    const bool more = k + 1 < opt.iterations;
+    rollout_batch cur;
+    auto t = clock_type::now();
+    if (ready) {
+      cur = std::move(*ready);
+      ready.reset();
+    } else {
+      cur = sample(j, rollouts, opt, prompts, k, version);
+    }
+    it.wait_seconds = since(t);
+    if (opt.staleness == 1 && more)
+      ahead = std::async(std::launch::async, [&n, &rollouts, &opt, &prompts, k, version] {
+        job side(n);  // a job object belongs to one thread
+        return sample(side, rollouts, opt, prompts, k + 1, version);
+      });
+    const grpo_samples& s = cur.samples;
+    it.sampled_by = s.version;
+    it.generate_seconds = cur.seconds;
+    it.logprob_seconds = cur.logprob_seconds;
+    for (auto l : s.lengths) it.new_tokens += l;
+
+    t = clock_type::now();
+    const auto scores = j.ask<std::vector<double>>(reward, grpo_reward_request{s}, opt.timeout);
+    it.reward_seconds = since(t);
+    for (double x : scores) it.mean_reward += x / static_cast<double>(scores.size());
+
+    // The reference's log-probabilities and the critic's values, on their actors at once.
+    t = clock_type::now();
+    std::future<std::vector<double>> values =
+        std::async(std::launch::async, [&n, &critic, &s, &opt] {
+          job side(n);
+          return side.ask<std::vector<double>>(critic, ppo_value_request{s}, opt.timeout);
+        });
+    std::vector<double> ref_logp;
+    if (use_reference)
+      ref_logp = j.ask<std::vector<double>>(reference, grpo_reference_request{s}, opt.timeout);
+    const std::vector<double> old_values = values.get();
+    it.values_seconds = since(t);
+
+    const models::ppo_advantages adv = models::ppo_token_advantages(
+        s.old_logp, ref_logp, old_values, models::completion_mask(s.targets), scores, opt.rewards);
+    it.kl = adv.kl;
+    it.non_score_reward = adv.non_score_reward;
+
+    // The policy's and the critic's epochs, on their actors at once.
+    t = clock_type::now();
+    std::future<ppo_train_reply> critic_step =
+        std::async(std::launch::async, [&n, &critic, &s, &opt, &old_values, &adv] {
+          job side(n);
+          return side.ask<ppo_train_reply>(
+              critic, ppo_critic_train_request{s, old_values, adv.returns}, opt.timeout);
+        });
+    it.policy =
+        j.ask<ppo_train_reply>(policy, ppo_policy_train_request{s, adv.advantages}, opt.timeout);
+    it.critic = critic_step.get();
+    it.train_seconds = since(t);
+    if (more) {
+      if (opt.staleness == 1) {  // the overlapped sampling ends before the weights move
+        t = clock_type::now();
+        ready = ahead.get();
+        it.wait_seconds += since(t);
+      }
+      t = clock_type::now();
+      version = push();
+      it.sync_seconds = since(t);
+    }
+    it.seconds = since(t0);
+    out.push_back(it);
+    if (on_iteration) on_iteration(it);
+  }
+  for (const auto& h : rollouts) j.stop(h);
+  j.stop(policy);
+  j.stop(critic);
+  j.stop(reward);
+  if (use_reference) j.stop(reference);
+  return out;
+}
+
+}  // namespace troupe::actors
