@@ -116,8 +116,8 @@ std::int64_t cross_entropy(const tensor& logits, const tensor& targets, const te
 // c = alpha * a @ b + beta * c for 2-D views. a and b may be transposed views (either of their
 // strides may be 1); c must have a unit last stride. CPU: f32, f64 (OpenBLAS), and bf16/f16 with
 // f32 accumulation and c rounded once (panels widened to f32 for OpenBLAS SGEMM;
-// bf16 on Intel AMX with TROUPE_CPU_AMX=1, which flushes subnormals to zero: gemm_amx.hpp). CUDA: f32, and bf16/f16
-// inputs and output with f32 accumulation (cuBLAS).
+// bf16 on Intel AMX with TROUPE_CPU_AMX=1, which flushes subnormals to zero: gemm_amx.hpp). CUDA:
+// f32, and bf16/f16 inputs and output with f32 accumulation (cuBLAS).
 void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.0,
             double beta = 0.0);
 
