@@ -336,6 +336,9 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::moe_capacity_factor>(
       *c, sub, "--moe-capacity-factor",
       "MoE models: each expert's capacity factor (0: dropless; over capacity: dropped)");
+  bind<&train_config::moe_aux_loss_coef>(
+      *c, sub, "--moe-aux-loss-coef",
+      "MoE models: the router's aux loss coefficient (< 0: the model's; 0: no aux loss)");
   bind<&train_config::data_tokens>(*c, sub, "--tokens", "Token file (troupe tokenize)");
   bind<&train_config::data_text>(*c, sub, "--text", "Text file or folder, bytes as tokens");
   bind<&train_config::steps>(*c, sub, "--steps", "Optimizer steps");

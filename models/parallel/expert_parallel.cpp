@@ -168,6 +168,7 @@ struct ep_trainer::impl {
   };
   std::vector<chunk> chunks;
   owned_tensor gather_in, gather_out;  // zero 1: staging of the padded all_gather
+  owned_tensor state_m, state_v;       // zero 1: optimizer_state's copy of the chunks' moments
   std::vector<std::int32_t> draw_rows, rows, targets;
 
   collective::communicator& group_of(const grad_range& r) const {
@@ -234,6 +235,66 @@ std::int64_t ep_trainer::optimizer_elements() const {
   std::int64_t n = 0;
   for (const auto& c : impl_->chunks) n += c.length;
   return n;
+}
+
+dp_trainer::optimizer_view ep_trainer::optimizer_state() {
+  auto& I = *impl_;
+  dp_trainer::optimizer_view out;
+  if (I.full) {
+    out.m = I.full->m();
+    out.v = I.full->v();
+    out.runs.push_back({0, 0, I.full->m().numel()});
+    out.steps = I.full->steps_taken();
+    out.whole = true;
+    return out;
+  }
+  const std::int64_t n = std::max<std::int64_t>(optimizer_elements(), 1);
+  if (!I.state_m.view().defined() || I.state_m.view().numel() != n) {
+    I.state_m = zeros({n});
+    I.state_v = zeros({n});
+  }
+  out.m = I.state_m.view();
+  out.v = I.state_v.view();
+  std::int64_t at = 0;
+  for (const auto& k : I.chunks) {
+    if (!k.opt) continue;
+    ops::copy(k.opt->m(), out.m.narrow(0, at, k.length));
+    ops::copy(k.opt->v(), out.v.narrow(0, at, k.length));
+    out.runs.push_back({k.begin, at, k.length});
+    out.steps = k.opt->steps_taken();
+    at += k.length;
+  }
+  return out;
+}
+
+void ep_trainer::set_moments(const tensor& m, const tensor& v) {
+  auto& I = *impl_;
+  TROUPE_CHECK(m.numel() >= optimizer_elements() && v.numel() >= optimizer_elements(),
+               "ep_trainer: moments of ", m.numel(), " and ", v.numel(),
+               " elements for a state of ", optimizer_elements());
+  if (I.full) {
+    if (m.data() != I.full->m().data()) ops::copy(m.narrow(0, 0, I.full->m().numel()), I.full->m());
+    if (v.data() != I.full->v().data()) ops::copy(v.narrow(0, 0, I.full->v().numel()), I.full->v());
+    return;
+  }
+  std::int64_t at = 0;
+  for (const auto& k : I.chunks) {
+    if (!k.opt) continue;
+    ops::copy(m.narrow(0, at, k.length), k.opt->m());
+    ops::copy(v.narrow(0, at, k.length), k.opt->v());
+    at += k.length;
+  }
+}
+
+void ep_trainer::set_progress(std::int64_t steps_done, std::int64_t optimizer_steps) {
+  auto& I = *impl_;
+  TROUPE_CHECK(steps_done >= 0 && optimizer_steps >= 0 && optimizer_steps <= steps_done,
+               "ep_trainer: cannot resume at step ", steps_done, " with ", optimizer_steps,
+               " optimizer steps");
+  step_ = steps_done;
+  if (I.full) I.full->set_steps_taken(optimizer_steps);
+  for (auto& k : I.chunks)
+    if (k.opt) k.opt->set_steps_taken(optimizer_steps);
 }
 
 step_result ep_trainer::step(const trainer::batch_source& data) {

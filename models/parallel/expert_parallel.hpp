@@ -43,6 +43,7 @@
 #include "models/layers/moe_dispatch.hpp"
 #include "models/moe.hpp"
 #include "models/optim.hpp"
+#include "models/parallel/data_parallel.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
 
@@ -114,6 +115,15 @@ class ep_trainer {
   std::int64_t steps_done() const { return step_; }
   // Elements of AdamW state (m or v) this rank holds.
   std::int64_t optimizer_elements() const;
+
+  // Checkpoints (hybrid.hpp's save and resume): this rank's AdamW state in data_parallel's terms.
+  // ZeRO 0: the optimizer's own m and v over the whole piece (`whole`); ZeRO 1: a copy of this
+  // rank's chunk of every range, run by run (flat coordinates of the piece's buffer).
+  // set_moments writes m and v laid out like that view into the state (ZeRO 0: a no-op when they
+  // are the view itself); set_progress sets the steps done and AdamW's update count (resuming).
+  dp_trainer::optimizer_view optimizer_state();
+  void set_moments(const tensor& m, const tensor& v);
+  void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
 
  private:
   struct impl;

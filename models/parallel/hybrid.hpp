@@ -41,7 +41,14 @@ struct hybrid_groups {
   // rank's samples, in sequence order, and dp x cp (cp fastest), the engine's group then.
   collective::communicator* cp = nullptr;
   collective::communicator* dp_cp = nullptr;
+  // Expert parallelism (parallel.ep > 1 only; expert_parallel.hpp): this rank's expert-parallel
+  // group (ep consecutive dp ranks) and expert-data-parallel group (the dp / ep ranks holding the
+  // same experts).
+  collective::communicator* ep = nullptr;
+  collective::communicator* edp = nullptr;
 };
+
+struct ep_step_load;
 
 class hybrid_trainer {
  public:
@@ -108,6 +115,9 @@ class hybrid_trainer {
   std::string describe() const;         // "stage 1 of 2 (blocks 2-3), tensor shard 0 of 2"
   double last_bubble_fraction() const;  // pipeline idle share of the last step (0 without pp)
   double last_comm_wait_seconds() const;
+  // parallel.ep > 1: the last step's expert load of this rank's experts (ep_trainer::last_load);
+  // nullptr otherwise.
+  const ep_step_load* last_expert_load() const;
 
  private:
   struct impl;

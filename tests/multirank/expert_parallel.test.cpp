@@ -1,0 +1,127 @@
+// `troupe launch ... -- troupe train --ep 2` across real processes: an MoE model (mixtral-tiny,
+// 4 experts top-2, the aux loss off with --moe-aux-loss-coef 0 so that the loss is a mean over
+// tokens: each rank's aux loss would be over its own rows) with its experts split over the
+// expert-parallel group (models/parallel/expert_parallel.hpp), tokens dispatched and combined by
+// all-to-all over UCX, trains like the single-process `troupe train`: losses per step
+// (train_runs.hpp's same_losses) and the final weights of the checkpoints both write
+// (same_weights.hpp), each as accurate as the f32 single process against its f64 twin. And each
+// rank's expert group is a role actor whose load of every step reaches introspection.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/multirank/same_weights.hpp"
+#include "tests/multirank/train_runs.hpp"
+
+using namespace troupe::tests;
+
+namespace {
+
+const std::vector<std::string> no_aux = {"--moe-aux-loss-coef", "0"};
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("Launched ep2 and dp2 x ep2 runs train an MoE model like the single process",
+          "[multirank]") {
+  const int steps = 10;
+  const std::string model = "mixtral-tiny";
+  scratch_dir dir("ep");
+  const std::string ref_ck = dir.path + "/single";
+  const reference_losses want =
+      single_and_twin(model, steps, dir.path, with(no_aux, {"--checkpoint-dir", ref_ck}));
+  struct plan_case {
+    int ranks;
+    std::string name;
+    std::vector<std::string> plan;
+    std::string shows;  // a line of the run's setup
+  };
+  for (const auto& p : std::vector<plan_case>{
+           {2,
+            "ep2",
+            {"--dp", "2", "--ep", "2"},
+            "rank 1: dp 1 pp 0 tp 0, experts 2-3 of 4 of every MoE layer (ep 1 of 2, expert data "
+            "parallel 0 of 1)"},
+           {4,
+            "dp2ep2",
+            {"--dp", "4", "--ep", "2"},
+            "rank 2: dp 2 pp 0 tp 0, experts 0-1 of 4 of every MoE layer (ep 0 of 2, expert data "
+            "parallel 1 of 2)"},
+           {4,
+            "dp2ep2-zero1",
+            {"--dp", "4", "--ep", "2", "--zero", "1"},
+            "rank 3: dp 3 pp 0 tp 0, experts 2-3 of 4 of every MoE layer (ep 1 of 2, expert data "
+            "parallel 1 of 2)"},
+       }) {
+    INFO(p.name);
+    const std::string ck = dir.path + "/" + p.name;
+    std::string out;
+    const auto got = launched(p.ranks, model, steps, dir.path, p.name,
+                              with(with(p.plan, no_aux), {"--checkpoint-dir", ck}), &out);
+    CHECK_THAT(out, Catch::Contains(p.shows));
+    same_losses(got, want);
+    same_weights(ck, ref_ck);
+  }
+}
+
+TEST_CASE("A launched ep run's expert groups report their load of every step to introspection",
+          "[multirank]") {
+  using namespace std::chrono_literals;
+  const std::string job = "ep-load-" + std::to_string(::getpid());
+  std::vector<std::string> a = {troupe_bin, "launch", "-n", "2", "--job", job, "--", troupe_bin};
+  auto flags = with(run_flags("mixtral-tiny", 100000), {"--dp", "2", "--ep", "2"});
+  *(std::find(flags.begin(), flags.end(), "--log-every") + 1) = "1";
+  a.insert(a.end(), flags.begin(), flags.end());
+  child_process p(a);
+  REQUIRE(p.wait_for("step     3/", 120s));
+  child_process ps({troupe_bin, "ps", "--job", job, "--json"});
+  auto st = ps.wait(60s);
+  INFO(ps.output());
+  REQUIRE(st.has_value());
+  REQUIRE(child_process::code(*st) == 0);
+  const auto snap = nlohmann::json::parse(ps.output());
+  // Step 2 as each expert group recorded it (both have: the trainers report before replying).
+  std::map<int, nlohmann::json> groups;  // by rank
+  for (const auto& actor : snap.at("actors")) {
+    if (actor.at("role") != "expert-group") continue;
+    for (const auto& h : actor.at("history"))
+      if (h.at("step") == 2) groups[actor.at("rank").get<int>()] = h.at("values");
+    CHECK(actor.at("mesh").at("ep") == actor.at("rank"));
+  }
+  REQUIRE(groups.size() == 2);
+  // Rank r holds experts 2r, 2r + 1. Every token of the step picks 2 of the 4 experts in each of
+  // the 4 layers: 8 rows x 32 positions x 2 x 4 = 2048 choices, split between the two groups;
+  // with dp = ep each group serves every choice of its experts (dropless).
+  double tokens = 0, served = 0, most = 0;
+  for (const auto& [rank, v] : groups) {
+    CHECK(v.at("experts.first") == 2 * rank);
+    CHECK(v.at("experts.count") == 2);
+    CHECK(v.at("dropped") == 0);
+    CHECK(v.at("all_to_all_s").get<double>() >= 0);
+    const double mine = v.at("tokens.expert" + std::to_string(2 * rank)).get<double>() +
+                        v.at("tokens.expert" + std::to_string(2 * rank + 1)).get<double>();
+    CHECK(v.at("tokens.group") == mine);
+    CHECK(v.at("served.expert" + std::to_string(2 * rank)) ==
+          v.at("tokens.expert" + std::to_string(2 * rank)));
+    tokens += mine;
+    served += v.at("served.expert" + std::to_string(2 * rank)).get<double>() +
+              v.at("served.expert" + std::to_string(2 * rank + 1)).get<double>();
+    for (int e = 2 * rank; e < 2 * rank + 2; ++e)
+      most = std::max(most, v.at("tokens.expert" + std::to_string(e)).get<double>());
+  }
+  CHECK(tokens == 2048);
+  CHECK(served == 2048);
+  // The imbalance is the most loaded expert's choices over the mean (2048 / 4), the same for both.
+  for (const auto& [rank, v] : groups) CHECK(v.at("imbalance").get<double>() == Approx(most / 512));
+  p.signal(SIGTERM);
+  CHECK(p.wait(60s).has_value());
+}
