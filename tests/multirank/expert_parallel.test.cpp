@@ -13,6 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/multirank/same_weights.hpp"
@@ -124,4 +125,37 @@ TEST_CASE("A launched ep run's expert groups report their load of every step to 
   for (const auto& [rank, v] : groups) CHECK(v.at("imbalance").get<double>() == Approx(most / 512));
   p.signal(SIGTERM);
   CHECK(p.wait(60s).has_value());
+}
+
+TEST_CASE("An ep run's checkpoint resumes in one process and one process's under ep",
+          "[multirank]") {
+  // The checkpoint holds the whole model: the weights gathered over the ep group and AdamW's
+  // moments (ZeRO 1: each rank's chunks) in the single process's layout. The learning rate is
+  // constant after the warmup (min-lr = lr), so 3 steps and their resumed 6 follow the straight
+  // run's schedule (resume_train.test.cpp).
+  scratch_dir dir("ep-resume");
+  auto args = [](std::vector<std::string> a) {
+    a.insert(a.end(), {"--lr", "1e-3", "--min-lr", "1e-3"});
+    return with(a, no_aux);
+  };
+  const std::string model = "mixtral-tiny", straight = dir.path + "/straight",
+                    saved = dir.path + "/dp2ep2", one = dir.path + "/one";
+  const auto want = single_and_twin(model, 6, dir.path, args({"--checkpoint-dir", straight}));
+  const auto tail = want.steps(3, 6);
+  same_losses(launched(4, model, 3, dir.path, "dp2ep2",
+                       args({"--dp", "4", "--ep", "2", "--zero", "1", "--checkpoint-dir", saved})),
+              want.steps(0, 3));
+  same_losses(single(model, 6, dir.path, args({"--resume", saved}), "resumed"), tail);
+  single(model, 3, dir.path, args({"--checkpoint-dir", one}), "one");
+  for (const auto& [ranks, name, plan] :
+       std::vector<std::tuple<int, std::string, std::vector<std::string>>>{
+           {2, "ep2", {"--dp", "2", "--ep", "2"}},
+           {4, "dp2ep2-zero1", {"--dp", "4", "--ep", "2", "--zero", "1"}}}) {
+    INFO(name);
+    const std::string ck = dir.path + "/resumed-" + name;
+    same_losses(launched(ranks, model, 6, dir.path, "resumed-" + name,
+                         args(with(plan, {"--resume", one, "--checkpoint-dir", ck}))),
+                tail);
+    same_weights(ck, straight);
+  }
 }
