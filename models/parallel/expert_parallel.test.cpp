@@ -398,18 +398,46 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
   train_config c = tiny_run();
   c.plan.dp = 2, c.plan.ep = 2, c.plan.zero = 2;
   CHECK_THROWS_WITH(ep_trainer(tiny_moe(), c, g), Catch::Contains("parallel.zero (--zero) 2"));
-  // troupe train's engine (hybrid.hpp) refuses parallel.ep before any collective, naming --ep.
+  // troupe train's engine (hybrid.hpp) runs parallel.ep through ep_trainer
+  // (tests/multirank/expert_parallel.test.cpp); a plan neither runs is refused before any
+  // collective, naming the flags.
   c.plan.zero = 0;
-  const parallel::hybrid_groups h{two[0].get(), one[0].get(), one[0].get(), one[0].get()};
-  for (bool moe : {true, false}) {
-    const hf::model_config m = moe ? tiny_moe() : named_model_config("llama-tiny", 29).value();
+  struct hybrid_bad {
+    const char* what;
+    std::function<void(train_config&)> set;
+    bool moe;
+    std::vector<const char*> names;
+  };
+  const std::vector<hybrid_bad> engine_cases = {
+      {"a dense model", [](train_config&) {}, false, {"parallel.ep (--ep) 2 needs an MoE model"}},
+      {"tp 2",
+       [](train_config& t) { t.plan.tp = 2; },
+       true,
+       {"parallel.ep (--ep) 2", "parallel.tp (--tp) 2"}},
+      {"pp 2",
+       [](train_config& t) { t.plan.pp = 2; },
+       true,
+       {"parallel.ep (--ep) 2", "parallel.pp (--pp) 2"}},
+      {"ZeRO 2", [](train_config& t) { t.plan.zero = 2; }, true, {"parallel.zero (--zero) 2"}},
+      {"bf16", [](train_config& t) { t.precision = "bf16"; }, true, {"train.precision bf16"}},
+  };
+  for (const auto& b : engine_cases) {
+    INFO(b.what);
+    train_config t = c;
+    b.set(t);
+    const hf::model_config m = b.moe ? tiny_moe() : named_model_config("llama-tiny", 29).value();
+    collective::communicator* mp = t.plan.tp * t.plan.pp > 1 ? two[0].get() : one[0].get();
+    parallel::hybrid_groups h{two[0].get(), t.plan.pp > 1 ? two[0].get() : one[0].get(),
+                              t.plan.tp > 1 ? two[0].get() : one[0].get(), mp};
+    h.ep = two[0].get();
+    h.edp = one[0].get();
     try {
-      parallel::hybrid_trainer t(m, c, h);
-      FAIL("the hybrid trainer accepted parallel.ep 2");
+      parallel::hybrid_trainer engine(m, t, h);
+      FAIL("the hybrid trainer accepted parallel.ep 2 with " << b.what);
     } catch (const troupe::error& e) {
-      CHECK_THAT(e.what(), Catch::Contains("parallel.ep (--ep) 2"));
-      std::printf("faults: troupe train's engine with parallel.ep 2 (%s) -> refused: %s\n",
-                  moe ? "MoE" : "dense", e.what());
+      for (const char* n : b.names) CHECK_THAT(e.what(), Catch::Contains(n));
+      std::printf("faults: troupe train's engine with parallel.ep 2 and %s -> refused: %s\n",
+                  b.what, e.what());
     }
   }
 }
