@@ -83,13 +83,14 @@ std::string ep_plan_problems(const hf::model_config& model, const train_config& 
         fmt::format("parallel.tp {}, parallel.pp {}: expert parallelism runs with tp = "
                     "pp = 1 (tensor and pipeline placements of experts are not written)",
                     p.tp, p.pp));
-  if (p.zero > 1)
-    out.push_back(
-        fmt::format("parallel.zero (--zero) {}: expert parallelism runs with ZeRO 0 or 1", p.zero));
-  if (p.zero == 1 && cfg.decay_exempt)
-    out.push_back(
-        "optim.decay_exempt with parallel.zero 1 under parallel.ep: the sharded update decays "
-        "every parameter");
+  if (p.zero > 2)
+    out.push_back(fmt::format(
+        "parallel.zero (--zero) {}: expert parallelism runs with ZeRO 0, 1 or 2", p.zero));
+  if (p.zero >= 1 && cfg.decay_exempt)
+    out.push_back(fmt::format(
+        "optim.decay_exempt with parallel.zero {} under parallel.ep: the sharded update decays "
+        "every parameter",
+        p.zero));
   if (p.microbatches != 1)
     out.push_back(fmt::format(
         "parallel.microbatches {}: expert parallelism runs one microbatch per rank (use "
@@ -339,12 +340,14 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   load.compute_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
-  // The gradients: non-expert over dp, expert over the expert-data-parallel group; the loss and
-  // the load over dp. Every rank issues the same ops in the same order (the layouts agree).
+  // The gradients: non-expert over dp, expert over the expert-data-parallel group (ZeRO 2:
+  // reduce-scattered below); the loss and the load over dp. Every rank issues the same ops in the
+  // same order (the layouts agree).
+  const bool zero2 = c.plan.zero == 2;
   std::vector<collective::work> pending;
   for (const auto& r : I.ranges) {
     auto& grp = I.group_of(r);
-    if (grp.size() > 1)
+    if (grp.size() > 1 && !zero2)
       pending.push_back(grp.allreduce(grads.narrow(0, r.begin, r.length).data(),
                                       static_cast<std::size_t>(r.length), dtype::f32));
   }
@@ -364,21 +367,52 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   }
   load.imbalance = sum > 0 ? most * static_cast<double>(tokens.size()) / sum : 0.0;
 
-  // The global norm: the non-expert part (the same on every rank) and the expert parts of the ep
-  // group's ranks (disjoint experts; every expert-parallel group holds the same values).
-  double sq[2] = {0, 0};
-  for (const auto& r : I.ranges)
-    sq[r.expert ? 1 : 0] += sum_squares(grads.narrow(0, r.begin, r.length));
-  if (I.g.ep->size() > 1) I.g.ep->allreduce(&sq[1], 1, dtype::f64).wait();
   step_result res;
-  res.grad_norm = std::sqrt(sq[0] + sq[1]);
-  const double f = clip_factor(res.grad_norm, c.clip);
-  if (f != 1.0) ops::scale(grads, f);
+  if (zero2) {
+    // ZeRO 2: each range reduce-scattered over its group (padded to chunk x group size in the
+    // staging buffer), this rank's chunk of the sum written back into its place in grads; the
+    // rest of grads is this rank's own and is not read again. The norm: the chunks of every dp
+    // rank hold each element once (the non-expert ranges over dp; an expert's range over the edp
+    // ranks of the one ep rank holding it), so their squares summed over dp.
+    double sq = 0;
+    for (std::size_t i = 0; i < I.ranges.size(); ++i) {
+      const auto& r = I.ranges[i];
+      const auto& k = I.chunks[i];
+      auto& grp = I.group_of(r);
+      if (grp.size() > 1) {
+        const std::int64_t all = k.chunk * grp.size();
+        const tensor in = I.gather_out.narrow(0, 0, all);
+        const tensor out = I.gather_in.narrow(0, 0, k.chunk);
+        ops::copy(grads.narrow(0, r.begin, r.length), in.narrow(0, 0, r.length));
+        if (all > r.length) ops::fill(in.narrow(0, r.length, all - r.length), 0.0);
+        grp.reduce_scatter(in.data(), out.data(), static_cast<std::size_t>(k.chunk), dtype::f32)
+            .wait();
+        if (k.length > 0) ops::copy(out.narrow(0, 0, k.length), grads.narrow(0, k.begin, k.length));
+      }
+      if (k.length > 0) sq += sum_squares(grads.narrow(0, k.begin, k.length));
+    }
+    if (dp > 1) I.g.dp->allreduce(&sq, 1, dtype::f64).wait();
+    res.grad_norm = std::sqrt(sq);
+    const double f = clip_factor(res.grad_norm, c.clip);
+    if (f != 1.0)
+      for (const auto& k : I.chunks)
+        if (k.length > 0) ops::scale(grads.narrow(0, k.begin, k.length), f);
+  } else {
+    // The global norm: the non-expert part (the same on every rank) and the expert parts of the
+    // ep group's ranks (disjoint experts; every expert-parallel group holds the same values).
+    double sq[2] = {0, 0};
+    for (const auto& r : I.ranges)
+      sq[r.expert ? 1 : 0] += sum_squares(grads.narrow(0, r.begin, r.length));
+    if (I.g.ep->size() > 1) I.g.ep->allreduce(&sq[1], 1, dtype::f64).wait();
+    res.grad_norm = std::sqrt(sq[0] + sq[1]);
+    const double f = clip_factor(res.grad_norm, c.clip);
+    if (f != 1.0) ops::scale(grads, f);
+  }
   res.lr = warmup_cosine_lr(step_, c.warmup, c.steps, c.lr, c.min_lr);
   if (I.full) {
     I.full->step(params, grads, res.lr);
   } else {
-    // ZeRO 1: each rank updates its chunk of every range, then the chunks are all-gathered.
+    // ZeRO 1 and 2: each rank updates its chunk of every range, then the chunks are all-gathered.
     for (std::size_t i = 0; i < I.ranges.size(); ++i) {
       const auto& r = I.ranges[i];
       auto& k = I.chunks[i];

@@ -117,8 +117,8 @@ void hybrid_trainer::impl::build_expert_parallel(const hf::model_config& model, 
   const int er = g.ep->rank();
   layout.owns = [er](const tensor_slot& s) { return s.spec.expert >= 0 || er == 0; };
   moment_layout = layout;
-  // ZeRO 1: every rank's runs are its own chunks (disjoint over dp, or over edp for experts).
-  if (plan.zero == 1) moment_layout.owns = {};
+  // ZeRO 1, 2: every rank's runs are its own chunks (disjoint over dp, or over edp for experts).
+  if (plan.zero >= 1) moment_layout.owns = {};
   gather = g.edp;
   parts = g.ep;
   const std::int64_t n = to_moe_config(std::get<hf::moe_config>(model)).n_expert;

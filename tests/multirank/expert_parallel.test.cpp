@@ -32,7 +32,7 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
 
 }  // namespace
 
-TEST_CASE("Launched ep2 and dp2 x ep2 runs train an MoE model like the single process",
+TEST_CASE("Launched ep2 and dp2 x ep2 runs with ZeRO 0 1 and 2 train an MoE model like one process",
           "[multirank]") {
   const int steps = 10;
   const std::string model = "mixtral-tiny";
@@ -62,6 +62,12 @@ TEST_CASE("Launched ep2 and dp2 x ep2 runs train an MoE model like the single pr
             {"--dp", "4", "--ep", "2", "--zero", "1"},
             "rank 3: dp 3 pp 0 tp 0, experts 2-3 of 4 of every MoE layer (ep 1 of 2, expert data "
             "parallel 1 of 2)"},
+           // Expert gradients reduce-scattered over the expert-data-parallel group.
+           {4,
+            "dp2ep2-zero2",
+            {"--dp", "4", "--ep", "2", "--zero", "2"},
+            "rank 1: dp 1 pp 0 tp 0, experts 2-3 of 4 of every MoE layer (ep 1 of 2, expert data "
+            "parallel 0 of 2)"},
        }) {
     INFO(p.name);
     const std::string ck = dir.path + "/" + p.name;
