@@ -120,7 +120,10 @@ struct recover_reply {
 struct step_reply {
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0, bubble = 0, comm_wait = 0;
   std::int64_t tokens = 0, step = 0;
-  auto fields() { return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step); }
+  double all_to_all = 0;  // parallel.ep > 1: seconds in the MoE all-to-alls
+  auto fields() {
+    return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step, all_to_all);
+  }
 };
 struct save_request {
   std::string dir;
@@ -359,7 +362,9 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
                "elastic runs (--elastic) with context parallelism (parallel.cp = ", plan.cp,
                ") are not supported yet");
   TROUPE_CHECK(plan.ep == 1 || (plan.cp == 1 && !st.elastic), "parallel.ep (--ep) ", plan.ep,
-               " with ", plan.cp > 1 ? "parallel.cp (--cp)" : "elastic runs (--elastic)",
+               " with ",
+               plan.cp > 1 ? fmt::format("parallel.cp (--cp) {}", plan.cp)
+                           : std::string("elastic runs (--elastic)"),
                ": expert parallelism does not compose with them yet");
   TROUPE_CHECK(
       plan.world_size() + spares == n.world_size(), "parallel.dp x parallel.pp x parallel.tp",
@@ -501,6 +506,7 @@ step_reply step_done(role_context& ctx, trainer_state& st, const models::step_re
   out.step = res.step;
   out.bubble = st.hybrid->last_bubble_fraction();
   out.comm_wait = st.hybrid->last_comm_wait_seconds();
+  if (const auto* l = st.hybrid->last_expert_load()) out.all_to_all = l->exchange_seconds;
   // The step's series for introspection (the dashboard's charts): the bytes each memory tier this
   // process has used holds as the step ends.
   std::map<std::string, double> values = {
@@ -848,6 +854,10 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                " but the job has ", n.world_size(), " ranks");
   TROUPE_CHECK(!elastic || cfg.plan.ep == 1, "elastic.* (--elastic) with parallel.ep (--ep) ",
                cfg.plan.ep, ": elastic runs do not restore expert-parallel pieces yet");
+  TROUPE_CHECK(cfg.plan.ep == 1 || (cfg.plan.cp == 1 && cfg.plan.tp == 1 && cfg.plan.pp == 1),
+               "parallel.ep (--ep) ", cfg.plan.ep, " with parallel.cp (--cp) ", cfg.plan.cp,
+               ", parallel.tp (--tp) ", cfg.plan.tp, " and parallel.pp (--pp) ", cfg.plan.pp,
+               ": expert parallelism runs with cp = tp = pp = 1 so far");
   TROUPE_CHECK(!elastic || cfg.plan.zero == 0, "elastic.*: parallel.zero ", cfg.plan.zero,
                ": elastic runs restore pieces with whole optimizer state only (parallel.zero 0); ",
                "ZeRO 1 and 2 all-gather parameters in their commit, ZeRO 3 keeps its master ",
@@ -901,6 +911,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       rep.result.seconds = std::max(rep.result.seconds, r.seconds);
       rep.bubble = std::max(rep.bubble, r.bubble);
       rep.comm_wait = std::max(rep.comm_wait, r.comm_wait);
+      rep.all_to_all = std::max(rep.all_to_all, r.all_to_all);
     }
     return rep.result;
   };

@@ -40,6 +40,7 @@ struct step_report {
   models::step_result result;  // loss, grad norm, lr, tokens, seconds (the slowest rank's)
   double bubble = 0;           // pipeline idle share (the largest over the stages)
   double comm_wait = 0;        // seconds waiting for gradient collectives (the largest)
+  double all_to_all = 0;       // parallel.ep > 1: seconds in the MoE all-to-alls (the largest)
 };
 
 struct training_summary {

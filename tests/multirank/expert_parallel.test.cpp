@@ -165,3 +165,34 @@ TEST_CASE("An ep run's checkpoint resumes in one process and one process's under
     same_weights(ck, straight);
   }
 }
+
+TEST_CASE("Launched ep runs that do not compose are refused naming the flags",
+          "[multirank][faults]") {
+  using namespace std::chrono_literals;
+  struct bad {
+    int ranks;
+    std::string what;
+    std::vector<std::string> plan;
+    std::vector<std::string> names;
+  };
+  for (const auto& b : std::vector<bad>{
+           {2, "elastic", {"--dp", "2", "--ep", "2", "--elastic"}, {"--elastic", "--ep"}},
+           {4, "cp 2", {"--dp", "2", "--ep", "2", "--cp", "2"}, {"--ep", "--cp) 2"}},
+           {4, "pp 2", {"--dp", "2", "--ep", "2", "--pp", "2"}, {"--ep", "--pp) 2"}},
+           {4, "tp 2", {"--dp", "2", "--ep", "2", "--tp", "2"}, {"--ep", "--tp) 2"}},
+           {2, "ZeRO 3", {"--dp", "2", "--ep", "2", "--zero", "3"}, {"parallel.zero (--zero) 3"}},
+       }) {
+    INFO(b.what);
+    scratch_dir dir("ep-bad");
+    child_process p(launch_argv(b.ranks, "mixtral-tiny", 2, dir.path, "bad", b.plan));
+    auto st = p.wait(120s);
+    INFO(p.output());
+    REQUIRE(st.has_value());
+    CHECK(child_process::code(*st) != 0);
+    const auto lines = p.lines_with("error");
+    REQUIRE(!lines.empty());
+    for (const auto& n : b.names) CHECK_THAT(lines.front(), Catch::Contains(n));
+    std::printf("faults: troupe launch -n %d -- troupe train --ep 2 with %s -> refused: %s\n",
+                b.ranks, b.what.c_str(), lines.front().c_str());
+  }
+}
