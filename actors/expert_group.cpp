@@ -15,7 +15,7 @@ std::map<std::string, double> expert_load_values(const expert_load_report& r) {
   const auto count = static_cast<std::int64_t>(r.served.size());
   TROUPE_CHECK(r.first_expert >= 0 && r.first_expert + count <= n, "expert load of step ", r.step,
                ": experts ", r.first_expert, "-", r.first_expert + count - 1, " served, but ",
-               "tokens names ", n, " experts");
+               "its tokens cover ", n, " experts");
   std::map<std::string, double> v;
   v["experts.first"] = r.first_expert;
   v["experts.count"] = static_cast<double>(count);
