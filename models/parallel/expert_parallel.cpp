@@ -119,7 +119,9 @@ struct grad_range {
   bool expert = false;
 };
 
-// The parameters' ranges in layer_memory order, adjacent ones of the same kind merged.
+// The parameters' ranges in layer_memory order, consecutive ones of the same kind merged, with the
+// alignment padding between them (its gradients stay zero; reducing and updating them changes
+// nothing). Fails when parameters overlap or lie outside the buffer.
 std::vector<grad_range> ranges_of(const slot_list& slots, const tensor& params) {
   std::vector<grad_range> r;
   for (const auto& s : slots.slots()) {
@@ -131,17 +133,17 @@ std::vector<grad_range> ranges_of(const slot_list& slots, const tensor& params) 
   }
   std::sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.begin < b.begin; });
   std::vector<grad_range> merged;
+  std::int64_t end = 0;
   for (const auto& x : r) {
-    if (!merged.empty() && merged.back().expert == x.expert &&
-        merged.back().begin + merged.back().length == x.begin)
-      merged.back().length += x.length;
+    TROUPE_CHECK(x.begin >= end && x.begin + x.length <= params.numel(),
+                 "ep_trainer: a parameter at [", x.begin, ", ", x.begin + x.length,
+                 ") overlaps another or lies outside the flat buffer of ", params.numel());
+    if (!merged.empty() && merged.back().expert == x.expert)
+      merged.back().length = x.begin + x.length - merged.back().begin;
     else
       merged.push_back(x);
+    end = x.begin + x.length;
   }
-  std::int64_t covered = 0;
-  for (const auto& x : merged) covered += x.length;
-  TROUPE_CHECK(covered == params.numel(), "ep_trainer: the parameters cover ", covered, " of ",
-               params.numel(), " elements of the flat buffer");
   return merged;
 }
 
