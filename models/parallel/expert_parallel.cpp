@@ -339,8 +339,8 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   }
 
   load.exchange_seconds = I.exchange->seconds() - exchanged;
-  load.compute_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto issued = std::chrono::steady_clock::now();
+  load.compute_seconds = std::chrono::duration<double>(issued - t0).count();
 
   // The gradients: non-expert over dp, expert over the expert-data-parallel group (ZeRO 2:
   // reduce-scattered below); the loss and the load over dp. Every rank issues the same ops in the
@@ -358,6 +358,8 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   stats.push_back(static_cast<double>(load.dropped));
   if (dp > 1) pending.push_back(I.g.dp->allreduce(stats.data(), stats.size(), dtype::f64));
   for (auto& w : pending) w.wait();
+  const auto reduced = std::chrono::steady_clock::now();
+  load.reduce_seconds = std::chrono::duration<double>(reduced - issued).count();
   loss = stats[tokens.size()] / (static_cast<double>(dp) * static_cast<double>(c.grad_accum));
   load.dropped = static_cast<std::int64_t>(stats[tokens.size() + 1]);
   load.tokens.assign(tokens.size(), 0);
@@ -393,6 +395,8 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
       }
       if (k.length > 0) sq += sum_squares(grads.narrow(0, k.begin, k.length));
     }
+    load.reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - reduced)
+                               .count();  // the reduce-scatters
     if (dp > 1) I.g.dp->allreduce(&sq, 1, dtype::f64).wait();
     res.grad_norm = std::sqrt(sq);
     const double f = clip_factor(res.grad_norm, c.clip);

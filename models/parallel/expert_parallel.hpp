@@ -93,6 +93,9 @@ struct ep_step_load {
   // This rank's seconds in the MoE layers' all-to-alls during the step's forwards and backwards
   // (waiting for peers included), and the step's seconds up to the gradient reduction.
   double exchange_seconds = 0, compute_seconds = 0;
+  // The step's seconds from the gradient reduction's issue until it (the allreduces, or ZeRO 2's
+  // reduce-scatters) and the loss and load allreduce completed.
+  double reduce_seconds = 0;
   // The most loaded expert's tokens over the mean (1: balanced; at most n_expert / top_k; 0 for a
   // step without tokens).
   double imbalance = 0;

@@ -531,7 +531,8 @@ double hybrid_trainer::last_bubble_fraction() const {
 }
 
 double hybrid_trainer::last_comm_wait_seconds() const {
-  return impl_->dp ? impl_->dp->last_comm_wait_seconds() : 0.0;
+  if (impl_->ep) return impl_->ep->last_load().reduce_seconds;
+  return impl_->dp->last_comm_wait_seconds();
 }
 
 const ep_step_load* hybrid_trainer::last_expert_load() const {
