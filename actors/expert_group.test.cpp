@@ -1,6 +1,8 @@
 // expert_load_values: what an expert-group actor shows of one step's load.
 #include "actors/expert_group.hpp"
 
+#include "actors/introspection/render.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <cstdio>
@@ -44,4 +46,29 @@ TEST_CASE("A load report naming experts beyond the model's is refused naming the
     CHECK_THAT(e.what(), Catch::Contains("experts 3-4") && Catch::Contains("4 experts"));
     std::printf("faults: an expert load report for experts 3-4 of 4 -> refused: %s\n", e.what());
   }
+}
+
+TEST_CASE("An expert group's load reaches the Prometheus text and the JSON of the snapshot") {
+  expert_load_report r;
+  r.step = 2;
+  r.first_expert = 0;
+  r.tokens = {600, 424, 512, 512};
+  r.served = {600, 424};
+  r.imbalance = 600.0 / 512.0;
+  actor_state a;
+  a.name = "expert-group@0";
+  a.role = "expert-group";
+  a.rank = 0;
+  a.metrics = expert_load_values(r);
+  job_snapshot s;
+  s.job = "ep";
+  s.world_size = 1;
+  s.actors.push_back(a);
+  const std::string prom = to_prometheus(s);
+  CHECK_THAT(prom, Catch::Contains("troupe_actor_metric{actor=\"expert-group@0\",role=\"expert-"
+                                   "group\",rank=\"0\",metric=\"tokens.expert0\"} 600"));
+  CHECK_THAT(prom, Catch::Contains("metric=\"imbalance\"} 1.171875"));
+  auto back = snapshot_from_json(to_json(s), "test");
+  REQUIRE(back.has_value());
+  CHECK(back->actors.at(0).metrics.at("served.expert1") == 424);
 }

@@ -174,6 +174,16 @@ TEST_CASE("A launched ep run's expert groups report their load of every step to 
   CHECK(served == 2048);
   // The imbalance is the most loaded expert's choices over the mean (2048 / 4), the same for both.
   for (const auto& [rank, v] : groups) CHECK(v.at("imbalance").get<double>() == Approx(most / 512));
+  // `troupe top` shows the same actors with their metrics.
+  child_process top({troupe_bin, "top", "--job", job, "--iterations", "1", "--width", "1000"});
+  auto top_st = top.wait(60s);
+  INFO(top.output());
+  REQUIRE(top_st.has_value());
+  CHECK(child_process::code(*top_st) == 0);
+  const auto rows = top.lines_with("expert-group@");
+  CHECK(rows.size() == 2);
+  for (const auto& row : rows)
+    CHECK_THAT(row, Catch::Contains("imbalance=") && Catch::Contains("tokens.group="));
   p.signal(SIGTERM);
   CHECK(p.wait(60s).has_value());
 }
