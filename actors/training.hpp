@@ -16,6 +16,8 @@
 //                   the saved step under any plan
 //
 // Trainers report their mesh coordinates, activity and metrics to introspection (troupe ps/top).
+// With expert parallelism (parallel.ep > 1) the driver also spawns an expert-group actor on every
+// rank (expert_group.hpp), which each trainer tells its experts' load after every step.
 #pragma once
 
 #include <cstdint>
