@@ -17,6 +17,7 @@
 #include <mutex>
 
 #include "actors/elastic.hpp"
+#include "actors/expert_group.hpp"
 #include "actors/rebindable_communicator.hpp"
 #include "collective/grid.hpp"
 #include "collective/p2p_communicator.hpp"
@@ -27,6 +28,7 @@
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
+#include "models/parallel/expert_parallel.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "tensor/ops.hpp"
 
@@ -39,7 +41,10 @@ namespace mp = models::parallel;
 struct setup_request {
   std::string config;          // models::to_toml of the run's train_config
   std::vector<int> positions;  // elastic: grid position -> rank (the rest are spares)
-  auto fields() { return std::tie(config, positions); }
+  // parallel.ep > 1: the expert-group actor of each rank (expert_group.hpp), by rank.
+  std::vector<std::string> expert_names;
+  std::vector<int> expert_channels;
+  auto fields() { return std::tie(config, positions, expert_names, expert_channels); }
 };
 struct setup_reply {
   std::string line;       // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
@@ -115,7 +120,10 @@ struct recover_reply {
 struct step_reply {
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0, bubble = 0, comm_wait = 0;
   std::int64_t tokens = 0, step = 0;
-  auto fields() { return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step); }
+  double all_to_all = 0;  // parallel.ep > 1: seconds in the MoE all-to-alls
+  auto fields() {
+    return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step, all_to_all);
+  }
 };
 struct save_request {
   std::string dir;
@@ -166,6 +174,9 @@ struct trainer_state {
   snapshot own, buddy, staging;
   std::unique_ptr<collective::communicator> buddy_out, buddy_in;
   int buddy_generation = -1;
+  // parallel.ep > 1: this rank's expert-group actor, told each step's load.
+  std::optional<role_handle> experts;
+  bool experts_failed = false;  // reported once; training goes on without the reports
 };
 
 // Copies `from` into `to`, allocated to its sizes when they differ.
@@ -175,15 +186,44 @@ void keep(const tensor& from, owned_tensor& to) {
 }
 
 // The groups of a rank: dp, pp, tp, mp and, with context parallelism (parallel.cp > 1), cp and
-// dp x cp (cp fastest: scheduler::validate keeps "cp" after "dp" in the grid order).
+// dp x cp (cp fastest: scheduler::validate keeps "cp" after "dp" in the grid order), or with
+// expert parallelism (parallel.ep > 1) ep and edp (expert_groups).
 const std::vector<std::string>& group_axes(std::size_t i) {
   static const std::vector<std::vector<std::string>> axes = {{"dp"},       {"pp"}, {"tp"},
                                                              {"pp", "tp"}, {"cp"}, {"dp", "cp"}};
   return axes[i];
 }
 constexpr const char* group_labels[] = {"dp", "pp", "tp", "mp", "cp", "dpcp"};
+constexpr const char* expert_group_labels[] = {"ep", "edp"};
 std::size_t group_count(const scheduler::parallel_plan& plan) {
-  return plan.cp > 1 ? 6 : 4;
+  return plan.cp > 1 || plan.ep > 1 ? 6 : 4;
+}
+
+// Expert parallelism: the ep consecutive dp ranks from d / ep * ep (this rank's expert-parallel
+// group) and the dp ranks with d % ep equal (its expert-data-parallel group), carved out of its
+// dp group as scheduler/plan.hpp says. Their ids sit beside the grid's (bits 20-22: the axis
+// mask) and the elastic restore and buddy groups' (bit 23, bit 22 clear): bits 23 and 22 set,
+// bit 21 telling the two apart, the low bits the dp group's fixed coordinates and the index.
+collective::rank_group expert_group(const trainer_state& st, int position, bool edp) {
+  const auto dp = elastic_group(*st.grid, st.layout, position, {"dp"});
+  const int ep = st.cfg.plan.ep, size = static_cast<int>(dp.ranks.size());
+  const int d = st.grid->coord(position, "dp");
+  TROUPE_CHECK(ep >= 1 && size % ep == 0, "parallel.ep (--ep) ", ep, " does not divide the ", size,
+               " ranks of the dp group");
+  collective::rank_group g;
+  const std::uint32_t base = (dp.id & 0xFFFFFu) * static_cast<std::uint32_t>(size);
+  if (edp) {
+    for (int i = d % ep; i < size; i += ep)
+      g.ranks.push_back(dp.ranks[static_cast<std::size_t>(i)]);
+    g.id = (1u << 23) | (1u << 22) | (1u << 21) | (base + static_cast<std::uint32_t>(d % ep));
+  } else {
+    for (int i = d / ep * ep; i < d / ep * ep + ep; ++i)
+      g.ranks.push_back(dp.ranks[static_cast<std::size_t>(i)]);
+    g.id = (1u << 23) | (1u << 22) | (base + static_cast<std::uint32_t>(d / ep));
+  }
+  TROUPE_CHECK(base + static_cast<std::uint32_t>(size) < (1u << 21), "parallel.ep (--ep) ", ep,
+               ": the expert groups' ids do not fit (", size, " dp ranks)");
+  return g;
 }
 // The grid's axes: the plan's order, with "cp" (scheduler::grid_order) only when it splits.
 std::vector<collective::grid_axis> grid_axes_of(const scheduler::parallel_plan& plan) {
@@ -198,8 +238,12 @@ std::vector<collective::grid_axis> grid_axes_of(const scheduler::parallel_plan& 
 void bind_comms(role_context& ctx, trainer_state& st, int position) {
   node& n = ctx.node();
   for (std::size_t i = 0; i < group_count(st.cfg.plan); ++i) {
-    auto g = elastic_group(*st.grid, st.layout, position, group_axes(i));
-    auto c = collective::make_communicator(n.transport(), g, std::string("ucx:") + group_labels[i]);
+    const bool experts = i >= 4 && st.cfg.plan.ep > 1;
+    auto g = experts ? expert_group(st, position, i == 5)
+                     : elastic_group(*st.grid, st.layout, position, group_axes(i));
+    auto c = collective::make_communicator(
+        n.transport(), g,
+        std::string("ucx:") + (experts ? expert_group_labels[i - 4] : group_labels[i]));
     c->set_timeout(std::chrono::milliseconds(
         static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     // Elastic: no direct allreduce (peers writing into each other's buffers with
@@ -230,7 +274,10 @@ mp::hybrid_groups groups_of(trainer_state& st) {
   g.pp = st.comms[1].get();
   g.tp = st.comms[2].get();
   g.mp = st.comms[3].get();
-  if (st.comms.size() > 5) {
+  if (st.comms.size() > 5 && st.cfg.plan.ep > 1) {
+    g.ep = st.comms[4].get();
+    g.edp = st.comms[5].get();
+  } else if (st.comms.size() > 5) {
     g.cp = st.comms[4].get();
     g.dp_cp = st.comms[5].get();
   }
@@ -242,6 +289,7 @@ void set_mesh_of(role_context& ctx, const trainer_state& st, int position) {
   ctx.set_mesh("pp", st.grid->coord(position, "pp"));
   ctx.set_mesh("tp", st.grid->coord(position, "tp"));
   if (st.cfg.plan.cp > 1) ctx.set_mesh("cp", st.grid->coord(position, "cp"));
+  if (st.cfg.plan.ep > 1) ctx.set_mesh("ep", st.grid->coord(position, "dp") % st.cfg.plan.ep);
 }
 
 // Elastic: a lost rank that holds a grid position fails every op of this rank's communicators at
@@ -313,6 +361,11 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
   TROUPE_CHECK(!st.elastic || plan.cp == 1,
                "elastic runs (--elastic) with context parallelism (parallel.cp = ", plan.cp,
                ") are not supported yet");
+  TROUPE_CHECK(plan.ep == 1 || (plan.cp == 1 && !st.elastic), "parallel.ep (--ep) ", plan.ep,
+               " with ",
+               plan.cp > 1 ? fmt::format("parallel.cp (--cp) {}", plan.cp)
+                           : std::string("elastic runs (--elastic)"),
+               ": expert parallelism does not compose with them yet");
   TROUPE_CHECK(
       plan.world_size() + spares == n.world_size(), "parallel.dp x parallel.pp x parallel.tp",
       plan.cp > 1 ? " x parallel.cp" : "", " = ", plan.dp, " x ", plan.pp, " x ", plan.tp,
@@ -344,6 +397,11 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
     ctx.set_metric("elastic.spare", 1);
     return {fmt::format("rank {}: spare (holds no piece; takes the place of a lost rank)", me), -1};
   }
+  if (static_cast<std::size_t>(me) < r.expert_names.size() &&
+      static_cast<std::size_t>(me) < r.expert_channels.size())
+    st.experts =
+        role_handle{r.expert_names[static_cast<std::size_t>(me)], "expert-group", me,
+                    static_cast<std::uint16_t>(r.expert_channels[static_cast<std::size_t>(me)])};
   bind_comms(ctx, st, position);
   const mp::hybrid_groups g = groups_of(st);
   const int dpc = st.grid->coord(position, "dp"), ppc = st.grid->coord(position, "pp"),
@@ -361,6 +419,35 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
                                             : fmt::format(", resumed {} at step {}", st.cfg.resume,
                                                           st.hybrid->steps_done())),
           st.hybrid->steps_done()};
+}
+
+// parallel.ep > 1: the step's load of this rank's experts to its expert-group actor. A failed
+// report is said once on stderr and training goes on (introspection only).
+void report_expert_load(role_context& ctx, trainer_state& st, std::int64_t step) {
+  const mp::ep_step_load* l = st.hybrid->last_expert_load();
+  if (l == nullptr || !st.experts || st.experts_failed) return;
+  node& n = ctx.node();
+  const int position = st.layout.position_of(n.rank());
+  expert_load_report r;
+  r.step = step;
+  r.dp = st.grid->coord(position, "dp");
+  r.ep = r.dp % st.cfg.plan.ep;
+  r.edp = r.dp / st.cfg.plan.ep;
+  r.first_expert = l->first_expert;
+  r.tokens = l->tokens;
+  r.served = l->served;
+  r.dropped = l->dropped;
+  r.imbalance = l->imbalance;
+  r.all_to_all_s = l->exchange_seconds;
+  r.compute_s = l->compute_seconds;
+  try {
+    job side(n);  // a job object belongs to the thread that uses it: made here, for the ask
+    side.ask<expert_load_ack>(*st.experts, r, std::chrono::seconds(30));
+  } catch (const std::exception& e) {
+    st.experts_failed = true;
+    std::fprintf(stderr, "troupe: rank %d: the expert load of step %lld did not reach %s: %s\n",
+                 n.rank(), static_cast<long long>(step), st.experts->name.c_str(), e.what());
+  }
 }
 
 // A step's reply and its series for introspection.
@@ -419,6 +506,7 @@ step_reply step_done(role_context& ctx, trainer_state& st, const models::step_re
   out.step = res.step;
   out.bubble = st.hybrid->last_bubble_fraction();
   out.comm_wait = st.hybrid->last_comm_wait_seconds();
+  if (const auto* l = st.hybrid->last_expert_load()) out.all_to_all = l->exchange_seconds;
   // The step's series for introspection (the dashboard's charts): the bytes each memory tier this
   // process has used holds as the step ends.
   std::map<std::string, double> values = {
@@ -437,6 +525,7 @@ step_reply step_done(role_context& ctx, trainer_state& st, const models::step_re
           static_cast<double>(used.in_use);
   }
   ctx.record_step(res.step, values);
+  report_expert_load(ctx, st, res.step);
   ctx.set_activity("idle");
   return out;
 }
@@ -678,6 +767,7 @@ save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& 
 }  // namespace
 
 void add_trainer_role(role_registry& roles) {
+  add_expert_group_role(roles);
   roles.add("trainer", [](role_builder& b, role_context&) {
     auto st = std::make_shared<trainer_state>();
     b.on<setup_request>([st](role_context& c, const setup_request& r) { return setup(c, st, r); });
@@ -762,6 +852,12 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    ? fmt::format(" plus elastic.spares {}", cfg.elastic_spares)
                    : std::string(),
                " but the job has ", n.world_size(), " ranks");
+  TROUPE_CHECK(!elastic || cfg.plan.ep == 1, "elastic.* (--elastic) with parallel.ep (--ep) ",
+               cfg.plan.ep, ": elastic runs do not restore expert-parallel pieces yet");
+  TROUPE_CHECK(cfg.plan.ep == 1 || (cfg.plan.cp == 1 && cfg.plan.tp == 1 && cfg.plan.pp == 1),
+               "parallel.ep (--ep) ", cfg.plan.ep, " with parallel.cp (--cp) ", cfg.plan.cp,
+               ", parallel.tp (--tp) ", cfg.plan.tp, " and parallel.pp (--pp) ", cfg.plan.pp,
+               ": expert parallelism runs with cp = tp = pp = 1 so far");
   TROUPE_CHECK(!elastic || cfg.plan.zero == 0, "elastic.*: parallel.zero ", cfg.plan.zero,
                ": elastic runs restore pieces with whole optimizer state only (parallel.zero 0); ",
                "ZeRO 1 and 2 all-gather parameters in their commit, ZeRO 3 keeps its master ",
@@ -774,10 +870,20 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     return out;
   };
   training_summary sum;
-  auto lines = j.ask_all<setup_reply>(
-      trainers,
-      setup_request{models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}},
-      std::chrono::minutes(5));
+  setup_request setup{
+      models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}, {}, {}};
+  // Expert parallelism: an expert-group actor beside each trainer, told its load every step.
+  std::vector<role_handle> expert_groups;
+  if (cfg.plan.ep > 1) expert_groups = j.spawn_on_all("expert-group");
+  for (const auto& e : expert_groups) {
+    setup.expert_names.push_back(e.name);
+    setup.expert_channels.push_back(e.channel);
+  }
+  auto stop_all = [&] {
+    for (const auto& t : trainers) j.stop(t);
+    for (const auto& e : expert_groups) j.stop(e);
+  };
+  auto lines = j.ask_all<setup_reply>(trainers, setup, std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
   const std::int64_t resumed = lines.front().step;  // checkpoint.resume: the step to go on from
   for (auto& l : lines)
@@ -805,6 +911,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       rep.result.seconds = std::max(rep.result.seconds, r.seconds);
       rep.bubble = std::max(rep.bubble, r.bubble);
       rep.comm_wait = std::max(rep.comm_wait, r.comm_wait);
+      rep.all_to_all = std::max(rep.all_to_all, r.all_to_all);
     }
     return rep.result;
   };
@@ -1015,9 +1122,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (auto& sv : j.ask_all<save_reply>(active(), save_request{folder}, std::chrono::minutes(5)))
       if (!sv.written.empty()) sum.checkpoint = sv.written;
   };
-  policy.failed = [&](std::exception_ptr, const models::train_progress&) {
-    for (const auto& t : trainers) j.stop(t);
-  };
+  policy.failed = [&](std::exception_ptr, const models::train_progress&) { stop_all(); };
   models::train_hooks hooks;
   hooks.on_step = [&](const models::step_result&) {
     if (o.on_step) o.on_step(rep);
@@ -1026,7 +1131,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   sum.progress = models::run_train_loop(cfg, resumed, policy, hooks);
   for (auto& m : j.ask_all<memory_reply>(active(), memory_request{}, std::chrono::minutes(1)))
     sum.memory.push_back(m.line);
-  for (const auto& t : trainers) j.stop(t);
+  stop_all();
   return sum;
 }
 

@@ -16,6 +16,8 @@
 //                   the saved step under any plan
 //
 // Trainers report their mesh coordinates, activity and metrics to introspection (troupe ps/top).
+// With expert parallelism (parallel.ep > 1) the driver also spawns an expert-group actor on every
+// rank (expert_group.hpp), which each trainer tells its experts' load after every step.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,7 @@ struct step_report {
   models::step_result result;  // loss, grad norm, lr, tokens, seconds (the slowest rank's)
   double bubble = 0;           // pipeline idle share (the largest over the stages)
   double comm_wait = 0;        // seconds waiting for gradient collectives (the largest)
+  double all_to_all = 0;       // parallel.ep > 1: seconds in the MoE all-to-alls (the largest)
 };
 
 struct training_summary {

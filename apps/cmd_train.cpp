@@ -156,12 +156,14 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
       for (const auto& r : ranks) fmt::print("  {}\n", r);
       std::fflush(stdout);
     };
-    double bubble = 0, wait = 0;
+    double bubble = 0, wait = 0, all_to_all = 0, step_seconds = 0;
     d.on_step = [&](const actors::step_report& r) {
       if (!bar) bar.emplace(r.result.step - 1, cfg.steps, cfg.log_every, json.get());
       bar->report(r.result);
       bubble += r.bubble;
       wait += r.comm_wait;
+      all_to_all += r.all_to_all;
+      step_seconds += r.result.seconds;
     };
     d.on_save = print_saved;
     d.on_recovery = [](const std::string& line) {
@@ -175,6 +177,10 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
         "{:.2f} ms per step\n",
         models::trained_line(sum.progress), ran > 0 ? 100.0 * bubble / ran : 0.0,
         ran > 0 ? 1e3 * wait / ran : 0.0);
+    if (cfg.plan.ep > 1 && ran > 0)
+      fmt::print(
+          "expert all-to-alls: {:.2f} ms per step, {:.1f}% of the step (the slowest rank's)\n",
+          1e3 * all_to_all / ran, 100.0 * all_to_all / std::max(step_seconds, 1e-9));
     for (const auto& m : sum.memory) fmt::print("  {}\n", m);
     if (!sum.checkpoint.empty()) {
       fmt::print(
@@ -336,6 +342,9 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::moe_capacity_factor>(
       *c, sub, "--moe-capacity-factor",
       "MoE models: each expert's capacity factor (0: dropless; over capacity: dropped)");
+  bind<&train_config::moe_aux_loss_coef>(
+      *c, sub, "--moe-aux-loss-coef",
+      "MoE models: the router's aux loss coefficient (< 0: the model's; 0: no aux loss)");
   bind<&train_config::data_tokens>(*c, sub, "--tokens", "Token file (troupe tokenize)");
   bind<&train_config::data_text>(*c, sub, "--text", "Text file or folder, bytes as tokens");
   bind<&train_config::steps>(*c, sub, "--steps", "Optimizer steps");

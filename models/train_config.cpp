@@ -150,6 +150,7 @@ const std::map<std::string, setter>& setters() {
       {"model.hf", set(&train_config::model_hf)},
       {"model.size", set(&train_config::model_size)},
       {"model.moe_capacity_factor", set(&train_config::moe_capacity_factor)},
+      {"model.moe_aux_loss_coef", set(&train_config::moe_aux_loss_coef)},
       {"data.tokens", set(&train_config::data_tokens)},
       {"data.text", set(&train_config::data_text)},
       {"train.steps", set(&train_config::steps)},
@@ -490,6 +491,7 @@ std::string to_toml(const train_config& c) {
   if (!c.model_hf.empty()) model.insert("hf", c.model_hf);
   model.insert("size", c.model_size);
   model.insert("moe_capacity_factor", c.moe_capacity_factor);
+  if (c.moe_aux_loss_coef >= 0) model.insert("moe_aux_loss_coef", c.moe_aux_loss_coef);
   if (!c.data_tokens.empty()) data.insert("tokens", c.data_tokens);
   data.insert("text", c.data_text);
   train.insert("steps", c.steps);

@@ -45,6 +45,11 @@ struct train_config {
   // MoE models only (model.moe_capacity_factor): 0 routes dropless; > 0 caps each expert's rows
   // at ceil(factor x rows x top_k / experts) and drops the choices beyond (models/moe.hpp).
   double moe_capacity_factor = 0;
+  // MoE models only (model.moe_aux_loss_coef): the router's load-balancing loss coefficient; < 0
+  // keeps the model's (config.json's router_aux_loss_coef), 0 turns the aux loss off (as
+  // output_router_logits false: the loss is then a mean over tokens, which a data- or
+  // expert-parallel run reproduces exactly; each rank's aux loss is over its own rows).
+  double moe_aux_loss_coef = -1;
   // [data]
   std::string data_tokens;                              // a token file (models/text)
   std::string data_text = "/usr/share/games/fortunes";  // byte-level text (file or folder)

@@ -121,6 +121,7 @@ TEST_CASE("A job written as TOML text reads back equal") {
   c.clip = 0.5;
   c.fixed_batch = true;
   c.ckpt_dir = "/tmp/ck";
+  c.moe_aux_loss_coef = 0;  // written only when set (>= 0)
   c.plan.dp = 2;
   c.plan.pp = 2;
   c.plan.zero = 1;

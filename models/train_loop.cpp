@@ -84,6 +84,14 @@ hf::model_config model_config_of(const train_config& cfg) {
                  ": the model '", model_label(cfg), "' has no experts (it is not an MoE model)");
     moe->capacity_factor = cfg.moe_capacity_factor;
   }
+  if (cfg.moe_aux_loss_coef >= 0) {
+    auto* moe = std::get_if<hf::moe_config>(&m);
+    TROUPE_CHECK(moe != nullptr, "model.moe_aux_loss_coef (--moe-aux-loss-coef) ",
+                 cfg.moe_aux_loss_coef, ": the model '", model_label(cfg),
+                 "' has no experts (it is not an MoE model)");
+    moe->router_aux_loss_coef = cfg.moe_aux_loss_coef;
+    moe->output_router_logits = cfg.moe_aux_loss_coef > 0;
+  }
   return m;
 }
 

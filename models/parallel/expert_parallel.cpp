@@ -83,13 +83,14 @@ std::string ep_plan_problems(const hf::model_config& model, const train_config& 
         fmt::format("parallel.tp {}, parallel.pp {}: expert parallelism runs with tp = "
                     "pp = 1 (tensor and pipeline placements of experts are not written)",
                     p.tp, p.pp));
-  if (p.zero > 1)
-    out.push_back(
-        fmt::format("parallel.zero (--zero) {}: expert parallelism runs with ZeRO 0 or 1", p.zero));
-  if (p.zero == 1 && cfg.decay_exempt)
-    out.push_back(
-        "optim.decay_exempt with parallel.zero 1 under parallel.ep: the sharded update decays "
-        "every parameter");
+  if (p.zero > 2)
+    out.push_back(fmt::format(
+        "parallel.zero (--zero) {}: expert parallelism runs with ZeRO 0, 1 or 2", p.zero));
+  if (p.zero >= 1 && cfg.decay_exempt)
+    out.push_back(fmt::format(
+        "optim.decay_exempt with parallel.zero {} under parallel.ep: the sharded update decays "
+        "every parameter",
+        p.zero));
   if (p.microbatches != 1)
     out.push_back(fmt::format(
         "parallel.microbatches {}: expert parallelism runs one microbatch per rank (use "
@@ -118,7 +119,9 @@ struct grad_range {
   bool expert = false;
 };
 
-// The parameters' ranges in layer_memory order, adjacent ones of the same kind merged.
+// The parameters' ranges in layer_memory order, consecutive ones of the same kind merged, with the
+// alignment padding between them (its gradients stay zero; reducing and updating them changes
+// nothing). Fails when parameters overlap or lie outside the buffer.
 std::vector<grad_range> ranges_of(const slot_list& slots, const tensor& params) {
   std::vector<grad_range> r;
   for (const auto& s : slots.slots()) {
@@ -130,17 +133,17 @@ std::vector<grad_range> ranges_of(const slot_list& slots, const tensor& params) 
   }
   std::sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.begin < b.begin; });
   std::vector<grad_range> merged;
+  std::int64_t end = 0;
   for (const auto& x : r) {
-    if (!merged.empty() && merged.back().expert == x.expert &&
-        merged.back().begin + merged.back().length == x.begin)
-      merged.back().length += x.length;
+    TROUPE_CHECK(x.begin >= end && x.begin + x.length <= params.numel(),
+                 "ep_trainer: a parameter at [", x.begin, ", ", x.begin + x.length,
+                 ") overlaps another or lies outside the flat buffer of ", params.numel());
+    if (!merged.empty() && merged.back().expert == x.expert)
+      merged.back().length = x.begin + x.length - merged.back().begin;
     else
       merged.push_back(x);
+    end = x.begin + x.length;
   }
-  std::int64_t covered = 0;
-  for (const auto& x : merged) covered += x.length;
-  TROUPE_CHECK(covered == params.numel(), "ep_trainer: the parameters cover ", covered, " of ",
-               params.numel(), " elements of the flat buffer");
   return merged;
 }
 
@@ -168,6 +171,7 @@ struct ep_trainer::impl {
   };
   std::vector<chunk> chunks;
   owned_tensor gather_in, gather_out;  // zero 1: staging of the padded all_gather
+  owned_tensor state_m, state_v;       // zero 1: optimizer_state's copy of the chunks' moments
   std::vector<std::int32_t> draw_rows, rows, targets;
 
   collective::communicator& group_of(const grad_range& r) const {
@@ -236,6 +240,66 @@ std::int64_t ep_trainer::optimizer_elements() const {
   return n;
 }
 
+dp_trainer::optimizer_view ep_trainer::optimizer_state() {
+  auto& I = *impl_;
+  dp_trainer::optimizer_view out;
+  if (I.full) {
+    out.m = I.full->m();
+    out.v = I.full->v();
+    out.runs.push_back({0, 0, I.full->m().numel()});
+    out.steps = I.full->steps_taken();
+    out.whole = true;
+    return out;
+  }
+  const std::int64_t n = std::max<std::int64_t>(optimizer_elements(), 1);
+  if (!I.state_m.view().defined() || I.state_m.view().numel() != n) {
+    I.state_m = zeros({n});
+    I.state_v = zeros({n});
+  }
+  out.m = I.state_m.view();
+  out.v = I.state_v.view();
+  std::int64_t at = 0;
+  for (const auto& k : I.chunks) {
+    if (!k.opt) continue;
+    ops::copy(k.opt->m(), out.m.narrow(0, at, k.length));
+    ops::copy(k.opt->v(), out.v.narrow(0, at, k.length));
+    out.runs.push_back({k.begin, at, k.length});
+    out.steps = k.opt->steps_taken();
+    at += k.length;
+  }
+  return out;
+}
+
+void ep_trainer::set_moments(const tensor& m, const tensor& v) {
+  auto& I = *impl_;
+  TROUPE_CHECK(m.numel() >= optimizer_elements() && v.numel() >= optimizer_elements(),
+               "ep_trainer: moments of ", m.numel(), " and ", v.numel(),
+               " elements for a state of ", optimizer_elements());
+  if (I.full) {
+    if (m.data() != I.full->m().data()) ops::copy(m.narrow(0, 0, I.full->m().numel()), I.full->m());
+    if (v.data() != I.full->v().data()) ops::copy(v.narrow(0, 0, I.full->v().numel()), I.full->v());
+    return;
+  }
+  std::int64_t at = 0;
+  for (const auto& k : I.chunks) {
+    if (!k.opt) continue;
+    ops::copy(m.narrow(0, at, k.length), k.opt->m());
+    ops::copy(v.narrow(0, at, k.length), k.opt->v());
+    at += k.length;
+  }
+}
+
+void ep_trainer::set_progress(std::int64_t steps_done, std::int64_t optimizer_steps) {
+  auto& I = *impl_;
+  TROUPE_CHECK(steps_done >= 0 && optimizer_steps >= 0 && optimizer_steps <= steps_done,
+               "ep_trainer: cannot resume at step ", steps_done, " with ", optimizer_steps,
+               " optimizer steps");
+  step_ = steps_done;
+  if (I.full) I.full->set_steps_taken(optimizer_steps);
+  for (auto& k : I.chunks)
+    if (k.opt) k.opt->set_steps_taken(optimizer_steps);
+}
+
 step_result ep_trainer::step(const trainer::batch_source& data) {
   auto& I = *impl_;
   const auto t0 = std::chrono::steady_clock::now();
@@ -275,15 +339,17 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   }
 
   load.exchange_seconds = I.exchange->seconds() - exchanged;
-  load.compute_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto issued = std::chrono::steady_clock::now();
+  load.compute_seconds = std::chrono::duration<double>(issued - t0).count();
 
-  // The gradients: non-expert over dp, expert over the expert-data-parallel group; the loss and
-  // the load over dp. Every rank issues the same ops in the same order (the layouts agree).
+  // The gradients: non-expert over dp, expert over the expert-data-parallel group (ZeRO 2:
+  // reduce-scattered below); the loss and the load over dp. Every rank issues the same ops in the
+  // same order (the layouts agree).
+  const bool zero2 = c.plan.zero == 2;
   std::vector<collective::work> pending;
   for (const auto& r : I.ranges) {
     auto& grp = I.group_of(r);
-    if (grp.size() > 1)
+    if (grp.size() > 1 && !zero2)
       pending.push_back(grp.allreduce(grads.narrow(0, r.begin, r.length).data(),
                                       static_cast<std::size_t>(r.length), dtype::f32));
   }
@@ -292,6 +358,8 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   stats.push_back(static_cast<double>(load.dropped));
   if (dp > 1) pending.push_back(I.g.dp->allreduce(stats.data(), stats.size(), dtype::f64));
   for (auto& w : pending) w.wait();
+  const auto reduced = std::chrono::steady_clock::now();
+  load.reduce_seconds = std::chrono::duration<double>(reduced - issued).count();
   loss = stats[tokens.size()] / (static_cast<double>(dp) * static_cast<double>(c.grad_accum));
   load.dropped = static_cast<std::int64_t>(stats[tokens.size() + 1]);
   load.tokens.assign(tokens.size(), 0);
@@ -303,21 +371,54 @@ step_result ep_trainer::step(const trainer::batch_source& data) {
   }
   load.imbalance = sum > 0 ? most * static_cast<double>(tokens.size()) / sum : 0.0;
 
-  // The global norm: the non-expert part (the same on every rank) and the expert parts of the ep
-  // group's ranks (disjoint experts; every expert-parallel group holds the same values).
-  double sq[2] = {0, 0};
-  for (const auto& r : I.ranges)
-    sq[r.expert ? 1 : 0] += sum_squares(grads.narrow(0, r.begin, r.length));
-  if (I.g.ep->size() > 1) I.g.ep->allreduce(&sq[1], 1, dtype::f64).wait();
   step_result res;
-  res.grad_norm = std::sqrt(sq[0] + sq[1]);
-  const double f = clip_factor(res.grad_norm, c.clip);
-  if (f != 1.0) ops::scale(grads, f);
+  if (zero2) {
+    // ZeRO 2: each range reduce-scattered over its group (padded to chunk x group size in the
+    // staging buffer), this rank's chunk of the sum written back into its place in grads; the
+    // rest of grads is this rank's own and is not read again. The norm: the chunks of every dp
+    // rank hold each element once (the non-expert ranges over dp; an expert's range over the edp
+    // ranks of the one ep rank holding it), so their squares summed over dp.
+    double sq = 0;
+    for (std::size_t i = 0; i < I.ranges.size(); ++i) {
+      const auto& r = I.ranges[i];
+      const auto& k = I.chunks[i];
+      auto& grp = I.group_of(r);
+      if (grp.size() > 1) {
+        const std::int64_t all = k.chunk * grp.size();
+        const tensor in = I.gather_out.narrow(0, 0, all);
+        const tensor out = I.gather_in.narrow(0, 0, k.chunk);
+        ops::copy(grads.narrow(0, r.begin, r.length), in.narrow(0, 0, r.length));
+        if (all > r.length) ops::fill(in.narrow(0, r.length, all - r.length), 0.0);
+        grp.reduce_scatter(in.data(), out.data(), static_cast<std::size_t>(k.chunk), dtype::f32)
+            .wait();
+        if (k.length > 0) ops::copy(out.narrow(0, 0, k.length), grads.narrow(0, k.begin, k.length));
+      }
+      if (k.length > 0) sq += sum_squares(grads.narrow(0, k.begin, k.length));
+    }
+    load.reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - reduced)
+                               .count();  // the reduce-scatters
+    if (dp > 1) I.g.dp->allreduce(&sq, 1, dtype::f64).wait();
+    res.grad_norm = std::sqrt(sq);
+    const double f = clip_factor(res.grad_norm, c.clip);
+    if (f != 1.0)
+      for (const auto& k : I.chunks)
+        if (k.length > 0) ops::scale(grads.narrow(0, k.begin, k.length), f);
+  } else {
+    // The global norm: the non-expert part (the same on every rank) and the expert parts of the
+    // ep group's ranks (disjoint experts; every expert-parallel group holds the same values).
+    double sq[2] = {0, 0};
+    for (const auto& r : I.ranges)
+      sq[r.expert ? 1 : 0] += sum_squares(grads.narrow(0, r.begin, r.length));
+    if (I.g.ep->size() > 1) I.g.ep->allreduce(&sq[1], 1, dtype::f64).wait();
+    res.grad_norm = std::sqrt(sq[0] + sq[1]);
+    const double f = clip_factor(res.grad_norm, c.clip);
+    if (f != 1.0) ops::scale(grads, f);
+  }
   res.lr = warmup_cosine_lr(step_, c.warmup, c.steps, c.lr, c.min_lr);
   if (I.full) {
     I.full->step(params, grads, res.lr);
   } else {
-    // ZeRO 1: each rank updates its chunk of every range, then the chunks are all-gathered.
+    // ZeRO 1 and 2: each rank updates its chunk of every range, then the chunks are all-gathered.
     for (std::size_t i = 0; i < I.ranges.size(); ++i) {
       const auto& r = I.ranges[i];
       auto& k = I.chunks[i];

@@ -21,15 +21,18 @@
 // AdamW then runs on this rank's parameters (zero 0), or (zero 1) each rank keeps the moments of
 // and updates 1 / n of every range, n its reduction group's size, and the updated chunks are
 // all-gathered over that group (the non-expert ranges over dp, the expert ranges over the
-// expert-data-parallel group).
+// expert-data-parallel group). ZeRO 2: the same chunks, and instead of the allreduce each range's
+// gradient is reduce-scattered over its group, so a rank receives only its chunk's sum (half an
+// allreduce's traffic); the norm is the chunks' squares summed over dp. The full-size gradient
+// buffer stays (backward writes it), so ZeRO 2 saves traffic here, not gradient memory yet.
 //
 // The per-step expert load (ep_step_load) is returned by last_load(): every expert's routed rows
 // over the whole job, this rank's experts' served rows, the imbalance and the dropped choices
 // (none: dropless).
 //
-// Not here: tensor and pipeline placements of an MoE model, ZeRO 2 and 3 (the ep_trainer refuses
-// them naming the setting), capacity (dropless only), and troupe train's engine (hybrid.hpp refuses
-// parallel.ep > 1, naming --ep).
+// troupe train's engine (hybrid.hpp) runs this trainer when parallel.ep > 1, across processes.
+// Not here: tensor and pipeline placements of an MoE model, ZeRO 3 (the ep_trainer refuses them
+// naming the setting), capacity (dropless only).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +46,7 @@
 #include "models/layers/moe_dispatch.hpp"
 #include "models/moe.hpp"
 #include "models/optim.hpp"
+#include "models/parallel/data_parallel.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
 
@@ -89,6 +93,9 @@ struct ep_step_load {
   // This rank's seconds in the MoE layers' all-to-alls during the step's forwards and backwards
   // (waiting for peers included), and the step's seconds up to the gradient reduction.
   double exchange_seconds = 0, compute_seconds = 0;
+  // The step's seconds from the gradient reduction's issue until it (the allreduces, or ZeRO 2's
+  // reduce-scatters) and the loss and load allreduce completed.
+  double reduce_seconds = 0;
   // The most loaded expert's tokens over the mean (1: balanced; at most n_expert / top_k; 0 for a
   // step without tokens).
   double imbalance = 0;
@@ -100,7 +107,7 @@ std::string describe(const ep_step_load& l);
 class ep_trainer {
  public:
   // An MoE `model` (its HF config) under cfg.plan: plan.ep = g.ep->size(), plan.dp = g.dp->size(),
-  // g.edp->size() = dp / ep; tp = pp = 1, zero 0 or 1, one microbatch; f32. Builds this rank's
+  // g.edp->size() = dp / ep; tp = pp = 1, zero 0, 1 or 2, one microbatch; f32. Builds this rank's
   // model piece (its experts only); set its weights (init_weights, or load by name) the same on
   // every rank before the first step.
   ep_trainer(const hf::model_config& model, const train_config& cfg, const ep_groups& g);
@@ -114,6 +121,15 @@ class ep_trainer {
   std::int64_t steps_done() const { return step_; }
   // Elements of AdamW state (m or v) this rank holds.
   std::int64_t optimizer_elements() const;
+
+  // Checkpoints (hybrid.hpp's save and resume): this rank's AdamW state in data_parallel's terms.
+  // ZeRO 0: the optimizer's own m and v over the whole piece (`whole`); ZeRO 1, 2: a copy of this
+  // rank's chunk of every range, run by run (flat coordinates of the piece's buffer).
+  // set_moments writes m and v laid out like that view into the state (ZeRO 0: a no-op when they
+  // are the view itself); set_progress sets the steps done and AdamW's update count (resuming).
+  dp_trainer::optimizer_view optimizer_state();
+  void set_moments(const tensor& m, const tensor& v);
+  void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
 
  private:
   struct impl;

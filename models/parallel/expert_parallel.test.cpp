@@ -183,7 +183,7 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 }  // namespace
 
 TEST_CASE(
-    "Expert parallel training at ep 2 dp 4 x ep 2 ep 4 and ep 2 with ZeRO 1 equals the "
+    "Expert parallel training at ep 2 dp 4 x ep 2 ep 4 and with ZeRO 1 and 2 equals the "
     "single process trainer",
     "[parallel]") {
   const train_config c = tiny_run();
@@ -193,8 +193,8 @@ TEST_CASE(
     int dp, ep, zero;
   };
   // (dp 2, ep 1: the same engine without expert parallelism, experts reduced over all of dp.)
-  for (plan p :
-       {plan{2, 2, 0}, plan{4, 2, 0}, plan{4, 4, 0}, plan{2, 2, 1}, plan{4, 2, 1}, plan{2, 1, 0}}) {
+  for (plan p : {plan{2, 2, 0}, plan{4, 2, 0}, plan{4, 4, 0}, plan{2, 2, 1}, plan{4, 2, 1},
+                 plan{2, 1, 0}, plan{2, 2, 2}, plan{4, 2, 2}}) {
     INFO("dp " << p.dp << " ep " << p.ep << " zero " << p.zero);
     const auto runs = expert_parallel(c, p.dp, p.ep, p.zero, testing::synthetic_rows);
     check_ranks(runs, ref);
@@ -204,8 +204,8 @@ TEST_CASE(
       // (each range's chunk rounded up: a few elements more).
       CHECK((r.param_elements < whole || p.ep == 1));
       if (p.zero == 0) CHECK(r.optimizer_elements == r.param_elements);
-      if (p.zero == 1) CHECK(r.optimizer_elements < r.param_elements);
-      if (p.zero == 1 && p.dp / p.ep >= 2) CHECK(r.optimizer_elements <= r.param_elements / 2 + 64);
+      if (p.zero >= 1) CHECK(r.optimizer_elements < r.param_elements);
+      if (p.zero >= 1 && p.dp / p.ep >= 2) CHECK(r.optimizer_elements <= r.param_elements / 2 + 64);
       // The load: every choice of the job counted once (layers x tokens x top_k), and the rows
       // this rank's experts served sum, over the group, to the group's choices.
       const auto& load = r.loads.back();
@@ -371,7 +371,7 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
       {"a dense model",
        [](train_config&, hf::model_config& m) { m = named_model_config("llama-tiny", 29).value(); },
        "parallel.ep (--ep) 2 needs an MoE model"},
-      {"ZeRO 2", [](train_config& c, hf::model_config&) { c.plan.zero = 2; }, "parallel.zero"},
+      {"ZeRO 3", [](train_config& c, hf::model_config&) { c.plan.zero = 3; }, "parallel.zero"},
       {"tp 2", [](train_config& c, hf::model_config&) { c.plan.tp = 2; }, "parallel.tp 2"},
       {"a capacity", [](train_config& c, hf::model_config&) { c.moe_capacity_factor = 1.25; },
        "model.moe_capacity_factor"},
@@ -394,22 +394,50 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
     CHECK(problems.find(b.names) != std::string::npos);
     std::printf("faults: expert parallelism with %s -> refused: %s\n", b.what, problems.c_str());
   }
-  // The engine itself refuses such a plan (here: ZeRO 2) with the same text.
+  // The engine itself refuses such a plan (here: ZeRO 3) with the same text.
   train_config c = tiny_run();
-  c.plan.dp = 2, c.plan.ep = 2, c.plan.zero = 2;
-  CHECK_THROWS_WITH(ep_trainer(tiny_moe(), c, g), Catch::Contains("parallel.zero (--zero) 2"));
-  // troupe train's engine (hybrid.hpp) refuses parallel.ep before any collective, naming --ep.
+  c.plan.dp = 2, c.plan.ep = 2, c.plan.zero = 3;
+  CHECK_THROWS_WITH(ep_trainer(tiny_moe(), c, g), Catch::Contains("parallel.zero (--zero) 3"));
+  // troupe train's engine (hybrid.hpp) runs parallel.ep through ep_trainer
+  // (tests/multirank/expert_parallel.test.cpp); a plan neither runs is refused before any
+  // collective, naming the flags.
   c.plan.zero = 0;
-  const parallel::hybrid_groups h{two[0].get(), one[0].get(), one[0].get(), one[0].get()};
-  for (bool moe : {true, false}) {
-    const hf::model_config m = moe ? tiny_moe() : named_model_config("llama-tiny", 29).value();
+  struct hybrid_bad {
+    const char* what;
+    std::function<void(train_config&)> set;
+    bool moe;
+    std::vector<const char*> names;
+  };
+  const std::vector<hybrid_bad> engine_cases = {
+      {"a dense model", [](train_config&) {}, false, {"parallel.ep (--ep) 2 needs an MoE model"}},
+      {"tp 2",
+       [](train_config& t) { t.plan.tp = 2; },
+       true,
+       {"parallel.ep (--ep) 2", "parallel.tp (--tp) 2"}},
+      {"pp 2",
+       [](train_config& t) { t.plan.pp = 2; },
+       true,
+       {"parallel.ep (--ep) 2", "parallel.pp (--pp) 2"}},
+      {"ZeRO 3", [](train_config& t) { t.plan.zero = 3; }, true, {"parallel.zero (--zero) 3"}},
+      {"bf16", [](train_config& t) { t.precision = "bf16"; }, true, {"train.precision bf16"}},
+  };
+  for (const auto& b : engine_cases) {
+    INFO(b.what);
+    train_config t = c;
+    b.set(t);
+    const hf::model_config m = b.moe ? tiny_moe() : named_model_config("llama-tiny", 29).value();
+    collective::communicator* mp = t.plan.tp * t.plan.pp > 1 ? two[0].get() : one[0].get();
+    parallel::hybrid_groups h{two[0].get(), t.plan.pp > 1 ? two[0].get() : one[0].get(),
+                              t.plan.tp > 1 ? two[0].get() : one[0].get(), mp};
+    h.ep = two[0].get();
+    h.edp = one[0].get();
     try {
-      parallel::hybrid_trainer t(m, c, h);
-      FAIL("the hybrid trainer accepted parallel.ep 2");
+      parallel::hybrid_trainer engine(m, t, h);
+      FAIL("the hybrid trainer accepted parallel.ep 2 with " << b.what);
     } catch (const troupe::error& e) {
-      CHECK_THAT(e.what(), Catch::Contains("parallel.ep (--ep) 2"));
-      std::printf("faults: troupe train's engine with parallel.ep 2 (%s) -> refused: %s\n",
-                  moe ? "MoE" : "dense", e.what());
+      for (const char* n : b.names) CHECK_THAT(e.what(), Catch::Contains(n));
+      std::printf("faults: troupe train's engine with parallel.ep 2 and %s -> refused: %s\n",
+                  b.what, e.what());
     }
   }
 }

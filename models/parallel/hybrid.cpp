@@ -18,6 +18,7 @@
 #include "models/hf/training_state.hpp"
 #include "models/parallel/context_parallel.hpp"
 #include "models/parallel/data_parallel.hpp"
+#include "models/parallel/expert_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/llama_stage.hpp"
 #include "models/parallel/mixed_piece.hpp"
@@ -74,10 +75,59 @@ struct hybrid_trainer::impl {
   std::unique_ptr<grad_producer> inner;   // bf16: the model's own piece, under `piece`
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
+  std::unique_ptr<ep_trainer> ep;      // parallel.ep > 1: the engine instead of dp (no piece)
   std::unique_ptr<whole_model> whole;  // the whole model's description only (no memory)
   piece_layout layout;
+  // Checkpoints: the moments' layout (the weights' but for who owns a run of a ZeRO shard) and the
+  // groups a save gathers over: the ranks that gather (rank 0 of `gather`) and the group whose
+  // parts make a whole model (`parts`): dp and mp, or under ep the edp and ep groups.
+  piece_layout moment_layout;
+  collective::communicator* gather = nullptr;
+  collective::communicator* parts = nullptr;
   std::string description;
+
+  dp_trainer::optimizer_view optimizer_state() const {
+    return ep ? ep->optimizer_state() : dp->optimizer_state();
+  }
+  void build_expert_parallel(const hf::model_config& model, bool recompute);
 };
+
+// Expert parallelism (expert_parallel.hpp): the rank's experts and everything else whole, trained
+// by ep_trainer over the dp, ep and edp groups. Checkpoints gather over edp (its rank 0: the dp
+// ranks of the first expert-parallel group) and ep (the parts: each expert on one ep rank, the
+// rest counted on ep rank 0).
+void hybrid_trainer::impl::build_expert_parallel(const hf::model_config& model, bool recompute) {
+  const auto& plan = cfg.plan;
+  TROUPE_CHECK(plan.cp == 1, "parallel.ep (--ep) ", plan.ep, " with parallel.cp (--cp) ", plan.cp,
+               ": expert and context parallelism do not compose yet");
+  TROUPE_CHECK(!cfg.tiers(), "parallel.ep (--ep) ", plan.ep,
+               " with memory tiers (--device-memory, --host-memory, --nvme-dir): expert ",
+               "parallelism keeps its pieces in host memory only so far");
+  TROUPE_CHECK(g.ep != nullptr && g.edp != nullptr && g.ep->size() == plan.ep &&
+                   g.edp->size() * plan.ep == plan.dp,
+               "hybrid_trainer: parallel.ep ", plan.ep, " needs an ep group of ", plan.ep,
+               " ranks and an expert-data-parallel group of parallel.dp / parallel.ep = ",
+               plan.dp / plan.ep);
+  train_config c = cfg;
+  c.recompute = recompute;
+  ep = std::make_unique<ep_trainer>(model, c, ep_groups{g.dp, g.ep, g.edp});
+  causal_lm& m = ep->model();
+  layout.slots = &m.slots();
+  layout.base = m.memory().params();
+  const int er = g.ep->rank();
+  layout.owns = [er](const tensor_slot& s) { return s.spec.expert >= 0 || er == 0; };
+  moment_layout = layout;
+  // ZeRO 1, 2: every rank's runs are its own chunks (disjoint over dp, or over edp for experts).
+  if (plan.zero >= 1) moment_layout.owns = {};
+  gather = g.edp;
+  parts = g.ep;
+  const std::int64_t n = to_moe_config(std::get<hf::moe_config>(model)).n_expert;
+  description = fmt::format(
+      "experts {}-{} of {} of every MoE layer (ep {} of {}, expert data parallel {} of {}), the "
+      "rest whole",
+      er * n / plan.ep, (er + 1) * n / plan.ep - 1, n, er, plan.ep, g.edp->rank(), g.edp->size());
+  if (recompute) description += ", recompute";
+}
 
 hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config& cfg,
                                const hybrid_groups& g)
@@ -107,6 +157,10 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     I.g.dp = g.dp_cp;
   }
   const scheduler::model_shape shape = shape_of(model, cfg);
+  TROUPE_CHECK(plan.ep == 1 || (plan.tp == 1 && plan.pp == 1), "parallel.ep (--ep) ", plan.ep,
+               " with parallel.tp (--tp) ", plan.tp, " and parallel.pp (--pp) ", plan.pp,
+               ": expert parallelism runs with tp = pp = 1 so far (tensor and pipeline ",
+               "placements of experts are not written)");
   // A family without tensor-parallel parts (tp_family.hpp) trains as a whole model per rank.
   with_family(model, [&](auto family, const auto&) {
     using F = typename decltype(family)::type;
@@ -119,9 +173,6 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // Expert parallelism: an MoE model's, in its own engine (models/parallel/expert_parallel.hpp).
   TROUPE_CHECK(plan.ep == 1 || shape.experts > 0, "parallel.ep (--ep) ", plan.ep,
                " needs an MoE model: this one has no experts");
-  TROUPE_CHECK(plan.ep == 1, "parallel.ep (--ep) ", plan.ep,
-               ": this engine (troupe train's) does not place experts yet; expert parallelism runs "
-               "in models/parallel/expert_parallel.hpp's ep_trainer");
   auto problems = scheduler::validate(plan, shape, world);
   if (plan.tp > 1 && shape.ffn % plan.tp != 0)
     problems.push_back(fmt::format("parallel.tp = {} does not divide {} = {}", plan.tp,
@@ -145,6 +196,18 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
 
   const batch_dims dims{dp_trainer::microbatch_rows(cfg), cfg.seq};
   I.whole = std::make_unique<whole_model>(model);
+  I.gather = I.g.dp;
+  I.parts = g.mp;
+  if (plan.ep > 1) {
+    I.build_expert_parallel(model, recompute);
+    const std::string& from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
+    if (!from.empty())
+      load_piece(*I.whole, from, I.layout, I.layout.base);
+    else
+      init_piece(*I.whole, cfg.seed, I.layout, I.layout.base);
+    if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
+    return;
+  }
 
   const tp_group tg{plan.tp > 1 ? g.tp : nullptr, plan.sp};
   // The rank's piece of the family (models/families.hpp): its pipeline stage or its tensor shard.
@@ -204,6 +267,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.layout.tp = plan.tp;
   grad_producer* piece = I.piece.get();
   I.layout.owns = [piece](const tensor_slot& s) { return piece->counts_in_norm(s); };
+  I.moment_layout = I.layout;
   // The piece's weights, one whole parameter at a time: a checkpoint's (checkpoint.resume, else
   // model.hf), or the single-process model's init.
   const std::string& from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
@@ -238,28 +302,33 @@ void hybrid_trainer::resume(const std::filesystem::path& folder, const whole_lay
   check_steps_left(file.state().step, I.cfg, folder.string());
   check_data_position(file.state().extra_json, I.cfg, (folder / "trainer_state.json").string());
   scatter_moments(whole, file.f32_view(file.m()), file.f32_view(file.v()));
-  I.dp->set_progress(file.state().step, file.state().optimizer_steps);
+  set_progress(file.state().step, file.state().optimizer_steps);
 }
 
 void hybrid_trainer::gather_moments(const whole_layout& whole, const tensor& m, const tensor& v) {
   auto& I = *impl_;
-  parallel::gather_moments(I.layout, I.dp->optimizer_state(), whole, *I.g.dp, *I.g.mp, m, v);
+  parallel::gather_moments(I.moment_layout, I.optimizer_state(), whole, *I.gather, *I.parts, m, v);
 }
 
 void hybrid_trainer::scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v) {
   auto& I = *impl_;
   // Read into copies first: the optimizer's state changes only once every part was read.
-  const auto mine = I.dp->optimizer_state();
+  const auto mine = I.optimizer_state();
   owned_tensor sm = zeros(mine.m.sizes()), sv = zeros(mine.v.sizes());
   auto staged = mine;
   staged.m = sm;
   staged.v = sv;
-  parallel::scatter_moments(whole, m, v, I.layout, staged);
+  parallel::scatter_moments(whole, m, v, I.moment_layout, staged);
+  if (I.ep) {  // ZeRO 1: mine is a copy of the chunks' state
+    I.ep->set_moments(sm, sv);
+    return;
+  }
   ops::copy(sm, mine.m);
   ops::copy(sv, mine.v);
 }
 
 std::string hybrid_trainer::moment_tiers_line() {
+  if (!impl_->dp) return {};
   auto* tm = impl_->dp->moment_tiers_manager();
   if (tm == nullptr) return {};
   const auto r = tm->report();
@@ -274,7 +343,7 @@ std::string hybrid_trainer::moment_tiers_line() {
 }
 
 std::int64_t hybrid_trainer::optimizer_steps() const {
-  return impl_->dp->optimizer_state().steps;
+  return impl_->optimizer_state().steps;
 }
 
 namespace {
@@ -294,10 +363,12 @@ struct staged_folder {
 std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   auto& I = *impl_;
   const whole_layout& wl = I.whole->layout();
-  const bool writer = I.g.dp->rank() == 0 && I.g.mp->rank() == 0;
-  const bool gathers = I.g.dp->rank() == 0;  // dp rank 0's replica gathers the weights
+  auto& gather = *I.gather;
+  auto& parts = *I.parts;
+  const bool writer = gather.rank() == 0 && parts.rank() == 0;
+  const bool gathers = gather.rank() == 0;  // dp rank 0's replica gathers the weights
   const std::string what = fmt::format("hybrid_trainer::save '{}'", folder.string());
-  if (I.cfg.plan.zero == 3) I.dp->gather_full_parameters();
+  if (I.cfg.plan.zero == 3 && I.dp) I.dp->gather_full_parameters();
   // A rank's own work (checks, allocations, gathers, the writer's writes) runs in `attempt`, which
   // keeps the first failure; the collectives run on every rank all the same. After each phase the
   // ranks agree: when any failed, every rank throws there (the failed ones their own error, the
@@ -311,7 +382,7 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
       failed = std::current_exception();
     }
   };
-  auto agree = [&] { agree_on_failure(failed, *I.g.dp, *I.g.mp, what); };
+  auto agree = [&] { agree_on_failure(failed, gather, parts, what); };
   // The writer streams the files into `<folder>.partial`, put in place once every byte is there
   // (hf::publish_folder); a failed save removes it (a failed publish keeps it and names it) and
   // leaves `folder` as it was.
@@ -356,10 +427,10 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
       });
       float* flag = static_cast<float*>(flat.data()) + numel;
       *flag = failed ? 1.0f : 0.0f;
-      if (I.g.mp->size() > 1) {
+      if (parts.size() > 1) {
         collective::options o;
         o.op = collective::reduce_op::sum;
-        I.g.mp->allreduce(flat.data(), static_cast<std::size_t>(numel + 1), flat.type(), o).wait();
+        parts.allreduce(flat.data(), static_cast<std::size_t>(numel + 1), flat.type(), o).wait();
       }
       if (*flag > 0.0f) break;
       if (writer) attempt([&] { weights->write(full); });
@@ -368,10 +439,10 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   agree();
   // AdamW's moments: all of m, then all of v (the file's order), in windows; a failure on any
   // rank (the writer's append included) throws on every rank (gather_moment_windows).
-  const auto opt = I.dp->optimizer_state();
+  const auto opt = I.optimizer_state();
   for (auto which : {which_moments::m, which_moments::v})
     gather_moment_windows(
-        I.layout, opt, wl, *I.g.dp, *I.g.mp,
+        I.moment_layout, opt, wl, gather, parts,
         [&](std::int64_t, const tensor& wm, const tensor& wv) {
           moments->append(which == which_moments::m ? wm : wv);
         },
@@ -393,22 +464,31 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
 hybrid_trainer::~hybrid_trainer() = default;
 
 step_result hybrid_trainer::step(const trainer::batch_source& data) {
+  if (impl_->ep) return impl_->ep->step(data);
   return impl_->dp->step(data);
 }
 
+namespace {
+constexpr const char* no_elastic_ep =
+    ": elastic runs (--elastic) with parallel.ep (--ep) > 1 are not supported yet";
+}  // namespace
+
 void hybrid_trainer::prepare(const trainer::batch_source& data) {
+  TROUPE_CHECK(impl_->dp, "hybrid_trainer::prepare", no_elastic_ep);
   impl_->dp->prepare(data);
 }
 
 step_result hybrid_trainer::commit() {
+  TROUPE_CHECK(impl_->dp, "hybrid_trainer::commit", no_elastic_ep);
   return impl_->dp->commit();
 }
 
 void hybrid_trainer::discard_prepared() {
-  impl_->dp->discard_prepared();
+  if (impl_->dp) impl_->dp->discard_prepared();
 }
 
 hybrid_trainer::piece_state hybrid_trainer::state() const {
+  TROUPE_CHECK(impl_->dp, "hybrid_trainer::state", no_elastic_ep);
   const auto opt = impl_->dp->optimizer_state();
   return {.params = impl_->piece->memory().params(),
           .m = opt.m,
@@ -419,15 +499,18 @@ hybrid_trainer::piece_state hybrid_trainer::state() const {
 }
 
 void hybrid_trainer::set_progress(std::int64_t steps_done, std::int64_t optimizer_steps) {
+  if (impl_->ep) return impl_->ep->set_progress(steps_done, optimizer_steps);
   impl_->dp->set_progress(steps_done, optimizer_steps);
 }
 
 void hybrid_trainer::revive() {
+  TROUPE_CHECK(impl_->dp, "hybrid_trainer::revive", no_elastic_ep);
   impl_->dp->discard_prepared();
   if (impl_->runner != nullptr) impl_->runner->revive();
 }
 
 std::int64_t hybrid_trainer::steps_done() const {
+  if (impl_->ep) return impl_->ep->steps_done();
   return impl_->dp->steps_done();
 }
 
@@ -436,7 +519,7 @@ const whole_layout& hybrid_trainer::whole() const {
 }
 
 std::int64_t hybrid_trainer::parameters() const {
-  return impl_->piece->slots().param_count();
+  return impl_->layout.slots->param_count();
 }
 
 std::string hybrid_trainer::describe() const {
@@ -448,7 +531,12 @@ double hybrid_trainer::last_bubble_fraction() const {
 }
 
 double hybrid_trainer::last_comm_wait_seconds() const {
+  if (impl_->ep) return impl_->ep->last_load().reduce_seconds;
   return impl_->dp->last_comm_wait_seconds();
+}
+
+const ep_step_load* hybrid_trainer::last_expert_load() const {
+  return impl_->ep ? &impl_->ep->last_load() : nullptr;
 }
 
 std::unique_ptr<causal_lm> make_whole_model(const hf::model_config& model, std::int64_t seq) {

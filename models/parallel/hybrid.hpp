@@ -1,7 +1,9 @@
 // hybrid_trainer: one rank's part of a dp x pp x tp (or dp x cp) training run, composed from the
 // pieces of models/parallel: the rank's model piece (the whole model, a tensor-parallel shard, a
 // pipeline stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine
-// (dp_trainer: gradient buckets, ZeRO, clipping over the model-parallel group, AdamW).
+// (dp_trainer: gradient buckets, ZeRO, clipping over the model-parallel group, AdamW). With
+// parallel.ep > 1 (an MoE model) the piece is the rank's experts and everything else, trained by
+// ep_trainer (expert_parallel.hpp) over the dp, ep and edp groups instead.
 //
 // Every rank of the job builds one with the same train_config and its own communicators (over UCX
 // in a launched job, over threads in tests); step() is collective over all of them. The update
@@ -41,7 +43,14 @@ struct hybrid_groups {
   // rank's samples, in sequence order, and dp x cp (cp fastest), the engine's group then.
   collective::communicator* cp = nullptr;
   collective::communicator* dp_cp = nullptr;
+  // Expert parallelism (parallel.ep > 1 only; expert_parallel.hpp): this rank's expert-parallel
+  // group (ep consecutive dp ranks) and expert-data-parallel group (the dp / ep ranks holding the
+  // same experts).
+  collective::communicator* ep = nullptr;
+  collective::communicator* edp = nullptr;
 };
+
+struct ep_step_load;
 
 class hybrid_trainer {
  public:
@@ -108,6 +117,9 @@ class hybrid_trainer {
   std::string describe() const;         // "stage 1 of 2 (blocks 2-3), tensor shard 0 of 2"
   double last_bubble_fraction() const;  // pipeline idle share of the last step (0 without pp)
   double last_comm_wait_seconds() const;
+  // parallel.ep > 1: the last step's expert load of this rank's experts (ep_trainer::last_load);
+  // nullptr otherwise.
+  const ep_step_load* last_expert_load() const;
 
  private:
   struct impl;
