@@ -571,8 +571,10 @@ save_reply save(role_context& ctx, trainer_state& st, const save_request& r) {
 status_reply status(role_context& ctx, trainer_state& st) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid, ctx.name(), ": status of a trainer that holds no piece");
-  const auto s = st.hybrid->state();
-  return {s.steps, s.optimizer_steps, st.layout.generation, st.own.steps, st.own.optimizer_steps};
+  // Not state(): under ZeRO 1 and 2 that makes the shard the parameters' copy of record, which
+  // only every rank of the dp group together may do (status asks the survivors only).
+  return {st.hybrid->steps_done(), st.hybrid->optimizer_steps(), st.layout.generation, st.own.steps,
+          st.own.optimizer_steps};
 }
 
 std::unique_ptr<collective::communicator> pair_comm(node& n, const collective::rank_group& g,
@@ -668,6 +670,9 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     st.hybrid->revive();
     st.broken.clear();
     what = "survivor";
+    // ZeRO 1 and 2: the shard becomes the parameters' copy of record on every rank (a restored or
+    // rolled-back shard is written below), and the next step gathers them from the shards.
+    (void)st.hybrid->state();
     if (st.hybrid->steps_done() != r.steps) {
       // Buddy replicas: back to this rank's own snapshot of the last replicated step.
       TROUPE_CHECK(st.own.steps == r.steps, ctx.name(), ": it has done ", st.hybrid->steps_done(),
@@ -688,6 +693,7 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     cfg.resume.clear();
     cfg.model_hf.clear();
     st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
+    (void)st.hybrid->state();  // as the survivors: its shard is received below
     ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
     what = "promoted spare";
   }
@@ -704,7 +710,7 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
     const bool from_buddy = r.move_buddy.size() > k && r.move_buddy[k] != 0;
     TROUPE_CHECK(s.whole_optimizer || from_buddy, ctx.name(),
                  ": the piece's optimizer state is a ZeRO shard; a data-parallel replica restores ",
-                 "whole pieces (parallel.zero 0) only");
+                 "whole pieces (parallel.zero 0) only, a shard comes from a buddy replica");
     std::vector<tensor> parts = {s.params, s.m, s.v};
     if (from_buddy && me == donor) {
       TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ", spare,
@@ -858,10 +864,6 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                "parallel.ep (--ep) ", cfg.plan.ep, " with parallel.cp (--cp) ", cfg.plan.cp,
                ", parallel.tp (--tp) ", cfg.plan.tp, " and parallel.pp (--pp) ", cfg.plan.pp,
                ": expert parallelism runs with cp = tp = pp = 1 so far");
-  TROUPE_CHECK(!elastic || cfg.plan.zero == 0, "elastic.*: parallel.zero ", cfg.plan.zero,
-               ": elastic runs restore pieces with whole optimizer state only (parallel.zero 0); ",
-               "ZeRO 1 and 2 all-gather parameters in their commit, ZeRO 3 keeps its master ",
-               "weights in the shard");
   elastic_layout layout = elastic_layout::initial(positions, n.world_size());
   // The trainers holding the grid positions, in position order.
   auto active = [&] {
@@ -943,12 +945,35 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (int r : lost_positions)
       who += fmt::format("{}rank {} ({}: {})", who.empty() ? "" : ", ", r,
                          coordinates(grid, layout.position_of(r)), n.lost_reason(r));
+    // A rank lost after `lost` was read (during the recovery: a rank and its buddy killed at once,
+    // the second seen late) fails the recovery's requests: end naming every lost rank and why no
+    // survivor holds a lost piece (both a rank and its buddy), not with the failed request.
+    const elastic_layout before = layout;
+    auto fail_if_more_lost = [&](const std::exception& e) {
+      auto all = lost_ranks(n, before, std::chrono::seconds(10));
+      if (all.size() <= lost.size()) return;
+      auto again = plan_recovery(grid, before, all, cfg.plan.zero, replicas > 0);
+      std::string names;
+      for (int r : all) names += fmt::format("{}{}", names.empty() ? "" : ", ", r);
+      TROUPE_FAIL(again ? fmt::format("elastic: ranks {} were lost, some during the recovery (not "
+                                      "recovered yet)",
+                                      names)
+                        : again.error_message(),
+                  "; lost in step ", step + 1, " (", phase, "); the last committed step is ",
+                  committed, " (the recovery failed: ", e.what(), ")");
+    };
     // Agreement: every survivor holds the last committed step.
     std::vector<role_handle> survivors;
     for (int r : layout.positions)
       if (std::find(lost.begin(), lost.end(), r) == lost.end())
         survivors.push_back(trainers[static_cast<std::size_t>(r)]);
-    const auto status = j.ask_all<status_reply>(survivors, status_request{}, step_wait);
+    std::vector<status_reply> status;
+    try {
+      status = j.ask_all<status_reply>(survivors, status_request{}, step_wait);
+    } catch (const std::exception& e) {
+      fail_if_more_lost(e);
+      throw;
+    }
     for (std::size_t i = 0; i < status.size(); ++i)
       TROUPE_CHECK(status[i].steps == committed, "elastic: ", who, " lost in step ", step + 1, " (",
                    phase, "); ", survivors[i].name, " holds step ", status[i].steps,
@@ -1019,7 +1044,13 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       req.optimizer_steps = status.front().replica_optimizer_steps;
     }
     layout = plan->next;
-    const auto replies = j.ask_all<recover_reply>(active(), req, step_wait);
+    std::vector<recover_reply> replies;
+    try {
+      replies = j.ask_all<recover_reply>(active(), req, step_wait);
+    } catch (const std::exception& e) {
+      fail_if_more_lost(e);
+      throw;
+    }
     std::int64_t bytes = 0;
     for (const auto& r : replies) bytes = std::max(bytes, r.bytes);
     const double secs =
@@ -1028,10 +1059,15 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (const auto& m : plan->moves)
       say(fmt::format(
           "elastic: rank {} ({}) lost in step {} ({}: {}); rank {} took its place at generation "
-          "{} (membership epoch {}), its state from rank {} ({}, {:.2f} MB over UCX); going on "
+          "{} (membership epoch {}), {} from rank {} ({}, {:.2f} MB over UCX); going on "
           "from step {}, {}; recovery took {:.2f} s",
           m.lost, coordinates(grid, m.position), step + 1, phase, n.lost_reason(m.lost), m.spare,
-          layout.generation, n.epoch(), m.donor,
+          layout.generation, n.epoch(),
+          cfg.plan.zero == 0
+              ? std::string("its state")
+              : fmt::format("its ZeRO-{} shard (dp rank {} of {}: parameters, m and v)",
+                            cfg.plan.zero, grid.coord(m.position, "dp"), cfg.plan.dp),
+          m.donor,
           m.buddy ? fmt::format("its buddy replica of step {}", req.steps)
                   : std::string("a data-parallel replica"),
           bytes / 1e6, req.steps,
@@ -1070,8 +1106,9 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   policy.step = [&](std::int64_t s) {
     if (!elastic) return report_of(j.ask_all<step_reply>(active(), step_request{s}, step_wait));
     // Elastic: two phases. No rank applies step s before every rank has prepared it, so a loss
-    // before the commit leaves every survivor at step s; the commit is local (zero 0 and 3), so a
-    // loss during it leaves every survivor at step s + 1.
+    // before the commit leaves every survivor at step s; the commit is local (zero 1 and 2 gather
+    // the updated parameters at the start of the next step), so a loss during it leaves every
+    // survivor at step s + 1.
     // Buddy replicas may take every rank back to an earlier step: `at` is the steps done, the
     // steps from there to s run again (their results were reported already).
     std::int64_t at = s;

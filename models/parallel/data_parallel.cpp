@@ -893,7 +893,7 @@ double dp_trainer::reduce_gradients() {
   return norm;
 }
 
-void dp_trainer::gather_parameters() {
+void dp_trainer::stage_shard() {
   const tensor& p = piece_.memory().params();
   const int rank = comm_.rank();
   for (const auto& b : buckets_) {  // stage the updated chunks (no in-place all_gather)
@@ -902,12 +902,29 @@ void dp_trainer::gather_parameters() {
     std::memcpy(in, f32_at(p, begin), static_cast<std::size_t>(end - begin) * 4);
     std::fill(in + (end - begin), in + b.chunk, 0.0f);
   }
+}
+
+void dp_trainer::gather_parameters() {
+  stage_shard();
   params_->gather_all();
   comm_wait_ += params_->take_wait_seconds();
 }
 
 void dp_trainer::gather_full_parameters() {
   if (cfg_.plan.zero == 3) params_->gather_all();
+  if (gather_due_) {
+    params_->gather_all();
+    gather_due_ = false;
+  }
+}
+
+tensor dp_trainer::shard_parameters() {
+  if (cfg_.plan.zero == 0 || paged_ != nullptr) return {};
+  if (cfg_.plan.zero < 3 && !gather_due_) {
+    stage_shard();
+    gather_due_ = opts_.defer_gather;
+  }
+  return shard_params_.view();
 }
 
 step_result dp_trainer::step(const trainer::batch_source& data) {
@@ -929,7 +946,6 @@ void dp_trainer::prepare(const trainer::batch_source& data) {
     shard_opt_->put_back_copy();  // a copy optimizer_state() took (off the schedule)
     paged_->begin_step();
   }
-  if (zero == 3) params_->begin_step(plan_.microbatches(), use_hook_);
   // Released gradients read as zeros: after a complete step every bucket was given back.
   if (!release_ || grads_dirty_) mem.zero_grads();
   grads_dirty_ = release_;
@@ -945,6 +961,13 @@ void dp_trainer::prepare(const trainer::batch_source& data) {
   step_result r;
   collective::work loss_work;
   try {
+    // Inside the try: begin_step waits for the first gathers, which fail when a peer is lost.
+    if (zero == 3) params_->begin_step(plan_.microbatches(), use_hook_);
+    if (gather_due_) {  // defer_gather: the last commit (or a restored shard) updated the shards
+      params_->gather_all();
+      comm_wait_ += params_->take_wait_seconds();
+      gather_due_ = false;
+    }
     loss = piece_.forward_backward(plan_.microbatches(), [&](int k) { return fetch(k, data); });
     running_ = false;
     if (zero == 3) {
@@ -976,6 +999,9 @@ void dp_trainer::prepare(const trainer::batch_source& data) {
     }
     abandon_pending();
     if (paged_ != nullptr) paged_->abandon_step();
+    // Gathers in flight write into the piece's buffer (zero 1, 2 with defer_gather: the shards
+    // stay the copy of record, gathered again next step).
+    if (params_) params_->abandon();
     if (zero == 3) {
       try {
         params_->end_step();
@@ -1007,7 +1033,12 @@ step_result dp_trainer::commit() {
     shard_opt_->step(shard_params_, shard_grads_, r.lr);
   } else {
     shard_opt_->step(mem.params(), zero == 2 ? shard_grads_.view() : mem.grads(), r.lr);
-    gather_parameters();
+    if (opts_.defer_gather) {  // local: the next prepare all-gathers the shards
+      stage_shard();
+      gather_due_ = true;
+    } else {
+      gather_parameters();
+    }
   }
   ++step_;
   r.step = step_;

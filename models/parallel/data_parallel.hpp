@@ -115,6 +115,11 @@ struct dp_options {
   // ZeRO 3 with `moments`: the shard's parameters and gradients in the same tiers (off: only the
   // moments are paged, as under ZeRO 1 and 2).
   bool page_shard = true;
+  // ZeRO 1, 2: commit updates this rank's shard of the parameters only (local, no collective)
+  // and the all-gather runs at the start of the next prepare (or in gather_full_parameters), so
+  // the optimizer step is a commit point that cannot fail on a live rank (elastic runs,
+  // actors/training.hpp). The numbers are the same, bit for bit.
+  bool defer_gather = false;
 
   // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
   // from parallel.dp_overlap.
@@ -164,8 +169,9 @@ class dp_trainer {
   // step() in two phases, for a caller that commits a step only once every rank of the job has
   // prepared it (actors/training.hpp, elastic runs: the optimizer step is the commit point).
   // prepare runs forward, backward and every gradient collective and clips (it may throw: nothing
-  // is applied then); commit applies AdamW (zero 0 and 3: local, no collective) and returns the
-  // step's result; discard_prepared drops a prepared step (its gradients are zeroed next step).
+  // is applied then); commit applies AdamW (zero 0 and 3, and 1 and 2 with
+  // dp_options::defer_gather: local, no collective) and returns the step's result; discard_prepared
+  // drops a prepared step (its gradients are zeroed next step).
   void prepare(const trainer::batch_source& data);
   step_result commit();
   void discard_prepared();
@@ -195,8 +201,18 @@ class dp_trainer {
   // count (its bias correction).
   void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
   // Zero 3: all-gathers the current parameters into the piece's buffer (collective over the dp
-  // group: every rank calls it), e.g. before evaluating or saving. Other stages: nothing to do.
+  // group: every rank calls it), e.g. before evaluating or saving; zero 1, 2 with defer_gather:
+  // the same when a commit or shard_parameters() left the buffer behind the shards. Zero 0 and
+  // zero 1, 2 without defer_gather: nothing to do.
   void gather_full_parameters();
+  // ZeRO 1-3 (not paged): this rank's shard of the parameters - its chunk of every bucket, in
+  // shard order, the padding zero; zero 3: the master copy - as a view of the engine's buffer
+  // (writing it changes the state). Zero 1, 2: staged from the piece's buffer when that is current;
+  // with defer_gather the shard is then the parameters' copy of record, and the next prepare (or
+  // gather_full_parameters) all-gathers every rank's, so every rank of the dp group calls this
+  // between the same two steps (elastic replication and recovery ask every rank). Zero 0 or paged:
+  // an undefined tensor.
+  tensor shard_parameters();
 
   // Parameter bytes the engine held gathered at most since the last step began (zero 3: the outside
   // group and the blocks in use or prefetched, in-flight gathers included; else the whole buffer);
@@ -257,7 +273,8 @@ class dp_trainer {
   double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
   double sum_squares(const tensor& t,
                      const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const;
-  void gather_parameters();                        // zero 1, 2: all-gathers the updated chunks
+  void gather_parameters();  // zero 1, 2: all-gathers the updated chunks
+  void stage_shard();  // zero 1, 2: this rank's chunks of the piece's buffer into shard_params_
   void on_use(std::int64_t block, block_use use);  // the piece's block use hook (zero 3)
 
   std::unique_ptr<grad_producer> owned_;  // the model_producer of the causal_lm constructor
@@ -288,6 +305,9 @@ class dp_trainer {
   std::size_t resident_peak_ = 0;  // zero 0, 1, 2 with measure_resident
   std::int64_t step_ = 0;
   bool prepared_ = false;  // prepare() ran; commit() applies it
+  // zero 1, 2 with defer_gather: shard_params_ holds the parameters of record and the piece's
+  // buffer is to be all-gathered from the shards before it is read.
+  bool gather_due_ = false;
   double prepared_loss_ = 0, prepared_norm_ = 0;
   std::chrono::steady_clock::time_point prepared_t0_;
   double comm_wait_ = 0;

@@ -291,6 +291,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
         memory::tier_name(o.moments->home),
         o.moments->home == memory::tier::nvme ? " in " + o.moments->nvme_dir : std::string());
   }
+  // Elastic runs: the optimizer step is the commit point, so ZeRO 1 and 2 gather the updated
+  // parameters at the start of the next step instead of in the commit.
+  o.defer_gather = cfg.elastic();
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *I.g.dp, o);
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
@@ -368,7 +371,7 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   const bool writer = gather.rank() == 0 && parts.rank() == 0;
   const bool gathers = gather.rank() == 0;  // dp rank 0's replica gathers the weights
   const std::string what = fmt::format("hybrid_trainer::save '{}'", folder.string());
-  if (I.cfg.plan.zero == 3 && I.dp) I.dp->gather_full_parameters();
+  if (I.cfg.plan.zero != 0 && I.dp) I.dp->gather_full_parameters();
   // A rank's own work (checks, allocations, gathers, the writer's writes) runs in `attempt`, which
   // keeps the first failure; the collectives run on every rank all the same. After each phase the
   // ranks agree: when any failed, every rank throws there (the failed ones their own error, the
@@ -487,10 +490,11 @@ void hybrid_trainer::discard_prepared() {
   if (impl_->dp) impl_->dp->discard_prepared();
 }
 
-hybrid_trainer::piece_state hybrid_trainer::state() const {
+hybrid_trainer::piece_state hybrid_trainer::state() {
   TROUPE_CHECK(impl_->dp, "hybrid_trainer::state", no_elastic_ep);
   const auto opt = impl_->dp->optimizer_state();
-  return {.params = impl_->piece->memory().params(),
+  // ZeRO 1-3: the shard is the state (zero 3: the piece's buffer is released between steps).
+  return {.params = opt.whole ? impl_->piece->memory().params() : impl_->dp->shard_parameters(),
           .m = opt.m,
           .v = opt.v,
           .steps = impl_->dp->steps_done(),

@@ -72,20 +72,24 @@ class hybrid_trainer {
   std::int64_t steps_done() const;
 
   // Elastic runs (actors/training.hpp): step() in two phases, committed only once every rank of
-  // the job prepared the step (dp_trainer::prepare / commit; zero 0 and 3 commit without a
-  // collective, zero 1 and 2 all-gather the parameters in commit).
+  // the job prepared the step (dp_trainer::prepare / commit; every stage commits without a
+  // collective: zero 1 and 2 all-gather the updated parameters at the start of the next step,
+  // dp_options::defer_gather).
   void prepare(const trainer::batch_source& data);
   step_result commit();
   void discard_prepared();
   // This rank's piece state as views of its own buffers (writing them changes the state): the flat
-  // f32 parameters (bf16: the master weights), AdamW's m and v (zero 0: of the whole piece, else
-  // this rank's shard), and the counts. set_progress sets the counts (a restored piece).
+  // f32 parameters (bf16: the master weights) and AdamW's m and v of the whole piece (zero 0), or
+  // of this rank's ZeRO shard (zero 1-3: dp_trainer::shard_parameters, its chunk of every bucket;
+  // in an elastic run every rank of the dp group asks between the same two steps, since the next
+  // step then gathers the parameters from the shards), and the counts. set_progress sets the
+  // counts (a restored piece).
   struct piece_state {
     tensor params, m, v;
     std::int64_t steps = 0, optimizer_steps = 0;
     bool whole_optimizer = false;  // m and v cover every parameter of the piece (zero 0)
   };
-  piece_state state() const;
+  piece_state state();
   void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
   // After a failed step whose communicators the caller replaced with new ones (new group ids): the
   // pipeline stage takes steps again (pipeline_runner::revive) and a prepared step is dropped.

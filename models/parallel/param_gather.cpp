@@ -152,6 +152,24 @@ void param_gather::release_all() {
   for (std::size_t g = 0; g < groups_.size(); ++g) release(g);
 }
 
+void param_gather::abandon() noexcept {
+  for (std::size_t i = 0; i < works_.size(); ++i) {
+    if (!works_[i].valid()) continue;
+    try {
+      works_[i].wait();
+    } catch (...) {
+    }
+    works_[i] = {};
+    if (opts_.pins == nullptr) continue;
+    try {
+      opts_.pins->unpin_params(i);
+    } catch (...) {
+    }
+  }
+  for (auto& s : state_)
+    if (s == state::gathering) s = state::gathered;
+}
+
 void param_gather::gather_all() {
   // In forward order: the buckets from the start of the buffer first (they are listed from the
   // end), whatever was gathered before gathered again.

@@ -76,6 +76,10 @@ class param_gather {
   void on_use(std::int64_t block, block_use use);
   void end_step();
   void release_all();
+  // A failed step (aborted communicator): waits for every gather in flight, ignoring its error,
+  // and forgets it; the ranges it was gathering count as gathered (their contents undefined until
+  // the next gather_all, or given back by release_all).
+  void abandon() noexcept;
 
   // Seconds spent waiting for gathers since the last call (then reset).
   double take_wait_seconds();

@@ -31,84 +31,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/multirank/elastic_runs.hpp"
 #include "tests/multirank/process.hpp"
 #include "tests/multirank/train_runs.hpp"
 
 using namespace troupe;
 using namespace troupe::tests;
 using namespace std::chrono_literals;
-
-namespace {
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-// A --json file's lines without the timing field: step, loss, grad norm, lr.
-std::vector<std::string> numbers_of(const std::string& path) {
-  std::ifstream f(path);
-  std::vector<std::string> out;
-  std::string line;
-  while (std::getline(f, line)) out.push_back(line.substr(0, line.find(", \"tokens_per_s\"")));
-  return out;
-}
-
-// `troupe launch -n n --spares s -- troupe train <plan> --elastic --json dir/name.json
-// --checkpoint-dir dir/name`.
-std::vector<std::string> elastic_argv(int n, int spares, const std::string& dir,
-                                      const std::string& name, std::vector<std::string> plan,
-                                      int steps = 6) {
-  plan.insert(plan.end(),
-              {"--elastic", "--checkpoint-dir", dir + "/" + name, "--collective-timeout", "60"});
-  auto argv = launch_argv(n, "gpt2-demo", steps, dir, "e-" + name, plan);
-  argv.insert(argv.begin() + 4, {"--spares", std::to_string(spares)});
-  // launch_argv names the json after its run name.
-  for (auto& a : argv)
-    if (a == dir + "/e-" + name + ".json") a = dir + "/" + name + ".json";
-  return argv;
-}
-
-// Runs it to its end: the output, after checking the exit code.
-std::string run(const std::vector<std::string>& argv, int want_code) {
-  child_process p(argv);
-  auto st = p.wait(300s);
-  INFO(p.output());
-  REQUIRE(st.has_value());
-  CHECK(child_process::code(*st) == want_code);
-  return p.output();
-}
-
-// The run `name` printed the numbers of `clean` and wrote its checkpoint byte for byte.
-void same_bits(const std::string& dir, const std::string& name, const std::string& clean) {
-  const auto got = numbers_of(dir + "/" + name + ".json"),
-             want = numbers_of(dir + "/" + clean + ".json");
-  REQUIRE(!want.empty());
-  CHECK(got == want);
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    const auto a = file_bytes(dir + "/" + name + "/" + f),
-               b = file_bytes(dir + "/" + clean + "/" + f);
-    INFO(f);
-    REQUIRE(!b.empty());
-    CHECK(a == b);
-  }
-}
-
-std::string first_line_with(const std::string& output, const std::string& needle) {
-  const auto at = output.find(needle);
-  if (at == std::string::npos) return {};
-  const auto end = output.find('\n', at);
-  return output.substr(at, end == std::string::npos ? std::string::npos : end - at);
-}
-
-// The faults line of a survived loss: the recovery's own log line.
-void survived(const std::string& what, const std::string& output) {
-  const auto line = first_line_with(output, "elastic: rank ");
-  REQUIRE(!line.empty());
-  std::printf("faults: %s -> survived: %s\n", what.c_str(), line.c_str());
-}
-
-}  // namespace
 
 TEST_CASE("A dp2 run whose rank dies in its forward pass goes on with a spare, bit for bit",
           "[multirank][faults]") {
