@@ -1081,13 +1081,16 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   // Buddy replicas after `done` steps: exchange, then keep (both on every rank, or a recovery).
   // Returns the steps every rank holds afterwards.
   std::function<std::int64_t(std::int64_t)> replicate = [&](std::int64_t done) -> std::int64_t {
+    const auto t0 = std::chrono::steady_clock::now();
     for (std::int32_t phase = 0; phase < 2; ++phase) {
       const auto gen = static_cast<std::int32_t>(layout.generation);
       auto results =
           j.try_ask_all<replicate_reply>(active(), replicate_request{done, gen, phase}, step_wait);
       std::string failed;
-      for (auto& r : results)
+      for (auto& r : results) {
         if (!r && failed.empty()) failed = r.error_message();
+        if (r) sum.replication_bytes = std::max(sum.replication_bytes, r->bytes);
+      }
       if (phase == 1) replica_step = done;  // kept on every live rank (local)
       if (!failed.empty()) {
         const auto at = recover(
@@ -1098,6 +1101,9 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
         return at == done ? replicate(done) : at;
       }
     }
+    ++sum.replications;
+    sum.replication_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return done;
   };
   // The launched run's policy on the one loop: a step is every trainer's step (the first rank's

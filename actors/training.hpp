@@ -56,6 +56,11 @@ struct training_summary {
   // whole model's, its peak host buffer bytes and its peak RSS (VmHWM).
   std::vector<std::string> memory;
   int recoveries = 0;  // elastic: lost ranks replaced
+  // Elastic buddy replicas (elastic.replica_interval): rounds completed, the driver's seconds in
+  // them (both phases, asked of every rank and answered), and the most bytes a rank sent in one.
+  int replications = 0;
+  double replication_seconds = 0;
+  std::int64_t replication_bytes = 0;
 };
 
 struct drive_options {
@@ -91,8 +96,10 @@ struct drive_options {
 // (new communicators under the pieces, whose group ids carry the generation), has a surviving
 // data-parallel replica of the same piece send it the parameters and AdamW moments over UCX, and
 // runs the abandoned step again: the losses and weights are the fault-free run's, bit for bit.
-// Without a spare, or without a surviving replica (dp 1, ZeRO 1-3), it throws naming the lost
-// rank, the step and the last committed step.
+// Pieces without a data-parallel replica (dp 1) and ZeRO 1-3 shards come back from buddy
+// replicas (elastic.replica_interval). Without a spare, or without a copy of the lost piece (no
+// replica, or a rank and its buddy both lost), it throws naming the lost rank (and its buddy),
+// the step and the last committed step.
 training_summary drive_training(node& n, const models::train_config& cfg,
                                 const drive_options& o = {});
 

@@ -181,6 +181,13 @@ int run_hybrid(train_cli& c, const train_config& cfg) {
       fmt::print(
           "expert all-to-alls: {:.2f} ms per step, {:.1f}% of the step (the slowest rank's)\n",
           1e3 * all_to_all / ran, 100.0 * all_to_all / std::max(step_seconds, 1e-9));
+    if (sum.replications > 0)
+      fmt::print(
+          "elastic: {} buddy replications ({:.2f} MB per rank at most), {:.3f} s in all, {:.1f}% "
+          "on top of the steps' {:.3f} s\n",
+          sum.replications, sum.replication_bytes / 1e6, sum.replication_seconds,
+          sum.progress.seconds > 0 ? 100.0 * sum.replication_seconds / sum.progress.seconds : 0.0,
+          sum.progress.seconds);
     for (const auto& m : sum.memory) fmt::print("  {}\n", m);
     if (!sum.checkpoint.empty()) {
       fmt::print(

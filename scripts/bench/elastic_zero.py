@@ -11,8 +11,10 @@
   commit    buddy1 with rank 1 SIGKILLing itself at its commit of step KILL (the others commit,
             so every rank goes back to the replicated step, one step)
 
-The fault-free rows run ROUNDS times, interleaved (elastic, buddy1, buddy10, elastic, ...), so a
-change of the machine's load hits them alike. Each output line is timestamped on arrival. For the
+The fault-free rows run ROUNDS times, interleaved (elastic, buddy1, buddy10, then the reverse),
+so a change of the machine's load hits them alike; with replicas the run's own line gives the
+driver's seconds in the replication rounds against the steps' seconds (the direct measure: tokens/s
+on this shared machine moves by more than the replication costs). Each output line is timestamped on arrival. For the
 killed runs it prints the time from the killed rank's last line (elastic.chaos_kill, printed just
 before its SIGKILL) to the recovery's log line and to the completion of the first step after it
 ("elastic: step N completed ..."), and the steps run again. Tokens/s are the driver's over the
@@ -82,11 +84,15 @@ def report(name, rc, lines):
 print("zero %d, %d steps, kill at step %d; load average before: %s" % (
     zero, steps, kill, " ".join(open("/proc/loadavg").read().split()[:3])), flush=True)
 rates = {}
-for _ in range(rounds):
-    for name, extra in [("elastic", []), ("buddy1", ["--replica-interval", "1"]),
-                        ("buddy10", ["--replica-interval", "10"])]:
+fault_free = [("elastic", []), ("buddy1", ["--replica-interval", "1"]),
+              ("buddy10", ["--replica-interval", "10"])]
+for k in range(rounds):  # every other round in reverse order: a run's place in it evens out
+    for name, extra in fault_free if k % 2 == 0 else fault_free[::-1]:
         rc, lines = run(name, extra)
         rates.setdefault(name, []).append(report(name, rc, lines))
+        _, line = first(lines, "buddy replications")
+        if line:
+            print("         " + line.split("] ", 1)[-1], flush=True)
 for name, extra in [("forward", ["--replica-interval", "1", "--chaos-kill", "2:%d:forward" % kill]),
                     ("commit", ["--replica-interval", "1", "--chaos-kill", "1:%d:commit" % kill])]:
     rc, lines = run(name, extra)
