@@ -2,10 +2,11 @@
 // and 128, against the CPU kernel in f32 on the same (16-bit) values, for the output, the lse and
 // every gradient; causal and not, grouped-query heads, T != S, sizes that are not multiples of the
 // 64-row tiles, strided views (a fused qkv buffer, k and v stored head-major, rows that are not
-// 16-byte aligned); and which kernel attention dispatches to. All [gpu] but the last: skipped
-// without a GPU.
+// 16-byte aligned); and which kernel attention dispatches to. All [gpu] (skipped without a GPU)
+// but the cpu dispatch and a host model of the kernel's roundings that checks the bounds.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -280,4 +281,157 @@ TEST_CASE("attention takes tensor cores for 16-bit head dims 64 and 128 only", "
 TEST_CASE("attention on the cpu reports the cpu kernel", "[cpu]") {
   owned_tensor q = empty({1, 4, 2, 64}, dtype::bf16);
   CHECK(std::string(ops::attention_kernel_for(q)) == "cpu");
+}
+
+namespace {
+
+float round16(float x, dtype t) {
+  return t == dtype::bf16 ? bf16_bits_to_f32(f32_to_bf16_bits(x))
+                          : f16_bits_to_f32(f32_to_f16_bits(x));
+}
+
+// A host model of attention_mma.cu's arithmetic (not of its speed, and with round-to-nearest f32
+// sums where an MMA may truncate): the same 64-key tiles per 64-query block, the online softmax
+// in f32, P rounded to t before P V, the lse as m + log l, then in the backward delta from the
+// 16-bit out, P and dS recomputed from the 16-bit lse and rounded to t before their products,
+// each result rounded once. Inputs and results are f32 host tensors [B, L, H, D] (contiguous)
+// holding t values. It runs here, without a GPU, to check that mma_bound covers these roundings;
+// it proves nothing about the kernel itself.
+struct emulated {
+  owned_tensor out, lse, dq, dk, dv;
+};
+emulated emulate_mma(const tensor& q, const tensor& k, const tensor& v, const tensor& dout,
+                     bool causal, dtype t, dtype lt) {
+  const std::int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const std::int64_t S = k.size(1), Hkv = k.size(2), group = Hq / Hkv, off = S - T;
+  const float scale = static_cast<float>(1 / std::sqrt(static_cast<double>(D)));
+  auto at = [](const tensor& x, std::int64_t b, std::int64_t i, std::int64_t h, std::int64_t d) {
+    return x.data_as<float>()[((b * x.size(1) + i) * x.size(2) + h) * x.size(3) + d];
+  };
+  auto visible = [&](std::int64_t i, std::int64_t j) { return !causal || j <= i + off; };
+  auto dot = [&](const tensor& a, std::int64_t b, std::int64_t i, std::int64_t h, const tensor& c,
+                 std::int64_t j, std::int64_t hc) {
+    float s = 0;
+    for (std::int64_t d = 0; d < D; ++d) s += at(a, b, i, h, d) * at(c, b, j, hc, d);
+    return s;
+  };
+  emulated r{zeros({B, T, Hq, D}), zeros({B, Hq, T}), zeros({B, T, Hq, D}), zeros({B, S, Hkv, D}),
+             zeros({B, S, Hkv, D})};
+  std::vector<float> o(D), pv(D), acc(D), acc2(D);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h) {
+      const std::int64_t hk = h / group;
+      for (std::int64_t i = 0; i < T; ++i) {
+        const std::int64_t last = std::min((i / 64 + 1) * 64, T) - 1;  // the block's last row
+        const std::int64_t s_end = causal ? std::min(S, last + off + 1) : S;
+        float m = -INFINITY, l = 0;
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (std::int64_t s0 = 0; s0 < s_end; s0 += 64) {
+          const std::int64_t s1 = std::min(s0 + 64, S);
+          float mx = -INFINITY;
+          for (std::int64_t j = s0; j < s1; ++j)
+            if (visible(i, j)) mx = std::max(mx, dot(q, b, i, h, k, j, hk) * scale);
+          const float m_new = std::max(m, mx);
+          const float corr = m_new == -INFINITY ? 1.0f : std::exp(m - m_new);
+          float sum = 0;
+          std::fill(pv.begin(), pv.end(), 0.0f);
+          for (std::int64_t j = s0; j < s1; ++j) {
+            if (!visible(i, j) || m_new == -INFINITY) continue;
+            const float e = std::exp(dot(q, b, i, h, k, j, hk) * scale - m_new);
+            sum += e;
+            const float pr = round16(e, t);
+            for (std::int64_t d = 0; d < D; ++d) pv[d] += pr * at(v, b, j, hk, d);
+          }
+          l = l * corr + sum;
+          m = m_new;
+          for (std::int64_t d = 0; d < D; ++d) o[d] = o[d] * corr + pv[d];
+        }
+        for (std::int64_t d = 0; d < D; ++d)
+          r.out.data_as<float>()[((b * T + i) * Hq + h) * D + d] = round16(o[d] / l, t);
+        const float lse = m + std::log(l);
+        r.lse.data_as<float>()[(b * Hq + h) * T + i] = lt == dtype::f32 ? lse : round16(lse, lt);
+      }
+    }
+  auto lse_at = [&](std::int64_t b, std::int64_t h, std::int64_t i) {
+    return r.lse.data_as<float>()[(b * Hq + h) * T + i];
+  };
+  auto delta = [&](std::int64_t b, std::int64_t h, std::int64_t i) {
+    float s = 0;
+    for (std::int64_t d = 0; d < D; ++d) s += at(dout, b, i, h, d) * at(r.out, b, i, h, d);
+    return s;
+  };
+  auto p_ds = [&](std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j, float di,
+                  float& pr, float& ds) {
+    const std::int64_t hk = h / group;
+    pr = std::exp(dot(q, b, i, h, k, j, hk) * scale - lse_at(b, h, i));
+    ds = round16(pr * (dot(dout, b, i, h, v, j, hk) - di), t);
+    pr = round16(pr, t);
+  };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < T; ++i) {
+        const float di = delta(b, h, i);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (std::int64_t j = 0; j < S; ++j) {
+          if (!visible(i, j)) continue;
+          float pr, ds;
+          p_ds(b, h, i, j, di, pr, ds);
+          for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * at(k, b, j, h / group, d);
+        }
+        for (std::int64_t d = 0; d < D; ++d)
+          r.dq.data_as<float>()[((b * T + i) * Hq + h) * D + d] = round16(acc[d] * scale, t);
+      }
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t hk = 0; hk < Hkv; ++hk)
+      for (std::int64_t j = 0; j < S; ++j) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(acc2.begin(), acc2.end(), 0.0f);
+        for (std::int64_t g = 0; g < group; ++g) {
+          const std::int64_t h = hk * group + g;
+          for (std::int64_t i = 0; i < T; ++i) {
+            if (!visible(i, j)) continue;
+            float pr, ds;
+            p_ds(b, h, i, j, delta(b, h, i), pr, ds);
+            for (std::int64_t d = 0; d < D; ++d) {
+              acc[d] += ds * at(q, b, i, h, d);
+              acc2[d] += pr * at(dout, b, i, h, d);
+            }
+          }
+        }
+        for (std::int64_t d = 0; d < D; ++d) {
+          r.dk.data_as<float>()[((b * S + j) * Hkv + hk) * D + d] = round16(acc[d] * scale, t);
+          r.dv.data_as<float>()[((b * S + j) * Hkv + hk) * D + d] = round16(acc2[d], t);
+        }
+      }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a host model of the tensor-core kernel's roundings stays within its test bounds",
+          "[cpu]") {
+  // Runs without a GPU: the bounds of the [gpu] test above must hold for the kernel's arithmetic
+  // even where every rounding it adds goes the worst way it can on these inputs.
+  for (dtype t : half_types)
+    for (const mma_case& c : {mma_case{1, 70, 150, 2, 1, 64, true, storage::head_major},
+                              mma_case{1, 37, 80, 2, 2, 128, false, storage::head_major}}) {
+      INFO(dtype_name(t) << " " << describe(c));
+      const dtype lt = t;  // the coarser lse
+      const shape qs{c.B, c.T, c.Hq, c.D}, ks{c.B, c.S, c.Hkv, c.D};
+      owned_tensor q = random16(qs, 1, t), k = random16(ks, 2, t), v = random16(ks, 3, t);
+      owned_tensor dout = random16(qs, 4, t);
+      ops::attention_options opt;
+      opt.causal = c.causal;
+      const emulated e = emulate_mma(q, k, v, dout, c.causal, t, lt);
+      owned_tensor out = empty(qs), lse = empty({c.B, c.Hq, c.T});
+      ops::attention(q, k, v, out, lse, opt);
+      const attention_bounds ab = mma_bound(q, k, v, dout, c.causal, t, lt);
+      require_within(e.out, out, stored_as(t, ab.out, out), "out");
+      require_within(e.lse, lse, stored_as(lt, ab.lse, lse), "lse");
+      owned_tensor dq = empty(qs), dk = empty(ks), dv = empty(ks);
+      ops::attention_backward(q, k, v, e.out, dout, e.lse, dq, dk, dv, opt);
+      require_within(e.dq, dq, stored_as(t, ab.dq, dq), "dq");
+      require_within(e.dk, dk, stored_as(t, ab.dk, dk), "dk");
+      require_within(e.dv, dv, stored_as(t, ab.dv, dv), "dv");
+    }
 }
