@@ -285,7 +285,7 @@ bench_troupe() {
   "$t" bench train --device cuda --precision bf16 --model gpt2-small --batch 16 --seq 1024 \
     --steps 5 --json || rc=1
   # GPT-2 small's attention at T 1024 alone: the tensor-core kernel next to the CUDA-core one.
-  if "$t" bench --help 2>&1 | grep -qw attention; then
+  if "$t" bench --help 2>&1 | grep -qE '^ +attention '; then
     "$t" bench attention --device cuda --precision bf16 --batch 16 --heads 12 --seq 1024 \
       --head-dim 64 --steps 10 --warmup 2 --json || rc=1
   fi
