@@ -35,5 +35,6 @@ command_fn add_bench_collective_command(CLI::App& bench);  // (apps/cmd_bench_co
 command_fn add_bench_nvme_command(CLI::App& bench);        // (apps/cmd_bench_nvme.cpp)
 command_fn add_bench_offload_command(CLI::App& bench);     // (apps/cmd_bench_offload.cpp)
 command_fn add_bench_ring_command(CLI::App& bench);        // (apps/cmd_bench_ring.cpp)
+command_fn add_bench_attention_command(CLI::App& bench);   // (apps/cmd_bench_attention.cpp)
 
 }  // namespace troupe::apps

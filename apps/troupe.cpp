@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   commands.push_back(troupe::apps::add_bench_nvme_command(*app.get_subcommand("bench")));
   commands.push_back(troupe::apps::add_bench_offload_command(*app.get_subcommand("bench")));
   commands.push_back(troupe::apps::add_bench_ring_command(*app.get_subcommand("bench")));
+  commands.push_back(troupe::apps::add_bench_attention_command(*app.get_subcommand("bench")));
   commands.push_back(troupe::apps::add_launch_command(app));
   commands.push_back(troupe::apps::add_tokenize_command(app));
   commands.push_back(troupe::apps::add_ps_command(app));

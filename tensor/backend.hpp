@@ -59,4 +59,6 @@ TROUPE_BACKEND_OPS
 
 namespace troupe::cuda {
 TROUPE_BACKEND_OPS
+// ops::attention_kernel_for on a CUDA tensor (attention_mma.cu).
+const char* attention_kernel_for(const tensor& q, const ops::attention_options& opt);
 }  // namespace troupe::cuda

@@ -439,6 +439,16 @@ void check_segments(const char* op, const tensor& q, const tensor& k, const tens
 }
 }  // namespace
 
+const char* attention_kernel_for(const tensor& q, const attention_options& opt) {
+  TROUPE_CHECK(q.dim() == 4, "attention_kernel_for: q must be [B, T, Hq, D], got ", q.describe());
+  if (q.is_cpu()) return "cpu";
+#if defined(TROUPE_HAVE_CUDA)
+  return cuda::attention_kernel_for(q, opt);
+#else
+  TROUPE_FAIL("tensor on ", to_string(q.dev()), " but troupe was built without CUDA");
+#endif
+}
+
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const attention_options& opt) {
   auto d = common_device("attention", {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}});

@@ -132,11 +132,19 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.
 // non-decreasing along T in each row; query t then also sees only keys s with segments[b, s] ==
 // segments[b, t] (a document never attends to another). On the host for the CPU backend; the CUDA
 // backend refuses it.
+// kernel (CUDA only): automatic takes the tensor-core kernels for bf16 and f16 with head dimension
+// 64 or 128 on sm_80 and newer, the f32 CUDA-core kernels otherwise; cuda_cores always takes the
+// latter (for comparisons: `troupe bench attention`).
+enum class attention_kernel { automatic, cuda_cores };
 struct attention_options {
   double scale = 0.0;  // 0 means 1/sqrt(D)
   bool causal = true;
   tensor segments{};
+  attention_kernel kernel = attention_kernel::automatic;
 };
+// The kernel attention and attention_backward run for q with opt: "cpu", "cuda tensor cores" or
+// "cuda cores".
+const char* attention_kernel_for(const tensor& q, const attention_options& opt = {});
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const attention_options& opt = {});
 // dq, dk, dv (same shapes as q, k, v) are overwritten.

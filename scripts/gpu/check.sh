@@ -284,6 +284,11 @@ bench_troupe() {
     rc=1
   "$t" bench train --device cuda --precision bf16 --model gpt2-small --batch 16 --seq 1024 \
     --steps 5 --json || rc=1
+  # GPT-2 small's attention at T 1024 alone: the tensor-core kernel next to the CUDA-core one.
+  if "$t" bench --help 2>&1 | grep -qE '^ +attention '; then
+    "$t" bench attention --device cuda --precision bf16 --batch 16 --heads 12 --seq 1024 \
+      --head-dim 64 --steps 10 --warmup 2 --json || rc=1
+  fi
   return $rc
 }
 
@@ -322,7 +327,7 @@ fi
 ((ok)) && step gpu-tests 300 gpu_tests
 [ "$until" = tests ] && bench=0
 if ((ok)) && ((bench)); then
-  step bench-troupe 150 bench_troupe
+  step bench-troupe 170 bench_troupe
   step bench-torch 240 bench_torch
 fi
 
@@ -361,6 +366,12 @@ for line in sys.stdin:
                                                  r.get("peak_device_bytes")) / 2**20)
         print("  %s: %.0f tokens/s, %.1f ms/step median"
               % (who, r["tokens_per_s"], r["step_s"]["median"] * 1e3))
+    elif r.get("bench") == "attention":
+        print("  attention %s %s %s B%s T%s Hq%s D%s: fwd+bwd %.2f ms, %.0f tokens/s, %.1f TFLOP/s"
+              " (fwd %.1f)" % (r["kernel"], r["device"], r["precision"], r["batch"], r["seq"],
+                               r["heads"], r["head_dim"], r["forward_backward_s"] * 1e3,
+                               r["attention_tokens_per_s"], r["forward_backward_tflops"],
+                               r["forward_tflops"]))
     elif "ceiling" in r:
         print("  %s: %.1f %s" % (r["ceiling"], r["value"], r["unit"]))
 ' 2>/dev/null

@@ -1,4 +1,6 @@
-// CUDA attention for f32, bf16 and f16, head dimension up to 128: a tiled kernel in the
+// CUDA attention on CUDA cores for f32, and for bf16 and f16 where the tensor-core kernels of
+// attention_mma.cu do not apply (head dimensions other than 64 and 128, GPUs before sm_80, or
+// ops::attention_kernel::cuda_cores asked for), head dimension up to 128: a tiled kernel in the
 // flash-attention style (the T x S score matrix is never stored) with online softmax, causal
 // masking with offset S - T, grouped-query heads and strided q/k/v views.
 //
@@ -16,11 +18,15 @@
 #include <cmath>
 
 #include "tensor/backend.hpp"
+#include "tensor/cuda/attention_args.cuh"
 #include "tensor/cuda/check.cuh"
 
 namespace troupe::cuda {
 namespace {
 
+using detail::attention_args;
+using detail::bthd;
+using detail::dispatch_attention;
 using detail::from_f32;
 using detail::to_f32;
 using detail::warp_max;
@@ -32,46 +38,6 @@ constexpr int tile = 32;        // rows of the other side per shared-memory tile
 constexpr int warps = 8;        // rows owned per block
 constexpr int pad = max_d + 1;  // padded row: lane j reading row j hits bank (j + d) % 32
 constexpr unsigned full_mask = 0xffffffffu;
-
-// Strides in elements of a [B, T, H, D] view with a contiguous last dimension.
-struct bthd {
-  std::int64_t b = 0, t = 0, h = 0;
-  __device__ std::int64_t at(std::int64_t bi, std::int64_t ti, std::int64_t hi) const {
-    return bi * b + ti * t + hi * h;
-  }
-};
-bthd strides_of(const tensor& x) {
-  return {x.stride(0), x.stride(1), x.stride(2)};
-}
-
-// T: q, k, v, out and the gradients; L: lse (T or float).
-template <class T, class L>
-struct attention_args {
-  const T* q = nullptr;
-  const T* k = nullptr;
-  const T* v = nullptr;
-  const T* out = nullptr;  // backward: the forward output
-  T* out_w = nullptr;      // forward: the output written
-  L* lse = nullptr;        // [B, Hq, T]
-  const T* dout = nullptr;
-  T* dq = nullptr;
-  T* dk = nullptr;
-  T* dv = nullptr;
-  bthd qs, ks, vs, os, dos, dqs, dks, dvs;
-  std::int64_t batch = 0, steps = 0, keys = 0, heads = 0, kv_heads = 0;
-  int dim = 0;
-  float scale = 1;
-  bool causal = true;
-
-  __device__ std::int64_t shift() const { return keys - steps; }  // query t sees s <= t + shift
-  __device__ bool visible(std::int64_t t, std::int64_t s) const {
-    return t < steps && s < keys && (!causal || s <= t + shift());
-  }
-  // Keys that some query in [t_first, t_last] sees.
-  __device__ std::int64_t key_end(std::int64_t t_last) const {
-    return causal ? min(keys, t_last + shift() + 1) : keys;
-  }
-};
 
 // Loads rows [r0, r0 + tile) of a [B, *, H, D] view (head h, batch b) into dst[tile][pad], zero
 // past `rows`. Called by the whole block.
@@ -288,58 +254,19 @@ __global__ void __launch_bounds__(warps * 32) attention_dkdv_kernel(attention_ar
   }
 }
 
-template <class T, class L>
-attention_args<T, L> make_args(const char* op, const tensor& q, const tensor& k, const tensor& v,
-                               const tensor& out, const tensor& lse,
-                               const ops::attention_options& opt) {
-  attention_args<T, L> p;
-  p.batch = q.size(0);
-  p.steps = q.size(1);
-  p.heads = q.size(2);
-  p.keys = k.size(1);
-  p.kv_heads = k.size(2);
-  TROUPE_CHECK(!opt.segments.defined(), "cuda ", op,
-               ": segment ids (packed rows) are not supported on CUDA yet; run packed rows on the "
-               "CPU or without packing");
-  TROUPE_CHECK(q.size(3) <= max_d, "cuda ", op, ": head dimension ", q.size(3), " exceeds ", max_d);
-  TROUPE_CHECK(p.heads <= 65535 && p.batch <= 65535, "cuda ", op, ": batch ", p.batch, " or heads ",
-               p.heads, " exceed the grid limit 65535");
-  p.dim = static_cast<int>(q.size(3));
-  p.scale = static_cast<float>(opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(double(p.dim)));
-  p.causal = opt.causal;
-  p.q = detail::ptr<T>(q);
-  p.k = detail::ptr<T>(k);
-  p.v = detail::ptr<T>(v);
-  p.out = detail::ptr<T>(out);
-  p.lse = detail::ptr<L>(lse);
-  p.qs = strides_of(q);
-  p.ks = strides_of(k);
-  p.vs = strides_of(v);
-  p.os = strides_of(out);
-  return p;
-}
-
 unsigned tiles(std::int64_t rows) {
   return static_cast<unsigned>((rows + warps - 1) / warps);
-}
-
-// Calls f(type_tag<T>, type_tag<L>) with the dtype T of q and the dtype L of lse.
-template <class F>
-void dispatch_attention(const char* op, const tensor& q, const tensor& lse, F&& f) {
-  detail::dispatch_16_32(op, q, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    detail::dispatch_stat<T>(op, "lse", lse, [&](auto lse_tag) { f(tag, lse_tag); });
-  });
 }
 
 }  // namespace
 
 void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                const tensor& lse, const ops::attention_options& opt) {
+  if (detail::attention_mma_applies(q, opt)) return detail::attention_mma(q, k, v, out, lse, opt);
   dispatch_attention("attention", q, lse, [&](auto tag, auto lse_tag) {
     using T = typename decltype(tag)::type;
     using L = typename decltype(lse_tag)::type;
-    auto p = make_args<T, L>("attention", q, k, v, out, lse, opt);
+    auto p = detail::make_attention_args<T, L>("attention", max_d, q, k, v, out, lse, opt);
     if (p.batch == 0 || p.steps == 0 || p.heads == 0) return;
     p.out_w = detail::ptr<T>(out);
     dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
@@ -351,19 +278,14 @@ void attention(const tensor& q, const tensor& k, const tensor& v, const tensor& 
 void attention_backward(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
                         const tensor& dout, const tensor& lse, const tensor& dq, const tensor& dk,
                         const tensor& dv, const ops::attention_options& opt) {
+  if (detail::attention_mma_applies(q, opt))
+    return detail::attention_mma_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
   dispatch_attention("attention_backward", q, lse, [&](auto tag, auto lse_tag) {
     using T = typename decltype(tag)::type;
     using L = typename decltype(lse_tag)::type;
-    auto p = make_args<T, L>("attention_backward", q, k, v, out, lse, opt);
+    auto p = detail::make_attention_args<T, L>("attention_backward", max_d, q, k, v, out, lse, opt);
     if (p.batch == 0 || p.heads == 0) return;
-    p.dout = detail::ptr<T>(dout);
-    p.dq = detail::ptr<T>(dq);
-    p.dk = detail::ptr<T>(dk);
-    p.dv = detail::ptr<T>(dv);
-    p.dos = strides_of(dout);
-    p.dqs = strides_of(dq);
-    p.dks = strides_of(dk);
-    p.dvs = strides_of(dv);
+    detail::add_backward_args(p, dout, dq, dk, dv);
     if (p.steps > 0) {
       dim3 grid(tiles(p.steps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
       attention_dq_kernel<T, L><<<grid, warps * 32>>>(p);

@@ -363,6 +363,9 @@ TEST_CASE("cuda attention in bf16 and f16 matches f32 on the rounded inputs", "[
                            << " causal " << c.causal << " fused " << c.fused);
         ops::attention_options opt;
         opt.causal = c.causal;
+        // The CUDA-core kernel, whose arithmetic these bounds follow (D 128 would otherwise take
+        // the tensor-core kernel: attention_mma.test.cpp tests that one).
+        opt.kernel = ops::attention_kernel::cuda_cores;
         qkv h = make_qkv(c, 40, t, false), g = make_qkv(c, 40, t, true);
         const shape qshape{c.B, c.T, c.Hq, c.D};
         owned_tensor out = empty(qshape), lse = empty({c.B, c.Hq, c.T});
