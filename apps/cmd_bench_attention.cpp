@@ -89,7 +89,7 @@ int run_attention_bench(const attention_bench_options& o) {
   const double step_flops = 3.5 * fwd_flops;
 
   std::vector<ops::attention_kernel> kernels{ops::attention_kernel::automatic};
-  if (gpu) kernels.push_back(ops::attention_kernel::cuda_cores);
+  if (gpu) kernels = {ops::attention_kernel::tensor_cores, ops::attention_kernel::cuda_cores};
   if (!o.json)
     fmt::print("troupe bench attention: {} {} B={} T={} Hq={} Hkv={} D={} {}, {} calls after {}\n",
                o.device, o.precision, B, T, H, kv, D, o.causal ? "causal" : "full", o.steps,

@@ -132,10 +132,11 @@ void matmul(const tensor& a, const tensor& b, const tensor& c, double alpha = 1.
 // non-decreasing along T in each row; query t then also sees only keys s with segments[b, s] ==
 // segments[b, t] (a document never attends to another). On the host for the CPU backend; the CUDA
 // backend refuses it.
-// kernel (CUDA only): automatic takes the tensor-core kernels for bf16 and f16 with head dimension
-// 64 or 128 on sm_80 and newer, the f32 CUDA-core kernels otherwise; cuda_cores always takes the
-// latter (for comparisons: `troupe bench attention`).
-enum class attention_kernel { automatic, cuda_cores };
+// kernel (CUDA only): tensor_cores takes the tensor-core kernels (attention_mma.cu) for bf16 and
+// f16 with head dimension 64 or 128 on sm_80 and newer, the f32 CUDA-core kernels otherwise;
+// cuda_cores always takes the latter. automatic is cuda_cores until the tensor-core kernels have
+// passed their [gpu] tests on a GPU (they were written without one: docs/gpu.md).
+enum class attention_kernel { automatic, cuda_cores, tensor_cores };
 struct attention_options {
   double scale = 0.0;  // 0 means 1/sqrt(D)
   bool causal = true;
