@@ -93,6 +93,7 @@ TEST_CASE("troupe ppo raises the mean reward and saves checkpoints troupe genera
     CHECK(s["weights_version"].get<int>() == 2 * (s["step"].get<int>() - 1));
   // Steps 1-5 against 16-20, the PPO example's test's measure and margin (0.15: about 5 standard
   // deviations of the difference of two means of 5 steps that the prompts' draw alone gives).
+  // Measured here: 0.469 -> 0.691; the control below: 0.445 -> 0.453.
   const double first = mean_of(steps, 0, 5), last = mean_of(steps, 15, 5);
   std::printf("troupe ppo: mean reward of steps 1-5 %.3f, 16-20 %.3f\n", first, last);
   CHECK(last > first + 0.15);
@@ -203,7 +204,7 @@ TEST_CASE(
   CHECK(c.code != 0);
   CHECK_THAT(c.output, Contains("score.weight"));
   std::printf("faults: troupe ppo --critic with a causal LM's folder -> refused: %s",
-              c.output.substr(c.output.find("troupe")).c_str());
+              c.output.substr(c.output.find("troupe: error")).c_str());
   const auto f = run_troupe({"ppo", "--group", "4"});
   CHECK(f.code != 0);
   CHECK_THAT(f.output, Contains("unknown flag '--group'"));
