@@ -3,6 +3,7 @@
 
 #include <future>
 #include <optional>
+#include <tuple>
 
 #include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
@@ -22,10 +23,11 @@ rollout_batch sample(job& j, const std::vector<role_handle>& rollouts, const ppo
                      const grpo_prompt_source& prompts, std::int64_t k, std::int64_t min_version) {
   grpo_rollout_request r;
   r.prompts = prompts(k);
-  TROUPE_CHECK(static_cast<std::int64_t>(r.prompts.size()) == opt.prompts * opt.prompt_len,
-               "ppo: iteration ", k, " has ", r.prompts.size(), " prompt tokens, not ", opt.prompts,
-               " prompts of ", opt.prompt_len);
-  r.prompt_len = opt.prompt_len;
+  const auto tokens = static_cast<std::int64_t>(r.prompts.size());
+  TROUPE_CHECK(tokens > 0 && tokens % opt.prompts == 0 && tokens / opt.prompts <= opt.prompt_len,
+               "ppo: iteration ", k, " has ", tokens, " prompt tokens, not ", opt.prompts,
+               " prompts of up to ", opt.prompt_len);
+  r.prompt_len = tokens / opt.prompts;
   r.group = opt.group;
   r.max_new = opt.max_new;
   r.temperature = opt.temperature;
@@ -40,7 +42,8 @@ rollout_batch sample(job& j, const std::vector<role_handle>& rollouts, const ppo
 
 std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
                                    const grpo_prompt_source& prompts,
-                                   const std::function<void(const ppo_iteration&)>& on_iteration) {
+                                   const std::function<void(const ppo_iteration&)>& on_iteration,
+                                   const ppo_save_fn& on_save) {
   const auto r = static_cast<std::int64_t>(opt.rollout_ranks.size());
   TROUPE_CHECK(r > 0 && opt.prompts > 0 && opt.prompts % r == 0, "ppo: ", opt.prompts,
                " prompts per iteration do not split over ", r, " rollout actors");
@@ -61,7 +64,8 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
   if (use_reference) reference = j.spawn("grpo_reference", opt.reference_rank);
 
   ppo_trainer_setup ps = opt.policy, cs = opt.critic;
-  ps.model = cs.model = {opt.checkpoint, rows, seq};
+  ps.model = {opt.checkpoint, rows, seq};
+  cs.model = {opt.critic_checkpoint.empty() ? opt.checkpoint : opt.critic_checkpoint, rows, seq};
   j.ask<std::int64_t>(policy, ps, opt.timeout);
   j.ask<std::int64_t>(critic, cs, opt.timeout);
   j.ask_all<std::int64_t>(rollouts, grpo_model_setup{opt.checkpoint, rows / r, seq}, opt.timeout);
@@ -148,6 +152,14 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
     it.seconds = since(t0);
     out.push_back(it);
     if (on_iteration) on_iteration(it);
+    if (!more || (opt.save_every > 0 && (k + 1) % opt.save_every == 0)) {
+      for (const auto& [who, h, dir] : {std::tuple{"policy", policy, opt.save_dir},
+                                        std::tuple{"critic", critic, opt.critic_save_dir}}) {
+        if (dir.empty()) continue;
+        const auto saved = j.ask<grpo_save_reply>(h, grpo_save_request{dir}, opt.timeout);
+        if (on_save) on_save(who, saved, dir);
+      }
+    }
   }
   for (const auto& h : rollouts) j.stop(h);
   j.stop(policy);

@@ -25,6 +25,8 @@ namespace troupe::actors {
 
 struct ppo_loop_options {
   std::string checkpoint;  // the HF folder PPO starts from (policy, reference, critic's trunk)
+  // The critic's start when set: an HF folder, e.g. a reward model's (its score head too).
+  std::string critic_checkpoint;
   std::vector<int> rollout_ranks{0};  // one rollout actor per entry
   int policy_rank = 0, critic_rank = 0, reward_rank = 0, reference_rank = 0;
   std::int64_t iterations = 20;
@@ -37,6 +39,11 @@ struct ppo_loop_options {
   models::ppo_reward_options rewards;         // KL penalty, gamma, lambda
   ppo_trainer_setup policy, critic;           // their model fields are filled in here
   std::chrono::milliseconds timeout{600000};  // for each request
+  // The policy saves itself (HF layout) into save_dir, the critic (reward-model layout) into
+  // critic_save_dir, every save_every iterations (0: none but the last) and after the last; an
+  // empty folder is not saved.
+  std::string save_dir, critic_save_dir;
+  std::int64_t save_every = 0;
 };
 
 struct ppo_iteration {
@@ -56,10 +63,16 @@ struct ppo_iteration {
   double wait_seconds = 0;  // the driver waiting for sampling (sync: all of it)
 };
 
+// What on_save hears: which model ("policy" or "critic"), the reply and the folder.
+using ppo_save_fn =
+    std::function<void(const std::string& who, const grpo_save_reply&, const std::string& dir)>;
+
 // Spawns the roles (registered with add_ppo_roles on every rank), runs the iterations and stops
-// the actors. on_iteration hears each one. Returns them all.
+// the actors. on_iteration hears each one, on_save each save (after the iteration's line).
+// Returns them all. A step's prompts may be shorter than prompt_len (one length per step).
 std::vector<ppo_iteration> run_ppo(
     node& n, const ppo_loop_options& opt, const grpo_prompt_source& prompts,
-    const std::function<void(const ppo_iteration&)>& on_iteration = {});
+    const std::function<void(const ppo_iteration&)>& on_iteration = {},
+    const ppo_save_fn& on_save = {});
 
 }  // namespace troupe::actors

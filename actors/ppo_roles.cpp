@@ -7,6 +7,8 @@
 
 #include "actors/rl_model.hpp"
 #include "memory/error.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/post/ppo_step.hpp"
 
 namespace troupe::actors {
@@ -86,6 +88,15 @@ void make_policy(role_builder& b, role_context&) {
     c.set_activity("idle");
     return out;
   });
+  b.on<grpo_save_request>([st](role_context& c, const grpo_save_request& r) {
+    TROUPE_CHECK(st->t, c.name(), ": a save before the setup");
+    c.set_activity("saving");
+    const auto held = models::hf::checkpoint_step(r.dir);
+    auto saved = st->t->save(r.dir, st->m.cfg);
+    TROUPE_CHECK(saved.has_value(), c.name(), ": ", saved.error_message());
+    c.set_activity("idle");
+    return grpo_save_reply{.version = st->t->steps_done(), .held = held.value_or(-1)};
+  });
   b.on<grpo_push_request>([st](role_context& c, const grpo_push_request& r) {
     TROUPE_CHECK(st->t, c.name(), ": a push before the setup");
     return push_rl_weights(c, st->m.model->memory().params(), st->t->steps_done(), r.to);
@@ -109,7 +120,7 @@ void make_critic(role_builder& b, role_context&) {
     st->v = std::make_unique<models::value_model>(
         *cfg, models::batch_dims{s.model.rows, s.model.seq}, /*pad_id=*/0);
     st->v->lm().init_weights(s.seed);  // the score head's start; the trunk is the checkpoint's
-    auto loaded = st->v->scored().load(s.model.checkpoint, /*need_score=*/false);
+    auto loaded = st->v->scored().load(s.model.checkpoint, s.need_score);
     TROUPE_CHECK(loaded.has_value(), c.name(), ": ", loaded.error_message());
     st->t = std::make_unique<models::trainer>(
         st->v->lm(),
@@ -145,6 +156,15 @@ void make_critic(role_builder& b, role_context&) {
     c.record_step(out.version, {{"value loss", out.loss}});
     c.set_activity("idle");
     return out;
+  });
+  b.on<grpo_save_request>([st](role_context& c, const grpo_save_request& r) {
+    TROUPE_CHECK(st->t, c.name(), ": a save before the setup");
+    c.set_activity("saving");
+    auto saved = models::hf::save_folder_atomically(
+        r.dir, [&](const std::filesystem::path& dir) { return st->v->scored().save(dir); });
+    TROUPE_CHECK(saved.has_value(), c.name(), ": ", saved.error_message());
+    c.set_activity("idle");
+    return grpo_save_reply{.version = st->t->steps_done(), .held = -1};
   });
 }
 

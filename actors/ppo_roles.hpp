@@ -7,6 +7,9 @@
 //   ppo_critic  the value model (models/post/value_model.hpp: the checkpoint's trunk with a new
 //               score head, HF ...ForSequenceClassification layout) and its own AdamW: the values
 //               of sampled rows, and `epochs` steps of the clipped value loss on each batch.
+// Both save on a grpo_save_request (a grpo_save_reply back): the policy as GRPO's trainer does
+// (HF causal LM layout), the critic in the reward model's layout (...ForSequenceClassification,
+// what troupe rm saves and value_model loads), each folder replaced as one unit.
 // The driver (actors/ppo_loop.hpp) computes the per-token rewards, GAE and returns between them
 // (models/post/ppo_advantages.hpp). Every request and reply is a plain struct.
 #pragma once
@@ -31,9 +34,10 @@ struct ppo_trainer_setup {
   std::int64_t epochs = 4;  // optimizer steps per batch (TRL's num_ppo_epochs)
   double cliprange = 0.2, cliprange_value = 0.2, vf_coef = 0.1;  // models/post/ppo_loss.hpp
   std::uint64_t seed = 0;
+  bool need_score = false;  // the critic: refuse a checkpoint without score.weight (--critic DIR)
   auto fields() {
     return std::tie(model, lr, weight_decay, clip, beta1, beta2, warmup, epochs, cliprange,
-                    cliprange_value, vf_coef, seed);
+                    cliprange_value, vf_coef, seed, need_score);
   }
 };
 

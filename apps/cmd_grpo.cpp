@@ -28,6 +28,7 @@
 #include "actors/one_rank_job.hpp"
 #include "apps/commands.hpp"
 #include "apps/post_run.hpp"
+#include "apps/rl_run.hpp"
 #include "models/causal_lm.hpp"
 #include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
@@ -53,17 +54,6 @@ struct grpo_cli {
   CLI::Option *task_flag = nullptr, *prompts_flag = nullptr;
 };
 
-// --model: an HF folder when it is a directory or a path (a missing folder is then refused
-// naming it), else a named size.
-void set_model(grpo_job& j, const std::string& model) {
-  if (fs::is_directory(model) || model.find('/') != std::string::npos) {
-    j.model_hf = model;
-  } else {
-    j.model_hf.clear();
-    j.model_size = model;
-  }
-}
-
 grpo_job resolve_job(const grpo_cli& c) {
   grpo_job j;
   if (!c.config_file.empty()) j = models::load_grpo_job(c.config_file).value();
@@ -75,64 +65,17 @@ grpo_job resolve_job(const grpo_cli& c) {
   return j;
 }
 
-// The folder the actors load the policy from: model.hf, or the named size initialised from the
-// seed and saved into `scratch`.
-std::string starting_checkpoint(const grpo_job& j, const models::hf::model_config& mcfg,
-                                const fs::path& scratch) {
-  if (!j.model_hf.empty()) return j.model_hf;
-  auto m = models::make_causal_lm(mcfg, {1, 2});
-  m->init_weights(j.seed);
-  models::hf::save_checkpoint(scratch, mcfg, m->slots()).value();
-  return scratch.string();
-}
-
-// Removes the scratch folder of a named size's initial weights when the run ends, however.
-struct scratch_folder {
-  fs::path path;
-  ~scratch_folder() {
-    std::error_code ec;
-    if (!path.empty()) fs::remove_all(path, ec);
-  }
-};
-
 int run_grpo_command(const grpo_cli& c) {
   const grpo_job j = resolve_job(c);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
 
-  std::shared_ptr<models::tokenizer> tok = models::load_tokenizer(j.tokenizer).value();
-  models::grpo_prompt_style style;
-  std::int64_t need = tok->vocab_size();
-  if (!j.chat_template.empty()) {
-    style.format = models::parse_chat_format(j.chat_template).value();
-    style.specials = models::chat_specials::appended(*style.format, tok->vocab_size());
-    need = style.specials.end();
-  }
-  auto read = j.model_hf.empty() ? models::named_model_config(j.model_size, need)
-                                 : models::hf::read_config(j.model_hf);
-  if (!read)
-    throw error(std::string(j.model_hf.empty() ? "model.size" : "model.hf") +
-                " (--model): " + read.error_message());
-  const models::hf::model_config mcfg = *read;
-  const auto [vocab, positions] = models::with_family(mcfg, [](auto, const auto& mc) {
-    return std::pair<std::int64_t, std::int64_t>(mc.vocab, mc.max_seq);
-  });
-  const std::string label = j.model_hf.empty() ? j.model_size : j.model_hf;
-  TROUPE_CHECK(vocab >= need, "model.hf (--model) ", label, ": its vocabulary (", vocab,
-               ") does not hold the ", need, " ids of tokenizer ", tok->name(),
-               j.chat_template.empty() ? "" : " and the " + j.chat_template + " template's tokens");
-  const std::int64_t room = positions - j.max_new_tokens;
-  TROUPE_CHECK(room > 0, "grpo.max_new_tokens (--max-new-tokens) ", j.max_new_tokens,
-               " leaves no room for a prompt in the model's ", positions, " positions");
-
-  const auto prompts = j.task == "addition"
-                           ? models::addition_prompts(static_cast<int>(j.digits), *tok, style)
-                           : models::read_grpo_prompts(j.prompts_file, *tok, style, room).value();
-  models::grpo_prompt_draw draw(prompts, j.prompts_per_step, j.seed + 1);
-  TROUPE_CHECK(draw.longest() <= room, "grpo.task ", j.task, ": prompts of ", draw.longest(),
-               " tokens and grpo.max_new_tokens ", j.max_new_tokens, " exceed the model's ",
-               positions, " positions");
-  const std::int32_t stop = models::completion_stop(*tok, style).value();
-  const models::grpo_verifier verifier(tok, prompts, stop, j.reward == "partial");
+  const auto task = prepare_rl_task(j, "grpo");
+  const auto& tok = task->tok;
+  const auto& prompts = task->prompts;
+  auto& draw = *task->draw;
+  const std::string& label = task->label;
+  const std::int32_t stop = task->stop;
+  const models::grpo_verifier& verifier = *task->verifier;
 
   // Rank 0 (the only one in one process) drives the job.
   const auto drive = [&](actors::node& n) {
@@ -142,16 +85,10 @@ int run_grpo_command(const grpo_cli& c) {
       fmt::print("{}\n", *line);
     }
     scratch_folder scratch;
-    if (j.model_hf.empty())
-      scratch.path = fs::temp_directory_path() / fmt::format("troupe-grpo-init-{}", ::getpid());
     actors::grpo_loop_options o;
-    o.checkpoint = starting_checkpoint(j, mcfg, scratch.path);
-    // One node: every actor on it. Launched on N > 1 ranks: rollout actor i on rank
-    // 1 + i % (N - 1); the trainer, reward and reference actors on rank 0 (the driver's).
-    const int world = n.world_size();
-    o.rollout_ranks.clear();
-    for (std::int64_t i = 0; i < j.rollouts; ++i)
-      o.rollout_ranks.push_back(world > 1 ? 1 + static_cast<int>(i % (world - 1)) : 0);
+    o.checkpoint = rl_starting_checkpoint(j, task->mcfg, scratch, "grpo");
+    // The trainer, reward and reference actors on rank 0 (the driver's).
+    o.rollout_ranks = rl_rollout_ranks(j.rollouts, n.world_size());
     o.iterations = j.steps;
     o.prompts = j.prompts_per_step;
     o.prompt_len = draw.longest();
@@ -261,7 +198,7 @@ void add_job_flags(CLI::App* sub, grpo_cli& c) {
   knob(sub->add_option("--model", c.model,
                        "HF model folder to start from (e.g. troupe sft's), or a named size "
                        "built from the seed (llama-tiny, ...)"),
-       [p](grpo_job& j) { set_model(j, p->model); });
+       [p](grpo_job& j) { set_rl_model(j, p->model); });
   c.task_flag =
       sub->add_option("--task", c.job.task, "addition (generated a+b=) or prompts (--prompts)");
   knob(c.task_flag, [p](grpo_job& j) { j.task = p->job.task; });

@@ -21,6 +21,7 @@ command_fn add_sft_command(CLI::App& app);    // troupe sft ...     (apps/cmd_sf
 command_fn add_dpo_command(CLI::App& app);    // troupe dpo ...     (apps/cmd_dpo.cpp)
 command_fn add_rm_command(CLI::App& app);     // troupe rm ...      (apps/cmd_rm.cpp)
 command_fn add_grpo_command(CLI::App& app);   // troupe grpo ...    (apps/cmd_grpo.cpp)
+command_fn add_ppo_command(CLI::App& app);    // troupe ppo ...     (apps/cmd_ppo.cpp)
 command_fn add_tokenize_command(CLI::App& app);
 command_fn add_eval_command(CLI::App& app);      // troupe eval ...      (apps/cmd_eval.cpp)
 command_fn add_generate_command(CLI::App& app);  // troupe generate ...  (apps/cmd_generate.cpp)  //

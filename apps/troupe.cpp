@@ -47,6 +47,7 @@ int main(int argc, char** argv) {
   commands.push_back(troupe::apps::add_dpo_command(app));
   commands.push_back(troupe::apps::add_rm_command(app));
   commands.push_back(troupe::apps::add_grpo_command(app));
+  commands.push_back(troupe::apps::add_ppo_command(app));
   commands.push_back(troupe::apps::add_eval_command(app));
   commands.push_back(troupe::apps::add_generate_command(app));
   commands.push_back(troupe::apps::add_bench_command(app));

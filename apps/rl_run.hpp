@@ -1,0 +1,130 @@
+// rl_run: what troupe grpo and troupe ppo share (apps/cmd_grpo.cpp, apps/cmd_ppo.cpp): --model
+// as a folder or a named size, the task (the tokenizer with the template's special tokens, the
+// model's config checked against them, the prompts: generated additions or a JSONL file, their
+// draw per step, the stop token and the verifier), the starting checkpoint (the HF folder, or the
+// named size initialised from the seed into a scratch folder removed at the end), and the
+// rollout actors' ranks. Job is grpo_job or ppo_job (the same names for the same knobs); errors
+// name "section.key (--flag)" with the command's section ("grpo", "ppo").
+#pragma once
+
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "memory/error.hpp"
+#include "models/causal_lm.hpp"
+#include "models/families.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/config.hpp"
+#include "models/post/grpo_prompts.hpp"
+#include "models/text/tokenizer.hpp"
+
+namespace troupe::apps {
+
+// --model: an HF folder when it is a directory or a path (a missing folder is then refused
+// naming it), else a named size.
+template <class Job>
+void set_rl_model(Job& j, const std::string& model) {
+  if (std::filesystem::is_directory(model) || model.find('/') != std::string::npos) {
+    j.model_hf = model;
+  } else {
+    j.model_hf.clear();
+    j.model_size = model;
+  }
+}
+
+struct rl_task {
+  std::shared_ptr<models::tokenizer> tok;
+  models::grpo_prompt_style style;
+  std::int64_t vocab_needed = 0;  // the tokenizer's ids and the template's tokens
+  models::hf::model_config mcfg;
+  std::string label;  // the model, for the log
+  std::int64_t positions = 0;
+  std::vector<models::grpo_prompt> prompts;
+  std::unique_ptr<models::grpo_prompt_draw> draw;  // over `prompts`
+  std::int32_t stop = -1;
+  std::unique_ptr<models::grpo_verifier> verifier;
+};
+
+template <class Job>
+std::unique_ptr<rl_task> prepare_rl_task(const Job& j, const std::string& section) {
+  auto t = std::make_unique<rl_task>();
+  t->tok = models::load_tokenizer(j.tokenizer).value();
+  t->vocab_needed = t->tok->vocab_size();
+  if (!j.chat_template.empty()) {
+    t->style.format = models::parse_chat_format(j.chat_template).value();
+    t->style.specials = models::chat_specials::appended(*t->style.format, t->tok->vocab_size());
+    t->vocab_needed = t->style.specials.end();
+  }
+  auto read = j.model_hf.empty() ? models::named_model_config(j.model_size, t->vocab_needed)
+                                 : models::hf::read_config(j.model_hf);
+  if (!read)
+    throw error(std::string(j.model_hf.empty() ? "model.size" : "model.hf") +
+                " (--model): " + read.error_message());
+  t->mcfg = *read;
+  const auto [vocab, positions] = models::with_family(t->mcfg, [](auto, const auto& mc) {
+    return std::pair<std::int64_t, std::int64_t>(mc.vocab, mc.max_seq);
+  });
+  t->positions = positions;
+  t->label = j.model_hf.empty() ? j.model_size : j.model_hf;
+  TROUPE_CHECK(vocab >= t->vocab_needed, "model.hf (--model) ", t->label, ": its vocabulary (",
+               vocab, ") does not hold the ", t->vocab_needed, " ids of tokenizer ", t->tok->name(),
+               j.chat_template.empty() ? "" : " and the " + j.chat_template + " template's tokens");
+  const std::int64_t room = positions - j.max_new_tokens;
+  TROUPE_CHECK(room > 0, section, ".max_new_tokens (--max-new-tokens) ", j.max_new_tokens,
+               " leaves no room for a prompt in the model's ", positions, " positions");
+  t->prompts = j.task == "addition"
+                   ? models::addition_prompts(static_cast<int>(j.digits), *t->tok, t->style)
+                   : models::read_grpo_prompts(j.prompts_file, *t->tok, t->style, room).value();
+  t->draw = std::make_unique<models::grpo_prompt_draw>(t->prompts, j.prompts_per_step, j.seed + 1);
+  TROUPE_CHECK(t->draw->longest() <= room, section, ".task ", j.task, ": prompts of ",
+               t->draw->longest(), " tokens and ", section, ".max_new_tokens ", j.max_new_tokens,
+               " exceed the model's ", positions, " positions");
+  t->stop = models::completion_stop(*t->tok, t->style).value();
+  t->verifier =
+      std::make_unique<models::grpo_verifier>(t->tok, t->prompts, t->stop, j.reward == "partial");
+  return t;
+}
+
+// Removes the scratch folder of a named size's initial weights when the run ends, however.
+struct scratch_folder {
+  std::filesystem::path path;
+  scratch_folder() = default;
+  scratch_folder(const scratch_folder&) = delete;
+  scratch_folder& operator=(const scratch_folder&) = delete;
+  ~scratch_folder() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
+};
+
+// The folder the actors load the policy from: model.hf, or the named size initialised from the
+// seed and saved into `scratch` (named after the command and the process).
+template <class Job>
+std::string rl_starting_checkpoint(const Job& j, const models::hf::model_config& mcfg,
+                                   scratch_folder& scratch, const std::string& command) {
+  if (!j.model_hf.empty()) return j.model_hf;
+  scratch.path = std::filesystem::temp_directory_path() /
+                 fmt::format("troupe-{}-init-{}", command, ::getpid());
+  auto m = models::make_causal_lm(mcfg, {1, 2});
+  m->init_weights(j.seed);
+  models::hf::save_checkpoint(scratch.path, mcfg, m->slots()).value();
+  return scratch.path.string();
+}
+
+// One node: every rollout actor on it (rank 0). Launched on world > 1 ranks: rollout actor i on
+// rank 1 + i % (world - 1); the other actors stay with the driver on rank 0.
+inline std::vector<int> rl_rollout_ranks(std::int64_t rollouts, int world) {
+  std::vector<int> out;
+  for (std::int64_t i = 0; i < rollouts; ++i)
+    out.push_back(world > 1 ? 1 + static_cast<int>(i % (world - 1)) : 0);
+  return out;
+}
+
+}  // namespace troupe::apps
