@@ -21,14 +21,15 @@
 // own inputs, so it may return as soon as it produced and consumed all of its chunks: there is no
 // "done" round. Nor a hello round through UCX: each rank numbers its staged ops and, before it
 // moves a chunk of one, writes a record of it into its segment (number, op code, count, and for
-// all_to_allv what it sends and expects from every rank; a ring of 4 records), then waits until
-// every peer's record of that op is there and checks it against its own: a record that differs
-// fails the op naming both ranks (its peers fail through the failure word), before any chunk
-// moves. So no rank is ever more than one staged op ahead of another, and all_to_allv needs no
-// count exchange: it takes the staged path at every size where the segments exist (every rank
-// decides alike, without knowing the others' counts). (The hello round, one message round trip
-// through UCX and the executors, was ~1 us of the ~2.4 us of a 2-rank 64 KiB all_gather; the count
-// exchange as much of all_to_allv's.)
+// all_to_allv what it sends and expects from every rank; a ring of 4 records). It reads a peer's
+// chunks only after it checked that peer's record of the op against its own, and ends the op only
+// when it checked every peer's: a record that differs fails the op naming both ranks (its peers
+// fail through the failure word, or finish where their own pairs agree and their chunks all came).
+// So no rank is ever more than one staged op ahead of another, and all_to_allv needs no count
+// exchange: it takes the staged path at every size where the segments exist (every rank decides
+// alike, without the others' counts). (The hello round, one message round trip through UCX and
+// the executors, was ~1 us of the ~2.4 us of a 2-rank 64 KiB all_gather; the count exchange as
+// much of all_to_allv's.)
 //
 // Waiting: a rank that can neither produce (every reader behind) nor consume (nothing new) spins a
 // little and then yields the CPU (ranks may share cores); every ~256 idle turns it checks its
@@ -277,13 +278,13 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
   const int me = c.me;
   const std::size_t S = s.slot_bytes;
   const auto K = static_cast<std::uint64_t>(s.slots);
-  // This op's record, then every peer's, checked, before any chunk moves.
+  // This op's record, before any of its chunks; a peer's chunks are read only after its record
+  // was checked, and the op ends only when every peer's was.
   ++s.seq;
   write_record(s, me, mine);
-  unsigned idle = 0, turns = 0;
-  for (int g = 0; g < c.n; ++g)
-    while (g != me && !check_record(c, s, g, mine)) idle_turn(c, s, idle);
-  idle = 0;
+  std::vector<char> checked(c.n, 0);
+  checked[me] = 1;
+  int unchecked = c.n - 1;
   for (auto& o : outs) {
     o.chunks = (o.bytes + S - 1) / S;
     o.base = s.produced(me, o.ch)->load(std::memory_order_relaxed);
@@ -295,8 +296,15 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
   std::size_t left = 0;
   for (auto& o : outs) left += o.chunks;
   for (auto& i : ins) left += i.chunks;
-  while (left > 0) {
+  unsigned idle = 0, turns = 0;
+  while (left > 0 || unchecked > 0) {
     bool moved = false;
+    for (int g = 0; g < c.n && unchecked > 0; ++g)
+      if (checked[g] == 0 && check_record(c, s, g, mine)) {
+        checked[g] = 1;
+        --unchecked;
+        moved = true;
+      }
     for (auto& o : outs) {
       if (o.done == o.chunks) continue;
       const std::uint64_t k = o.base + o.done;
@@ -312,7 +320,7 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
       moved = true;
     }
     for (auto& i : ins) {
-      if (i.done == i.chunks) continue;
+      if (i.done == i.chunks || checked[i.g] == 0) continue;
       const std::uint64_t k = i.base + i.done;
       if (s.produced(i.g, i.ch)->load(std::memory_order_acquire) <= k) continue;
       const std::size_t off = i.done * S, len = std::min(S, i.bytes - off);
