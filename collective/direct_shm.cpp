@@ -199,12 +199,12 @@ void write_record(const shm_segments& s, int me, const op_record& mine) {
 bool check_record(op_context& c, const shm_segments& s, int g, const op_record& mine) {
   const std::atomic<std::uint64_t>* r = s.record(g, s.seq);
   const std::uint64_t q = r[0].load(std::memory_order_acquire);
+  if (q < s.seq) return false;  // not there yet (or being written): the common case, no strings
   const std::string who = std::to_string(c.ranks[g]), self = std::to_string(c.ranks[c.me]);
   if (q > s.seq)
     throw troupe::error("staged " + std::string(c.direct->op) + ": rank " + who +
                         " is out of step (its record of staged op #" + std::to_string(s.seq) +
                         " reads #" + std::to_string(q) + ")");
-  if (q != s.seq) return false;  // not there yet (or being written)
   const std::uint64_t op = r[1].load(std::memory_order_relaxed);
   const std::uint64_t count = r[2].load(std::memory_order_relaxed);
   if (op != mine.code || count != mine.count)
