@@ -63,7 +63,7 @@ const char* path_name(path p) {
 struct group {
   std::shared_ptr<local_world> world;
   std::vector<std::unique_ptr<communicator>> comms;
-  group(int n, path p) : world(std::make_shared<local_world>(n, true)) {
+  group(int n, path p, bool stream = false) : world(std::make_shared<local_world>(n, true)) {
     comms = make_local_group(world);
     algo_tuning tu;
     tu.pull_direct = p != path::messages;
@@ -72,6 +72,7 @@ struct group {
     tu.shm_min = 1;
     tu.shm_slot_bytes = 4096;
     tu.shm_slots = 3;
+    if (stream) tu.shm_stream_min = 1;  // every staged output written with streaming stores
     tu.direct_piece_bytes = 4096;
     tu.direct_copy_bytes = 4096;
     for (auto& c : comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
@@ -324,13 +325,17 @@ TEST_CASE(
   // communicators, so each op starts mid-ring where the last one stopped and its header check
   // meets the chunk that op left. all_to_allv adds splits with zero counts (empty chunks that
   // still carry the header) and splits that are not multiples of anything.
-  for (int n : {2, 3}) {
-    group g(n, path::shm);
-    for (std::size_t count : {std::size_t{1023}, std::size_t{1024}, std::size_t{1025},
-                              std::size_t{3072}, std::size_t{3073}, std::size_t{1}}) {
-      check_ops(g, path::shm, count, dtype::f32);
+  // With streaming stores too (whole 4 KiB chunks, at destinations that are not 16-byte aligned
+  // where a block starts at an odd element).
+  for (int n : {2, 3})
+    for (bool stream : {false, true}) {
+      INFO("streaming stores " << stream);
+      group g(n, path::shm, stream);
+      for (std::size_t count : {std::size_t{1023}, std::size_t{1024}, std::size_t{1025},
+                                std::size_t{3072}, std::size_t{3073}, std::size_t{1}}) {
+        check_ops(g, path::shm, count, dtype::f32);
+      }
     }
-  }
 }
 
 TEST_CASE("ranks that issue different staged ops or counts fail naming both",

@@ -47,6 +47,9 @@
 #include <string>
 
 #include <fcntl.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "collective/algo.hpp"
 #include "memory/error.hpp"
@@ -146,6 +149,32 @@ inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
 #endif
+}
+
+// Copies len bytes to dst, with streaming stores where `stream` (an output larger than the caches:
+// its lines are not read for ownership first); the caller fences once at the end.
+void copy_to(char* dst, const char* src, std::size_t len, bool stream) {
+#if defined(__x86_64__)
+  if (stream && len >= 4096) {
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16;
+    std::memcpy(dst, src, head);
+    std::size_t i = head;
+    for (; i + 64 <= len; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, len - i);
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, len);
 }
 
 struct out_channel {
@@ -293,7 +322,9 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
     i.chunks = (i.bytes + S - 1) / S;
     i.base = s.consumed(i.g, i.ch, me)->load(std::memory_order_relaxed);
   }
-  std::size_t left = 0;
+  std::size_t left = 0, out_bytes = own.bytes;
+  for (auto& i : ins) out_bytes += i.bytes;
+  const bool stream = out_bytes >= c.tune.shm_stream_min;
   for (auto& o : outs) left += o.chunks;
   for (auto& i : ins) left += i.chunks;
   unsigned idle = 0, turns = 0;
@@ -324,7 +355,7 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
       const std::uint64_t k = i.base + i.done;
       if (s.produced(i.g, i.ch)->load(std::memory_order_acquire) <= k) continue;
       const std::size_t off = i.done * S, len = std::min(S, i.bytes - off);
-      std::memcpy(i.dst + off, s.slot(i.g, i.ch, k), len);
+      copy_to(i.dst + off, s.slot(i.g, i.ch, k), len, stream);
       s.consumed(i.g, i.ch, me)->store(k + 1, std::memory_order_release);
       ++i.done;
       --left;
@@ -337,14 +368,22 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
     }
     if (own.done < own.bytes) {
       const std::size_t len = std::min(S, own.bytes - own.done);
-      std::memmove(own.dst + own.done, own.src + own.done, len);
+      if (stream)
+        copy_to(own.dst + own.done, own.src + own.done, len, true);
+      else
+        std::memmove(own.dst + own.done, own.src + own.done, len);
       own.done += len;
       continue;
     }
     idle_turn(c, s, idle);
   }
-  if (own.done < own.bytes)
+  if (own.done < own.bytes && stream)
+    copy_to(own.dst + own.done, own.src + own.done, own.bytes - own.done, true);
+  else if (own.done < own.bytes)
     std::memmove(own.dst + own.done, own.src + own.done, own.bytes - own.done);
+#if defined(__x86_64__)
+  if (stream) _mm_sfence();
+#endif
 }
 
 // Runs f; where it throws, this rank's `failed` word tells its peers before the error leaves.

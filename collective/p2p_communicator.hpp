@@ -94,6 +94,9 @@ struct algo_tuning {
   std::size_t shm_min = 64 * 1024;
   std::size_t shm_slot_bytes = 64 * 1024;
   int shm_slots = 8;
+  // Staged ops whose output reaches this many bytes write it with streaming stores (no read for
+  // ownership of lines that are not cached anyway).
+  std::size_t shm_stream_min = 16 << 20;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };
