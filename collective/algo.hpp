@@ -182,14 +182,13 @@ inline std::int32_t direct_kind(op_kind k, dtype t, reduce_op op) {
 int shm_create(direct_state& d, int n, const algo_tuning& tune);
 int shm_map_peers(op_context& c);
 bool shm_ready(op_context& c, std::size_t bytes);
-// all_gather and all_to_all(v) through the segments, after a hello round that checks what every
-// rank issued; all_to_allv whose counts were checked already passes what that check found
-// (`mismatch`: empty, or the error to fail with, on both ranks of the pair) and skips it.
+// all_gather and all_to_all(v) through the segments; each rank's record of the op in its segment
+// (op, count, all_to_allv's counts) is checked by every peer before data moves, so neither takes a
+// message round. all_to_allv comes here at every size where shm_ready(c, SIZE_MAX).
 void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count, dtype t);
 void all_to_allv_shm(op_context& c, op_kind k, const void* in,
                      const std::vector<std::size_t>& send_counts, void* out,
-                     const std::vector<std::size_t>& recv_counts, dtype t,
-                     const std::string* mismatch = nullptr);
+                     const std::vector<std::size_t>& recv_counts, dtype t);
 
 // The direct pull ops (algo_direct_pull.cpp): each rank reads what it receives from its peers'
 // input buffers. Called where direct_ready said so.

@@ -63,7 +63,7 @@ const char* path_name(path p) {
 struct group {
   std::shared_ptr<local_world> world;
   std::vector<std::unique_ptr<communicator>> comms;
-  group(int n, path p) : world(std::make_shared<local_world>(n, true)) {
+  group(int n, path p, bool stream = false) : world(std::make_shared<local_world>(n, true)) {
     comms = make_local_group(world);
     algo_tuning tu;
     tu.pull_direct = p != path::messages;
@@ -72,6 +72,7 @@ struct group {
     tu.shm_min = 1;
     tu.shm_slot_bytes = 4096;
     tu.shm_slots = 3;
+    if (stream) tu.shm_stream_min = 1;  // every staged output written with streaming stores
     tu.direct_piece_bytes = 4096;
     tu.direct_copy_bytes = 4096;
     for (auto& c : comms) dynamic_cast<p2p_communicator&>(*c).set_tuning(tu);
@@ -313,4 +314,65 @@ TEST_CASE("ranks that issue different pull ops fail naming both", "[collective][
   CHECK(!errors[1].empty());
   std::printf("faults: all_gather on rank 0, all_to_all on rank 1 (direct) -> refused: %s\n",
               errors[0].c_str());
+}
+
+TEST_CASE(
+    "staged ops back to back match the reference at chunk and ring boundaries and with zero "
+    "counts",
+    "[collective]") {
+  // Slots of 4096 bytes, 3 per ring: f32 counts of one slot less one element, one slot, one
+  // slot and one element, a full ring and a ring and a bit, issued one after another on the same
+  // communicators, so each op starts mid-ring where the last one stopped and its header check
+  // meets the chunk that op left. all_to_allv adds splits with zero counts (empty chunks that
+  // still carry the header) and splits that are not multiples of anything.
+  // With streaming stores too (whole 4 KiB chunks, at destinations that are not 16-byte aligned
+  // where a block starts at an odd element).
+  for (int n : {2, 3})
+    for (bool stream : {false, true}) {
+      INFO("streaming stores " << stream);
+      group g(n, path::shm, stream);
+      for (std::size_t count : {std::size_t{1023}, std::size_t{1024}, std::size_t{1025},
+                                std::size_t{3072}, std::size_t{3073}, std::size_t{1}}) {
+        check_ops(g, path::shm, count, dtype::f32);
+      }
+    }
+}
+
+TEST_CASE("ranks that issue different staged ops or counts fail naming both",
+          "[collective][faults]") {
+  // Rank 0 gathers 1024 elements, rank 1 1025: the header of the first chunk tells each.
+  {
+    group g(2, path::shm);
+    std::vector<std::vector<float>> in(2, std::vector<float>(1025, 1.0f)),
+        out(2, std::vector<float>(2050, 0.0f));
+    auto errors = g.run([&](int r) {
+      const std::size_t count = r == 0 ? 1024 : 1025;
+      g.comms[r]->all_gather(in[r].data(), out[r].data(), count, dtype::f32).wait();
+    });
+    INFO(joined(errors));
+    CHECK(errors[0].find("staged all_gather: rank 1 issued another op or count (1025 elements") !=
+          std::string::npos);
+    CHECK(errors[0].find("than rank 0 (1024 elements") != std::string::npos);
+    CHECK(!errors[1].empty());
+    std::printf("faults: staged all_gather of 1024 on rank 0, 1025 on rank 1 -> refused: %s\n",
+                errors[0].c_str());
+  }
+  // Three ranks; rank 2 issues all_to_all where ranks 0 and 1 issue all_gather of the same size.
+  {
+    group g(3, path::shm);
+    std::vector<std::vector<float>> in(3, std::vector<float>(3 * 512, 1.0f)),
+        out(3, std::vector<float>(3 * 512, 0.0f));
+    auto errors = g.run([&](int r) {
+      if (r == 2)
+        g.comms[r]->all_to_all(in[r].data(), out[r].data(), 512, dtype::f32).wait();
+      else
+        g.comms[r]->all_gather(in[r].data(), out[r].data(), 512, dtype::f32).wait();
+    });
+    INFO(joined(errors));
+    CHECK(errors[0].find("rank 2 issued another op or count") != std::string::npos);
+    CHECK(errors[1].find("rank 2 issued another op or count") != std::string::npos);
+    CHECK(errors[2].find("issued another op or count") != std::string::npos);
+    std::printf("faults: staged all_gather on ranks 0-1, all_to_all on rank 2 -> refused: %s\n",
+                errors[0].c_str());
+  }
 }

@@ -2,6 +2,7 @@
 // binomial-tree and chained broadcast, pairwise all-to-all(v), dissemination barrier.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include <sched.h>
@@ -275,6 +276,10 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
   const bool direct = direct_ready(c, op_kind_name(k), c.tune.pull_direct, 0, 0);
   if (!varied && shm_ready(c, soff[n] * esize))
     return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t);
+  // all_to_allv: staged at every size where the segments exist (its count check rides in the
+  // records there, so no message round, and no rank needs the others' sizes to pick the path).
+  if (varied && shm_ready(c, std::numeric_limits<std::size_t>::max()))
+    return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t);
   if (!varied && direct && soff[n] * esize >= c.tune.all_to_all_direct_min)
     return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   const char* src = static_cast<const char*>(in);
@@ -331,10 +336,8 @@ void all_to_allv(op_context& c, op_kind k, const void* in,
     }
   }
   if (varied && n > 1) {
-    // The staged path fails both ranks of a pair whose counts differ, and its peers through the
-    // failure word; the pull path in its hello check, the rest through its stop protocol.
-    if (shm_ready(c, largest))
-      return all_to_allv_shm(c, k, in, send_counts, out, recv_counts, t, &mismatch);
+    // The pull path fails both ranks of a pair whose counts differ in its hello check, the rest
+    // through its stop protocol.
     if (direct && largest >= c.tune.all_to_all_direct_min)
       return all_to_allv_direct(c, k, in, send_counts, out, recv_counts, t);
   }

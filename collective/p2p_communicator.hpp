@@ -87,11 +87,16 @@ struct algo_tuning {
   // --no-shm): 2 ranks all_gather 1 MiB 28-34 vs 45-47 us, 4 MiB 130-155 vs 193-202 us; 4 ranks
   // 1 MiB 62 vs 139 us, all_to_all 4 MiB 550 vs 846 us; at 64 KiB a tie (2.9-7.9 vs 3.0-5.7 us),
   // at 16 KiB the messages win (1.2-1.4 vs 2.0-3.3 us). 32 KiB x 16, 64 KiB x 8 and 128 KiB x 4
-  // slots were alike. shm = false keeps them on the pull ops and messages.
+  // slots were alike. shm = false keeps them on the pull ops and messages. (Measured with the
+  // hello round the staged ops had then; without it, issue 18 h-coll3, all_to_allv takes the
+  // staged path at every size: 2 ranks 1 KiB 1.1 against 2.5 us through the count exchange.)
   bool shm = true;
   std::size_t shm_min = 64 * 1024;
   std::size_t shm_slot_bytes = 64 * 1024;
   int shm_slots = 8;
+  // Staged ops whose output reaches this many bytes write it with streaming stores (no read for
+  // ownership of lines that are not cached anyway).
+  std::size_t shm_stream_min = 16 << 20;
   int executor_spin_us = 20;  // how long an idle executor polls for new ops before sleeping
                               // (never when the process may use only one CPU)
 };

@@ -672,3 +672,62 @@ TEST_CASE("a rank whose direct all_gather fails stops its peers", "[collective][
       opt);
   CHECK(rc == 0);
 }
+
+TEST_CASE("a SIGKILLed rank fails every survivor's staged all_gather and all_to_allv naming it",
+          "[collective][multirank]") {
+  // Killed before it issues the op (the survivors wait for its record of the op, which never
+  // comes) or right after (they wait for its chunks): each survivor's op fails naming rank 2.
+  const bool before = GENERATE(true, false);
+  const bool varied = GENERATE(true, false);
+  INFO("killed before the op " << before << ", all_to_allv " << varied);
+  const int n = 3, victim = 2;
+  std::vector<rank_outcome> outcomes;
+  local_ranks_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.outcomes = &outcomes;
+  opt.error_mode = ucx_error_mode::peer;
+  run_local_ranks(
+      n,
+      [&](ucx_transport& t) {
+        auto c = make_communicator(t, everyone(n, 15), "ucx");
+        const std::size_t count = std::size_t{4} << 20;  // 16 MiB a block
+        std::vector<float> in(count * n, 1.0f), out(count * n);
+        auto issue = [&](std::size_t k) {
+          return varied ? c->all_to_allv(in.data(), std::vector<std::size_t>(n, k), out.data(),
+                                         std::vector<std::size_t>(n, k), dtype::f32)
+                        : c->all_gather(in.data(), out.data(), k, dtype::f32);
+        };
+        issue(1 << 16).wait();  // the probe; staged from here
+        c->barrier().wait();
+        if (t.rank() == victim && before) kill(getpid(), SIGKILL);
+        work w = issue(count);
+        // Right after issuing: its executor may have started the op, but at most a ring of
+        // 512 KiB of its 16 MiB for each peer can have left it, so no survivor's op can finish.
+        if (t.rank() == victim) kill(getpid(), SIGKILL);
+        std::string err;
+        try {
+          w.wait();
+        } catch (const troupe::error& e) {
+          err = e.what();
+        }
+        if (err.find("rank 2 lost") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: expected the staged op to fail naming rank 2, got '%s'\n",
+                       t.rank(), err.c_str());
+          return 1;
+        }
+        if (t.rank() == 0)
+          std::printf("faults: rank 2 SIGKILLed %s a staged %s -> survived: %s\n",
+                      before ? "before" : "right after issuing",
+                      varied ? "all_to_allv" : "all_gather", err.c_str());
+        return 0;
+      },
+      opt);
+  REQUIRE(outcomes.size() == static_cast<std::size_t>(n));
+  for (const auto& o : outcomes) {
+    INFO(o.describe());
+    if (o.rank == victim)
+      CHECK(o.signal == SIGKILL);
+    else
+      CHECK(o.ok());
+  }
+}
