@@ -276,8 +276,7 @@ TEST_CASE("attention takes tensor cores for 16-bit head dims 64 and 128 only", "
       // automatic stays on the CUDA cores until these kernels have passed on a GPU (ops.hpp)
       CHECK(kernel(t, d, ops::attention_kernel::automatic) == "cuda cores");
     }
-  for (std::int64_t d : {16, 32, 72, 96, 112})
-    CHECK(kernel(dtype::bf16, d, tc) == "cuda cores");
+  for (std::int64_t d : {16, 32, 72, 96, 112}) CHECK(kernel(dtype::bf16, d, tc) == "cuda cores");
   CHECK(kernel(dtype::f32, 64, tc) == "cuda cores");
   CHECK(kernel(dtype::f32, 128, tc) == "cuda cores");
 }
