@@ -543,8 +543,9 @@ namespace detail {
 
 bool attention_mma_applies(const tensor& q, const ops::attention_options& opt) {
   return (q.type() == dtype::bf16 || q.type() == dtype::f16) &&
-         (q.size(3) == 64 || q.size(3) == 128) && opt.kernel == ops::attention_kernel::tensor_cores &&
-         !opt.segments.defined() && compute_major() >= 8;
+         (q.size(3) == 64 || q.size(3) == 128) &&
+         opt.kernel == ops::attention_kernel::tensor_cores && !opt.segments.defined() &&
+         compute_major() >= 8;
 }
 
 void attention_mma(const tensor& q, const tensor& k, const tensor& v, const tensor& out,
