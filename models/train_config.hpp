@@ -5,8 +5,7 @@
 //   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
 //   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
 //   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every,
-//   precision,
-//                 device
+//                 precision, device
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
 //   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute,
