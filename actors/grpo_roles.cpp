@@ -190,19 +190,7 @@ void make_trainer(role_builder& b, role_context&) {
     c.set_activity("idle");
     return out;
   });
-  b.on<grpo_save_request>([st](role_context& c, const grpo_save_request& r) {
-    TROUPE_CHECK(st->t, c.name(), ": a save before the setup");
-    c.set_activity("saving");
-    const auto held = models::hf::checkpoint_step(r.dir);
-    auto saved = st->t->save(r.dir, st->m.cfg);
-    TROUPE_CHECK(saved.has_value(), c.name(), ": ", saved.error_message());
-    c.set_activity("idle");
-    return grpo_save_reply{.version = st->t->steps_done(), .held = held.value_or(-1)};
-  });
-  b.on<grpo_push_request>([st](role_context& c, const grpo_push_request& r) {
-    TROUPE_CHECK(st->t, c.name(), ": a push before the setup");
-    return push_rl_weights(c, st->m.model->memory().params(), st->t->steps_done(), r.to);
-  });
+  add_policy_save_push(b, st);
 }
 
 }  // namespace

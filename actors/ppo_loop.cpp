@@ -21,21 +21,7 @@ double since(clock_type::time_point t0) {
 // Iteration k's batch from the rollout actors (their weights at least min_version).
 rollout_batch sample(job& j, const std::vector<role_handle>& rollouts, const ppo_loop_options& opt,
                      const grpo_prompt_source& prompts, std::int64_t k, std::int64_t min_version) {
-  grpo_rollout_request r;
-  r.prompts = prompts(k);
-  const auto tokens = static_cast<std::int64_t>(r.prompts.size());
-  TROUPE_CHECK(tokens > 0 && tokens % opt.prompts == 0 && tokens / opt.prompts <= opt.prompt_len,
-               "ppo: iteration ", k, " has ", tokens, " prompt tokens, not ", opt.prompts,
-               " prompts of up to ", opt.prompt_len);
-  r.prompt_len = tokens / opt.prompts;
-  r.group = opt.group;
-  r.max_new = opt.max_new;
-  r.temperature = opt.temperature;
-  r.top_p = opt.top_p;
-  r.eos = opt.eos;
-  r.seed = opt.seed * 1000003 + static_cast<std::uint64_t>(k) * rollouts.size();
-  r.min_version = min_version;
-  return sample_rollouts(j, rollouts, std::move(r), opt.timeout);
+  return sample_iteration(j, rollouts, opt, prompts(k), k, min_version, "ppo");
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "actors/grpo_roles.hpp"
+#include "memory/error.hpp"
 #include "models/causal_lm.hpp"
+#include "models/hf/checkpoint_folder.hpp"
 #include "models/hf/config.hpp"
 #include "models/trainer.hpp"
 
@@ -36,5 +38,26 @@ models::train_config rl_train_config(const grpo_model_setup& m, double lr, doubl
 // waits until they hold them.
 grpo_push_reply push_rl_weights(role_context& c, const tensor& params, std::int64_t version,
                                 const std::vector<role_handle>& to);
+
+// The save and push handlers of a policy trainer role (GRPO's trainer, PPO's policy): `st` holds
+// `t` (its models::trainer, set up by the role's setup request) and `m` (its rl_model). A save
+// writes the policy in HF layout (what a save there held before: `held`); a push sends the
+// versioned weights to the rollout actors.
+template <class State>
+void add_policy_save_push(role_builder& b, std::shared_ptr<State> st) {
+  b.on<grpo_save_request>([st](role_context& c, const grpo_save_request& r) {
+    TROUPE_CHECK(st->t, c.name(), ": a save before the setup");
+    c.set_activity("saving");
+    const auto held = models::hf::checkpoint_step(r.dir);
+    auto saved = st->t->save(r.dir, st->m.cfg);
+    TROUPE_CHECK(saved.has_value(), c.name(), ": ", saved.error_message());
+    c.set_activity("idle");
+    return grpo_save_reply{.version = st->t->steps_done(), .held = held.value_or(-1)};
+  });
+  b.on<grpo_push_request>([st](role_context& c, const grpo_push_request& r) {
+    TROUPE_CHECK(st->t, c.name(), ": a push before the setup");
+    return push_rl_weights(c, st->m.model->memory().params(), st->t->steps_done(), r.to);
+  });
+}
 
 }  // namespace troupe::actors

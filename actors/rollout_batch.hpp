@@ -3,9 +3,12 @@
 // share of the prompts, grpo_rollout_request::split) and their rows are joined in actor order.
 #pragma once
 
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "actors/grpo_roles.hpp"
+#include "memory/error.hpp"
 
 namespace troupe::actors {
 
@@ -18,5 +21,30 @@ struct rollout_batch {
 // Asks `rollouts` for r (its split is set here to their names) and joins their replies.
 rollout_batch sample_rollouts(job& j, const std::vector<role_handle>& rollouts,
                               grpo_rollout_request r, std::chrono::milliseconds timeout);
+
+// Iteration k's batch from the rollout actors (their weights at least min_version) for a loop's
+// options (grpo_loop_options, ppo_loop_options: prompts, prompt_len, group, max_new,
+// temperature, top_p, eos, seed, timeout); `tokens`: the iteration's prompts, one length each
+// (up to prompt_len); `loop` names the loop in errors.
+template <class Options>
+rollout_batch sample_iteration(job& j, const std::vector<role_handle>& rollouts, const Options& opt,
+                               std::vector<std::int32_t> tokens, std::int64_t k,
+                               std::int64_t min_version, const char* loop) {
+  grpo_rollout_request r;
+  r.prompts = std::move(tokens);
+  const auto n = static_cast<std::int64_t>(r.prompts.size());
+  TROUPE_CHECK(n > 0 && n % opt.prompts == 0 && n / opt.prompts <= opt.prompt_len, loop,
+               ": iteration ", k, " has ", n, " prompt tokens, not ", opt.prompts,
+               " prompts of up to ", opt.prompt_len);
+  r.prompt_len = n / opt.prompts;
+  r.group = opt.group;
+  r.max_new = opt.max_new;
+  r.temperature = opt.temperature;
+  r.top_p = opt.top_p;
+  r.eos = opt.eos;
+  r.seed = opt.seed * 1000003 + static_cast<std::uint64_t>(k) * rollouts.size();
+  r.min_version = min_version;
+  return sample_rollouts(j, rollouts, std::move(r), opt.timeout);
+}
 
 }  // namespace troupe::actors
