@@ -52,24 +52,7 @@ void grpo_job::validate() const {
   auto need = [](bool ok, const char* key, const std::string& what) {
     if (!ok) throw error(std::string(key) + " " + what);
   };
-  need(!model_size.empty() || !model_hf.empty(), "model.size (--model)",
-       "must name a size when model.hf is not set");
-  need(task == "addition" || task == "prompts", "grpo.task (--task)",
-       "must be \"addition\" or \"prompts\", got '" + task + "'");
-  need(task != "addition" || digits == 1 || digits == 2, "grpo.digits (--digits)",
-       "must be 1 or 2, got " + std::to_string(digits));
-  need(task != "prompts" || !prompts_file.empty(), "grpo.prompts_file (--prompts)",
-       "is needed by grpo.task = \"prompts\"");
-  need(task == "prompts" || prompts_file.empty(), "grpo.prompts_file (--prompts)",
-       "is read only by grpo.task = \"prompts\" (the task is '" + task + "')");
-  need(reward == "exact" || reward == "partial", "grpo.reward (--reward)",
-       "must be \"exact\" or \"partial\", got '" + reward + "'");
-  need(chat_template.empty() || chat_template == "chatml" || chat_template == "llama3",
-       "grpo.template (--template)",
-       "must be \"\" (raw text), \"chatml\" or \"llama3\", got '" + chat_template + "'");
-  need(!tokenizer.empty(), "grpo.tokenizer (--tokenizer)", "must be byte, gpt2:DIR or spm:FILE");
-  need(steps > 0, "grpo.steps (--steps)", "must be > 0");
-  need(prompts_per_step > 0, "grpo.prompts_per_step (--prompts-per-step)", "must be > 0");
+  validate_rl_common(*this, "grpo");
   need(group > 1, "grpo.group (--group)",
        "must be > 1 (the advantages are normalised over each prompt's group), got " +
            std::to_string(group));

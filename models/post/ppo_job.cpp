@@ -71,24 +71,7 @@ void ppo_job::validate() const {
   auto need = [](bool ok, const char* key, const std::string& what) {
     if (!ok) throw error(std::string(key) + " " + what);
   };
-  need(!model_size.empty() || !model_hf.empty(), "model.size (--model)",
-       "must name a size when model.hf is not set");
-  need(task == "addition" || task == "prompts", "ppo.task (--task)",
-       "must be \"addition\" or \"prompts\", got '" + task + "'");
-  need(task != "addition" || digits == 1 || digits == 2, "ppo.digits (--digits)",
-       "must be 1 or 2, got " + std::to_string(digits));
-  need(task != "prompts" || !prompts_file.empty(), "ppo.prompts_file (--prompts)",
-       "is needed by ppo.task = \"prompts\"");
-  need(task == "prompts" || prompts_file.empty(), "ppo.prompts_file (--prompts)",
-       "is read only by ppo.task = \"prompts\" (the task is '" + task + "')");
-  need(reward == "exact" || reward == "partial", "ppo.reward (--reward)",
-       "must be \"exact\" or \"partial\", got '" + reward + "'");
-  need(chat_template.empty() || chat_template == "chatml" || chat_template == "llama3",
-       "ppo.template (--template)",
-       "must be \"\" (raw text), \"chatml\" or \"llama3\", got '" + chat_template + "'");
-  need(!tokenizer.empty(), "ppo.tokenizer (--tokenizer)", "must be byte, gpt2:DIR or spm:FILE");
-  need(steps > 0, "ppo.steps (--steps)", "must be > 0");
-  need(prompts_per_step > 0, "ppo.prompts_per_step (--prompts-per-step)", "must be > 0");
+  validate_rl_common(*this, "ppo");
   need(group > 0, "ppo.samples_per_prompt (--samples-per-prompt)",
        "must be > 0, got " + std::to_string(group));
   need(max_new_tokens > 0, "ppo.max_new_tokens (--max-new-tokens)", "must be > 0");

@@ -94,4 +94,35 @@ expected<Job> parse_job_text(std::string_view text, const std::string& origin,
 std::string rl_unknown_key(const std::string& name, std::string_view command, std::string_view rows,
                            std::string_view sections);
 
+// The checks troupe grpo and troupe ppo share, of their keys under [section] ("grpo", "ppo"):
+// the model, the task and its prompts file, the reward, the chat template, the tokenizer, the
+// steps and the prompts per step. Throws naming "section.key (--flag)".
+template <class Job>
+void validate_rl_common(const Job& j, const std::string& section) {
+  auto need = [&](bool ok, const std::string& key, const std::string& what) {
+    if (!ok) throw error(key + " " + what);
+  };
+  auto key = [&](const char* name, const char* flag) {
+    return section + "." + name + " (--" + flag + ")";
+  };
+  need(!j.model_size.empty() || !j.model_hf.empty(), "model.size (--model)",
+       "must name a size when model.hf is not set");
+  need(j.task == "addition" || j.task == "prompts", key("task", "task"),
+       "must be \"addition\" or \"prompts\", got '" + j.task + "'");
+  need(j.task != "addition" || j.digits == 1 || j.digits == 2, key("digits", "digits"),
+       "must be 1 or 2, got " + std::to_string(j.digits));
+  need(j.task != "prompts" || !j.prompts_file.empty(), key("prompts_file", "prompts"),
+       "is needed by " + section + ".task = \"prompts\"");
+  need(j.task == "prompts" || j.prompts_file.empty(), key("prompts_file", "prompts"),
+       "is read only by " + section + ".task = \"prompts\" (the task is '" + j.task + "')");
+  need(j.reward == "exact" || j.reward == "partial", key("reward", "reward"),
+       "must be \"exact\" or \"partial\", got '" + j.reward + "'");
+  need(j.chat_template.empty() || j.chat_template == "chatml" || j.chat_template == "llama3",
+       key("template", "template"),
+       "must be \"\" (raw text), \"chatml\" or \"llama3\", got '" + j.chat_template + "'");
+  need(!j.tokenizer.empty(), key("tokenizer", "tokenizer"), "must be byte, gpt2:DIR or spm:FILE");
+  need(j.steps > 0, key("steps", "steps"), "must be > 0");
+  need(j.prompts_per_step > 0, key("prompts_per_step", "prompts-per-step"), "must be > 0");
+}
+
 }  // namespace troupe::models
