@@ -1,9 +1,6 @@
 // grpo_loop: the GRPO driver (grpo_loop.hpp).
 #include "actors/grpo_loop.hpp"
 
-#include <future>
-#include <optional>
-
 #include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
 #include "models/post/grpo_loss.hpp"
@@ -61,8 +58,10 @@ std::vector<grpo_iteration> run_grpo(
   push();  // version 0: the checkpoint's weights
 
   std::vector<grpo_iteration> out;
-  std::future<batch> ahead;    // async: the next batch, sampled while the trainer steps
-  std::optional<batch> ready;  // async: that batch, once sampled
+  // Async: the next batch, sampled while the trainer steps.
+  rollout_pipeline batches(n, [&](job& jj, std::int64_t k, std::int64_t min_version) {
+    return sample(jj, rollouts, opt, prompts, k, min_version);
+  });
   for (std::int64_t k = 0; k < opt.iterations; ++k) {
     const auto t0 = clock_type::now();
     grpo_iteration it;
@@ -70,20 +69,10 @@ std::vector<grpo_iteration> run_grpo(
     const bool more = k + 1 < opt.iterations;
     // Sync: batch k by the trainer's weights (version k). Async: batch k was sampled during
     // iteration k - 1 by version k - 1; batch k + 1 starts now, by version k.
-    batch cur;
     auto t = clock_type::now();
-    if (ready) {
-      cur = std::move(*ready);
-      ready.reset();
-    } else {
-      cur = sample(j, rollouts, opt, prompts, k, k);
-    }
+    batch cur = batches.take(j, k, k);
     it.wait_seconds = since(t);
-    if (opt.staleness == 1 && more)
-      ahead = std::async(std::launch::async, [&n, &rollouts, &opt, &prompts, k] {
-        job side(n);  // a job object belongs to one thread
-        return sample(side, rollouts, opt, prompts, k + 1, k);
-      });
+    if (opt.staleness == 1 && more) batches.sample_next(k + 1, k);
     const grpo_samples& s = cur.samples;
     it.sampled_by = s.version;
     it.generate_seconds = cur.seconds;
@@ -110,7 +99,7 @@ std::vector<grpo_iteration> run_grpo(
     if (more) {
       if (opt.staleness == 1) {  // the overlapped sampling ends before the weights move
         t = clock_type::now();
-        ready = ahead.get();
+        batches.finish_next();
         it.wait_seconds += since(t);
       }
       t = clock_type::now();

@@ -2,7 +2,6 @@
 #include "actors/ppo_loop.hpp"
 
 #include <future>
-#include <optional>
 #include <tuple>
 
 #include "actors/rollout_batch.hpp"
@@ -63,27 +62,19 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
   std::int64_t version = push();  // 0: the checkpoint's weights
 
   std::vector<ppo_iteration> out;
-  std::future<rollout_batch> ahead;    // async: the next batch, sampled while the policy trains
-  std::optional<rollout_batch> ready;  // async: that batch, once sampled
+  // Async: the next batch, sampled while the policy trains.
+  rollout_pipeline batches(n, [&](job& jj, std::int64_t k, std::int64_t min_version) {
+    return sample(jj, rollouts, opt, prompts, k, min_version);
+  });
   for (std::int64_t k = 0; k < opt.iterations; ++k) {
     const auto t0 = clock_type::now();
     ppo_iteration it;
     it.iteration = k + 1;
     const bool more = k + 1 < opt.iterations;
-    rollout_batch cur;
     auto t = clock_type::now();
-    if (ready) {
-      cur = std::move(*ready);
-      ready.reset();
-    } else {
-      cur = sample(j, rollouts, opt, prompts, k, version);
-    }
+    rollout_batch cur = batches.take(j, k, version);
     it.wait_seconds = since(t);
-    if (opt.staleness == 1 && more)
-      ahead = std::async(std::launch::async, [&n, &rollouts, &opt, &prompts, k, version] {
-        job side(n);  // a job object belongs to one thread
-        return sample(side, rollouts, opt, prompts, k + 1, version);
-      });
+    if (opt.staleness == 1 && more) batches.sample_next(k + 1, version);
     const grpo_samples& s = cur.samples;
     it.sampled_by = s.version;
     it.generate_seconds = cur.seconds;
@@ -128,7 +119,7 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
     if (more) {
       if (opt.staleness == 1) {  // the overlapped sampling ends before the weights move
         t = clock_type::now();
-        ready = ahead.get();
+        batches.finish_next();
         it.wait_seconds += since(t);
       }
       t = clock_type::now();

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <future>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -46,5 +49,34 @@ rollout_batch sample_iteration(job& j, const std::vector<role_handle>& rollouts,
   r.min_version = min_version;
   return sample_rollouts(j, rollouts, std::move(r), opt.timeout);
 }
+
+// The batches of an RL loop's iterations (GRPO, PPO). take(k, v) returns iteration k's batch:
+// the one sample_next started during the previous iteration, else sampled now by weights of at
+// least version v. sample_next(k, v) (staleness 1) samples iteration k's batch on another thread,
+// with its own job, while the caller trains; finish_next waits for it (before the weights move).
+class rollout_pipeline {
+ public:
+  using sampler = std::function<rollout_batch(job&, std::int64_t k, std::int64_t min_version)>;
+  rollout_pipeline(node& n, sampler sample) : n_(n), sample_(std::move(sample)) {}
+  rollout_batch take(job& j, std::int64_t k, std::int64_t min_version) {
+    if (!ready_) return sample_(j, k, min_version);
+    rollout_batch b = std::move(*ready_);
+    ready_.reset();
+    return b;
+  }
+  void sample_next(std::int64_t k, std::int64_t min_version) {
+    ahead_ = std::async(std::launch::async, [this, k, min_version] {
+      job side(n_);  // a job object belongs to one thread
+      return sample_(side, k, min_version);
+    });
+  }
+  void finish_next() { ready_ = ahead_.get(); }
+
+ private:
+  node& n_;
+  sampler sample_;
+  std::future<rollout_batch> ahead_;  // destroyed first: waits for the thread that uses sample_
+  std::optional<rollout_batch> ready_;
+};
 
 }  // namespace troupe::actors
