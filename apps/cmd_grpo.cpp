@@ -45,28 +45,10 @@ namespace {
 namespace fs = std::filesystem;
 using models::grpo_job;
 
-struct grpo_cli {
-  grpo_job job;  // the flags' values (their defaults are grpo_job's)
-  std::string config_file, json_path, model;
-  int threads = 0;
-  // The job's flags given on the command line, applied over --config's file.
-  std::vector<std::pair<CLI::Option*, std::function<void(grpo_job&)>>> overrides;
-  CLI::Option *task_flag = nullptr, *prompts_flag = nullptr;
-};
-
-grpo_job resolve_job(const grpo_cli& c) {
-  grpo_job j;
-  if (!c.config_file.empty()) j = models::load_grpo_job(c.config_file).value();
-  for (const auto& [opt, apply] : c.overrides)
-    if (opt->count() > 0) apply(j);
-  // --prompts FILE alone means the prompts task; with --task, the two must agree (validate).
-  if (c.prompts_flag->count() > 0 && c.task_flag->count() == 0) j.task = "prompts";
-  j.validate();
-  return j;
-}
+using grpo_cli = rl_cli<grpo_job>;
 
 int run_grpo_command(const grpo_cli& c) {
-  const grpo_job j = resolve_job(c);
+  const grpo_job j = resolve_rl_job(c, &models::load_grpo_job);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
 
   const auto task = prepare_rl_task(j, "grpo");
@@ -190,70 +172,45 @@ int run_grpo_command(const grpo_cli& c) {
 
 void add_job_flags(CLI::App* sub, grpo_cli& c) {
   grpo_cli* p = &c;
-  auto knob = [&](CLI::Option* o, std::function<void(grpo_job&)> apply) {
-    o->capture_default_str();
-    c.overrides.emplace_back(o, std::move(apply));
+  auto knob = [&]<class T>(const std::string& name, T grpo_job::*field, const std::string& help) {
+    return rl_knob(sub, c, name, field, help);
   };
   c.model = c.job.model_size;
-  knob(sub->add_option("--model", c.model,
-                       "HF model folder to start from (e.g. troupe sft's), or a named size "
-                       "built from the seed (llama-tiny, ...)"),
-       [p](grpo_job& j) { set_rl_model(j, p->model); });
-  c.task_flag =
-      sub->add_option("--task", c.job.task, "addition (generated a+b=) or prompts (--prompts)");
-  knob(c.task_flag, [p](grpo_job& j) { j.task = p->job.task; });
-  knob(sub->add_option("--digits", c.job.digits, "addition: digits of the operands (1 or 2)"),
-       [p](grpo_job& j) { j.digits = p->job.digits; });
-  c.prompts_flag = sub->add_option("--prompts", c.job.prompts_file,
-                                   "JSONL of {\"prompt\", \"answer\"} (implies --task prompts)")
+  CLI::Option* model = sub->add_option("--model", c.model,
+                                       "HF model folder to start from (e.g. troupe sft's), or a "
+                                       "named size built from the seed (llama-tiny, ...)");
+  model->capture_default_str();
+  c.overrides.emplace_back(model, [p](grpo_job& j) { set_rl_model(j, p->model); });
+  c.task_flag = knob("--task", &grpo_job::task, "addition (generated a+b=) or prompts (--prompts)");
+  knob("--digits", &grpo_job::digits, "addition: digits of the operands (1 or 2)");
+  c.prompts_flag = knob("--prompts", &grpo_job::prompts_file,
+                        "JSONL of {\"prompt\", \"answer\"} (implies --task prompts)")
                        ->check(CLI::ExistingFile);
-  knob(c.prompts_flag, [p](grpo_job& j) { j.prompts_file = p->job.prompts_file; });
-  knob(sub->add_option("--reward", c.job.reward,
-                       "exact (1 or 0) or partial (share of the answer's characters in place)"),
-       [p](grpo_job& j) { j.reward = p->job.reward; });
-  knob(sub->add_option("--template", c.job.chat_template,
-                       "Chat template of the prompts: chatml or llama3 (default: raw text)"),
-       [p](grpo_job& j) { j.chat_template = p->job.chat_template; });
-  knob(sub->add_option("--tokenizer", c.job.tokenizer, "byte, gpt2:DIR or spm:FILE"),
-       [p](grpo_job& j) { j.tokenizer = p->job.tokenizer; });
-  knob(sub->add_option("--steps", c.job.steps, "GRPO steps (one optimizer step each)"),
-       [p](grpo_job& j) { j.steps = p->job.steps; });
-  knob(sub->add_option("--prompts-per-step", c.job.prompts_per_step, "Prompts per step"),
-       [p](grpo_job& j) { j.prompts_per_step = p->job.prompts_per_step; });
-  knob(sub->add_option("--group", c.job.group, "Samples per prompt (the group)"),
-       [p](grpo_job& j) { j.group = p->job.group; });
-  knob(sub->add_option("--max-new-tokens", c.job.max_new_tokens, "Tokens per completion at most"),
-       [p](grpo_job& j) { j.max_new_tokens = p->job.max_new_tokens; });
-  knob(sub->add_option("--temperature", c.job.temperature, "Sampling temperature"),
-       [p](grpo_job& j) { j.temperature = p->job.temperature; });
-  knob(sub->add_option("--top-p", c.job.top_p, "Nucleus sampling"),
-       [p](grpo_job& j) { j.top_p = p->job.top_p; });
-  knob(sub->add_option("--kl-coef", c.job.kl_coef, "KL coefficient (0: no reference actor)"),
-       [p](grpo_job& j) { j.kl_coef = p->job.kl_coef; });
-  knob(sub->add_option("--clip-epsilon", c.job.clip_epsilon, "Clip range of the ratio"),
-       [p](grpo_job& j) { j.clip_epsilon = p->job.clip_epsilon; });
-  knob(sub->add_option("--seed", c.job.seed, "Seed of the prompts, the sampling (and weights)"),
-       [p](grpo_job& j) { j.seed = p->job.seed; });
-  knob(sub->add_option("--rollouts", c.job.rollouts, "Rollout actors"),
-       [p](grpo_job& j) { j.rollouts = p->job.rollouts; });
-  knob(sub->add_option("--staleness", c.job.staleness,
-                       "0: sample then train (sync); 1: sample the next batch while training"),
-       [p](grpo_job& j) { j.staleness = p->job.staleness; });
-  knob(sub->add_option("--log-every", c.job.log_every, "Steps between progress lines"),
-       [p](grpo_job& j) { j.log_every = p->job.log_every; });
-  knob(sub->add_option("--lr", c.job.lr, "Learning rate (constant after the warmup)"),
-       [p](grpo_job& j) { j.lr = p->job.lr; });
-  knob(sub->add_option("--warmup", c.job.warmup, "Warmup steps"),
-       [p](grpo_job& j) { j.warmup = p->job.warmup; });
-  knob(sub->add_option("--weight-decay", c.job.weight_decay, "AdamW weight decay"),
-       [p](grpo_job& j) { j.weight_decay = p->job.weight_decay; });
-  knob(sub->add_option("--clip", c.job.clip, "Gradient-norm clip (0: off)"),
-       [p](grpo_job& j) { j.clip = p->job.clip; });
-  knob(sub->add_option("--checkpoint-dir", c.job.ckpt_dir, "Folder to save the HF checkpoint to"),
-       [p](grpo_job& j) { j.ckpt_dir = p->job.ckpt_dir; });
-  knob(sub->add_option("--checkpoint-every", c.job.ckpt_every,
-                       "Steps between checkpoints (0: only at the end)"),
-       [p](grpo_job& j) { j.ckpt_every = p->job.ckpt_every; });
+  knob("--reward", &grpo_job::reward,
+       "exact (1 or 0) or partial (share of the answer's characters in place)");
+  knob("--template", &grpo_job::chat_template,
+       "Chat template of the prompts: chatml or llama3 (default: raw text)");
+  knob("--tokenizer", &grpo_job::tokenizer, "byte, gpt2:DIR or spm:FILE");
+  knob("--steps", &grpo_job::steps, "GRPO steps (one optimizer step each)");
+  knob("--prompts-per-step", &grpo_job::prompts_per_step, "Prompts per step");
+  knob("--group", &grpo_job::group, "Samples per prompt (the group)");
+  knob("--max-new-tokens", &grpo_job::max_new_tokens, "Tokens per completion at most");
+  knob("--temperature", &grpo_job::temperature, "Sampling temperature");
+  knob("--top-p", &grpo_job::top_p, "Nucleus sampling");
+  knob("--kl-coef", &grpo_job::kl_coef, "KL coefficient (0: no reference actor)");
+  knob("--clip-epsilon", &grpo_job::clip_epsilon, "Clip range of the ratio");
+  knob("--seed", &grpo_job::seed, "Seed of the prompts, the sampling (and weights)");
+  knob("--rollouts", &grpo_job::rollouts, "Rollout actors");
+  knob("--staleness", &grpo_job::staleness,
+       "0: sample then train (sync); 1: sample the next batch while training");
+  knob("--log-every", &grpo_job::log_every, "Steps between progress lines");
+  knob("--lr", &grpo_job::lr, "Learning rate (constant after the warmup)");
+  knob("--warmup", &grpo_job::warmup, "Warmup steps");
+  knob("--weight-decay", &grpo_job::weight_decay, "AdamW weight decay");
+  knob("--clip", &grpo_job::clip, "Gradient-norm clip (0: off)");
+  knob("--checkpoint-dir", &grpo_job::ckpt_dir, "Folder to save the HF checkpoint to");
+  knob("--checkpoint-every", &grpo_job::ckpt_every,
+       "Steps between checkpoints (0: only at the end)");
 }
 
 }  // namespace

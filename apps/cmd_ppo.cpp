@@ -43,25 +43,7 @@ namespace {
 
 using models::ppo_job;
 
-struct ppo_cli {
-  ppo_job job;  // the flags' values (their defaults are ppo_job's)
-  std::string config_file, json_path, model;
-  int threads = 0;
-  // The job's flags given on the command line, applied over --config's file.
-  std::vector<std::pair<CLI::Option*, std::function<void(ppo_job&)>>> overrides;
-  CLI::Option *task_flag = nullptr, *prompts_flag = nullptr;
-};
-
-ppo_job resolve_job(const ppo_cli& c) {
-  ppo_job j;
-  if (!c.config_file.empty()) j = models::load_ppo_job(c.config_file).value();
-  for (const auto& [opt, apply] : c.overrides)
-    if (opt->count() > 0) apply(j);
-  // --prompts FILE alone means the prompts task; with --task, the two must agree (validate).
-  if (c.prompts_flag->count() > 0 && c.task_flag->count() == 0) j.task = "prompts";
-  j.validate();
-  return j;
-}
+using ppo_cli = rl_cli<ppo_job>;
 
 // --critic: its config must read the policy's token ids and hold its rows' positions.
 void check_critic(const ppo_job& j, const rl_task& t, std::int64_t seq) {
@@ -78,7 +60,7 @@ void check_critic(const ppo_job& j, const rl_task& t, std::int64_t seq) {
 }
 
 int run_ppo_command(const ppo_cli& c) {
-  const ppo_job j = resolve_job(c);
+  const ppo_job j = resolve_rl_job(c, &models::load_ppo_job);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
   const auto task = prepare_rl_task(j, "ppo");
   const std::int64_t seq = task->draw->longest() + j.max_new_tokens;
@@ -230,10 +212,7 @@ void add_job_flags(CLI::App* sub, ppo_cli& c) {
   ppo_cli* p = &c;
   // A flag setting one field of the job (over --config's value when given).
   auto knob = [&]<class T>(const std::string& name, T ppo_job::*field, const std::string& help) {
-    CLI::Option* o = sub->add_option(name, c.job.*field, help);
-    o->capture_default_str();
-    c.overrides.emplace_back(o, [p, field](ppo_job& j) { j.*field = p->job.*field; });
-    return o;
+    return rl_knob(sub, c, name, field, help);
   };
   c.model = c.job.model_size;
   CLI::Option* model = sub->add_option("--model", c.model,

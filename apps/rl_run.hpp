@@ -9,9 +9,11 @@
 
 #include <fmt/core.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,6 +28,41 @@
 #include "models/text/tokenizer.hpp"
 
 namespace troupe::apps {
+
+// The command line of troupe grpo / ppo: the job's flags (their defaults are Job's), --config,
+// --json, --model, --threads, and the job flags given, applied over --config's file.
+template <class Job>
+struct rl_cli {
+  Job job;
+  std::string config_file, json_path, model;
+  int threads = 0;
+  std::vector<std::pair<CLI::Option*, std::function<void(Job&)>>> overrides;
+  CLI::Option *task_flag = nullptr, *prompts_flag = nullptr;
+};
+
+// A flag setting one field of the job (over --config's value when given).
+template <class Job, class T>
+CLI::Option* rl_knob(CLI::App* sub, rl_cli<Job>& c, const std::string& name, T Job::*field,
+                     const std::string& help) {
+  CLI::Option* o = sub->add_option(name, c.job.*field, help);
+  o->capture_default_str();
+  rl_cli<Job>* p = &c;
+  c.overrides.emplace_back(o, [p, field](Job& j) { j.*field = p->job.*field; });
+  return o;
+}
+
+// --config's job (load: load_grpo_job, load_ppo_job), the flags given over it, validated.
+// --prompts FILE alone means the prompts task; with --task, the two must agree (validate).
+template <class Job>
+Job resolve_rl_job(const rl_cli<Job>& c, expected<Job> (*load)(const std::string&)) {
+  Job j;
+  if (!c.config_file.empty()) j = load(c.config_file).value();
+  for (const auto& [opt, apply] : c.overrides)
+    if (opt->count() > 0) apply(j);
+  if (c.prompts_flag->count() > 0 && c.task_flag->count() == 0) j.task = "prompts";
+  j.validate();
+  return j;
+}
 
 // --model: an HF folder when it is a directory or a path (a missing folder is then refused
 // naming it), else a named size.
