@@ -121,12 +121,14 @@ int run_grpo_command(const grpo_cli& c) {
             json.get(),
             "{{\"step\": {}, \"mean_reward\": {}, \"kl\": {}, \"loss\": {}, "
             "\"clip_ratio\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, \"weights_version\": {}, "
-            "\"new_tokens\": {}, \"generate_seconds\": {}, \"reward_seconds\": {}, "
+            "\"new_tokens\": {}, \"generate_seconds\": {}, \"sample_seconds\": {}, "
+            "\"old_logprob_seconds\": {}, \"reward_seconds\": {}, "
             "\"reference_seconds\": {}, \"train_seconds\": {}, \"sync_seconds\": {}, "
             "\"seconds\": {}}}\n",
             it.iteration, it.mean_reward, it.train.kl, it.train.loss, it.train.clip_ratio,
             it.train.grad_norm, it.train.lr, it.sampled_by, it.new_tokens, generate,
-            it.reward_seconds, it.reference_seconds, it.train_seconds, it.sync_seconds, it.seconds);
+            it.generate_seconds, it.logprob_seconds, it.reward_seconds, it.reference_seconds,
+            it.train_seconds, it.sync_seconds, it.seconds);
         std::fflush(json.get());
       }
       if (it.iteration % j.log_every == 0 || it.iteration == j.steps || it.iteration == 1)

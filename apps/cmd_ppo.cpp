@@ -150,14 +150,16 @@ int run_ppo_command(const ppo_cli& c) {
                    "\"policy_loss\": {}, \"clipfrac\": {}, \"approx_kl\": {}, \"entropy\": {}, "
                    "\"value_loss\": {}, \"value_clipfrac\": {}, \"grad_norm\": {}, "
                    "\"critic_grad_norm\": {}, \"lr\": {:.6g}, \"weights_version\": {}, "
-                   "\"new_tokens\": {}, \"generate_seconds\": {}, \"reward_seconds\": {}, "
+                   "\"new_tokens\": {}, \"generate_seconds\": {}, \"sample_seconds\": {}, "
+                   "\"old_logprob_seconds\": {}, \"reward_seconds\": {}, "
                    "\"values_seconds\": {}, \"train_seconds\": {}, \"sync_seconds\": {}, "
                    "\"seconds\": {}}}\n",
                    it.iteration, it.mean_reward, it.kl, it.non_score_reward, it.policy.loss,
                    it.policy.clipfrac, it.policy.approx_kl, it.policy.entropy, it.critic.loss,
                    it.critic.clipfrac, it.policy.grad_norm, it.critic.grad_norm, it.policy.lr,
-                   it.sampled_by, it.new_tokens, generate, it.reward_seconds, it.values_seconds,
-                   it.train_seconds, it.sync_seconds, it.seconds);
+                   it.sampled_by, it.new_tokens, generate, it.generate_seconds, it.logprob_seconds,
+                   it.reward_seconds, it.values_seconds, it.train_seconds, it.sync_seconds,
+                   it.seconds);
         std::fflush(json.get());
       }
       if (it.iteration % j.log_every == 0 || it.iteration == j.steps || it.iteration == 1)
