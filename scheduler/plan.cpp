@@ -225,7 +225,11 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
               " (every rank holds two zigzag chunks of seq / (2 cp) tokens of each sample)");
     if (p.cp_mode == cp_mode_kind::ulysses) {
       divides(m.heads, "heads", " (Ulysses gives each rank heads / cp heads)");
-      divides(m.kv_heads, "kv_heads", " (Ulysses gives each rank kv_heads / cp kv heads)");
+      // Fewer kv heads than ranks: each is repeated to cp / kv_heads ranks.
+      if (m.kv_heads > 0 && m.kv_heads % p.cp != 0 && p.cp % m.kv_heads != 0)
+        out.add("parallel.cp = ", p.cp, " neither divides kv_heads = ", m.kv_heads,
+                " nor is a multiple of it (Ulysses gives each rank kv_heads / cp kv heads, or one "
+                "kv head repeated to cp / kv_heads ranks)");
     }
   }
   if (p.pp >= 1 && p.virtual_stages >= 1 && m.layers > 0 &&

@@ -224,16 +224,18 @@ TEST_CASE("a context-parallel plan names every shape it does not divide and the 
   parallel_plan p;
   p.cp = 3;
   // 32 heads, 8 kv heads, seq 2048: none divisible by 3; the world has 2 ranks.
-  CHECK(
-      validate(p, llama(), 2) ==
-      std::vector<std::string>{
-          "parallel.dp x parallel.cp x parallel.tp x parallel.pp = 1 x 3 x 1 x 1 = 3 does not "
-          "equal the world size 2",
-          "parallel.cp = 3 does not divide seq = 2048 (every rank holds seq / cp tokens of each "
-          "sample)",
-          "parallel.cp = 3 does not divide heads = 32 (Ulysses gives each rank heads / cp heads)",
-          "parallel.cp = 3 does not divide kv_heads = 8 (Ulysses gives each rank kv_heads / cp kv "
-          "heads)"});
+  CHECK(validate(p, llama(), 2) ==
+        std::vector<std::string>{
+            "parallel.dp x parallel.cp x parallel.tp x parallel.pp = 1 x 3 x 1 x 1 = 3 does not "
+            "equal the world size 2",
+            "parallel.cp = 3 does not divide seq = 2048 (every rank holds seq / cp tokens of each "
+            "sample)",
+            "parallel.cp = 3 does not divide heads = 32 (Ulysses gives each rank heads / cp heads)",
+            "parallel.cp = 3 neither divides kv_heads = 8 nor is a multiple of it (Ulysses gives "
+            "each rank kv_heads / cp kv heads, or one kv head repeated to cp / kv_heads ranks)"});
+  // More ranks than kv heads, a multiple of them: kv heads repeated (32 heads, 8 kv heads, cp 16).
+  p.cp = 16;
+  CHECK(validate(p, llama(), 16).empty());
   p.cp = 2;
   p.cp_mode = cp_mode_kind::ring;
   p.tp = 2;

@@ -41,6 +41,13 @@ class sequence_exchange {
                 // forward to its backward (one per layer)
     rope_cos,   // [T, D/2] RoPE tables of the whole sequence (within one call)
     rope_sin,
+    // GQA with fewer kv heads than ranks (Hkv < cp, cp % Hkv == 0): each kv head is repeated
+    // cp / Hkv times so that every rank receives the one its q heads read.
+    kv_repeat,  // within one call: [2, B, T/cp, cp, D] the repeated k and v (backward: their
+                // gradients, summed back onto the Hkv heads)
+    kv_heads,   // [2, B, T, 1, D] this rank's k and v head: kept from this layer's forward to
+                // its backward (one per layer)
+    dkv_heads,  // within one call: [2, B, T, 1, D] their gradients
   };
   virtual tensor get(buffer which, const shape& s, dtype t) = 0;
 };

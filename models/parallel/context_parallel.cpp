@@ -59,6 +59,12 @@ tensor ulysses_exchange::get(buffer which, const shape& s, dtype t) {
       return grown(pool_->rope_cos, s, t);
     case buffer::rope_sin:
       return grown(pool_->rope_sin, s, t);
+    case buffer::kv_repeat:
+      return grown(pool_->kv_repeat, s, t);
+    case buffer::kv_heads:
+      return grown(kv_heads_, s, t);
+    case buffer::dkv_heads:
+      return grown(pool_->dkv_heads, s, t);
   }
   TROUPE_FAIL("ulysses_exchange: unknown buffer");
 }
@@ -133,9 +139,9 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
     std::int64_t heads = c.n_head, kv = c.n_head;
     if constexpr (requires { c.n_kv_head; })
       if (c.n_kv_head > 0) kv = c.n_kv_head;
-    TROUPE_CHECK(ring || (heads % n == 0 && kv % n == 0),
+    TROUPE_CHECK(ring || (heads % n == 0 && (kv % n == 0 || n % kv == 0)),
                  "context parallelism (Ulysses): parallel.cp = ", n, " must divide the heads (",
-                 heads, ") and the kv heads (", kv, ")");
+                 heads, "), and divide the kv heads (", kv, ") or be a multiple of them");
     TROUPE_CHECK(seq <= c.max_seq, "context parallelism: train.seq = ", seq, " exceeds max_seq ",
                  c.max_seq);
     auto m = std::make_unique<causal_lm_of<typename F::model>>(c, batch_dims{rows, local_seq_}, t);

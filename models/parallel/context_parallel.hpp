@@ -52,7 +52,7 @@ namespace troupe::models::parallel {
 // Buffers the exchanges of one model share (staging, the all-to-all's send and receive buffers,
 // RoPE tables), grown to the largest request and kept.
 struct ulysses_pool {
-  owned_tensor staging, send, recv, rope_cos, rope_sin;
+  owned_tensor staging, send, recv, rope_cos, rope_sin, kv_repeat, dkv_heads;
 };
 
 class ulysses_exchange final : public sequence_exchange {
@@ -69,6 +69,7 @@ class ulysses_exchange final : public sequence_exchange {
   collective::communicator& cp_;
   std::shared_ptr<ulysses_pool> pool_;
   owned_tensor att_heads_;  // this layer's
+  owned_tensor kv_heads_;   // this layer's (GQA with n_kv_head < cp)
 };
 
 class cp_piece final : public grad_producer {

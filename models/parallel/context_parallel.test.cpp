@@ -154,10 +154,13 @@ void check_one_step(cp_mode_kind mode, int cp) {
 }  // namespace
 
 TEST_CASE(
-    "One step of cp2 ranks gives the whole model's loss and gradients for GPT-2 and "
+    "One step of cp2 and cp4 ranks gives the whole model's loss and gradients for GPT-2 and "
     "grouped-query Llama",
     "[parallel][cp]") {
+  // cp4 over llama-tiny's 2 kv heads: each kv head is repeated to two ranks (and its gradient
+  // summed back from them).
   check_one_step(cp_mode_kind::ulysses, 2);
+  check_one_step(cp_mode_kind::ulysses, 4);
 }
 
 TEST_CASE(
@@ -271,12 +274,14 @@ void check_training(cp_mode_kind mode, std::initializer_list<std::array<int, 4>>
 }  // namespace
 
 TEST_CASE(
-    "Ulysses cp2 and dp2 x cp2 training equal the single process trainer for GPT-2 and "
+    "Ulysses cp2, cp4 and dp2 x cp2 training equal the single process trainer for GPT-2 and "
     "grouped-query Llama",
     "[parallel][cp]") {
+  // cp4: more ranks than llama-tiny's 2 kv heads (repeated kv heads), with and without recompute.
   check_training(cp_mode_kind::ulysses,
-                 {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{2, 2, 0, 0},
-                  std::array{2, 2, 2, 0}, std::array{2, 2, 3, 0}});
+                 {std::array{1, 2, 0, 0}, std::array{1, 2, 0, 1}, std::array{1, 4, 0, 0},
+                  std::array{1, 4, 0, 1}, std::array{2, 2, 0, 0}, std::array{2, 2, 2, 0},
+                  std::array{2, 2, 3, 0}});
 }
 
 TEST_CASE(
@@ -290,20 +295,20 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "Ulysses over more ranks than kv heads and a mixture of experts are refused naming "
+    "Ulysses over more ranks than heads and a mixture of experts are refused naming "
     "parallel.cp",
     "[parallel][cp][faults]") {
-  // llama-tiny has 2 kv heads: 4 ranks would need kv-head replication, which is not written.
+  // llama-tiny has 4 heads: 8 ranks would hold half a head each.
   std::string said;
   try {
-    t::run_ranks(4, [&](int, collective::communicator& comm) {
+    t::run_ranks(8, [&](int, collective::communicator& comm) {
       cp_piece piece(tiny_model(true), 1, 8, comm);
     });
   } catch (const std::exception& e) {
     said = e.what();
   }
-  std::printf("faults: Ulysses cp4 over 2 kv heads -> refused: %s\n", said.c_str());
-  CHECK_THAT(said, Catch::Contains("parallel.cp = 4") && Catch::Contains("kv heads (2)"));
+  std::printf("faults: Ulysses cp8 over 4 heads -> refused: %s\n", said.c_str());
+  CHECK_THAT(said, Catch::Contains("parallel.cp = 8") && Catch::Contains("heads (4)"));
   said.clear();
   try {
     t::run_ranks(2, [&](int, collective::communicator& comm) {
