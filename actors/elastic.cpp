@@ -4,6 +4,8 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <map>
+#include <utility>
 
 namespace troupe::actors {
 
@@ -86,6 +88,77 @@ expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const e
     p.next.positions[pos] = m.spare;
     p.moves.push_back(m);
   }
+  return p;
+}
+
+std::string plan_text(const collective::rank_grid& grid) {
+  std::string out;
+  for (const auto& a : grid.axes())
+    if (a.name == "dp" || a.degree > 1)
+      out += fmt::format("{}{}{}", out.empty() ? "" : " x ", a.name, a.degree);
+  return out;
+}
+
+collective::rank_grid with_dp(const collective::rank_grid& grid, int dp) {
+  auto axes = grid.axes();
+  for (auto& a : axes)
+    if (a.name == "dp") a.degree = dp;
+  return collective::rank_grid(std::move(axes));
+}
+
+expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
+                                  const elastic_layout& now, const std::vector<int>& lost,
+                                  int min_ranks, int zero) {
+  using result = expected<shrink_plan>;
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+  std::string who;
+  for (int pos = 0; pos < static_cast<int>(now.positions.size()); ++pos)
+    if (is_lost(now.positions[static_cast<std::size_t>(pos)]))
+      who += fmt::format("{}rank {} ({})", who.empty() ? "" : ", ",
+                         now.positions[static_cast<std::size_t>(pos)], coordinates(grid, pos));
+  if (zero != 0)
+    return result::failure(fmt::format(
+        "elastic: shrinking after the loss of {} needs parallel.zero 0 (got {}): a ZeRO shard is "
+        "not resharded onto the survivors yet",
+        who, zero));
+  if (now.generation + 1 > 255)
+    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
+  // Survivors per piece (pp, tp coordinates), in dp order.
+  const int pieces = grid.world_size() / dp;
+  std::map<std::pair<int, int>, std::vector<int>> holders;
+  for (int pos = 0; pos < grid.world_size(); ++pos) {
+    const int r = now.positions[static_cast<std::size_t>(pos)];
+    auto& h = holders[{grid.coord(pos, "pp"), grid.coord(pos, "tp")}];
+    if (!is_lost(r)) h.push_back(r);
+  }
+  int most = dp;
+  for (const auto& [piece, h] : holders) most = std::min(most, static_cast<int>(h.size()));
+  // The most replicas that keep dp x microbatches (the global batch's slots) whole.
+  const int slots = dp * microbatches;
+  int d = most;
+  while (d > 0 && slots % d != 0) --d;
+  if (d == 0 || d * pieces < min_ranks)
+    return result::failure(fmt::format(
+        "elastic: {} was lost and no spare rank is left; shrinking onto the survivors gives {}, "
+        "below elastic.min_ranks (--min-ranks) {}",
+        who,
+        d == 0 ? std::string("no plan: some piece (pp x tp) has no survivor left")
+               : fmt::format("at most {} ({} ranks)", plan_text(with_dp(grid, d)), d * pieces),
+        min_ranks));
+  shrink_plan p;
+  p.dp = d;
+  p.microbatches = slots / d;
+  p.next.generation = now.generation + 1;
+  const auto next_grid = with_dp(grid, d);
+  for (int q = 0; q < next_grid.world_size(); ++q) {
+    const auto& h = holders[{next_grid.coord(q, "pp"), next_grid.coord(q, "tp")}];
+    p.next.positions.push_back(h[static_cast<std::size_t>(next_grid.coord(q, "dp"))]);
+  }
+  for (int r : now.positions)
+    if (!is_lost(r) && p.next.position_of(r) < 0) p.next.spares.push_back(r);
+  for (int r : now.spares)
+    if (!is_lost(r)) p.next.spares.push_back(r);
+  std::sort(p.next.spares.begin(), p.next.spares.end());
   return p;
 }
 

@@ -53,6 +53,29 @@ struct recovery_plan {
 expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
                                       const std::vector<int>& lost, int zero, bool buddies = false);
 
+// Shrinking (elastic.min_ranks below the plan's ranks): with no spare left, the job goes on with
+// fewer data-parallel replicas on the survivors. The model pieces (pp x tp) stay as they are, dp
+// goes down to the most replicas every piece still has a survivor for (ZeRO 0: each survivor holds
+// its piece's whole state, so no state moves), and parallel.microbatches goes up so that
+// dp x microbatches - the slots the global batch train.batch x train.grad_accum is split into -
+// stays the same: each step reads the same samples, each micro-batch keeps its rows. Survivors
+// not needed by the new grid (and any spares) become its spares.
+struct shrink_plan {
+  elastic_layout next;           // the new grid's positions, in its order, and the idle ranks
+  int dp = 0, microbatches = 0;  // the new plan's (pp and tp unchanged)
+};
+// `grid` is the current plan's (axes dp, pp, tp in its order), `dp` and `microbatches` its
+// degrees. Fails naming the lost ranks, what the survivors allow and elastic.min_ranks
+// (--min-ranks) when the largest plan has fewer than `min_ranks` ranks, or naming parallel.zero
+// when zero > 0 (a ZeRO shard is not resharded onto the survivors yet).
+expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
+                                  const elastic_layout& now, const std::vector<int>& lost,
+                                  int min_ranks, int zero);
+// "dp2 x pp2": the grid's dp and its axes of degree > 1.
+std::string plan_text(const collective::rank_grid& grid);
+// The grid of the same axes as `grid` with dp of degree `dp`.
+collective::rank_grid with_dp(const collective::rank_grid& grid, int dp);
+
 // The group id of a communicator of generation `generation` (0-255) for a grid group `base`.
 std::uint32_t group_id_of(std::uint32_t base, int generation);
 // The 2-rank group {donor, spare} that moves a piece's state to the spare at `position`.

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <thread>
@@ -146,4 +147,62 @@ TEST_CASE("A rebindable communicator goes on over a new communicator after an ab
   auto one = collective::make_local_group(1);
   comms[0]->rebind(std::move(one[0]), true);
   CHECK(comms[0]->size() == 1);
+}
+
+TEST_CASE("With no spare a dp2 x pp2 job that lost a stage shrinks to dp1 x pp2 on survivors",
+          "[elastic]") {
+  const auto grid = dp_pp(2, 2);  // positions: 0 (dp0 pp0), 1 (dp0 pp1), 2 (dp1 pp0), 3 (dp1 pp1)
+  const auto now = elastic_layout::initial(4, 4);
+  auto s = plan_shrink(grid, 2, 2, now, {3}, 2, 0);
+  REQUIRE(s);
+  CHECK(s->dp == 1);
+  CHECK(s->microbatches == 4);  // dp x microbatches stays 4: the global batch's slots
+  CHECK(s->next.generation == 1);
+  // Position 0 (pp0) stays with rank 0, position 1 (pp1) with rank 1, its only survivor.
+  CHECK(s->next.positions == std::vector<int>{0, 1});
+  CHECK(s->next.spares == std::vector<int>{2});  // the surviving pp0 replica idles
+  // Rank 1 lost instead: pp1's survivor is rank 3.
+  auto t = plan_shrink(grid, 2, 2, now, {1}, 0, 0);
+  REQUIRE(t);
+  CHECK(t->next.positions == std::vector<int>{0, 3});
+  CHECK(t->next.spares == std::vector<int>{2});
+}
+
+TEST_CASE("A dp4 job shrinks to the most replicas that divide its micro-batch slots", "[elastic]") {
+  const auto grid = dp_pp(4, 1);
+  const auto now = elastic_layout::initial(4, 4);
+  // 3 survivors, 4 slots (dp4 x 1 micro-batch): dp3 would not split them evenly, dp2 does.
+  auto s = plan_shrink(grid, 4, 1, now, {2}, 1, 0);
+  REQUIRE(s);
+  CHECK(s->dp == 2);
+  CHECK(s->microbatches == 2);
+  CHECK(s->next.positions == std::vector<int>{0, 1});
+  CHECK(s->next.spares == std::vector<int>{3});
+  // 12 slots (dp4 x 3): dp3 keeps them whole with 4 micro-batches each.
+  auto t = plan_shrink(grid, 4, 3, now, {0}, 3, 0);
+  REQUIRE(t);
+  CHECK(t->dp == 3);
+  CHECK(t->microbatches == 4);
+  CHECK(t->next.positions == std::vector<int>{1, 2, 3});
+  CHECK(t->next.spares.empty());
+}
+
+TEST_CASE("A shrink below elastic.min_ranks or of a ZeRO shard is refused, naming the setting",
+          "[elastic][faults]") {
+  const auto grid = dp_pp(2, 2);
+  const auto now = elastic_layout::initial(4, 4);
+  auto s = plan_shrink(grid, 2, 2, now, {3}, 3, 0);
+  REQUIRE_FALSE(s);
+  CHECK(s.error_message().find("elastic.min_ranks (--min-ranks) 3") != std::string::npos);
+  CHECK(s.error_message().find("at most dp1 x pp2") != std::string::npos);
+  CHECK(s.error_message().find("rank 3 (dp 1 pp 1 tp 0)") != std::string::npos);
+  std::printf("faults: shrink of dp2 x pp2 below min_ranks 3 -> refused: %s\n",
+              s.error_message().c_str());
+  // Both replicas of a stage lost: no plan keeps the model whole.
+  auto none = plan_shrink(grid, 2, 2, now, {1, 3}, 2, 0);
+  REQUIRE_FALSE(none);
+  CHECK(none.error_message().find("no survivor left") != std::string::npos);
+  auto zero = plan_shrink(dp_pp(4, 1), 4, 1, elastic_layout::initial(4, 4), {1}, 1, 1);
+  REQUIRE_FALSE(zero);
+  CHECK(zero.error_message().find("parallel.zero 0 (got 1)") != std::string::npos);
 }

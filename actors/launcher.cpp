@@ -203,6 +203,15 @@ int launch(const launch_options& given) {
                  " works for a job on one host (no --hostfile, --coordinator or --world-size)");
     o.nprocs += o.spares;
   }
+  TROUPE_CHECK(o.min_ranks >= 0 && o.min_ranks <= o.nprocs, "troupe launch: --min-ranks ",
+               o.min_ranks, " must be 0 (no shrinking) to the ", o.nprocs, " ranks started");
+  TROUPE_CHECK(o.min_ranks == 0 || (o.hostfile.empty() && host_coordinator && o.world_size == 0),
+               "troupe launch: --min-ranks ", o.min_ranks,
+               " works for a job on one host (no --hostfile, --coordinator or --world-size)");
+  // --spares and --min-ranks: this many rank failures leave the others running.
+  const int tolerated_failures = std::max(o.spares, o.min_ranks > 0 ? o.nprocs - o.min_ranks : 0);
+  const std::string tolerated_by =
+      o.min_ranks > 0 ? "--spares and --min-ranks allow" : "--spares allows";
   TROUPE_CHECK(o.rank_offset >= 0, "troupe launch: --rank-offset must not be negative");
   if (host_coordinator) {
     TROUPE_CHECK(
@@ -309,6 +318,7 @@ int launch(const launch_options& given) {
   if (!net_device.empty()) base_env.push_back("TROUPE_NET_DEVICE=" + net_device);
   if (o.world_size > 0) base_env.push_back("TROUPE_WORLD_SIZE=" + std::to_string(o.world_size));
   if (o.spares > 0) base_env.push_back("TROUPE_SPARES=" + std::to_string(o.spares));
+  if (o.min_ranks > 0) base_env.push_back("TROUPE_MIN_RANKS=" + std::to_string(o.min_ranks));
   if (o.use_tls) {
     base_env.push_back("TROUPE_TLS_CERT=" + o.tls.cert);
     base_env.push_back("TROUPE_TLS_KEY=" + o.tls.key);
@@ -469,15 +479,16 @@ int launch(const launch_options& given) {
         if (failed(status)) {
           failures.push_back(c.local);
           // --spares: that many failures leave the others running (an elastic run replaces them).
-          const bool tolerated = failures.size() <= static_cast<std::size_t>(o.spares);
-          if (failures.size() == static_cast<std::size_t>(o.spares) + 1)
+          const bool tolerated = failures.size() <= static_cast<std::size_t>(tolerated_failures);
+          if (failures.size() == static_cast<std::size_t>(tolerated_failures) + 1)
             first_failure = steady::now();
           if (!terminating)
             say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
                 describe_status(status) +
-                (tolerated ? "; the job goes on (" + std::to_string(failures.size()) + " of " +
-                                 std::to_string(o.spares) + " failures --spares allows)"
-                           : std::string()));
+                (tolerated
+                     ? "; the job goes on (" + std::to_string(failures.size()) + " of " +
+                           std::to_string(tolerated_failures) + " failures " + tolerated_by + ")"
+                     : std::string()));
         }
       }
     }
@@ -497,7 +508,7 @@ int launch(const launch_options& given) {
     // After a failure the others get the grace period, then SIGTERM, then SIGKILL.
     const auto now = steady::now();
     if (first_good_end != steady::time_point{} &&
-        failures.size() <= static_cast<std::size_t>(o.spares) && !terminating &&
+        failures.size() <= static_cast<std::size_t>(tolerated_failures) && !terminating &&
         now >= next_lingering_report) {
       std::string running;
       for (const auto& c : children)
@@ -511,7 +522,7 @@ int launch(const launch_options& given) {
             " s after a rank ended well: " + running);
       next_lingering_report = now + lingering_every;
     }
-    if (failures.size() > static_cast<std::size_t>(o.spares) && !terminating &&
+    if (failures.size() > static_cast<std::size_t>(tolerated_failures) && !terminating &&
         now - first_failure > std::chrono::duration<double>(o.grace_s)) {
       bool any = false;
       for (auto& c : children)
@@ -562,9 +573,9 @@ int launch(const launch_options& given) {
   std::string ranks;
   bool all_started = true;
   for (const auto& c : children) all_started = all_started && c.pid > 0;
-  if (all_started && bad <= o.spares && !terminating) {
-    say(report + "; every other rank ended well, within the " + std::to_string(o.spares) +
-        " failures --spares allows");
+  if (all_started && bad <= tolerated_failures && !terminating) {
+    say(report + "; every other rank ended well, within the " + std::to_string(tolerated_failures) +
+        " failures " + tolerated_by);
     return 0;
   }
   for (const auto& c : children)

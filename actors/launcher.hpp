@@ -44,6 +44,10 @@ struct launch_options {
   // Up to `spares` ranks may fail without ending the others (no grace countdown) or failing the
   // launch, when every other rank ends well.
   int spares = 0;
+  // An elastic run that shrinks onto its survivors (train's elastic.min_ranks, told by
+  // TROUPE_MIN_RANKS): the ranks may go down to this many (spares included in the count started)
+  // without ending the others or failing the launch; 0: no shrinking.
+  int min_ranks = 0;
   bool prefix = true;  // "[rank k] " before every output line
   bool quiet = false;  // no launcher lines on stderr except errors
   // The coordinator's introspection endpoint: its listen address (default 127.0.0.1) and the Host

@@ -105,6 +105,18 @@ struct recover_request {
                     move_buddy, steps, optimizer_steps);
   }
 };
+// Elastic shrinking (plan_shrink): every live rank takes the next generation's smaller grid (dp
+// and microbatches of the new plan); a rank holding a position of it rebuilds its piece under the
+// new plan with the state it holds (ZeRO 0: the whole piece's), the others idle as spares.
+struct shrink_request {
+  std::int32_t generation = 0;
+  std::vector<int> positions, spares;
+  std::int32_t dp = 0, microbatches = 0;
+  std::int64_t steps = 0, optimizer_steps = 0;  // the last committed
+  auto fields() {
+    return std::tie(generation, positions, spares, dp, microbatches, steps, optimizer_steps);
+  }
+};
 // Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
 // committed step on their own (their dp communicator becomes just themselves).
 struct salvage_request {
@@ -743,6 +755,86 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
       bytes};
 }
 
+// Elastic shrinking on one rank (see shrink_request). ZeRO 0 only (plan_shrink refuses others):
+// a survivor's piece state is the whole piece's parameters and AdamW moments, equal on every
+// data-parallel replica, so the new piece takes this rank's own copy; nothing moves between ranks.
+recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": shrinking a trainer not set up elastic");
+  TROUPE_CHECK(r.generation == st.layout.generation + 1, ctx.name(), ": asked to shrink into ",
+               "generation ", r.generation, " from generation ", st.layout.generation);
+  const auto t0 = std::chrono::steady_clock::now();
+  node& n = ctx.node();
+  const int me = n.rank();
+  st.cfg.plan.dp = r.dp;
+  st.cfg.plan.microbatches = r.microbatches;
+  st.grid = std::make_unique<collective::rank_grid>(with_dp(*st.grid, r.dp));
+  {
+    std::lock_guard lk2(st.layout_mu);
+    st.layout.positions = r.positions;
+    st.layout.spares = r.spares;
+    st.layout.generation = r.generation;
+  }
+  ctx.set_metric("elastic.generation", r.generation);
+  ctx.set_metric("elastic.dp", r.dp);
+  // Buddy replicas of the old grid are of no use in the new one: the next round makes them again.
+  st.own = {};
+  st.buddy = {};
+  st.staging = {};
+  st.buddy_out.reset();
+  st.buddy_in.reset();
+  st.buddy_generation = -1;
+  const int position = st.layout.position_of(me);
+  if (position < 0) {
+    st.hybrid.reset();
+    st.broken.clear();
+    ctx.set_activity(fmt::format("spare: idle since the shrink to {} (generation {})",
+                                 plan_text(*st.grid), r.generation));
+    ctx.set_metric("elastic.spare", 1);
+    return {fmt::format("rank {}: spare since the shrink to {}", me, plan_text(*st.grid)), 0};
+  }
+  TROUPE_CHECK(st.hybrid, ctx.name(), ": asked to hold a position of the shrunk plan, but it ",
+               "holds no piece (a spare): shrinking moves no state");
+  TROUPE_CHECK(st.hybrid->steps_done() == r.steps, ctx.name(), ": it has done ",
+               st.hybrid->steps_done(), " steps, the job goes on from step ", r.steps);
+  ctx.set_activity(
+      fmt::format("shrinking to {} (generation {})", plan_text(*st.grid), r.generation));
+  bind_comms(ctx, st, position);
+  st.hybrid->revive();
+  // This rank's piece state, kept while the piece is rebuilt under the new plan.
+  trainer_state::snapshot mine;
+  {
+    const auto s = st.hybrid->state();
+    TROUPE_CHECK(s.whole_optimizer, ctx.name(),
+                 ": its optimizer state is a ZeRO shard; shrinking needs parallel.zero 0");
+    keep(s.params, mine.params);
+    keep(s.m, mine.m);
+    keep(s.v, mine.v);
+  }
+  st.hybrid.reset();
+  auto cfg = st.cfg;  // its weights are this rank's own: no checkpoint read
+  cfg.resume.clear();
+  cfg.model_hf.clear();
+  st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
+  const auto s = st.hybrid->state();
+  TROUPE_CHECK(s.params.numel() == mine.params.view().numel() &&
+                   s.m.numel() == mine.m.view().numel() && s.v.numel() == mine.v.view().numel(),
+               ctx.name(), ": the piece under ", plan_text(*st.grid), " holds ", s.params.numel(),
+               " parameters, under the old plan ", mine.params.view().numel());
+  ops::copy(mine.params.view(), s.params.reshape({s.params.numel()}));
+  ops::copy(mine.m.view(), s.m.reshape({s.m.numel()}));
+  ops::copy(mine.v.view(), s.v.reshape({s.v.numel()}));
+  st.hybrid->set_progress(r.steps, r.optimizer_steps);
+  st.broken.clear();
+  set_mesh_of(ctx, st, position);
+  ctx.set_activity("idle");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {fmt::format("rank {}: {} {}, its own state under {} at generation {} ({:.3f} s)", me,
+                      coordinates(*st.grid, position), st.hybrid->describe(), plan_text(*st.grid),
+                      r.generation, secs),
+          0};
+}
+
 save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": nothing to save");
@@ -788,6 +880,8 @@ void add_trainer_role(role_registry& roles) {
         [st](role_context& c, const salvage_request& r) { return salvage(c, *st, r); });
     b.on<recover_request>(
         [st](role_context& c, const recover_request& r) { return recover(c, *st, r); });
+    b.on<shrink_request>(
+        [st](role_context& c, const shrink_request& r) { return shrink(c, *st, r); });
     b.on_stop([st](role_context& c) {
       if (st->membership_callback >= 0)
         c.node().remove_membership_callback(st->membership_callback);
@@ -899,8 +993,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   if (cfg.collective_timeout > 0)
     step_wait = std::max(step_wait, std::chrono::milliseconds(static_cast<std::int64_t>(
                                         cfg.collective_timeout * 2000.0 + 60000.0)));
-  collective::rank_grid grid(grid_axes_of(cfg.plan));
-  step_report rep;  // the last step's
+  collective::rank_grid grid(grid_axes_of(cfg.plan));  // shrinking lowers its dp
+  step_report rep;                                     // the last step's
   auto report_of = [&](const std::vector<step_reply>& replies) {
     rep = {};
     const auto& first = replies.front();
@@ -932,6 +1026,54 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   std::optional<std::chrono::steady_clock::time_point> failure_seen;
   const int replicas = elastic ? cfg.elastic_replica_interval : 0;
   std::int64_t replica_step = -1;  // the last step every rank's buddy replica holds
+  // Shrinking (elastic.min_ranks): the plan's micro-batches now (grid holds its dp) and the new
+  // plan's taken by every live rank; the same step goes on (returns the steps done).
+  int microbatches = cfg.plan.microbatches;
+  auto shrink_onto = [&](const shrink_plan& sh, std::int64_t step, const char* phase,
+                         std::int64_t committed, std::int64_t optimizer_steps,
+                         std::chrono::steady_clock::time_point t0) -> std::int64_t {
+    const std::string before = plan_text(grid);
+    const int mb_before = microbatches;
+    std::string who;
+    for (int pos = 0; pos < grid.world_size(); ++pos) {
+      const int r = layout.positions[static_cast<std::size_t>(pos)];
+      if (sh.next.position_of(r) < 0 &&
+          std::find(sh.next.spares.begin(), sh.next.spares.end(), r) == sh.next.spares.end())
+        who += fmt::format("{}rank {} ({}: {})", who.empty() ? "" : ", ", r, coordinates(grid, pos),
+                           n.lost_reason(r));
+    }
+    shrink_request req;
+    req.generation = sh.next.generation;
+    req.positions = sh.next.positions;
+    req.spares = sh.next.spares;
+    req.dp = sh.dp;
+    req.microbatches = sh.microbatches;
+    req.steps = committed;
+    req.optimizer_steps = optimizer_steps;
+    std::vector<role_handle> live;
+    for (int r : sh.next.positions) live.push_back(trainers[static_cast<std::size_t>(r)]);
+    for (int r : sh.next.spares) live.push_back(trainers[static_cast<std::size_t>(r)]);
+    layout = sh.next;
+    grid = with_dp(grid, sh.dp);
+    microbatches = sh.microbatches;
+    j.ask_all<recover_reply>(live, req, step_wait);
+    ++sum.recoveries;
+    std::string idle;
+    for (int r : sh.next.spares) idle += fmt::format("{}{}", idle.empty() ? "" : ", ", r);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    say(fmt::format(
+        "elastic: {} lost in step {} ({}); no spare left: shrank {} -> {}, micro-batches per "
+        "replica (gradient accumulation) {} -> {}, the global batch of {} samples kept, at "
+        "generation {} (membership epoch {}); {} ranks go on ({}), {}; each piece's state stayed "
+        "on a survivor (ZeRO 0: no copy); going on from step {}, the last committed; recovery "
+        "took {:.2f} s",
+        who, step + 1, phase, before, plan_text(grid), mb_before, microbatches,
+        cfg.batch * cfg.grad_accum, layout.generation, n.epoch(), grid.world_size(),
+        fmt::format("elastic.min_ranks {}", cfg.elastic_min_ranks),
+        idle.empty() ? std::string("none idle") : "idle as spares: rank " + idle, committed, secs));
+    return committed;
+  };
   auto recover = [&](std::int64_t step, const char* phase, std::int64_t committed,
                      const std::string& error) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -979,14 +1121,22 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
     auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
+    std::string no_way = plan ? std::string() : plan.error_message();
+    if (!plan && cfg.elastic_min_ranks > 0) {
+      // elastic.min_ranks: no spare (or no copy) for a lost position - shrink onto the survivors.
+      auto sh = plan_shrink(grid, grid.degree("dp"), microbatches, layout, lost,
+                            cfg.elastic_min_ranks, cfg.plan.zero);
+      if (sh) return shrink_onto(*sh, step, phase, committed, status.front().optimizer_steps, t0);
+      no_way = sh.error_message();
+    }
     if (!plan) {
       // No way on: save the last committed step when one whole data-parallel replica survived
       // (ZeRO 0: it holds the whole state) and there is a checkpoint folder.
       std::string saved = " (no checkpoint of it was written: ";
       int replica = -1;
-      for (int d = 0; d < cfg.plan.dp && replica < 0 && cfg.plan.zero == 0; ++d) {
+      for (int d = 0; d < grid.degree("dp") && replica < 0 && cfg.plan.zero == 0; ++d) {
         bool whole = true;
-        for (int p = 0; p < positions; ++p)
+        for (int p = 0; p < grid.world_size(); ++p)
           if (grid.coord(p, "dp") == d &&
               std::find(lost.begin(), lost.end(), layout.positions[p]) != lost.end())
             whole = false;
@@ -999,7 +1149,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                                     : "no whole data-parallel replica survived)";
       if (!cfg.ckpt_dir.empty() && replica >= 0) {
         std::vector<role_handle> savers;
-        for (int p = 0; p < positions; ++p)
+        for (int p = 0; p < grid.world_size(); ++p)
           if (grid.coord(p, "dp") == replica)
             savers.push_back(trainers[static_cast<std::size_t>(layout.positions[p])]);
         try {
@@ -1015,7 +1165,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
           saved += std::string("saving it failed: ") + e.what() + ")";
         }
       }
-      TROUPE_FAIL(plan.error_message(), "; lost in step ", step + 1, " (", phase,
+      TROUPE_FAIL(no_way, "; lost in step ", step + 1, " (", phase,
                   "); the last committed step is ", committed, saved);
     }
     recover_request req;
@@ -1066,7 +1216,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
           cfg.plan.zero == 0
               ? std::string("its state")
               : fmt::format("its ZeRO-{} shard (dp rank {} of {}: parameters, m and v)",
-                            cfg.plan.zero, grid.coord(m.position, "dp"), cfg.plan.dp),
+                            cfg.plan.zero, grid.coord(m.position, "dp"), grid.degree("dp")),
           m.donor,
           m.buddy ? fmt::format("its buddy replica of step {}", req.steps)
                   : std::string("a data-parallel replica"),

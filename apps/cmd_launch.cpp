@@ -22,6 +22,10 @@ command_fn add_launch_command(CLI::App& app) {
                   "Ranks started beyond -n that idle until one takes a lost rank's place (an "
                   "elastic troupe train); up to this many ranks may fail without failing the job")
       ->check(CLI::NonNegativeNumber);
+  sub->add_option("--min-ranks", o->min_ranks,
+                  "An elastic troupe train may shrink onto its survivors down to this many ranks "
+                  "(told to it as its --min-ranks); the job goes on while that many run")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--token", o->token, "Job token (default: 128 random bits)");
   sub->add_option("--token-file", o->token_file, "File whose first line is the job token");
   sub->add_option("--bind", o->bind,

@@ -234,6 +234,15 @@ int run_train(train_cli& c) {
                  "'");
     cfg.elastic_spares = static_cast<int>(v);
   }
+  if (const char* min = std::getenv("TROUPE_MIN_RANKS");
+      min != nullptr && cfg.elastic_min_ranks == 0) {
+    char* end = nullptr;
+    const long v = std::strtol(min, &end, 10);
+    TROUPE_CHECK(end != min && *end == '\0' && v >= 0 && v <= 1 << 20,
+                 "TROUPE_MIN_RANKS (set by troupe launch --min-ranks) must be a rank count, got '",
+                 min, "'");
+    cfg.elastic_min_ranks = static_cast<int>(v);
+  }
   cfg.validate();
   c.sample.seed = cfg.seed;
   if (c.threads > 0) parallel::set_num_threads(c.threads);
@@ -402,6 +411,11 @@ command_fn add_train_command(CLI::App& app) {
       *c, sub, "--replica-interval",
       "Elastic: every K steps each rank copies its piece state to its buddy rank, so pieces "
       "without a data-parallel replica can be restored (0: none)");
+  bind<&train_config::elastic_min_ranks>(
+      *c, sub, "--min-ranks",
+      "Elastic: with no spare left, shrink onto the survivors (fewer data-parallel replicas, the "
+      "global batch kept) down to this many ranks (0: the full plan, no shrinking; troupe launch "
+      "--min-ranks M gives its M)");
   bind<&train_config::elastic_chaos_kill>(
       *c, sub, "--chaos-kill",
       "Drill: RANK:STEP:PHASE - that rank's process SIGKILLs itself as step STEP reaches PHASE "

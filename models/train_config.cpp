@@ -254,6 +254,7 @@ const std::map<std::string, setter>& setters() {
       {"elastic.spares", set(&train_config::elastic_spares)},
       {"elastic.replica_interval", set(&train_config::elastic_replica_interval)},
       {"elastic.chaos_kill", set(&train_config::elastic_chaos_kill)},
+      {"elastic.min_ranks", set(&train_config::elastic_min_ranks)},
   };
   return s;
 }
@@ -417,6 +418,14 @@ void train_config::validate() const {
       elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
       "elastic.chaos_kill (--chaos-kill)",
       "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill + "'");
+  {
+    const int whole = plan.world_size(), piece = whole / std::max(plan.dp, 1);
+    need(elastic_min_ranks == 0 || (elastic_min_ranks >= piece && elastic_min_ranks <= whole),
+         "elastic.min_ranks (--min-ranks)",
+         "must be 0 (the full plan: no shrinking) or from " + std::to_string(piece) +
+             " (one copy of the model: the plan's ranks over parallel.dp) to the plan's " +
+             std::to_string(whole) + " ranks, got " + std::to_string(elastic_min_ranks));
+  }
   need(!elastic() || !tiers(), "elastic.*", "cannot be combined with memory.device (tiers)");
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;
@@ -549,6 +558,7 @@ std::string to_toml(const train_config& c) {
   elastic.insert("spares", c.elastic_spares);
   elastic.insert("replica_interval", c.elastic_replica_interval);
   elastic.insert("chaos_kill", c.elastic_chaos_kill);
+  elastic.insert("min_ranks", c.elastic_min_ranks);
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);
   par.insert("order", order);

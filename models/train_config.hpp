@@ -110,12 +110,18 @@ struct train_config {
   // buddy (the next grid position) and keeps a snapshot of its own, so a piece without a
   // data-parallel replica (dp 1, a stage or shard of dp 1, ZeRO 1-3) is restored from the buddy
   // and every rank goes back to that step; 0: no buddy replicas.
+  // min_ranks (--min-ranks M; `troupe launch --min-ranks M` passes its M): with no spare left the
+  // job shrinks onto the survivors (fewer data-parallel replicas, more micro-batches each: the
+  // global batch kept) as long as the new plan has at least M ranks; 0 (the default): the full
+  // plan, no shrinking. Implies enabled.
   bool elastic_enabled = false;
   int elastic_spares = 0;
   int elastic_replica_interval = 0;
   std::string elastic_chaos_kill;
+  int elastic_min_ranks = 0;
   bool elastic() const {
-    return elastic_enabled || elastic_spares > 0 || elastic_replica_interval > 0;
+    return elastic_enabled || elastic_spares > 0 || elastic_replica_interval > 0 ||
+           elastic_min_ranks > 0;
   }
 
   // Checks ranges and combinations; the message names the key as "section.key".
