@@ -413,7 +413,8 @@ int launch(const launch_options& given) {
   }
 
   // Relay output and reap ranks until every rank is gone and its pipes are drained.
-  std::vector<int> failures;  // local indices, in the order they failed
+  std::vector<int> failures;   // local indices, in the order they failed
+  bool driver_failed = false;  // rank 0 (the elastic driver) failed: never tolerated
   steady::time_point first_failure{}, term_sent{};
   // After a rank ended well while no rank failed, the ranks still running are named 10 s later,
   // then every 60 s: a rank that hangs in its shutdown shows in the output (with its own
@@ -479,8 +480,13 @@ int launch(const launch_options& given) {
         if (failed(status)) {
           failures.push_back(c.local);
           // --spares: that many failures leave the others running (an elastic run replaces them).
-          const bool tolerated = failures.size() <= static_cast<std::size_t>(tolerated_failures);
-          if (failures.size() == static_cast<std::size_t>(tolerated_failures) + 1)
+          // Rank 0 runs the elastic driver: its failure ends the job whatever the others allow.
+          const bool was_driver = c.rank == 0 && !driver_failed;
+          driver_failed = driver_failed || c.rank == 0;
+          const bool tolerated =
+              failures.size() <= static_cast<std::size_t>(tolerated_failures) && !driver_failed;
+          if (failures.size() == static_cast<std::size_t>(tolerated_failures) + 1 ||
+              (was_driver && failures.size() <= static_cast<std::size_t>(tolerated_failures)))
             first_failure = steady::now();
           if (!terminating)
             say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
@@ -508,8 +514,8 @@ int launch(const launch_options& given) {
     // After a failure the others get the grace period, then SIGTERM, then SIGKILL.
     const auto now = steady::now();
     if (first_good_end != steady::time_point{} &&
-        failures.size() <= static_cast<std::size_t>(tolerated_failures) && !terminating &&
-        now >= next_lingering_report) {
+        failures.size() <= static_cast<std::size_t>(tolerated_failures) && !driver_failed &&
+        !terminating && now >= next_lingering_report) {
       std::string running;
       for (const auto& c : children)
         if (c.pid > 0 && c.running)
@@ -522,8 +528,8 @@ int launch(const launch_options& given) {
             " s after a rank ended well: " + running);
       next_lingering_report = now + lingering_every;
     }
-    if (failures.size() > static_cast<std::size_t>(tolerated_failures) && !terminating &&
-        now - first_failure > std::chrono::duration<double>(o.grace_s)) {
+    if ((failures.size() > static_cast<std::size_t>(tolerated_failures) || driver_failed) &&
+        !terminating && now - first_failure > std::chrono::duration<double>(o.grace_s)) {
       bool any = false;
       for (auto& c : children)
         if (c.pid > 0 && c.running) {
@@ -573,7 +579,7 @@ int launch(const launch_options& given) {
   std::string ranks;
   bool all_started = true;
   for (const auto& c : children) all_started = all_started && c.pid > 0;
-  if (all_started && bad <= tolerated_failures && !terminating) {
+  if (all_started && bad <= tolerated_failures && !driver_failed && !terminating) {
     say(report + "; every other rank ended well, within the " + std::to_string(tolerated_failures) +
         " failures " + tolerated_by);
     return 0;

@@ -247,7 +247,8 @@ std::vector<collective::grid_axis> grid_axes_of(const scheduler::parallel_plan& 
 
 // The communicators of `position` in the current layout (its generation's group ids): made the
 // first time, else put under the piece's rebindable ones (the old ones are destroyed).
-void bind_comms(role_context& ctx, trainer_state& st, int position) {
+// any_shape: the group's size and this rank's place in it may change (a shrink).
+void bind_comms(role_context& ctx, trainer_state& st, int position, bool any_shape = false) {
   node& n = ctx.node();
   for (std::size_t i = 0; i < group_count(st.cfg.plan); ++i) {
     const bool experts = i >= 4 && st.cfg.plan.ep > 1;
@@ -269,7 +270,7 @@ void bind_comms(role_context& ctx, trainer_state& st, int position) {
       p2p->set_tuning(tune);
     }
     if (st.comms.size() > i) {
-      st.comms[i]->rebind(std::move(c));
+      st.comms[i]->rebind(std::move(c), any_shape);
       st.watches[i] = ctx.watch(*st.comms[i]);  // introspection names the new one
       continue;
     }
@@ -799,7 +800,7 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
                st.hybrid->steps_done(), " steps, the job goes on from step ", r.steps);
   ctx.set_activity(
       fmt::format("shrinking to {} (generation {})", plan_text(*st.grid), r.generation));
-  bind_comms(ctx, st, position);
+  bind_comms(ctx, st, position, true);
   st.hybrid->revive();
   // This rank's piece state, kept while the piece is rebuilt under the new plan.
   trainer_state::snapshot mine;
