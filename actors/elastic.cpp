@@ -108,7 +108,7 @@ collective::rank_grid with_dp(const collective::rank_grid& grid, int dp) {
 
 expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
                                   const elastic_layout& now, const std::vector<int>& lost,
-                                  int min_ranks, int zero) {
+                                  int min_ranks, int zero, bool buddies) {
   using result = expected<shrink_plan>;
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   std::string who;
@@ -116,11 +116,22 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
     if (is_lost(now.positions[static_cast<std::size_t>(pos)]))
       who += fmt::format("{}rank {} ({})", who.empty() ? "" : ", ",
                          now.positions[static_cast<std::size_t>(pos)], coordinates(grid, pos));
-  if (zero != 0)
+  const int npos = static_cast<int>(now.positions.size());
+  if (zero != 0 && (!buddies || grid.world_size() != dp))
     return result::failure(fmt::format(
-        "elastic: shrinking after the loss of {} needs parallel.zero 0 (got {}): a ZeRO shard is "
-        "not resharded onto the survivors yet",
-        who, zero));
+        "elastic: shrinking after the loss of {} with parallel.zero {} needs {}", who, zero,
+        !buddies ? std::string("buddy replicas (elastic.replica_interval): no survivor holds a "
+                               "lost rank's shard")
+                 : std::string("a plan of data parallelism only (pp = tp = 1)")));
+  if (zero != 0)
+    for (int pos = 0; pos < npos; ++pos)
+      if (is_lost(now.positions[static_cast<std::size_t>(pos)]) &&
+          is_lost(now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))]))
+        return result::failure(fmt::format(
+            "elastic: {} and rank {}, which holds its buddy replica, were lost: no survivor "
+            "holds the ZeRO-{} shard of dp rank {}",
+            who, now.positions[static_cast<std::size_t>(buddy_holder(pos, npos))], zero,
+            grid.coord(pos, "dp")));
   if (now.generation + 1 > 255)
     return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
   // Survivors per piece (pp, tp coordinates), in dp order.
@@ -160,6 +171,15 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
     if (!is_lost(r)) p.next.spares.push_back(r);
   std::sort(p.next.spares.begin(), p.next.spares.end());
   return p;
+}
+
+collective::rank_group reshard_group(const std::vector<int>& ranks, int generation) {
+  collective::rank_group g;
+  // Bit 23 with bit 20 (restore groups: positions below 2^20; buddy groups: bit 21; expert
+  // groups: bit 22).
+  g.id = group_id_of((1u << 23) | (1u << 20), generation);
+  g.ranks = ranks;
+  return g;
 }
 
 std::uint32_t group_id_of(std::uint32_t base, int generation) {

@@ -64,13 +64,19 @@ struct shrink_plan {
   elastic_layout next;           // the new grid's positions, in its order, and the idle ranks
   int dp = 0, microbatches = 0;  // the new plan's (pp and tp unchanged)
 };
+// ZeRO 1-3 (zero > 0): no survivor holds a lost rank's shard but its buddy (buddy_holder), so
+// shrinking needs buddy replicas (`buddies`), a plan of one piece (pp = tp = 1) and every lost
+// position's buddy holder alive; every survivor then takes part in resharding the whole state onto
+// the new dp (actors/training.cpp).
 // `grid` is the current plan's (axes dp, pp, tp in its order), `dp` and `microbatches` its
 // degrees. Fails naming the lost ranks, what the survivors allow and elastic.min_ranks
-// (--min-ranks) when the largest plan has fewer than `min_ranks` ranks, or naming parallel.zero
-// when zero > 0 (a ZeRO shard is not resharded onto the survivors yet).
+// (--min-ranks) when the largest plan has fewer than `min_ranks` ranks, or naming the setting that
+// a ZeRO shrink lacks.
 expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
                                   const elastic_layout& now, const std::vector<int>& lost,
-                                  int min_ranks, int zero);
+                                  int min_ranks, int zero, bool buddies = false);
+// The group of the ranks `ranks` (ascending) that reshard a ZeRO state at a shrink.
+collective::rank_group reshard_group(const std::vector<int>& ranks, int generation);
 // "dp2 x pp2": the grid's dp and its axes of degree > 1.
 std::string plan_text(const collective::rank_grid& grid);
 // The grid of the same axes as `grid` with dp of degree `dp`.

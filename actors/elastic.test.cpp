@@ -202,7 +202,18 @@ TEST_CASE("A shrink below elastic.min_ranks or of a ZeRO shard is refused, namin
   auto none = plan_shrink(grid, 2, 2, now, {1, 3}, 2, 0);
   REQUIRE_FALSE(none);
   CHECK(none.error_message().find("no survivor left") != std::string::npos);
-  auto zero = plan_shrink(dp_pp(4, 1), 4, 1, elastic_layout::initial(4, 4), {1}, 1, 1);
+  const auto four = elastic_layout::initial(4, 4);
+  auto zero = plan_shrink(dp_pp(4, 1), 4, 1, four, {1}, 1, 1);
   REQUIRE_FALSE(zero);
-  CHECK(zero.error_message().find("parallel.zero 0 (got 1)") != std::string::npos);
+  CHECK(zero.error_message().find("buddy replicas (elastic.replica_interval)") !=
+        std::string::npos);
+  // With buddy replicas: rank 1's shard is on rank 2; lost together, none is left.
+  REQUIRE(plan_shrink(dp_pp(4, 1), 4, 1, four, {1}, 1, 1, true));
+  auto pair = plan_shrink(dp_pp(4, 1), 4, 1, four, {1, 2}, 1, 1, true);
+  REQUIRE_FALSE(pair);
+  CHECK(pair.error_message().find("no survivor holds the ZeRO-1 shard of dp rank 1") !=
+        std::string::npos);
+  auto staged = plan_shrink(grid, 2, 2, now, {3}, 2, 1, true);
+  REQUIRE_FALSE(staged);
+  CHECK(staged.error_message().find("pp = tp = 1") != std::string::npos);
 }

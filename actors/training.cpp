@@ -28,6 +28,7 @@
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/layers/slots.hpp"
+#include "models/parallel/data_parallel.hpp"
 #include "models/parallel/expert_parallel.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "tensor/ops.hpp"
@@ -112,9 +113,14 @@ struct shrink_request {
   std::int32_t generation = 0;
   std::vector<int> positions, spares;
   std::int32_t dp = 0, microbatches = 0;
-  std::int64_t steps = 0, optimizer_steps = 0;  // the last committed
+  std::int64_t steps = 0, optimizer_steps = 0;  // the last committed (ZeRO: replicated)
+  // ZeRO 1-3: the old grid's positions and the lost ranks; every survivor takes part in putting
+  // the whole state together from the shards of the last replicated step (a lost rank's from its
+  // buddy holder), and each new position takes its new shard of it.
+  std::vector<int> old_positions, lost;
   auto fields() {
-    return std::tie(generation, positions, spares, dp, microbatches, steps, optimizer_steps);
+    return std::tie(generation, positions, spares, dp, microbatches, steps, optimizer_steps,
+                    old_positions, lost);
   }
 };
 // Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
@@ -759,6 +765,88 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
 // Elastic shrinking on one rank (see shrink_request). ZeRO 0 only (plan_shrink refuses others):
 // a survivor's piece state is the whole piece's parameters and AdamW moments, equal on every
 // data-parallel replica, so the new piece takes this rank's own copy; nothing moves between ranks.
+// ZeRO 1-3 at a shrink: the whole piece's parameters, m and v of the last replicated step, put
+// together on every survivor from the shards (its own snapshot, or the buddy replica it holds of
+// a lost rank's), each old dp rank's broadcast by the survivor holding it.
+struct whole_state {
+  owned_tensor params, m, v;
+  std::int64_t bytes = 0;
+};
+whole_state gather_shards(node& n, trainer_state& st, const shrink_request& r) {
+  const auto& buckets = st.hybrid->shard_buckets();
+  const int old_dp = static_cast<int>(r.old_positions.size());
+  auto is_lost = [&](int q) { return std::find(r.lost.begin(), r.lost.end(), q) != r.lost.end(); };
+  std::vector<int> survivors;
+  for (int q : r.old_positions)
+    if (!is_lost(q)) survivors.push_back(q);
+  std::sort(survivors.begin(), survivors.end());
+  auto c = collective::make_communicator(n.transport(), reshard_group(survivors, r.generation),
+                                         "ucx:reshard");
+  c->set_timeout(std::chrono::milliseconds(
+      static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+  std::int64_t whole = 0, shard = 0;
+  for (const auto& b : buckets) {
+    whole = std::max(whole, b.begin + b.length);
+    shard = std::max(shard, b.shard_offset + b.chunk);
+  }
+  TROUPE_CHECK(st.own.steps == r.steps && st.own.params.view().numel() == shard, "rank ", n.rank(),
+               ": its snapshot is of step ", st.own.steps, " with ", st.own.params.view().numel(),
+               " elements; the shrink goes on from step ", r.steps, " with shards of ", shard);
+  whole_state out;
+  out.params = empty({whole});
+  out.m = empty({whole});
+  out.v = empty({whole});
+  owned_tensor buf = empty({3 * shard});
+  float* b3 = buf.view().data_as<float>();
+  for (int d = 0; d < old_dp; ++d) {
+    const int holder_pos =
+        is_lost(r.old_positions[static_cast<std::size_t>(d)]) ? buddy_holder(d, old_dp) : d;
+    const int holder = r.old_positions[static_cast<std::size_t>(holder_pos)];
+    const int root =
+        static_cast<int>(std::find(survivors.begin(), survivors.end(), holder) - survivors.begin());
+    if (holder == n.rank()) {
+      const auto& from = holder_pos == d ? st.own : st.buddy;
+      TROUPE_CHECK(from.steps == r.steps && from.params.view().numel() == shard, "rank ", n.rank(),
+                   ": its copy of dp rank ", d, "'s shard is of step ", from.steps, ", not ",
+                   r.steps);
+      std::copy_n(from.params.view().data_as<float>(), shard, b3);
+      std::copy_n(from.m.view().data_as<float>(), shard, b3 + shard);
+      std::copy_n(from.v.view().data_as<float>(), shard, b3 + 2 * shard);
+    }
+    collective::options o;
+    o.root = root;
+    c->broadcast(b3, static_cast<std::size_t>(3 * shard), dtype::f32, o).wait();
+    out.bytes += 3 * shard * 4;
+    float* w[3] = {out.params.view().data_as<float>(), out.m.view().data_as<float>(),
+                   out.v.view().data_as<float>()};
+    for (const auto& b : buckets) {
+      const std::int64_t first = static_cast<std::int64_t>(d) * b.chunk;
+      const std::int64_t count = std::clamp<std::int64_t>(b.length - first, 0, b.chunk);
+      for (int k = 0; k < 3; ++k)
+        std::copy_n(b3 + k * shard + b.shard_offset, count, w[k] + b.begin + first);
+    }
+  }
+  return out;
+}
+
+// The new shard of this rank (dp rank `d` of the new grid) taken from the whole state.
+void take_shard(trainer_state& st, const whole_state& w, int d) {
+  const auto s = st.hybrid->state();
+  const tensor* to[3] = {&s.params, &s.m, &s.v};
+  const owned_tensor* from[3] = {&w.params, &w.m, &w.v};
+  for (const auto& b : st.hybrid->shard_buckets()) {
+    const std::int64_t first = static_cast<std::int64_t>(d) * b.chunk;
+    const std::int64_t count = std::clamp<std::int64_t>(b.length - first, 0, b.chunk);
+    for (int k = 0; k < 3; ++k)
+      std::copy_n(from[k]->view().data_as<float>() + b.begin + first, count,
+                  to[k]->data_as<float>() + b.shard_offset);
+  }
+}
+
+// Elastic shrinking on one rank (see shrink_request). ZeRO 0: a survivor's piece state is the
+// whole piece's parameters and AdamW moments, equal on every data-parallel replica, so the new
+// piece takes this rank's own copy and nothing moves between ranks. ZeRO 1-3: the whole state is
+// put together from the shards of the last replicated step (gather_shards) and resharded.
 recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": shrinking a trainer not set up elastic");
@@ -767,6 +855,27 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
   const auto t0 = std::chrono::steady_clock::now();
   node& n = ctx.node();
   const int me = n.rank();
+  const bool reshard = !r.old_positions.empty();
+  // The state this rank brings: ZeRO 0 its piece's, ZeRO 1-3 the whole one.
+  trainer_state::snapshot mine;
+  whole_state whole;
+  if (st.hybrid) {
+    TROUPE_CHECK(reshard || st.hybrid->steps_done() == r.steps, ctx.name(), ": it has done ",
+                 st.hybrid->steps_done(), " steps, the job goes on from step ", r.steps);
+    st.hybrid->revive();
+    if (reshard) {
+      ctx.set_activity(fmt::format("resharding the ZeRO-{} state of step {} onto dp{}",
+                                   st.cfg.plan.zero, r.steps, r.dp));
+      whole = gather_shards(n, st, r);
+    } else {
+      const auto s = st.hybrid->state();
+      TROUPE_CHECK(s.whole_optimizer, ctx.name(),
+                   ": its optimizer state is a ZeRO shard; shrinking it needs buddy replicas");
+      keep(s.params, mine.params);
+      keep(s.m, mine.m);
+      keep(s.v, mine.v);
+    }
+  }
   st.cfg.plan.dp = r.dp;
   st.cfg.plan.microbatches = r.microbatches;
   st.grid = std::make_unique<collective::rank_grid>(with_dp(*st.grid, r.dp));
@@ -792,48 +901,41 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
     ctx.set_activity(fmt::format("spare: idle since the shrink to {} (generation {})",
                                  plan_text(*st.grid), r.generation));
     ctx.set_metric("elastic.spare", 1);
-    return {fmt::format("rank {}: spare since the shrink to {}", me, plan_text(*st.grid)), 0};
+    return {fmt::format("rank {}: spare since the shrink to {}", me, plan_text(*st.grid)),
+            whole.bytes};
   }
   TROUPE_CHECK(st.hybrid, ctx.name(), ": asked to hold a position of the shrunk plan, but it ",
-               "holds no piece (a spare): shrinking moves no state");
-  TROUPE_CHECK(st.hybrid->steps_done() == r.steps, ctx.name(), ": it has done ",
-               st.hybrid->steps_done(), " steps, the job goes on from step ", r.steps);
+               "holds no piece (a spare): shrinking moves no state to spares");
   ctx.set_activity(
       fmt::format("shrinking to {} (generation {})", plan_text(*st.grid), r.generation));
   bind_comms(ctx, st, position, true);
-  st.hybrid->revive();
-  // This rank's piece state, kept while the piece is rebuilt under the new plan.
-  trainer_state::snapshot mine;
-  {
-    const auto s = st.hybrid->state();
-    TROUPE_CHECK(s.whole_optimizer, ctx.name(),
-                 ": its optimizer state is a ZeRO shard; shrinking needs parallel.zero 0");
-    keep(s.params, mine.params);
-    keep(s.m, mine.m);
-    keep(s.v, mine.v);
-  }
   st.hybrid.reset();
-  auto cfg = st.cfg;  // its weights are this rank's own: no checkpoint read
+  auto cfg = st.cfg;  // its weights are the old piece's: no checkpoint read
   cfg.resume.clear();
   cfg.model_hf.clear();
   st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
-  const auto s = st.hybrid->state();
-  TROUPE_CHECK(s.params.numel() == mine.params.view().numel() &&
-                   s.m.numel() == mine.m.view().numel() && s.v.numel() == mine.v.view().numel(),
-               ctx.name(), ": the piece under ", plan_text(*st.grid), " holds ", s.params.numel(),
-               " parameters, under the old plan ", mine.params.view().numel());
-  ops::copy(mine.params.view(), s.params.reshape({s.params.numel()}));
-  ops::copy(mine.m.view(), s.m.reshape({s.m.numel()}));
-  ops::copy(mine.v.view(), s.v.reshape({s.v.numel()}));
+  if (reshard) {
+    take_shard(st, whole, st.grid->coord(position, "dp"));
+  } else {
+    const auto s = st.hybrid->state();
+    TROUPE_CHECK(s.params.numel() == mine.params.view().numel() &&
+                     s.m.numel() == mine.m.view().numel() && s.v.numel() == mine.v.view().numel(),
+                 ctx.name(), ": the piece under ", plan_text(*st.grid), " holds ", s.params.numel(),
+                 " parameters, under the old plan ", mine.params.view().numel());
+    ops::copy(mine.params.view(), s.params.reshape({s.params.numel()}));
+    ops::copy(mine.m.view(), s.m.reshape({s.m.numel()}));
+    ops::copy(mine.v.view(), s.v.reshape({s.v.numel()}));
+  }
   st.hybrid->set_progress(r.steps, r.optimizer_steps);
   st.broken.clear();
   set_mesh_of(ctx, st, position);
   ctx.set_activity("idle");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return {fmt::format("rank {}: {} {}, its own state under {} at generation {} ({:.3f} s)", me,
-                      coordinates(*st.grid, position), st.hybrid->describe(), plan_text(*st.grid),
-                      r.generation, secs),
-          0};
+  return {fmt::format("rank {}: {} {}, {} under {} at generation {} ({:.3f} s)", me,
+                      coordinates(*st.grid, position), st.hybrid->describe(),
+                      reshard ? "its new shard of the whole state" : "its own state",
+                      plan_text(*st.grid), r.generation, secs),
+          whole.bytes};
 }
 
 save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
@@ -1031,7 +1133,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   // plan's taken by every live rank; the same step goes on (returns the steps done).
   int microbatches = cfg.plan.microbatches;
   auto shrink_onto = [&](const shrink_plan& sh, std::int64_t step, const char* phase,
-                         std::int64_t committed, std::int64_t optimizer_steps,
+                         std::int64_t committed, std::int64_t from, std::int64_t optimizer_steps,
+                         const std::vector<int>& lost,
                          std::chrono::steady_clock::time_point t0) -> std::int64_t {
     const std::string before = plan_text(grid);
     const int mb_before = microbatches;
@@ -1049,15 +1152,21 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     req.spares = sh.next.spares;
     req.dp = sh.dp;
     req.microbatches = sh.microbatches;
-    req.steps = committed;
+    req.steps = from;
     req.optimizer_steps = optimizer_steps;
+    if (cfg.plan.zero != 0) {
+      req.old_positions = layout.positions;
+      req.lost = lost;
+    }
     std::vector<role_handle> live;
     for (int r : sh.next.positions) live.push_back(trainers[static_cast<std::size_t>(r)]);
     for (int r : sh.next.spares) live.push_back(trainers[static_cast<std::size_t>(r)]);
     layout = sh.next;
     grid = with_dp(grid, sh.dp);
     microbatches = sh.microbatches;
-    j.ask_all<recover_reply>(live, req, step_wait);
+    std::int64_t bytes = 0;
+    for (const auto& rr : j.ask_all<recover_reply>(live, req, step_wait))
+      bytes = std::max(bytes, rr.bytes);
     ++sum.recoveries;
     std::string idle;
     for (int r : sh.next.spares) idle += fmt::format("{}{}", idle.empty() ? "" : ", ", r);
@@ -1066,14 +1175,24 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     say(fmt::format(
         "elastic: {} lost in step {} ({}); no spare left: shrank {} -> {}, micro-batches per "
         "replica (gradient accumulation) {} -> {}, the global batch of {} samples kept, at "
-        "generation {} (membership epoch {}); {} ranks go on ({}), {}; each piece's state stayed "
-        "on a survivor (ZeRO 0: no copy); going on from step {}, the last committed; recovery "
-        "took {:.2f} s",
+        "generation {} (membership epoch {}); {} ranks go on ({}), {}; {}; going on from step "
+        "{}, {}; recovery took {:.2f} s",
         who, step + 1, phase, before, plan_text(grid), mb_before, microbatches,
         cfg.batch * cfg.grad_accum, layout.generation, n.epoch(), grid.world_size(),
         fmt::format("elastic.min_ranks {}", cfg.elastic_min_ranks),
-        idle.empty() ? std::string("none idle") : "idle as spares: rank " + idle, committed, secs));
-    return committed;
+        idle.empty() ? std::string("none idle") : "idle as spares: rank " + idle,
+        cfg.plan.zero == 0
+            ? std::string("each piece's state stayed on a survivor (ZeRO 0: no copy)")
+            : fmt::format("the ZeRO-{} shards of step {} resharded onto the new dp (the lost "
+                          "ones from their buddy replicas; {:.2f} MB over UCX per rank)",
+                          cfg.plan.zero, from, bytes / 1e6),
+        from,
+        from == committed ? std::string("the last committed")
+                          : fmt::format("the last replicated (every rank went back from step "
+                                        "{}; the steps since run again)",
+                                        committed),
+        secs));
+    return from;
   };
   auto recover = [&](std::int64_t step, const char* phase, std::int64_t committed,
                      const std::string& error) {
@@ -1126,8 +1245,23 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     if (!plan && cfg.elastic_min_ranks > 0) {
       // elastic.min_ranks: no spare (or no copy) for a lost position - shrink onto the survivors.
       auto sh = plan_shrink(grid, grid.degree("dp"), microbatches, layout, lost,
-                            cfg.elastic_min_ranks, cfg.plan.zero);
-      if (sh) return shrink_onto(*sh, step, phase, committed, status.front().optimizer_steps, t0);
+                            cfg.elastic_min_ranks, cfg.plan.zero, replicas > 0);
+      if (sh && cfg.plan.zero != 0) {
+        // The shards are put together from the last replicated step: every survivor holds a
+        // snapshot of it, and the buddy holders the lost ranks' shards.
+        TROUPE_CHECK(replica_step >= 0, "elastic: ", who, " lost in step ", step + 1, " (", phase,
+                     "): shrinking a ZeRO state needs a buddy replica, but none was made yet");
+        for (std::size_t i = 0; i < status.size(); ++i)
+          TROUPE_CHECK(status[i].replica_steps == replica_step, "elastic: ", survivors[i].name,
+                       " holds a snapshot of step ", status[i].replica_steps, ", not ",
+                       replica_step);
+      }
+      if (sh)
+        return shrink_onto(*sh, step, phase, committed,
+                           cfg.plan.zero != 0 ? replica_step : committed,
+                           cfg.plan.zero != 0 ? status.front().replica_optimizer_steps
+                                              : status.front().optimizer_steps,
+                           lost, t0);
       no_way = sh.error_message();
     }
     if (!plan) {

@@ -507,6 +507,11 @@ void hybrid_trainer::set_progress(std::int64_t steps_done, std::int64_t optimize
   impl_->dp->set_progress(steps_done, optimizer_steps);
 }
 
+const std::vector<dp_bucket>& hybrid_trainer::shard_buckets() const {
+  TROUPE_CHECK(impl_->dp, "hybrid_trainer::shard_buckets", no_elastic_ep);
+  return impl_->dp->buckets();
+}
+
 void hybrid_trainer::revive() {
   TROUPE_CHECK(impl_->dp, "hybrid_trainer::revive", no_elastic_ep);
   impl_->dp->discard_prepared();

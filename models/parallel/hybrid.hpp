@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "collective/communicator.hpp"
 #include "models/causal_lm.hpp"
@@ -51,6 +52,7 @@ struct hybrid_groups {
 };
 
 struct ep_step_load;
+struct dp_bucket;
 
 class hybrid_trainer {
  public:
@@ -91,6 +93,10 @@ class hybrid_trainer {
   };
   piece_state state();
   void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
+  // ZeRO 1-3: the buckets of the data-parallel engine (data_parallel.hpp: bucket b's chunk of dp
+  // rank d is elements [b.begin + d * b.chunk, ...) of the whole piece, at b.shard_offset of the
+  // shard), for resharding a piece's state onto another dp size (an elastic shrink).
+  const std::vector<dp_bucket>& shard_buckets() const;
   // After a failed step whose communicators the caller replaced with new ones (new group ids): the
   // pipeline stage takes steps again (pipeline_runner::revive) and a prepared step is dropped.
   void revive();

@@ -150,3 +150,52 @@ TEST_CASE("Below elastic.min_ranks the run ends naming min_ranks and saves the l
   std::printf("faults: SIGKILL of rank 3 in step 4, dp2 x pp2, min_ranks 3 -> refused: %s\n",
               line.c_str());
 }
+
+TEST_CASE(
+    "A dp4 ZeRO 1 or ZeRO 3 run with no spare reshards its shards onto dp2, the lost one from "
+    "its buddy, equal by rounding",
+    "[multirank][faults]") {
+  // No survivor holds a lost rank's shard but its buddy (elastic.replica_interval). Every survivor
+  // puts the whole state of the last replicated step together (its own snapshot, the buddy
+  // holder's copy of the lost shard) and the new dp ranks take their shards of it; the steps since
+  // that step run again under the new plan.
+  scratch_dir dir("elastic-shrink-zero");
+  const auto exact = exact_run(dir.path);
+  struct drill {
+    const char* name;
+    std::vector<std::string> plan;
+    const char* kill;
+    const char* how;   // the recovery line's account of the state
+    const char* from;  // and the step it goes on from
+    const char* what;
+  };
+  for (const auto& d :
+       {drill{"zero1",
+              {"--dp", "4", "--zero", "1", "--replica-interval", "1"},
+              "2:3:forward",
+              "the ZeRO-1 shards of step 2 resharded onto the new dp",
+              "going on from step 2, the last committed",
+              "SIGKILL of rank 2 (dp 2) before its forward pass of step 3, dp4 ZeRO 1, replicas "
+              "every step, no spare"},
+        drill{"zero3",
+              {"--dp", "4", "--zero", "3", "--replica-interval", "2"},
+              "1:4:commit",
+              "the ZeRO-3 shards of step 2 resharded onto the new dp",
+              "going on from step 2, the last replicated (every rank went back from step 4",
+              "SIGKILL of rank 1 (dp 1) at its commit of step 4, dp4 ZeRO 3, replicas every 2 "
+              "steps, no spare"}}) {
+    SECTION(d.name) {
+      const std::string clean = std::string(d.name) + "-clean";
+      run(elastic_argv(4, 0, dir.path, clean, d.plan), 0);
+      auto p = d.plan;
+      p.insert(p.end(), {"--chaos-kill", d.kill});
+      const auto out = run(shrink_argv(4, 2, dir.path, d.name, p), 0);
+      CHECK(out.find("shrank dp4 -> dp2, micro-batches per replica (gradient accumulation) 1 -> "
+                     "2") != std::string::npos);
+      CHECK(out.find(d.how) != std::string::npos);
+      CHECK(out.find(d.from) != std::string::npos);
+      same_by_rounding(dir.path, d.name, clean, exact);
+      survived(d.what, out);
+    }
+  }
+}
