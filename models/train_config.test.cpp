@@ -265,3 +265,24 @@ TEST_CASE("The [elastic] table: spares, buddy replicas and the drill, checked an
   CHECK(tiers.error_message().find("elastic.* cannot be combined with memory.device") !=
         std::string::npos);
 }
+
+TEST_CASE("elastic.min_ranks: 0 keeps the full plan, else one model copy up to the plan's ranks",
+          "[faults]") {
+  CHECK(train_config{}.elastic_min_ranks == 0);  // the default: no shrinking
+  auto c = parse_train_config("[parallel]\ndp = 2\npp = 2\n[elastic]\nmin_ranks = 2\n", "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->elastic());  // implies enabled
+  CHECK(c->elastic_min_ranks == 2);
+  CHECK(parse_train_config(to_toml(*c), "again").value() == *c);
+  for (const char* bad : {"1", "5", "-1"}) {
+    INFO(bad);
+    auto wrong = parse_train_config(
+        std::string("[parallel]\ndp = 2\npp = 2\n[elastic]\nmin_ranks = ") + bad + "\n",
+        "job.toml");
+    REQUIRE(!wrong.has_value());
+    CHECK(wrong.error_message().find("job.toml: elastic.min_ranks (--min-ranks) must be 0 (the "
+                                     "full plan: no shrinking) or from 2") != std::string::npos);
+    std::printf("faults: elastic.min_ranks = %s on dp2 x pp2 -> refused: %s\n", bad,
+                wrong.error_message().c_str());
+  }
+}
