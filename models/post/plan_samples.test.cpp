@@ -291,9 +291,20 @@ void check_plans(const job& j, const std::vector<scheduler::parallel_plan>& plan
   }
 }
 
-const std::vector<scheduler::parallel_plan> every_plan = {plan_of(2, 1, 1, 0), plan_of(2, 1, 1, 2),
-                                                          plan_of(2, 1, 1, 3), plan_of(1, 1, 2),
-                                                          plan_of(1, 2, 1),    plan_of(2, 2, 2)};
+// GPipe with 4 microbatches: the last stage runs every forward before the backwards, so each
+// microbatch's objective and row weights go to its stash and come back (with recompute, a
+// restored microbatch's head runs its objective again).
+scheduler::parallel_plan gpipe(bool recompute) {
+  auto p = plan_of(1, 2, 1);
+  p.schedule = scheduler::schedule_kind::gpipe;
+  p.microbatches = 4;
+  if (recompute) p.recompute = scheduler::recompute_policy::full;
+  return p;
+}
+
+const std::vector<scheduler::parallel_plan> every_plan = {
+    plan_of(2, 1, 1, 0), plan_of(2, 1, 1, 2), plan_of(2, 1, 1, 3), plan_of(1, 1, 2),
+    plan_of(1, 2, 1),    gpipe(false),        gpipe(true),         plan_of(2, 2, 2)};
 
 job sft_job(bool packed) {
   auto rows = sft_data(packed);
@@ -337,7 +348,7 @@ TEST_CASE("DPO steps under every plan train as the single-process DPO step", "[p
   }
   SECTION("IPO") {
     check_plans(dpo_job({.type = dpo_loss_type::ipo, .beta = 0.5}),
-                {every_plan[0], every_plan[3], every_plan[5]});
+                {every_plan[0], every_plan[3], every_plan[6], every_plan[7]});
   }
 }
 
@@ -373,6 +384,8 @@ TEST_CASE("A plan that drops the SFT mask on one rank is told from the single pr
   INFO("weights: " << v.weights.str());
   CHECK_FALSE(v.losses.ok());
   CHECK_FALSE(v.weights.ok());
+  std::printf("mask dropped on dp rank 1: ratios losses %.3g, weights %.3g\n", v.losses.ratio(),
+              v.weights.ratio());
 }
 
 TEST_CASE("Packed rows under a tensor shard or a pipeline stage are refused",
