@@ -47,8 +47,8 @@ namespace {
 
 constexpr std::int64_t rows_per_step = 8, seq = 8;
 
-hf::model_config model_of() {
-  return named_model_config("gpt2-demo", 64).value();
+hf::model_config model_of(bool llama = false) {
+  return named_model_config(llama ? "llama-tiny" : "gpt2-demo", 64).value();
 }
 
 train_config run_config() {
@@ -153,7 +153,7 @@ std::shared_ptr<preference_rows> dpo_data() {
 
 // Eight sampled rows (prompt of 3, completion of 5) in groups of 4, with old log-probabilities
 // near the initial policy's (so some ratios leave the clip range) and a reference.
-std::shared_ptr<grpo_batch> grpo_data(const train_config& c) {
+std::shared_ptr<grpo_batch> grpo_data(const train_config& c, const hf::model_config& model) {
   auto b = std::make_shared<grpo_batch>();
   b->rows = rows_per_step;
   b->seq = seq;
@@ -162,7 +162,7 @@ std::shared_ptr<grpo_batch> grpo_data(const train_config& c) {
     const std::int64_t t = i % seq;
     b->targets.push_back(t >= 2 && t + 1 < seq ? b->ids[static_cast<std::size_t>(i + 1)] : -100);
   }
-  auto m = make_causal_lm(model_of(), {b->rows, seq});
+  auto m = make_causal_lm(model, {b->rows, seq});
   m->init_weights(c.seed);
   const auto logp =
       token_logprobs_of(*m, i32_rows(b->ids, b->rows, seq), i32_rows(b->targets, b->rows, seq));
@@ -183,6 +183,7 @@ std::shared_ptr<grpo_batch> grpo_data(const train_config& c) {
 struct job {
   std::function<trainer::micro_batch(causal_lm& reference)> single;
   std::function<sample_source()> planned;
+  hf::model_config model;
 };
 
 struct single_run {
@@ -194,10 +195,10 @@ single_run run_single(const job& j, const train_config& c, dtype t) {
   train_config cc = c;
   if (t == dtype::f64) cc.precision = "f64";
   single_run out;
-  out.model = make_causal_lm(model_of(), {c.batch, c.seq}, t);
-  auto reference = make_causal_lm(model_of(), {c.batch, c.seq}, t);
+  out.model = make_causal_lm(j.model, {c.batch, c.seq}, t);
+  auto reference = make_causal_lm(j.model, {c.batch, c.seq}, t);
   if (t == dtype::f64) {  // the f32 init, widened (exact)
-    auto f32 = make_causal_lm(model_of(), {c.batch, c.seq});
+    auto f32 = make_causal_lm(j.model, {c.batch, c.seq});
     f32->init_weights(c.seed);
     ops::copy(f32->memory().params(), out.model->memory().params());
     ops::copy(f32->memory().params(), reference->memory().params());
@@ -223,7 +224,7 @@ plan_run run_planned(const job& j, train_config c, const scheduler::parallel_pla
   const std::string dir = (tmp / "plan").string();
   std::vector<std::vector<step_result>> got(plan.world_size());
   run_plan(plan, [&](int r, const hybrid_groups& g) {
-    hybrid_trainer t(model_of(), c, g);
+    hybrid_trainer t(j.model, c, g);
     sample_source src = j.planned();
     if (wrap) src = wrap(r, std::move(src));
     while (t.steps_done() < c.steps) got[r].push_back(t.step(src));
@@ -231,8 +232,8 @@ plan_run run_planned(const job& j, train_config c, const scheduler::parallel_pla
   });
   for (int r = 1; r < plan.world_size(); ++r)
     for (std::size_t s = 0; s < got[0].size(); ++s) CHECK(got[r][s].loss == got[0][s].loss);
-  plan_run out{got[0], make_whole_model(model_of(), seq)};
-  hf::load_weights(dir, model_of(), out.model->slots()).value();
+  plan_run out{got[0], make_whole_model(j.model, seq)};
+  hf::load_weights(dir, j.model, out.model->slots()).value();
   return out;
 }
 
@@ -309,26 +310,26 @@ const std::vector<scheduler::parallel_plan> every_plan = {
 job sft_job(bool packed) {
   auto rows = sft_data(packed);
   return {[rows](causal_lm&) { return sft_micro_batch(rows, rows_per_step); },
-          [rows, packed] { return sft_samples(rows, rows_per_step, 1, packed); }};
+          [rows, packed] { return sft_samples(rows, rows_per_step, 1, packed); }, model_of()};
 }
 
-job dpo_job(const dpo_options& opt) {
+job dpo_job(const dpo_options& opt, bool llama = false) {
   auto rows = dpo_data();
   // The reference's log-probabilities for the plans: the initial weights in f32, in pairs.
-  auto reference = make_causal_lm(model_of(), {2, seq});
+  auto reference = make_causal_lm(model_of(llama), {2, seq});
   reference->init_weights(run_config().seed);
   auto ref_logp =
       std::make_shared<const std::vector<double>>(dpo_reference_logprobs(*reference, *rows, opt));
   return {
       [rows, opt](causal_lm& ref) { return dpo_micro_batch(rows, ref, rows_per_step / 2, opt); },
-      [rows, ref_logp, opt] { return dpo_samples(rows, ref_logp, opt); }};
+      [rows, ref_logp, opt] { return dpo_samples(rows, ref_logp, opt); }, model_of(llama)};
 }
 
-job grpo_job() {
-  auto batch = grpo_data(run_config());
+job grpo_job(bool llama = false) {
+  auto batch = grpo_data(run_config(), model_of(llama));
   const grpo_options opt{.epsilon = 0.2, .beta = 0.04};
   return {[batch, opt](causal_lm&) { return grpo_micro_batch(batch, opt); },
-          [batch, opt] { return grpo_samples(batch, opt); }};
+          [batch, opt] { return grpo_samples(batch, opt); }, model_of(llama)};
 }
 
 }  // namespace
@@ -354,6 +355,19 @@ TEST_CASE("DPO steps under every plan train as the single-process DPO step", "[p
 
 TEST_CASE("GRPO steps under every plan train as the single-process GRPO step", "[parallel][post]") {
   check_plans(grpo_job(), every_plan);
+}
+
+TEST_CASE("Llama's DPO and GRPO steps under tensor shards and stages train as one process's",
+          "[parallel][post]") {
+  // The Llama head (RMSNorm, untied lm_head) through the same vocab-parallel objective.
+  const std::vector<scheduler::parallel_plan> plans = {every_plan[0], every_plan[3], every_plan[5],
+                                                       every_plan[7]};
+  SECTION("DPO") {
+    check_plans(dpo_job({}, true), plans);
+  }
+  SECTION("GRPO") {
+    check_plans(grpo_job(true), plans);
+  }
 }
 
 TEST_CASE("A plan that drops the SFT mask on one rank is told from the single process",
