@@ -15,6 +15,7 @@
 #include "models/block_use.hpp"
 #include "models/hf/config.hpp"
 #include "models/layers/slots.hpp"
+#include "models/token_objective.hpp"
 
 namespace troupe::models {
 
@@ -54,6 +55,13 @@ class causal_lm {
   // The logits' gradient for the backwards that follow (trunk::set_logit_grads). False when the
   // model cannot take it.
   virtual bool set_logit_grads(std::function<void(const tensor& dlogits, double dloss)> f) {
+    (void)f;
+    return false;
+  }
+  // A per-token objective for the forwards and backwards that follow (token_objective.hpp):
+  // forward returns its loss, backward its gradient. Empty: the mean loss again. False when the
+  // model does not take one itself (its caller then runs the objective on logits()).
+  virtual bool set_token_objective(token_objective f) {
     (void)f;
     return false;
   }
@@ -126,6 +134,14 @@ class causal_lm_of final : public causal_lm {
   bool set_logit_grads(std::function<void(const tensor&, double)> f) override {
     if constexpr (requires { m_.set_logit_grads(std::move(f)); }) {
       m_.set_logit_grads(std::move(f));
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool set_token_objective(token_objective f) override {
+    if constexpr (requires { m_.set_token_objective(std::move(f)); }) {
+      m_.set_token_objective(std::move(f));
       return true;
     } else {
       return false;

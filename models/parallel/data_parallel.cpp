@@ -656,6 +656,20 @@ microbatch_data dp_trainer::fetch(int k, const trainer::batch_source& data) {
                next_fetch_, ")");
   next_fetch_ = k + 1;
   auto range = plan_.range(data_rank, k, step_);
+  if (samples_ != nullptr) {
+    microbatch_data mb = (*samples_)({.step = step_,
+                                      .begin = range.begin,
+                                      .end = range.end,
+                                      .weight = plan_.weight(data_rank, k)});
+    TROUPE_CHECK(mb.ids.defined() && mb.ids.dim() == 2 && mb.ids.size(0) == range.size() &&
+                     mb.ids.size(1) == cfg_.seq && mb.targets.defined() &&
+                     mb.targets.sizes() == mb.ids.sizes(),
+                 "dp_trainer: rank ", rank, " of ", comm_.name(), ": the sample source gave ",
+                 describe(mb.ids), " ids and ", describe(mb.targets), " targets for samples ",
+                 range.begin, "..", range.end, ", expected i32 [", range.size(), ", ", cfg_.seq,
+                 "] each");
+    return mb;
+  }
   read_rows(range.begin, range.end, data);
   const int rows = static_cast<int>(range.size()), t = static_cast<int>(cfg_.seq);
   targets_.resize(rows_.size());
@@ -929,6 +943,20 @@ tensor dp_trainer::shard_parameters() {
 
 step_result dp_trainer::step(const trainer::batch_source& data) {
   prepare(data);
+  return commit();
+}
+
+step_result dp_trainer::step(const sample_source& samples) {
+  TROUPE_CHECK(cfg_.plan.cp == 1, "dp_trainer: post-training samples need whole sequences on ",
+               "each rank: parallel.cp must be 1, got ", cfg_.plan.cp);
+  samples_ = &samples;
+  try {
+    prepare(trainer::batch_source{});
+  } catch (...) {
+    samples_ = nullptr;
+    throw;
+  }
+  samples_ = nullptr;
   return commit();
 }
 

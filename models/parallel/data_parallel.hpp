@@ -166,6 +166,9 @@ class dp_trainer {
   dp_trainer& operator=(const dp_trainer&) = delete;
 
   step_result step(const trainer::batch_source& data);
+  // A step whose microbatches a post-training source makes (grad_producer.hpp: sample_source):
+  // its rows, packing, weights and per-token objective. Not with context parallelism.
+  step_result step(const sample_source& samples);
   // step() in two phases, for a caller that commits a step only once every rank of the job has
   // prepared it (actors/training.hpp, elastic runs: the optimizer step is the commit point).
   // prepare runs forward, backward and every gradient collective and clips (it may throw: nothing
@@ -315,6 +318,7 @@ class dp_trainer {
   std::int64_t early_ = 0;
   bool running_ = false;  // inside forward_backward: the hook may issue
   int next_fetch_ = 0;
+  const sample_source* samples_ = nullptr;  // step(sample_source)'s, during that step
   std::deque<pending_op> pending_;  // the bucket ops of this step not waited yet, oldest first
   bool release_ = false;            // zero 2, 3: buckets are given back once reduced
   bool per_mb_ = false;             // the piece calls the microbatch grads hook

@@ -11,20 +11,41 @@
 #include <cstdint>
 #include <functional>
 #include <string_view>
+#include <utility>
 
 #include "collective/communicator.hpp"
 #include "models/block_use.hpp"
 #include "models/layers/slots.hpp"
+#include "models/token_objective.hpp"
 
 namespace troupe::models::parallel {
 
 // Microbatch k of a step as this data-parallel rank reads it: token ids and next-token targets,
 // i32 [rows, seq] on the host (valid until the next fetch), and its weight (rows / global batch:
-// the factor on its mean-loss gradient).
+// the factor on its mean-loss gradient). Post-training (models/post/plan_samples.hpp) may add
+// packed rows (segments and positions i32 [rows, seq], trunk::set_packing; undefined: one
+// sequence per row) and a per-token objective (models/token_objective.hpp; empty: the mean
+// cross-entropy), which the piece evaluates where its logits are.
 struct microbatch_data {
+  microbatch_data() = default;
+  microbatch_data(tensor i, tensor t, double w)
+      : ids(std::move(i)), targets(std::move(t)), weight(w) {}
   tensor ids, targets;
   double weight = 0;
+  tensor segments, positions;
+  token_objective objective;
 };
+
+// Post-training data (models/post/plan_samples.hpp): the microbatch of the samples [begin, end)
+// of the run's sample stream (step s reads [s * g, (s + 1) * g), g = batch x grad_accum: the
+// single-process trainer's rows of draws s * grad_accum ..), with the plan's weight (rows / g),
+// which the source may replace (SFT weighs a microbatch by its share of the step's assistant
+// tokens). The returned tensors stay valid until the next call.
+struct sample_request {
+  std::int64_t step = 0, begin = 0, end = 0;
+  double weight = 0;
+};
+using sample_source = std::function<microbatch_data(const sample_request&)>;
 
 class grad_producer {
  public:

@@ -471,6 +471,12 @@ step_result hybrid_trainer::step(const trainer::batch_source& data) {
   return impl_->dp->step(data);
 }
 
+step_result hybrid_trainer::step(const sample_source& samples) {
+  TROUPE_CHECK(!impl_->ep, "hybrid_trainer: post-training steps with parallel.ep > 1 are not ",
+               "supported yet");
+  return impl_->dp->step(samples);
+}
+
 namespace {
 constexpr const char* no_elastic_ep =
     ": elastic runs (--elastic) with parallel.ep (--ep) > 1 are not supported yet";

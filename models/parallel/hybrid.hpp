@@ -28,6 +28,7 @@
 #include "collective/communicator.hpp"
 #include "models/causal_lm.hpp"
 #include "models/hf/config.hpp"
+#include "models/parallel/grad_producer.hpp"
 #include "models/parallel/reshard.hpp"
 #include "models/train_config.hpp"
 #include "models/trainer.hpp"
@@ -71,6 +72,10 @@ class hybrid_trainer {
   hybrid_trainer& operator=(const hybrid_trainer&) = delete;
 
   step_result step(const trainer::batch_source& data);
+  // A post-training step (models/post/plan_samples.hpp): microbatches from `samples` with their
+  // packing, weights and per-token objective, computed where the logits are. Not with
+  // parallel.ep or parallel.cp > 1.
+  step_result step(const sample_source& samples);
   std::int64_t steps_done() const;
 
   // Elastic runs (actors/training.hpp): step() in two phases, committed only once every rank of

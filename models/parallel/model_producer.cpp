@@ -1,9 +1,54 @@
 // model_producer: a causal_lm as a grad_producer (see model_producer.hpp).
 #include "models/parallel/model_producer.hpp"
 
+#include "memory/error.hpp"
 #include "models/parallel/param_slices.hpp"
+#include "models/post/policy_logprobs.hpp"
 
 namespace troupe::models::parallel {
+
+namespace {
+
+// A microbatch's packing and objective on the model for its forward and backward, taken off
+// again at the end. An objective the model does not take itself (the whole causal_lm: it has
+// no vocab-parallel head) runs on its logits (models/post/policy_logprobs.hpp), as the
+// single-process post-training steps do.
+class microbatch_inputs {
+ public:
+  microbatch_inputs(causal_lm& m, const microbatch_data& mb, bool shard) : m_(m), mb_(mb) {
+    if (mb.segments.defined()) {
+      TROUPE_CHECK(m.set_packing(mb.segments, mb.positions),
+                   "model_producer: ", shard ? "a tensor shard" : "this model",
+                   " cannot run packed rows (segments) yet: one sequence per row");
+      packed_ = true;
+    }
+    if (mb.objective) own_ = m.set_token_objective(mb.objective);
+  }
+  ~microbatch_inputs() {
+    if (packed_) m_.set_packing(tensor{}, tensor{});
+    if (own_) m_.set_token_objective({});
+  }
+  microbatch_inputs(const microbatch_inputs&) = delete;
+  microbatch_inputs& operator=(const microbatch_inputs&) = delete;
+
+  double forward() {
+    if (!mb_.objective || own_) return m_.forward(mb_.ids, mb_.targets);
+    result_ = mb_.objective(token_logprobs_of(m_, mb_.ids, mb_.targets));
+    return result_.loss;
+  }
+  void backward(double weight) {
+    if (!mb_.objective || own_) return m_.backward(weight);
+    backward_from_logprobs(m_, mb_.targets, result_.dlogp, weight, "model_producer");
+  }
+
+ private:
+  causal_lm& m_;
+  const microbatch_data& mb_;
+  bool packed_ = false, own_ = false;
+  token_loss result_;
+};
+
+}  // namespace
 
 model_producer::model_producer(causal_lm& model) : model_(model) {}
 
@@ -19,11 +64,12 @@ double model_producer::forward_backward(int microbatches,
   double loss = 0;
   for (int k = 0; k < microbatches; ++k) {
     microbatch_data mb = fetch(k);
-    loss += mb.weight * model_.forward(mb.ids, mb.targets);
+    microbatch_inputs in(model_, mb, tp_ != nullptr);
+    loss += mb.weight * in.forward();
     k_ = k;
     last_ = k + 1 == microbatches;
     try {
-      model_.backward(mb.weight);  // the gradient of weight * loss
+      in.backward(mb.weight);  // the gradient of weight * loss
     } catch (...) {
       last_ = false;
       throw;

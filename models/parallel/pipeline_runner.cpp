@@ -455,6 +455,9 @@ void pipeline_runner::forward(const action& a, const std::function<microbatch_da
                  " would fetch microbatch ", mb, " after ", fetched_, " (fetches must ascend)");
     data_ = fetch(mb);
     fetched_ = mb;
+    TROUPE_CHECK(!data_.segments.defined(), "pipeline_runner: stage ", stage_.stage(),
+                 ": microbatch ", mb, " has packed rows (segments), which a pipeline stage ",
+                 "cannot run yet (one sequence per row)");
     if (first) in = data_.ids;
     if (last) {
       targets = data_.targets;
@@ -473,6 +476,7 @@ void pipeline_runner::forward(const action& a, const std::function<microbatch_da
     out = take_buffer();
     y = pool_[out];
   }
+  if (last) stage_.next_objective(data_.objective);
   double loss = stage_.forward(mb, c, in, targets, weight, y);
   if (!first) {
     free_.push_back(in_buf);

@@ -368,6 +368,11 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
   if (holds_last(chunk)) {
     std::memcpy(targets_.data(), targets.data(), targets_.nbytes());
     weight_[mb] = weight;
+    // After the stash above: the previous microbatch keeps its own objective.
+    const bool wanted = static_cast<bool>(next_objective_);
+    TROUPE_CHECK(use_objective(std::move(next_objective_)) || !wanted, what_, " (stage ", stage_,
+                 "): this stage's head cannot train a per-token objective");
+    next_objective_ = {};
   }
   ch.live = mb;
   pend = 1;
@@ -375,6 +380,10 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
   if (!recompute_) return run_forward(chunk, in, targets_, y);
   std::memcpy(ch.input.data(), in.data(), ch.input.nbytes());  // the stash keeps this only
   return run_forward(chunk, ch.input, targets_, y);
+}
+
+void pipeline_stage::next_objective(token_objective f) {
+  next_objective_ = std::move(f);
 }
 
 void pipeline_stage::rerun(int chunk) {

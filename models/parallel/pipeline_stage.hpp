@@ -50,6 +50,7 @@
 #include "models/parallel/page_swap.hpp"
 #include "models/parallel/tp_generation.hpp"
 #include "models/parallel/tp_mappings.hpp"
+#include "models/token_objective.hpp"
 #include "scheduler/plan.hpp"
 
 namespace troupe::models::parallel {
@@ -108,6 +109,10 @@ class pipeline_stage {
   // may reuse them at once.
   double forward(int mb, int chunk, const tensor& in, const tensor& targets, double weight,
                  const tensor& y);
+  // The per-token objective (models/token_objective.hpp) of the next forward that holds the last
+  // chunk, for that microbatch's forward and backward (kept with its stash); empty: the mean
+  // cross-entropy. Throws when the stage cannot take one.
+  void next_objective(token_objective f);
   // Backward of `chunk` on `mb`: adds weight * d loss_mb / d params to the gradients. dy: the
   // gradient of the output [boundary()] (ignored when holds_last(chunk)); dx receives the
   // gradient of the input unless holds_first(chunk). after_block (may be empty) is called after
@@ -190,6 +195,12 @@ class pipeline_stage {
                              const tensor& y) = 0;
   virtual void run_backward(int chunk, const tensor& dy, const tensor& dx, double weight,
                             const block_hook& after_block) = 0;
+  // The head's per-token objective for the forwards that follow (next_objective); false when
+  // the model has none.
+  virtual bool use_objective(token_objective f) {
+    (void)f;
+    return false;
+  }
   // Layer state outside the arena (e.g. the loss's count), kept per stash buffer `slot`.
   virtual void save_extra(int chunk, std::size_t slot) {
     (void)chunk;
@@ -251,6 +262,7 @@ class pipeline_stage {
   std::vector<int> queue_of_;                  // per (chunk, mb): its entry of queues_, -1 none
   std::vector<int> free_queues_;
   std::vector<double> weight_;  // per microbatch
+  token_objective next_objective_;
   int microbatches_ = 0;
   owned_tensor ids_, targets_;  // i32 [B, T]
   bool recompute_ = false;

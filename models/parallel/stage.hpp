@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/parallel/param_slices.hpp"
@@ -55,6 +56,10 @@ class stage final : public pipeline_stage {
   double run_forward(int chunk, const tensor& in, const tensor& targets, const tensor& y) override;
   void run_backward(int chunk, const tensor& dy, const tensor& dx, double weight,
                     const block_hook& after_block) override;
+  bool use_objective(token_objective f) override {
+    trunk_.back().objective = std::move(f);
+    return true;
+  }
   void save_extra(int chunk, std::size_t slot) override;
   void restore_extra(int chunk, std::size_t slot) override;
 
@@ -62,6 +67,9 @@ class stage final : public pipeline_stage {
   // Per stash buffer: the token embedding's state (its ids' local rows) and the loss's count.
   std::vector<vocab_parallel_embedding> tokens_saved_;
   std::vector<std::int64_t> count_saved_;
+  // and its per-token objective with the row weights it gave (tp_head::objective).
+  std::vector<token_objective> objective_saved_;
+  std::vector<std::vector<double>> row_weights_saved_;
 };
 
 // ---- definitions (instantiated with the families' tp parts) ------------------------------------
@@ -137,13 +145,21 @@ void stage<F>::save_extra(int c, std::size_t slot) {
   if (holds_last(c)) {
     if (count_saved_.size() <= slot) count_saved_.resize(slot + 1);
     count_saved_[slot] = trunk_.back().loss.count;
+    if (objective_saved_.size() <= slot) objective_saved_.resize(slot + 1);
+    if (row_weights_saved_.size() <= slot) row_weights_saved_.resize(slot + 1);
+    objective_saved_[slot] = trunk_.back().objective;
+    row_weights_saved_[slot] = trunk_.back().loss.row_weights;
   }
 }
 
 template <tp_family F>
 void stage<F>::restore_extra(int c, std::size_t slot) {
   if (holds_first(c)) trunk_.front().tokens() = tokens_saved_[slot];
-  if (holds_last(c)) trunk_.back().loss.count = count_saved_[slot];
+  if (holds_last(c)) {
+    trunk_.back().loss.count = count_saved_[slot];
+    trunk_.back().objective = objective_saved_[slot];
+    trunk_.back().loss.row_weights = row_weights_saved_[slot];
+  }
 }
 
 }  // namespace troupe::models::parallel

@@ -45,7 +45,18 @@ double tp_head<Norm>::forward(const tensor& x, const tensor& targets) {
   tensor hf = entry.forward(norm_cur_);  // [B, T, C] (SP: gathered)
   logits_cur_ = planned_view(logits_, {b_ * t_, local_vocab()}, "tp head", "logits");
   ops::matmul(hf.reshape({b_ * t_, cfg.dim}), weight.transpose(0, 1), logits_cur_);
-  return loss.forward(logits_cur_, targets.reshape({b_ * t_}));
+  const double mean = loss.forward(logits_cur_, targets.reshape({b_ * t_}));
+  if (!objective) {
+    loss.row_weights.clear();
+    return mean;
+  }
+  token_loss r = objective(loss.token_logprobs());
+  TROUPE_CHECK(static_cast<std::int64_t>(r.dlogp.size()) == b_ * t_,
+               "tp head: the token objective gave ", r.dlogp.size(), " gradients for ", b_ * t_,
+               " positions");
+  for (auto& d : r.dlogp) d = -d;  // logp_n = -loss_n
+  loss.row_weights = std::move(r.dlogp);
+  return r.loss;
 }
 
 template <class Norm>

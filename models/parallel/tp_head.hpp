@@ -19,6 +19,7 @@
 #include "models/layers/rmsnorm.hpp"
 #include "models/parallel/tp_layers.hpp"
 #include "models/parallel/tp_vocab.hpp"
+#include "models/token_objective.hpp"
 
 namespace troupe::models {
 
@@ -37,6 +38,10 @@ struct tp_head {
   tp_entry entry;
   vocab_parallel_cross_entropy loss;
   tensor weight, dweight;  // [V/tp, C]: declared by declare (weight_scope) or bound by the owner
+  // A per-token objective (models/token_objective.hpp) for the forwards that follow: forward
+  // returns its loss (every shard calls it with the same log-probabilities) and backward its
+  // gradient (loss.row_weights). Empty: the mean cross-entropy.
+  token_objective objective;
 
   tp_head(const config& c, tp_group g);
   std::int64_t local_vocab() const { return loss.local_vocab; }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "models/block_use.hpp"
 #include "models/parallel/param_slices.hpp"
@@ -53,6 +54,8 @@ class tp_model {
   double forward(const tensor& ids, const tensor& targets);
   tensor logits() const { return trunk_.back().logits(); }  // the shard's columns [B*T, V/tp]
   void backward(double loss_scale = 1.0);
+  // A per-token objective for the forwards and backwards that follow (tp_head::objective).
+  void set_token_objective(token_objective f) { trunk_.back().objective = std::move(f); }
   // Called around every use of block i's parameters (models/block_use.hpp). Empty: not called.
   block_use_hook on_block_use;
 

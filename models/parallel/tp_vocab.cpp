@@ -230,7 +230,7 @@ double ce_forward(vocab_parallel_cross_entropy& l, std::int64_t n) {
 
 template <class T>
 void ce_backward(vocab_parallel_cross_entropy& l, const tensor& dlogits, std::int64_t n,
-                 double scale) {
+                 double scale, const double* row_scale) {
   using S = stat_t<T>;
   std::int64_t v = l.local_vocab;
   const T* x = static_cast<const T*>(l.logits.data());
@@ -244,10 +244,11 @@ void ce_backward(vocab_parallel_cross_entropy& l, const tensor& dlogits, std::in
       continue;
     }
     double inv = 1.0 / static_cast<double>(se[i]);
+    const double s = row_scale != nullptr ? row_scale[i] : scale;
     for (std::int64_t j = 0; j < v; ++j) {
       double p = std::exp(static_cast<double>(load(x[i * v + j])) - mx[i]) * inv;
       if (j + l.vocab_start == t) p -= 1.0;
-      dx[i * v + j] = store<T>(p * scale);
+      dx[i * v + j] = store<T>(p * s);
     }
   }
 }
@@ -300,20 +301,56 @@ void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss)
                describe(dlogits));
   std::int64_t n = leading_rows(logits.sizes());
   double scale = count == 0 ? 0.0 : dloss / static_cast<double>(count);
+  std::vector<double> row_scale;
+  if (!row_weights.empty()) {
+    TROUPE_CHECK(static_cast<std::int64_t>(row_weights.size()) == n, label, ": ",
+                 row_weights.size(), " row weights for ", n, " positions");
+    row_scale.resize(row_weights.size());
+    for (std::size_t i = 0; i < row_scale.size(); ++i) row_scale[i] = dloss * row_weights[i];
+  }
   if (tp.size() == 1) {  // the fused kernel again (it may write dlogits over the logits)
-    ops::cross_entropy(logits, targets, losses.narrow(0, 0, n), dlogits, scale, cfg.ignore_index);
+    if (row_scale.empty()) {
+      ops::cross_entropy(logits, targets, losses.narrow(0, 0, n), dlogits, scale, cfg.ignore_index);
+      return;
+    }
+    // Row by row, each with its own scale (as token_logprobs_backward, models/post/), into a
+    // scratch loss that leaves the saved statistics alone (two elements hold one f32 statistic
+    // for bf16 logits).
+    owned_tensor one = empty({2}, logits.type());
+    const tensor flat = targets.reshape({n});
+    for (std::int64_t i = 0; i < n; ++i)
+      ops::cross_entropy(logits.narrow(0, i, 1), flat.narrow(0, i, 1), one.view().narrow(0, 0, 1),
+                         dlogits.narrow(0, i, 1), row_scale[static_cast<std::size_t>(i)],
+                         cfg.ignore_index);
     return;
   }
+  const double* rs = row_scale.empty() ? nullptr : row_scale.data();
   switch (logits.type()) {
     case dtype::f32:
-      ce_backward<float>(*this, dlogits, n, scale);
+      ce_backward<float>(*this, dlogits, n, scale, rs);
       break;
     case dtype::f64:
-      ce_backward<double>(*this, dlogits, n, scale);
+      ce_backward<double>(*this, dlogits, n, scale, rs);
       break;
     default:
-      ce_backward<std::uint16_t>(*this, dlogits, n, scale);  // bf16
+      ce_backward<std::uint16_t>(*this, dlogits, n, scale, rs);  // bf16
   }
+}
+
+std::vector<double> vocab_parallel_cross_entropy::token_logprobs() const {
+  TROUPE_CHECK(logits.defined(), label, ": token_logprobs called before forward");
+  const std::int64_t n = leading_rows(logits.sizes());
+  std::vector<double> out(static_cast<std::size_t>(n));
+  // The statistics' type: the logits' for f64, f32 otherwise (f32 logits, and bf16's f32
+  // statistics in the first n x 4 bytes, on both paths).
+  if (logits.type() == dtype::f64) {
+    const auto* lo = stats_of<double>(losses, n);
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = -lo[i];
+  } else {
+    const auto* lo = stats_of<float>(losses, n);
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = -lo[i];
+  }
+  return out;
 }
 
 }  // namespace troupe::models

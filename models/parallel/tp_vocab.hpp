@@ -75,6 +75,10 @@ struct vocab_parallel_cross_entropy {
   tensor row_max, sum_exp, losses;
   tensor scratch;
   std::int64_t count = 0;  // positions not ignored in the last forward
+  // Per-position weights for backward (empty: the mean): with w (one per position of the last
+  // forward) backward writes d(dloss * sum_n w[n] * loss_n) / d logits, a token objective's
+  // gradient with w[n] = -d objective / d logp[n] (models/token_objective.hpp).
+  std::vector<double> row_weights;
 
   vocab_parallel_cross_entropy() = default;
   vocab_parallel_cross_entropy(const config& c, tp_group g);
@@ -82,8 +86,12 @@ struct vocab_parallel_cross_entropy {
   // logits [..., V/tp] (the shard's columns), targets [...] global ids -> mean loss over the
   // positions not ignored (the same on every shard).
   double forward(const tensor& logits, const tensor& targets);
-  // dlogits [..., V/tp] = d(dloss * mean loss) / d(the shard's logits); may alias logits.
+  // dlogits [..., V/tp] = d(dloss * mean loss) / d(the shard's logits) (with row_weights, of
+  // the weighted sum); may alias logits.
   void backward(const tensor& dlogits, double dloss = 1.0);
+  // The last forward's log-probability of each target, -loss_n (0 where ignored), the same on
+  // every shard.
+  std::vector<double> token_logprobs() const;
 };
 
 }  // namespace troupe::models
