@@ -59,6 +59,15 @@ struct direct_msg {
 // all_gather, all_to_all, all_to_allv), the same way on every rank. The message buffers live
 // here, not on the stack of the op: after a failed op a live peer's message may still land in
 // them.
+// What a collective is, as each rank records it for its peers (direct_shm.cpp): its kind (op, dtype
+// and reduce op, as direct_kind), its count (0 for all_to_allv, whose totals differ by rank) and
+// broadcast's root (else 0).
+struct op_signature {
+  std::int32_t kind = 0;
+  std::uint64_t count = 0;
+  std::int32_t root = 0;
+};
+
 struct direct_state {
   enum class mode { unknown, on, off };
   mode m = mode::unknown;
@@ -70,6 +79,10 @@ struct direct_state {
   std::vector<int> pid_of;             // each peer's pid, both from the probe, by group rank
   std::string comm_name;               // for the one log line when the probe fails
   const char* op = "";  // the running op's name, for error texts ("direct all_gather: ...")
+  // The running collective: its number (every collective this communicator ran, counted alike on
+  // every rank) and what it is; recorded in the segments where they exist (shm_note_op).
+  std::uint64_t op_no = 0;
+  op_signature sig;
   direct_msg out;
   std::vector<direct_msg> outs;  // the hello to each peer, by group rank
   std::vector<direct_msg> in;    // by group rank
@@ -110,6 +123,9 @@ struct op_context {
   // By group rank: 1 once a message of this op from that rank arrived (the communicator's
   // buffer, cleared per op; null: not tracked). Says, at a deadline, who has taken part so far.
   std::vector<std::uint8_t>* heard = nullptr;
+  // A collective (not send/recv): check() also compares the peers' records of their ops
+  // (shm_check_ops).
+  bool collective = false;
 
   p2p_request isend(int to, const void* data, std::size_t bytes) {
     return t.isend(ranks[to], tag, data, bytes);
@@ -122,7 +138,8 @@ struct op_context {
   void wait(p2p_request& r);
   // At the deadline, the deadline_error names every rank whose request of rs is unfinished.
   void wait_all(std::vector<p2p_request>& rs);
-  // Throws if the op should stop (abort, lost member, deadline).
+  // Throws if the op should stop (abort, lost member, deadline; in a collective, a peer that
+  // issued another op as this one or failed its part: shm_check_ops).
   void check() const;
   // Notes a finished receive in `heard`.
   void note_done(const p2p_request& r);
@@ -180,6 +197,14 @@ inline std::int32_t direct_kind(op_kind k, dtype t, reduce_op op) {
 // first round, shm_map_peers at its verdict; 0 or an errno). shm_ready: the segments exist on
 // every rank and the tuning allows it at this size.
 int shm_create(direct_state& d, int n, const algo_tuning& tune);
+// Where the segments exist: records d.op_no and d.sig in this rank's segment, before the op runs
+// on any path (one cache line, a few stores).
+void shm_note_op(direct_state& d);
+// Where the segments exist: throws when a peer's record of its running op has this op's number
+// but says another op, kind, count or root (naming both ranks and what each issued), or when a
+// peer failed its part of an op (its `failed` word). So a rank in any op, on any path, learns at
+// once that a peer issued another op as this one, without a message (the staged ops have none).
+void shm_check_ops(const op_context& c);
 int shm_map_peers(op_context& c);
 bool shm_ready(op_context& c, std::size_t bytes);
 // all_gather and all_to_all(v) through the segments; each rank's record of the op in its segment

@@ -49,6 +49,7 @@ void op_context::check() const {
     std::string why = t.peer_failure(ranks[g]);
     if (!why.empty()) throw troupe::error("rank " + std::to_string(ranks[g]) + " lost: " + why);
   }
+  if (collective) shm_check_ops(*this);
   if (std::chrono::steady_clock::now() > deadline)
     throw deadline_error("timed out after " + std::to_string(timeout.count()) +
                          " ms between messages of the op");

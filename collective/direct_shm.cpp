@@ -57,7 +57,7 @@
 namespace troupe::collective::detail {
 
 struct shm_segments {
-  int n = 0, slots = 0;
+  int n = 0, me = 0, slots = 0;
   std::size_t slot_bytes = 0, ctrl_bytes = 0, bytes = 0;
   int fd = -1;
   std::vector<char*> base;  // by group rank (this rank's own segment at me)
@@ -81,12 +81,19 @@ struct shm_segments {
   std::atomic<std::uint64_t>* failed(int g) const {
     return line(g, static_cast<std::size_t>(n) * (n + 1));
   }
-  // Rank g's record of its staged op number q: [q, op code, count, what it sends each rank (n
-  // words), what it expects from each (n words)], ops_ring records in a ring.
+  // Rank g's record of its staged op number q: [q, its collective number, op code, count, what it
+  // sends each rank (n words), what it expects from each (n words)], ops_ring records in a ring.
   static constexpr std::uint64_t ops_ring = 4;
-  std::size_t record_lines() const { return (3 + 2 * static_cast<std::size_t>(n) + 7) / 8; }
+  std::size_t record_lines() const { return (4 + 2 * static_cast<std::size_t>(n) + 7) / 8; }
   std::atomic<std::uint64_t>* record(int g, std::uint64_t q) const {
     return line(g, static_cast<std::size_t>(n) * (n + 1) + 1 + (q % ops_ring) * record_lines());
+  }
+  // Rank g's record of the collective it runs, on any path: [its number, kind, count, root].
+  std::atomic<std::uint64_t>* current(int g) const {
+    return line(g, static_cast<std::size_t>(n) * (n + 1) + 1 + ops_ring * record_lines());
+  }
+  static std::size_t ctrl_lines(int n, std::size_t record_lines) {
+    return static_cast<std::size_t>(n) * (n + 1) + 1 + ops_ring * record_lines + 1;
   }
   std::uint64_t seq = 0;  // the number of this rank's last staged op
   char* slot(int g, int ch, std::uint64_t k) const {
@@ -101,11 +108,7 @@ int shm_create(direct_state& d, int n, const algo_tuning& tune) {
   s->n = n;
   s->slots = std::max(tune.shm_slots, 1);
   s->slot_bytes = (tune.shm_slot_bytes + 63) / 64 * 64;
-  s->ctrl_bytes =
-      ((static_cast<std::size_t>(n) * (n + 1) + 1 + shm_segments::ops_ring * s->record_lines()) *
-           64 +
-       4095) /
-      4096 * 4096;
+  s->ctrl_bytes = (shm_segments::ctrl_lines(n, s->record_lines()) * 64 + 4095) / 4096 * 4096;
   s->bytes = s->ctrl_bytes + static_cast<std::size_t>(n) * s->slots * s->slot_bytes;
   s->fd = memfd_create("troupe-collective", MFD_CLOEXEC);
   if (s->fd < 0) return -1;
@@ -119,6 +122,7 @@ int shm_create(direct_state& d, int n, const algo_tuning& tune) {
 int shm_map_peers(op_context& c) {
   shm_segments* s = c.direct->shm.get();
   if (s == nullptr) return EINVAL;
+  s->me = c.me;
   for (int g = 0; g < c.n; ++g) {
     const direct_msg& h = c.direct->in[g];
     int fd = s->fd;
@@ -192,7 +196,7 @@ struct in_channel {
 };
 
 // Sets this rank's `failed` word to world rank w + 1 unless it names a rank already.
-void mark_failed(op_context& c, std::uint64_t w) {
+void mark_failed(const op_context& c, std::uint64_t w) {
   std::uint64_t none = 0;
   c.direct->shm->failed(c.me)->compare_exchange_strong(none, w + 1, std::memory_order_acq_rel);
 }
@@ -208,34 +212,108 @@ std::uint64_t code(std::int32_t kind) {
 }
 
 // Writes this rank's record of its staged op s.seq (a seqlock: readers see the number last).
-void write_record(const shm_segments& s, int me, const op_record& mine) {
+void write_record(const shm_segments& s, int me, std::uint64_t op_no, const op_record& mine) {
   std::atomic<std::uint64_t>* r = s.record(me, s.seq);
   r[0].store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  r[1].store(mine.code, std::memory_order_relaxed);
-  r[2].store(mine.count, std::memory_order_relaxed);
+  r[1].store(op_no, std::memory_order_relaxed);
+  r[2].store(mine.code, std::memory_order_relaxed);
+  r[3].store(mine.count, std::memory_order_relaxed);
   if (mine.sends != nullptr)
     for (int g = 0; g < s.n; ++g) {
-      r[3 + g].store((*mine.sends)[g], std::memory_order_relaxed);
-      r[3 + s.n + g].store((*mine.recvs)[g], std::memory_order_relaxed);
+      r[4 + g].store((*mine.sends)[g], std::memory_order_relaxed);
+      r[4 + s.n + g].store((*mine.recvs)[g], std::memory_order_relaxed);
     }
   r[0].store(s.seq, std::memory_order_release);
 }
 
+// A peer's record of the collective it runs (shm_segments::current), read whole (a seqlock);
+// number 0 where there is none yet or it is being rewritten (the peer moves on).
+struct op_seen {
+  std::uint64_t no = 0;
+  op_signature sig;
+};
+op_seen read_current(const shm_segments& s, int g) {
+  const std::atomic<std::uint64_t>* r = s.current(g);
+  const std::uint64_t no = r[0].load(std::memory_order_acquire);
+  if (no == 0) return {};
+  op_seen o;
+  o.sig.kind = static_cast<std::int32_t>(r[1].load(std::memory_order_relaxed));
+  o.sig.count = r[2].load(std::memory_order_relaxed);
+  o.sig.root = static_cast<std::int32_t>(r[3].load(std::memory_order_relaxed));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (r[0].load(std::memory_order_relaxed) != no) return {};
+  o.no = no;
+  return o;
+}
+
+bool same_op(const op_signature& a, const op_signature& b) {
+  return a.kind == b.kind && a.count == b.count && a.root == b.root;
+}
+
+// "all_gather of f32 x 1024", "allreduce (sum) of f32 x 16", "broadcast of f32 x 8 from group
+// rank 1", "all_to_allv of f32", "barrier".
+std::string op_text(const op_signature& o) {
+  const auto k = static_cast<op_kind>(o.kind >> 16 & 0xff);
+  std::string t = op_kind_name(k);
+  if (k == op_kind::barrier) return t;
+  if (k == op_kind::allreduce || k == op_kind::reduce_scatter)
+    t += std::string(" (") + reduce_op_name(static_cast<reduce_op>(o.kind & 0xff)) + ")";
+  t += " of " + std::string(dtype_name(static_cast<dtype>(o.kind >> 8 & 0xff)));
+  if (k != op_kind::all_to_allv) t += " x " + std::to_string(o.count);
+  if (k == op_kind::broadcast) t += " from group rank " + std::to_string(o.root);
+  return t;
+}
+
+// Rank g's record says it runs another op as this rank's collective d.op_no: fails this rank's
+// op (and tells its peers through the failure word) naming both ranks and ops.
+[[noreturn]] void throw_other_op(const op_context& c, int g, const op_signature& theirs) {
+  const direct_state& d = *c.direct;
+  mark_failed(c, static_cast<std::uint64_t>(c.ranks[c.me]));
+  throw troupe::error("rank " + std::to_string(c.ranks[g]) + " issued " + op_text(theirs) +
+                      " as collective #" + std::to_string(d.op_no) +
+                      " of this communicator, but rank " + std::to_string(c.ranks[c.me]) +
+                      " issued " + op_text(d.sig));
+}
+
 // Whether rank g's record of this rank's staged op s.seq is there; throws where it is and differs
 // from this rank's (another op or count; all_to_allv counts that differ within the pair), or
-// where g's ring already holds a later op (out of step).
+// where g's ring already holds a later op (out of step). Where it is not there yet, g's record of
+// its running op says whether g issued another op as this one, or went past it (a broadcast's
+// root may finish without its peers).
 bool check_record(op_context& c, const shm_segments& s, int g, const op_record& mine) {
   const std::atomic<std::uint64_t>* r = s.record(g, s.seq);
-  const std::uint64_t q = r[0].load(std::memory_order_acquire);
-  if (q < s.seq) return false;  // not there yet (or being written): the common case, no strings
+  std::uint64_t q = r[0].load(std::memory_order_acquire);
+  const direct_state& d = *c.direct;
+  if (q < s.seq) {  // not there yet (or being written): the common case, no strings
+    const op_seen o = read_current(s, g);
+    if (o.no < d.op_no) return false;
+    if (o.no == d.op_no) {
+      if (!same_op(o.sig, d.sig)) throw_other_op(c, g, o.sig);
+      return false;
+    }
+    // g is past this op: where it ran it, its record of it was written before it moved on.
+    q = r[0].load(std::memory_order_acquire);
+    if (q < s.seq)
+      throw troupe::error("staged " + std::string(d.op) + ": rank " + std::to_string(c.ranks[g]) +
+                          " went past collective #" + std::to_string(d.op_no) +
+                          " without taking part in rank " + std::to_string(c.ranks[c.me]) + "'s " +
+                          op_text(d.sig) + " (it runs collective #" + std::to_string(o.no) + ", " +
+                          op_text(o.sig) + ")");
+  }
   const std::string who = std::to_string(c.ranks[g]), self = std::to_string(c.ranks[c.me]);
   if (q > s.seq)
     throw troupe::error("staged " + std::string(c.direct->op) + ": rank " + who +
                         " is out of step (its record of staged op #" + std::to_string(s.seq) +
                         " reads #" + std::to_string(q) + ")");
-  const std::uint64_t op = r[1].load(std::memory_order_relaxed);
-  const std::uint64_t count = r[2].load(std::memory_order_relaxed);
+  const std::uint64_t no = r[1].load(std::memory_order_relaxed);
+  if (no != d.op_no)
+    throw troupe::error("staged " + std::string(d.op) + ": rank " + who + " ran its staged op #" +
+                        std::to_string(s.seq) + " as collective #" + std::to_string(no) +
+                        ", rank " + self + " as collective #" + std::to_string(d.op_no) +
+                        " (they issued different sequences of ops)");
+  const std::uint64_t op = r[2].load(std::memory_order_relaxed);
+  const std::uint64_t count = r[3].load(std::memory_order_relaxed);
   if (op != mine.code || count != mine.count)
     throw troupe::error("staged " + std::string(c.direct->op) + ": rank " + who +
                         " issued another op or count (" + std::to_string(count) +
@@ -245,8 +323,8 @@ bool check_record(op_context& c, const shm_segments& s, int g, const op_record& 
                         std::to_string(static_cast<std::int32_t>(mine.code)) + ")");
   if (mine.sends == nullptr) return true;
   // The same texts as the message path's count check (algo_small.cpp).
-  const std::uint64_t sends = r[3 + c.me].load(std::memory_order_relaxed);
-  const std::uint64_t expects = r[3 + s.n + c.me].load(std::memory_order_relaxed);
+  const std::uint64_t sends = r[4 + c.me].load(std::memory_order_relaxed);
+  const std::uint64_t expects = r[4 + s.n + c.me].load(std::memory_order_relaxed);
   if (sends != (*mine.recvs)[g])
     throw troupe::error("all_to_allv: rank " + who + " sends " + std::to_string(sends) +
                         " elements to rank " + self + ", which expects " +
@@ -258,23 +336,12 @@ bool check_record(op_context& c, const shm_segments& s, int g, const op_record& 
   return true;
 }
 
-// Throws when a peer failed its part (its `failed` word, which names the rank whose failure
-// stopped the op; this rank relays it) or is lost.
+// Throws when a peer failed its part (c.check: shm_check_ops) or is lost (c.check: the
+// transport; here: its process is gone).
 void check_peers(op_context& c, const shm_segments& s) {
   c.check();
   for (int g = 0; g < c.n; ++g) {
     if (g == c.me) continue;
-    const std::uint64_t f = s.failed(g)->load(std::memory_order_acquire);
-    if (f != 0) {
-      mark_failed(c, f - 1);
-      throw troupe::error(std::string("staged ") + c.direct->op + ": rank " +
-                          std::to_string(f - 1) + " failed its part of the op and stopped it" +
-                          (f - 1 != static_cast<std::uint64_t>(c.ranks[g])
-                               ? " (told by rank " + std::to_string(c.ranks[g]) + ")"
-                               : std::string()));
-    }
-    const std::string lost = c.t.peer_failure(c.ranks[g]);
-    if (!lost.empty()) throw troupe::error("rank " + std::to_string(c.ranks[g]) + " lost: " + lost);
     if (kill(s.pids[g], 0) != 0 && errno == ESRCH)
       throw troupe::error("rank " + std::to_string(c.ranks[g]) + " lost: its process (pid " +
                           std::to_string(s.pids[g]) + ") is gone");
@@ -310,7 +377,7 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
   // This op's record, before any of its chunks; a peer's chunks are read only after its record
   // was checked, and the op ends only when every peer's was.
   ++s.seq;
-  write_record(s, me, mine);
+  write_record(s, me, c.direct->op_no, mine);
   std::vector<char> checked(c.n, 0);
   checked[me] = 1;
   int unchecked = c.n - 1;
@@ -398,6 +465,41 @@ void marking_failure(op_context& c, F&& f) {
 }
 
 }  // namespace
+
+void shm_note_op(direct_state& d) {
+  if (d.m != direct_state::mode::on || !d.shm) return;
+  const shm_segments& s = *d.shm;
+  std::atomic<std::uint64_t>* r = s.current(s.me);
+  r[0].store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  r[1].store(static_cast<std::uint32_t>(d.sig.kind), std::memory_order_relaxed);
+  r[2].store(d.sig.count, std::memory_order_relaxed);
+  r[3].store(static_cast<std::uint32_t>(d.sig.root), std::memory_order_relaxed);
+  r[0].store(d.op_no, std::memory_order_release);
+}
+
+void shm_check_ops(const op_context& c) {
+  const direct_state* d = c.direct;
+  if (d == nullptr || d->m != direct_state::mode::on || !d->shm) return;
+  const shm_segments& s = *d->shm;
+  for (int g = 0; g < c.n; ++g) {
+    if (g == c.me) continue;
+    const op_seen o = read_current(s, g);
+    if (o.no == d->op_no && !same_op(o.sig, d->sig)) throw_other_op(c, g, o.sig);
+  }
+  for (int g = 0; g < c.n; ++g) {
+    if (g == c.me) continue;
+    const std::uint64_t f = s.failed(g)->load(std::memory_order_acquire);
+    if (f == 0) continue;
+    mark_failed(c, f - 1);  // relayed, so that every rank names the one that failed
+    const auto k = static_cast<op_kind>(d->sig.kind >> 16 & 0xff);
+    throw troupe::error(std::string(op_kind_name(k)) + ": rank " + std::to_string(f - 1) +
+                        " failed its part of the op and stopped it" +
+                        (f - 1 != static_cast<std::uint64_t>(c.ranks[g])
+                             ? " (told by rank " + std::to_string(c.ranks[g]) + ")"
+                             : std::string()));
+  }
+}
 
 void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count, dtype t) {
   const int n = c.n, me = c.me;

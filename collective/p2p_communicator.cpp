@@ -57,6 +57,7 @@ struct coll_work final : work_state {
   std::weak_ptr<comm_core> core;
   std::function<void(op_context&)> body;
   std::chrono::milliseconds timeout{0};
+  op_signature sig;  // what this op is, as the segments record it (shm_note_op)
   void wait() override;
 };
 
@@ -266,6 +267,12 @@ struct comm_core {
       return;
     }
     record_running(w.seq);
+    // Every rank numbers its collectives alike; the segments (once the probe made them) hold each
+    // rank's record of the one it runs, so a peer in a staged op, which sends no message, still
+    // sees at once when this rank issued another op as this one (direct_shm.cpp).
+    ++direct.op_no;
+    direct.sig = w.sig;
+    detail::shm_note_op(direct);
     algo_tuning tu;
     {
       std::lock_guard lock(tune_mu);
@@ -275,6 +282,7 @@ struct comm_core {
     op_context c = context(coll_tag(w.seq), w.timeout, deadline, tu);
     std::fill(heard.begin(), heard.end(), std::uint8_t{0});
     c.heard = &heard;
+    c.collective = true;
     std::string why, waiting;
     try {
       c.check();
@@ -556,6 +564,10 @@ work issue_collective(const std::shared_ptr<comm_core>& core, op_kind k, dtype t
   w->core = core;
   w->timeout = core->op_timeout(o);
   w->body = std::move(body);
+  const bool reduces = k == op_kind::allreduce || k == op_kind::reduce_scatter;
+  w->sig.kind = detail::direct_kind(k, t, reduces ? o.op : reduce_op::sum);
+  w->sig.count = k == op_kind::all_to_allv ? 0 : count;
+  w->sig.root = k == op_kind::broadcast ? peer : 0;
   core->enqueue(w, t, count, peer);
   return work(std::move(w));
 }
