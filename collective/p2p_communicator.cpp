@@ -37,6 +37,11 @@ constexpr std::size_t recorder_size = 64;
 // runs it inline at once, and otherwise the executor, which naps at most `light_nap` while ops
 // were issued in the last `deep_after`, finds it within a nap. After `deep_after` without ops the
 // executor sleeps until woken, and every issue wakes it.
+// Where the process may run on one CPU only (pinned ranks), every op alone in the queue is handed
+// over lazily, whatever its size: the executor cannot run it beside the caller anyway, and the wake
+// made the caller and the executor trade the CPU twice per op (2 ranks pinned, a 1 MiB all_to_allv,
+// whose `count` is its total, took 43 us against 30 for the all_to_all of the same bytes, whose
+// `count` is one peer's block and stayed under lazy_max_bytes; docs/performance.md).
 constexpr std::chrono::microseconds light_nap{1000};
 constexpr std::chrono::milliseconds deep_after{50};
 constexpr std::size_t lazy_max_bytes = std::size_t{1} << 20;
@@ -435,7 +440,8 @@ struct comm_core {
       } else {
         queue.push_back(w);
         queued.fetch_add(1, std::memory_order_release);
-        const bool lazy = sleep_state == nap::light && queue.size() == 1 && bytes < lazy_max_bytes;
+        const bool lazy =
+            sleep_state == nap::light && queue.size() == 1 && (bytes < lazy_max_bytes || !may_spin);
         if (sleep_state != nap::awake && !lazy) cv.notify_one();
         return;
       }
