@@ -56,6 +56,21 @@
 
 namespace troupe::collective::detail {
 
+// What a staged op sends through channel ch of this rank's segment (read by `reader`, or by every
+// peer where -1: all_gather), and what it receives through channel ch of rank g's.
+struct shm_out_channel {
+  int ch = 0, reader = -1;
+  const char* src = nullptr;
+  std::size_t bytes = 0, chunks = 0, done = 0;
+  std::uint64_t base = 0;
+};
+struct shm_in_channel {
+  int g = 0, ch = 0;
+  char* dst = nullptr;
+  std::size_t bytes = 0, chunks = 0, done = 0;
+  std::uint64_t base = 0;
+};
+
 struct shm_segments {
   int n = 0, me = 0, slots = 0;
   std::size_t slot_bytes = 0, ctrl_bytes = 0, bytes = 0;
@@ -96,6 +111,11 @@ struct shm_segments {
     return static_cast<std::size_t>(n) * (n + 1) + 1 + ops_ring * record_lines + 1;
   }
   std::uint64_t seq = 0;  // the number of this rank's last staged op
+  // The running staged op's channels and which peers' records it checked: kept across ops, so
+  // that an op allocates nothing once they have grown.
+  std::vector<shm_out_channel> outs;
+  std::vector<shm_in_channel> ins;
+  std::vector<char> checked;
   char* slot(int g, int ch, std::uint64_t k) const {
     return base[g] + ctrl_bytes +
            (static_cast<std::size_t>(ch) * slots + static_cast<std::size_t>(k % slots)) *
@@ -180,20 +200,6 @@ void copy_to(char* dst, const char* src, std::size_t len, bool stream) {
   (void)stream;
   std::memcpy(dst, src, len);
 }
-
-struct out_channel {
-  int ch = 0;
-  std::vector<int> readers;
-  const char* src = nullptr;
-  std::size_t bytes = 0, chunks = 0, done = 0;
-  std::uint64_t base = 0;
-};
-struct in_channel {
-  int g = 0, ch = 0;
-  char* dst = nullptr;
-  std::size_t bytes = 0, chunks = 0, done = 0;
-  std::uint64_t base = 0;
-};
 
 // Sets this rank's `failed` word to world rank w + 1 unless it names a rank already.
 void mark_failed(const op_context& c, std::uint64_t w) {
@@ -372,8 +378,7 @@ struct self_copy {
 };
 
 // Moves every chunk of `outs`, `ins` and `own` of the staged op `mine`.
-void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>& ins,
-          self_copy& own, const op_record& mine) {
+void pump(op_context& c, self_copy& own, const op_record& mine) {
   shm_segments& s = *c.direct->shm;
   const int me = c.me;
   const std::size_t S = s.slot_bytes;
@@ -382,7 +387,10 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
   // was checked, and the op ends only when every peer's was.
   ++s.seq;
   write_record(s, me, c.direct->op_no, mine);
-  std::vector<char> checked(c.n, 0);
+  std::vector<shm_out_channel>& outs = s.outs;
+  std::vector<shm_in_channel>& ins = s.ins;
+  std::vector<char>& checked = s.checked;
+  checked.assign(c.n, 0);
   checked[me] = 1;
   int unchecked = c.n - 1;
   for (auto& o : outs) {
@@ -411,8 +419,12 @@ void pump(op_context& c, std::vector<out_channel>& outs, std::vector<in_channel>
       if (o.done == o.chunks) continue;
       const std::uint64_t k = o.base + o.done;
       bool room = true;
-      for (int r : o.readers)
-        room = room && k - s.consumed(me, o.ch, r)->load(std::memory_order_acquire) < K;
+      if (o.reader >= 0)
+        room = k - s.consumed(me, o.ch, o.reader)->load(std::memory_order_acquire) < K;
+      else
+        for (int r = 0; r < c.n; ++r)
+          room =
+              room && (r == me || k - s.consumed(me, o.ch, r)->load(std::memory_order_acquire) < K);
       if (!room) continue;
       const std::size_t off = o.done * S, len = std::min(S, o.bytes - off);
       std::memcpy(s.slot(me, o.ch, k), o.src + off, len);
@@ -495,6 +507,12 @@ void shm_check_ops(const op_context& c) {
     if (g == c.me) continue;
     const std::uint64_t f = s.failed(g)->load(std::memory_order_acquire);
     if (f == 0) continue;
+    // A peer that failed because a rank died: name the dead rank, which this rank's transport
+    // may not have noticed yet (every member is a process of this host).
+    for (int h = 0; h < c.n; ++h)
+      if (h != c.me && s.pids[h] > 0 && kill(s.pids[h], 0) != 0 && errno == ESRCH)
+        throw troupe::error("rank " + std::to_string(c.ranks[h]) + " lost: its process (pid " +
+                            std::to_string(s.pids[h]) + ") is gone");
     mark_failed(c, f - 1);  // relayed, so that every rank names the one that failed
     const auto k = static_cast<op_kind>(d->sig.kind >> 16 & 0xff);
     throw troupe::error(std::string(op_kind_name(k)) + ": rank " + std::to_string(f - 1) +
@@ -511,18 +529,15 @@ void all_gather_shm(op_context& c, const void* in, void* out, std::size_t count,
   const std::int32_t kind = direct_kind(op_kind::all_gather, t, reduce_op::sum);
   char* o = static_cast<char*>(out);
   marking_failure(c, [&] {
-    std::vector<out_channel> outs(1);
-    outs[0].ch = me;
-    outs[0].src = static_cast<const char*>(in);
-    outs[0].bytes = bytes;
-    std::vector<in_channel> ins;
+    shm_segments& s = *c.direct->shm;
+    s.outs.assign(1, shm_out_channel{me, -1, static_cast<const char*>(in), bytes});
+    s.ins.clear();
     for (int j = 1; j < n; ++j) {
       const int g = (me + j) % n;
-      outs[0].readers.push_back(g);
-      ins.push_back(in_channel{g, g, o + g * bytes, bytes});
+      s.ins.push_back(shm_in_channel{g, g, o + g * bytes, bytes});
     }
     self_copy own{static_cast<const char*>(in), o + me * bytes, o + me * bytes == in ? 0 : bytes};
-    pump(c, outs, ins, own, op_record{code(kind), count});
+    pump(c, own, op_record{code(kind), count});
   });
 }
 
@@ -536,21 +551,17 @@ void all_to_allv_shm(op_context& c, op_kind k, const void* in,
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   marking_failure(c, [&] {
-    std::vector<out_channel> outs;
-    std::vector<in_channel> ins;
+    shm_segments& s = *c.direct->shm;
+    s.outs.clear();
+    s.ins.clear();
     for (int j = 1; j < n; ++j) {
       const int g = (me + j) % n;
-      out_channel o;
-      o.ch = g;
-      o.readers = {g};
-      o.src = src + soff[g] * es;
-      o.bytes = send_counts[g] * es;
-      outs.push_back(std::move(o));
-      ins.push_back(in_channel{g, me, dst + roff[g] * es, recv_counts[g] * es});
+      s.outs.push_back(shm_out_channel{g, g, src + soff[g] * es, send_counts[g] * es});
+      s.ins.push_back(shm_in_channel{g, me, dst + roff[g] * es, recv_counts[g] * es});
     }
     self_copy own{src + soff[me] * es, dst + roff[me] * es, send_counts[me] * es};
     const bool varied = k == op_kind::all_to_allv;
-    pump(c, outs, ins, own,
+    pump(c, own,
          op_record{code(kind), varied ? 0 : send_counts[me], varied ? &send_counts : nullptr,
                    varied ? &recv_counts : nullptr});
   });

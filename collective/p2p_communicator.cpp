@@ -287,10 +287,12 @@ struct comm_core {
     op_context c = context(coll_tag(w.seq), w.timeout, deadline, tu);
     std::fill(heard.begin(), heard.end(), std::uint8_t{0});
     c.heard = &heard;
-    c.collective = true;
     std::string why, waiting;
     try {
       c.check();
+      // The peers' records are read from the op's first wait on (here they would cost a read of
+      // a line each peer has just written, every op, for nothing a wait would not see).
+      c.collective = true;
       w.body(c);
     } catch (const deadline_error& e) {
       waiting = e.what();
