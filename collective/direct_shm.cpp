@@ -31,6 +31,14 @@
 // the executors, was ~1 us of the ~2.4 us of a 2-rank 64 KiB all_gather; the count exchange as
 // much of all_to_allv's.)
 //
+// Other paths: every collective, on whatever path, first writes its number (each rank counts its
+// collectives alike) and signature into one line of its rank's segment (shm_note_op). A staged op
+// waiting for a peer's record reads that line too, and every other op's waits read it
+// (shm_check_ops, from op_context::check): a peer whose line has this op's number but another
+// signature (another op, or an all_gather on the other side of shm_min), or a number past it
+// while its staged record never came (a broadcast's root that finished alone), fails the op at
+// once on both sides, without the deadline.
+//
 // Waiting: a rank that can neither produce (every reader behind) nor consume (nothing new) spins a
 // little and then yields the CPU (ranks may share cores); every ~256 idle turns it checks its
 // deadline and abort, and whether a peer failed (its `failed` word, set before it throws out of
