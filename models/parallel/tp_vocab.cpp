@@ -342,7 +342,7 @@ void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss)
       ce_backward<double>(*this, dlogits, n, scale, rs);
       break;
     case dtype::f16:
-      ce_backward<f16_bits>(*this, dlogits, n, scale);
+      ce_backward<f16_bits>(*this, dlogits, n, scale, rs);
       break;
     default:
       ce_backward<std::uint16_t>(*this, dlogits, n, scale, rs);  // bf16
