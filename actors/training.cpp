@@ -139,8 +139,11 @@ struct step_reply {
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0, bubble = 0, comm_wait = 0;
   std::int64_t tokens = 0, step = 0;
   double all_to_all = 0;  // parallel.ep > 1: seconds in the MoE all-to-alls
+  double loss_scale = 1;  // f16: the step's loss scale, and whether the grid skipped it
+  bool skipped = false;
   auto fields() {
-    return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step, all_to_all);
+    return std::tie(loss, grad_norm, lr, seconds, bubble, comm_wait, tokens, step, all_to_all,
+                    loss_scale, skipped);
   }
 };
 struct save_request {
@@ -523,6 +526,8 @@ step_reply step_done(role_context& ctx, trainer_state& st, const models::step_re
   out.seconds = res.seconds;
   out.tokens = res.tokens;
   out.step = res.step;
+  out.loss_scale = res.loss_scale;
+  out.skipped = res.skipped;
   out.bubble = st.hybrid->last_bubble_fraction();
   out.comm_wait = st.hybrid->last_comm_wait_seconds();
   if (const auto* l = st.hybrid->last_expert_load()) out.all_to_all = l->exchange_seconds;
@@ -1106,6 +1111,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     rep.result.grad_norm = first.grad_norm;
     rep.result.lr = first.lr;
     rep.result.tokens = first.tokens;
+    rep.result.loss_scale = first.loss_scale;
+    rep.result.skipped = first.skipped;
     for (const auto& r : replies) {
       rep.result.seconds = std::max(rep.result.seconds, r.seconds);
       rep.bubble = std::max(rep.bubble, r.bubble);

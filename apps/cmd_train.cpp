@@ -87,8 +87,8 @@ class progress {
     if (json_ != nullptr)
       fmt::print(json_,
                  "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}, "
-                 "\"tokens_per_s\": {:.1f}}}\n",
-                 r.step, r.loss, r.grad_norm, r.lr, r.tokens / r.seconds);
+                 "\"loss_scale\": {}, \"skipped\": {}, \"tokens_per_s\": {:.1f}}}\n",
+                 r.step, r.loss, r.grad_norm, r.lr, r.loss_scale, r.skipped, r.tokens / r.seconds);
     if (tty_) {
       double done = static_cast<double>(r.step - first_) / static_cast<double>(total_ - first_);
       int eta =
@@ -371,8 +371,12 @@ command_fn add_train_command(CLI::App& app) {
   bind<&train_config::fixed_batch>(*c, sub, "--fixed-batch", "Train on one batch again and again");
   bind<&train_config::precision>(
       *c, sub, "--precision",
-      "f32, bf16 (f32 master weights; under any plan), f16 (+ dynamic loss scaling; one "
-      "process) or f64 (the reference that f32 runs are judged against; one process, slow)");
+      "f32, bf16 (f32 master weights; under any plan), f16 (+ dynamic loss scaling; under any "
+      "plan) or f64 (the reference that f32 runs are judged against; one process, slow)");
+  bind<&train_config::loss_scale>(*c, sub, "--loss-scale", "f16: the initial loss scale");
+  bind<&train_config::loss_scale_growth>(
+      *c, sub, "--loss-scale-growth",
+      "f16: good steps in a row after which the loss scale doubles");
   bind<&train_config::compute_device>(
       *c, sub, "--device",
       "auto (the default: the GPU when one is visible and the run is one process without tiers "

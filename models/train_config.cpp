@@ -162,6 +162,8 @@ const std::map<std::string, setter>& setters() {
       {"train.fixed_batch", set(&train_config::fixed_batch)},
       {"train.recompute", set(&train_config::recompute)},
       {"train.precision", set(&train_config::precision)},
+      {"train.loss_scale", set(&train_config::loss_scale)},
+      {"train.loss_scale_growth", set(&train_config::loss_scale_growth)},
       {"train.device", set(&train_config::compute_device)},
       {"optim.lr", set(&train_config::lr)},
       {"optim.min_lr", set(&train_config::min_lr)},
@@ -385,6 +387,8 @@ void train_config::validate() const {
   need(log_every > 0, "train.log_every", "must be > 0");
   need(precision == "f32" || precision == "bf16" || precision == "f16" || precision == "f64",
        "train.precision", "must be f32, bf16, f16 or f64, got '" + precision + "'");
+  need(loss_scale > 0, "train.loss_scale (--loss-scale)", "must be > 0");
+  need(loss_scale_growth > 0, "train.loss_scale_growth (--loss-scale-growth)", "must be > 0");
   need(compute_device == "auto" || compute_device == "cpu" || compute_device == "cuda",
        "train.device (--device)", "must be auto, cpu or cuda, got '" + compute_device + "'");
   if (compute_device == "cuda") {
@@ -512,6 +516,8 @@ std::string to_toml(const train_config& c) {
   train.insert("fixed_batch", c.fixed_batch);
   train.insert("recompute", c.recompute);
   train.insert("precision", c.precision);
+  train.insert("loss_scale", c.loss_scale);
+  train.insert("loss_scale_growth", c.loss_scale_growth);
   train.insert("device", c.compute_device);
   optim.insert("lr", c.lr);
   optim.insert("min_lr", c.min_lr);

@@ -5,7 +5,7 @@
 //   [model]       hf = "path/to/hf-folder"   # or: size = "gpt2-demo" | "gpt2-small" | "llama-tiny"
 //   [data]        tokens = "train.tok"       # or: text = "/usr/share/games/fortunes" (bytes)
 //   [train]       steps, batch, seq, grad_accum, seed, fixed_batch, recompute, log_every,
-//                 precision, device
+//                 precision, loss_scale, loss_scale_growth, device
 //   [optim]       lr, min_lr, warmup, beta1, beta2, eps, weight_decay, clip, decay_exempt
 //   [checkpoint]  dir, every, resume
 //   [parallel]    dp, tp, pp, sp, zero, microbatches, schedule, virtual_stages, recompute,
@@ -60,6 +60,11 @@ struct train_config {
   // "f32"; "bf16": bf16 compute with f32 master weights; "f16": f16 compute with f32 master
   // weights and dynamic loss scaling (a step whose gradients overflow is skipped).
   std::string precision = "f32";
+  // f16's dynamic loss scaling (models/loss_scaler.hpp): the initial scale (train.loss_scale,
+  // --loss-scale) and the good steps in a row after which it doubles (train.loss_scale_growth,
+  // --loss-scale-growth).
+  double loss_scale = 65536.0;
+  std::int64_t loss_scale_growth = 2000;
   // train.device (--device): "cuda" trains the single process on the first visible GPU (every
   // tensor on the device, the batch uploaded each step); "cpu"; "auto" (the default): the GPU when
   // the process sees one and the run is one the GPU path takes (one process, no memory tiers, not

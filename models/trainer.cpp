@@ -3,8 +3,6 @@
 #include <chrono>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/training_state.hpp"
 #include "models/run_state.hpp"
@@ -13,9 +11,6 @@
 
 namespace troupe::models {
 namespace {
-
-constexpr double f16_initial_scale = 65536.0;
-constexpr std::int64_t f16_growth_interval = 2000;
 
 owned_tensor f32_copy(const tensor& x) {
   auto out = empty(x.sizes(), dtype::f32, x.dev());
@@ -56,7 +51,8 @@ trainer::trainer(causal_lm& model, const train_config& cfg)
            {.beta1 = cfg.beta1,
             .beta2 = cfg.beta2,
             .eps = cfg.eps,
-            .weight_decay = cfg.weight_decay}) {
+            .weight_decay = cfg.weight_decay}),
+      scaler_(cfg.precision == "f16" ? cfg.loss_scale : 1.0, cfg.loss_scale_growth) {
   cfg_.validate();
   const tensor& p = model.memory().params();
   TROUPE_CHECK(dtype_name(p.type()) == cfg.precision, "trainer: precision ", cfg.precision,
@@ -76,7 +72,6 @@ trainer::trainer(causal_lm& model, const train_config& cfg)
                           master_views_.back(), s.spec);
     }
   }
-  if (cfg.precision == "f16") loss_scale_ = f16_initial_scale;
   if (cfg.decay_exempt)
     opt_.exempt_from_decay(mixed() ? master_slots_ : model.slots(), weights(),
                            biases_norms_embeddings);
@@ -96,27 +91,20 @@ step_result trainer::step(const micro_batch& run) {
   mem.zero_grads();
   double loss = 0;
   step_result r;
-  r.loss_scale = loss_scale_;
+  const double loss_scale = scaler_.scale();
+  r.loss_scale = loss_scale;
   for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
     std::uint64_t draw =
         cfg_.fixed_batch ? 0 : static_cast<std::uint64_t>(step_ * cfg_.grad_accum + k);
-    loss += run(model_, draw, loss_scale_);
+    loss += run(model_, draw, loss_scale);
   }
   loss /= static_cast<double>(cfg_.grad_accum);
   if (mixed()) ops::copy(mem.grads(), grads32_);
-  const double unscale = 1.0 / (static_cast<double>(cfg_.grad_accum) * loss_scale_);
+  const double unscale = 1.0 / (static_cast<double>(cfg_.grad_accum) * loss_scale);
   if (unscale != 1.0) ops::scale(grads(), unscale);
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
-  if (cfg_.precision == "f16") {
-    if (!ops::all_finite(grads())) {  // overflow: skip the update, back off the scale
-      r.skipped = true;
-      loss_scale_ *= 0.5;
-      good_steps_ = 0;
-    } else if (++good_steps_ == f16_growth_interval) {
-      loss_scale_ *= 2.0;
-      good_steps_ = 0;
-    }
-  }
+  // f16: an inf or NaN anywhere skips the update and halves the scale (loss_scaler.hpp).
+  if (cfg_.precision == "f16") r.skipped = scaler_.update(!ops::all_finite(grads()));
   if (!r.skipped) {
     r.grad_norm = clip_grad_norm(grads(), cfg_.clip);
     opt_.step(weights(), grads(), r.lr);
@@ -140,10 +128,9 @@ expected<std::filesystem::path> trainer::save(const std::filesystem::path& folde
                                                                                       : dtype::f32};
     auto files = hf::save_checkpoint(dir, cfg, mixed() ? master_slots_ : model_.slots(), o);
     if (!files) return result::failure(files.error_message());
-    const nlohmann::json own = {{"loss_scale", loss_scale_}, {"good_steps", good_steps_}};
     hf::training_state st{.step = step_,
                           .optimizer_steps = opt_.steps_taken(),
-                          .extra_json = run_state_extra(cfg_, own.dump())};
+                          .extra_json = run_state_extra(cfg_, scaler_.json())};
     auto ts = hf::save_training_state(dir, st, opt_.m(), opt_.v());
     if (!ts) return result::failure(ts.error_message());
     return dir;
@@ -161,14 +148,8 @@ expected<std::int64_t> trainer::resume(const std::filesystem::path& folder,
   if (!st) return expected<std::int64_t>::failure(st.error_message());
   step_ = st->step;
   opt_.set_steps_taken(st->optimizer_steps);
-  auto extra = nlohmann::json::parse(st->extra_json, nullptr, false);
-  // The loss scale goes on only from an f16 run (an f32 / bf16 run or a plan's checkpoint
-  // records 1, which would start this run's f16 scale at 1 instead of its initial scale).
-  if (extra.is_object() && extra.contains("loss_scale") && cfg_.precision == "f16" &&
-      extra.value("precision", std::string()) == "f16") {
-    loss_scale_ = extra.value("loss_scale", loss_scale_);
-    good_steps_ = extra.value("good_steps", std::int64_t{0});
-  }
+  // The loss scale goes on only from an f16 run, the single process's or a plan's.
+  if (cfg_.precision == "f16") scaler_.resume_from(st->extra_json);
   return step_;
 }
 

@@ -28,6 +28,7 @@
 
 #include "models/causal_lm.hpp"
 #include "models/hf/training_state.hpp"
+#include "models/loss_scaler.hpp"
 #include "models/optim.hpp"
 #include "models/run_state.hpp"
 #include "models/train_config.hpp"
@@ -87,8 +88,7 @@ class trainer {
   slot_list master_slots_;  // the model's parameter names over the master weights
   adamw_optimizer opt_;
   std::int64_t step_ = 0;
-  double loss_scale_ = 1.0;
-  std::int64_t good_steps_ = 0;  // f16: steps since the scale last changed
+  loss_scaler scaler_;  // f16's dynamic loss scaling (other precisions: scale 1, never used)
   std::vector<std::int32_t> rows_, targets_;
 };
 

@@ -388,12 +388,17 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   TROUPE_CHECK(zero < 3 || cfg.plan.pp == 1, "dp_trainer: parallel.zero = 3 needs parallel.pp = 1",
                " (got pp ", cfg.plan.pp, ") on rank ", rank, " of ", comm.name());
   const tensor& p = piece_.memory().params();
-  // The engine steps f32 weights: an f32 piece, or with bf16 a mixed_piece (mixed_piece.hpp)
-  // whose f32 master weights these are.
+  // The engine steps f32 weights: an f32 piece, or with bf16 / f16 a mixed_piece
+  // (mixed_piece.hpp) whose f32 master weights these are; f16's piece scales its loss.
   TROUPE_CHECK(
-      p.type() == dtype::f32 && (cfg.precision == "f32" || cfg.precision == "bf16"),
-      "dp_trainer: the engine steps f32 weights (f32, or bf16 through mixed_piece), got a ",
-      dtype_name(p.type()), " piece and precision ", cfg.precision);
+      p.type() == dtype::f32 && (cfg.precision == "f32" || cfg.precision == "bf16" ||
+                                 (cfg.precision == "f16" && piece_.scales_loss())),
+      "dp_trainer: the engine steps f32 weights (f32, or bf16 / f16 through mixed_piece), ",
+      "got a ", dtype_name(p.type()), " piece", piece_.scales_loss() ? " that scales its loss" : "",
+      " and train.precision ", cfg.precision);
+  TROUPE_CHECK(cfg.precision != "f16" || !opts.moments,
+               "dp_trainer: train.precision f16 with memory tiers is not supported");
+  if (cfg.precision == "f16") scaler_.emplace(cfg.loss_scale, cfg.loss_scale_growth);
   TROUPE_CHECK(p.dev() == device::cpu(), "dp_trainer: host models only for now");
   TROUPE_CHECK(piece_.memory().grads().numel() == p.numel(), "dp_trainer: the piece's gradient ",
                "buffer has ", piece_.memory().grads().numel(), " elements, its parameters ",
@@ -883,6 +888,21 @@ double dp_trainer::sum_squares(const tensor& t, const range_list& ranges) const 
   return sq;
 }
 
+// One flag per rank, summed over the dp group and then over the piece's norm group (the model
+// parallel ranks of the replica): every rank of the grid gets the same answer. Each rank checks its
+// own gradients before the reduction (mixed_piece::grads_finite: every parameter, whether this
+// rank counts it in the norm or not), so a ZeRO 2 / 3 chunk another rank reduces, or a replica of
+// a LayerNorm another tensor shard counts, is covered too.
+bool dp_trainer::any_rank_overflowed() {
+  double flag = piece_.grads_finite() ? 0.0 : 1.0;
+  auto t0 = clock_type::now();
+  if (comm_.size() > 1) comm_.allreduce(&flag, 1, dtype::f64).wait();
+  if (auto* mp = piece_.norm_group(); mp != nullptr && mp->size() > 1)
+    mp->allreduce(&flag, 1, dtype::f64).wait();
+  comm_wait_ += seconds_since(t0);
+  return flag > 0.0;
+}
+
 double dp_trainer::reduce_gradients() {
   wait_pending();
   auto t0 = clock_type::now();
@@ -996,6 +1016,9 @@ void dp_trainer::prepare(const trainer::batch_source& data) {
       comm_wait_ += params_->take_wait_seconds();
       gather_due_ = false;
     }
+    prepared_scale_ = scaler_ ? scaler_->scale() : 1.0;
+    // f16: every token's loss is scaled as in the single process (mixed_piece.hpp).
+    if (scaler_) piece_.set_loss_scale(prepared_scale_ * static_cast<double>(cfg_.grad_accum));
     loss = piece_.forward_backward(plan_.microbatches(), [&](int k) { return fetch(k, data); });
     running_ = false;
     if (zero == 3) {
@@ -1014,7 +1037,12 @@ void dp_trainer::prepare(const trainer::batch_source& data) {
     for (std::size_t i = 0; i < buckets_.size(); ++i)
       if (!issued_[i]) issue_bucket(i);
     loss_work = comm_.allreduce(&loss, 1, dtype::f64);
-    r.grad_norm = reduce_gradients();
+    prepared_overflow_ = scaler_ && any_rank_overflowed();
+    // A skipped step's gradients are dropped: no norm, no clipping (the single process's order).
+    r.grad_norm = prepared_overflow_ ? 0.0 : reduce_gradients();
+    if (prepared_overflow_) wait_pending();
+    // Finite gradients whose f32 sum over the ranks overflowed: the norm, the same on every rank.
+    if (scaler_ && !std::isfinite(r.grad_norm)) prepared_overflow_ = true;
     loss_work.wait();
   } catch (...) {
     // Nothing may still read or write this step's buffers once it unwinds: the loss allreduce
@@ -1052,7 +1080,14 @@ step_result dp_trainer::commit() {
   step_result r;
   r.grad_norm = prepared_norm_;
   r.lr = warmup_cosine_lr(step_, cfg_.warmup, cfg_.steps, cfg_.lr, cfg_.min_lr);
-  if (full_opt_) {
+  if (scaler_) {
+    r.loss_scale = prepared_scale_;
+    r.skipped = scaler_->update(prepared_overflow_);
+  }
+  if (r.skipped) {
+    // No update: the parameters (and zero 1, 2's gathered copy) stay as they are; paged shards
+    // are refused with f16.
+  } else if (full_opt_) {
     full_opt_->step(mem.params(), mem.grads(), r.lr);
   } else if (paged_ != nullptr) {
     shard_opt_->step_paged(r.lr, paged_clip_);

@@ -79,6 +79,7 @@
 
 #include "collective/communicator.hpp"
 #include "models/causal_lm.hpp"
+#include "models/loss_scaler.hpp"
 #include "models/optim.hpp"
 #include "models/parallel/grad_producer.hpp"
 #include "models/parallel/paged_moments.hpp"
@@ -203,6 +204,14 @@ class dp_trainer {
   // Resuming: the steps done (the data position and the learning-rate schedule) and AdamW's update
   // count (its bias correction).
   void set_progress(std::int64_t steps_done, std::int64_t optimizer_steps);
+  // f16 (a piece that scales its loss: mixed_piece.hpp): the dynamic loss scale. Before each
+  // forward_backward the piece gets scale x train.grad_accum (mixed_piece.hpp); after it, one flag
+  // is summed over the dp group and the piece's norm group (together the whole grid: dp x pp x tp,
+  // or dp x cp), so a non-finite gradient on any rank, in any parameter (counted in the norm or
+  // not, in any rank's ZeRO chunk), skips the step on every rank: no clipping, no update, the
+  // gradient norm reported as 0 and the scale halved, as in the single process
+  // (models/trainer.hpp). Null for f32 and bf16. Checkpoints save and resume it (hybrid.hpp).
+  loss_scaler* scaler() { return scaler_ ? &*scaler_ : nullptr; }
   // Zero 3: all-gathers the current parameters into the piece's buffer (collective over the dp
   // group: every rank calls it), e.g. before evaluating or saving; zero 1, 2 with defer_gather:
   // the same when a commit or shard_parameters() left the buffer behind the shards. Zero 0 and
@@ -273,7 +282,8 @@ class dp_trainer {
   // (so a page two buckets share goes when both are released).
   void release_run(std::size_t i);
   void sample_grads();
-  double reduce_gradients();  // waits; returns the global norm before clipping (then clips)
+  double reduce_gradients();   // waits; returns the global norm before clipping (then clips)
+  bool any_rank_overflowed();  // f16: whether any rank of the grid has a non-finite gradient
   double sum_squares(const tensor& t,
                      const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) const;
   void gather_parameters();  // zero 1, 2: all-gathers the updated chunks
@@ -312,6 +322,9 @@ class dp_trainer {
   // buffer is to be all-gathered from the shards before it is read.
   bool gather_due_ = false;
   double prepared_loss_ = 0, prepared_norm_ = 0;
+  std::optional<loss_scaler> scaler_;  // f16
+  bool prepared_overflow_ = false;     // f16: some rank's gradients were not all finite
+  double prepared_scale_ = 1.0;        // f16: the scale the prepared step ran with
   std::chrono::steady_clock::time_point prepared_t0_;
   double comm_wait_ = 0;
   bool overlap_ = false;

@@ -100,6 +100,17 @@ class grad_producer {
     return false;
   }
 
+  // Loss scaling (f16 under mixed_piece): true when the piece runs its backward on a scaled loss,
+  // so a step's gradients may overflow; the engine then calls set_loss_scale before each
+  // forward_backward and grads_finite after it, and skips the step's update when any rank of the
+  // grid saw an overflow (data_parallel.hpp).
+  virtual bool scales_loss() const { return false; }
+  // The next forward_backward runs the backward of s x each microbatch's weighted loss and
+  // delivers the gradients divided by s again (the returned loss is not scaled).
+  virtual void set_loss_scale(double s) { (void)s; }
+  // Whether every gradient the last forward_backward computed on this rank is finite.
+  virtual bool grads_finite() { return true; }
+
   // Gradient norm across model parallelism: the global norm is the square root of the sum, over
   // the ranks of norm_group() (null: this rank alone), of the squares of the gradients of the
   // parameters this rank counts. A parameter replicated on several ranks of the group (a

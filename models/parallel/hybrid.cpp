@@ -180,14 +180,18 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   if (plan.zero == 3 && plan.pp > 1)
     problems.push_back("parallel.zero 3 cannot be combined with parallel.pp > 1 (as in DeepSpeed)");
   if (!problems.empty()) throw error(scheduler::join(problems));
-  // bf16: every piece (the whole model, a tensor shard, a pipeline stage or a shard of one)
-  // computes in bf16 under mixed_piece, which gives the engine f32 master weights and gradients;
-  // f16's loss scaling with skipped steps is the single-process trainer's alone.
-  const bool bf16 = cfg.precision == "bf16";
-  TROUPE_CHECK(cfg.precision == "f32" || bf16, "train.precision ", cfg.precision,
-               ": parallel plans train in f32 or bf16 (f16's loss scaling with skipped steps and ",
-               "the f64 reference are the single-process trainer's only)");
-  const dtype compute = bf16 ? dtype::bf16 : dtype::f32;
+  // bf16 and f16: every piece (the whole model, a tensor shard, a pipeline stage or a shard of
+  // one) computes in 16 bits under mixed_piece, which gives the engine f32 master weights and
+  // gradients; f16 adds the engine's loss scaling with steps skipped on every rank alike.
+  const bool bf16 = cfg.precision == "bf16", f16 = cfg.precision == "f16";
+  TROUPE_CHECK(cfg.precision == "f32" || bf16 || f16, "train.precision ", cfg.precision,
+               ": parallel plans train in f32, bf16 or f16 (the f64 reference is the ",
+               "single-process trainer's only)");
+  TROUPE_CHECK(!f16 || plan.ep == 1, "train.precision f16 with parallel.ep (--ep) ", plan.ep,
+               ": the expert-parallel engine has no loss scaling yet (use bf16)");
+  TROUPE_CHECK(!f16 || !cfg.elastic(), "train.precision f16 with elastic runs (--elastic): ",
+               "the loss scale is not carried across membership changes yet (use bf16)");
+  const dtype compute = bf16 ? dtype::bf16 : f16 ? dtype::f16 : dtype::f32;
   TROUPE_CHECK(plan.recompute != scheduler::recompute_policy::selective,
                "parallel.recompute selective: selective activation checkpointing is not ",
                "available under a parallel plan yet (use full or none)");
@@ -255,10 +259,11 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     I.description = fmt::format("tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                 plan.sp ? " (sequence parallel)" : "");
   }
-  if (bf16) {
+  if (bf16 || f16) {
     I.inner = std::move(I.piece);
     I.piece = std::make_unique<mixed_piece>(*I.inner);
-    I.description += ", bf16 with f32 master weights";
+    I.description += fmt::format(", {} with f32 master weights{}", cfg.precision,
+                                 f16 ? " and dynamic loss scaling" : "");
   }
   if (recompute) I.description += ", recompute";
   I.layout.slots = &I.piece->slots();
@@ -275,7 +280,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     load_piece(*I.whole, from, I.layout, I.layout.base);
   else
     init_piece(*I.whole, cfg.seed, I.layout, I.layout.base);
-  // bf16: fresh weights start rounded, as the single-process trainer's master weights do.
+  // bf16, f16: fresh weights start rounded, as the single-process trainer's master weights do.
   if (auto* mixed = dynamic_cast<mixed_piece*>(I.piece.get()); mixed && cfg.resume.empty())
     mixed->round_master();
   // parallel.dp_bucket_bytes and parallel.dp_overlap (the default 25 MiB is one bucket for a tiny
@@ -306,6 +311,9 @@ void hybrid_trainer::resume(const std::filesystem::path& folder, const whole_lay
   check_data_position(file.state().extra_json, I.cfg, (folder / "trainer_state.json").string());
   scatter_moments(whole, file.f32_view(file.m()), file.f32_view(file.v()));
   set_progress(file.state().step, file.state().optimizer_steps);
+  // f16: the loss scale goes on from an f16 run's checkpoint, the single process's or a plan's.
+  if (auto* s = I.dp ? I.dp->scaler() : nullptr; s != nullptr)
+    s->resume_from(file.state().extra_json);
 }
 
 void hybrid_trainer::gather_moments(const whole_layout& whole, const tensor& m, const tensor& v) {
@@ -343,6 +351,12 @@ std::string hybrid_trainer::moment_tiers_line() {
       static_cast<double>(r.nvme_bytes) / mib, static_cast<double>(r.host_used) / mib,
       static_cast<double>(r.nvme_read_bytes) / mib, static_cast<double>(r.nvme_write_bytes) / mib,
       r.evictions);
+}
+
+std::string hybrid_trainer::extra_json() const {
+  // f16: the loss scale and good-step count (the same on every rank), as the single process has.
+  auto* s = impl_->dp ? impl_->dp->scaler() : nullptr;
+  return s != nullptr ? run_state_extra(impl_->cfg, s->json()) : run_extra_json(impl_->cfg);
 }
 
 std::int64_t hybrid_trainer::optimizer_steps() const {
@@ -392,9 +406,8 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   staged_folder staged;
   std::unique_ptr<hf::checkpoint_writer> weights;
   std::unique_ptr<hf::training_state_writer> moments;
-  const hf::training_state st{.step = steps_done(),
-                              .optimizer_steps = optimizer_steps(),
-                              .extra_json = run_extra_json(I.cfg)};
+  const hf::training_state st{
+      .step = steps_done(), .optimizer_steps = optimizer_steps(), .extra_json = extra_json()};
   const auto order = hf::checkpoint_writer::order(model_);
   std::vector<const whole_param*> params;
   owned_tensor scratch;  // one whole parameter, then the failure flag

@@ -121,6 +121,8 @@ class hybrid_trainer {
   void gather_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   void scatter_moments(const whole_layout& whole, const tensor& m, const tensor& v);
   std::int64_t optimizer_steps() const;  // AdamW updates applied
+  // trainer_state.json's "extra": the run (run_extra_json) and, for f16, the loss scaler's state.
+  std::string extra_json() const;
   // With memory tiers (train_config::tiers()): the paged optimizer state's line, e.g. "optimizer
   // state in tiers: nvme 3.3 MiB, host 2.0 MiB in slots; NVMe read 26.2 MiB write 26.2 MiB"
   // (paged_moments.hpp); "" without.

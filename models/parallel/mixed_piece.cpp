@@ -8,10 +8,12 @@
 
 namespace troupe::models::parallel {
 
-mixed_piece::mixed_piece(grad_producer& inner) : inner_(inner) {
+mixed_piece::mixed_piece(grad_producer& inner)
+    : inner_(inner), scales_loss_(inner.memory().params().type() == dtype::f16) {
   const dtype t = inner.memory().params().type();
-  TROUPE_CHECK(t == dtype::bf16, "mixed_piece: the inner piece must compute in bf16, its ",
-               "parameters are ", dtype_name(t));
+  TROUPE_CHECK(t == dtype::bf16 || t == dtype::f16,
+               "mixed_piece: the inner piece must compute in bf16 or f16, its parameters are ",
+               dtype_name(t));
   for (const auto& s : inner.slots().slots()) {
     if (s.kind != slot_kind::param) continue;
     tensor& value = fields_.emplace_back();
@@ -42,9 +44,25 @@ double mixed_piece::forward_backward(int microbatches,
                                      const std::function<microbatch_data(int k)>& fetch) {
   round_into_inner();
   inner_.memory().zero_grads();
-  const double loss = inner_.forward_backward(microbatches, fetch);
-  // The engine zeroed (or gave back, reading as zeros) the f32 gradients before the step.
-  for (const auto& p : params_) ops::copy(*p.inner->grad, *p.master->grad);
+  const double s = loss_scale_;
+  double loss = 0;
+  if (s == 1.0) {
+    loss = inner_.forward_backward(microbatches, fetch);
+  } else {  // the backward of s x each microbatch's weighted loss
+    loss = inner_.forward_backward(microbatches, [&](int k) {
+      microbatch_data mb = fetch(k);
+      mb.weight *= s;
+      return mb;
+    }) / s;
+  }
+  // The engine zeroed (or gave back, reading as zeros) the f32 gradients before the step. Each
+  // parameter by itself (never the whole buffer: released pages stay released).
+  finite_ = true;
+  for (const auto& p : params_) {
+    ops::copy(*p.inner->grad, *p.master->grad);
+    if (s != 1.0) ops::scale(*p.master->grad, 1.0 / s);
+    if (scales_loss_ && finite_) finite_ = ops::all_finite(*p.master->grad);
+  }
   return loss;
 }
 

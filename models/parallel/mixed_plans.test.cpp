@@ -22,8 +22,10 @@
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -33,11 +35,18 @@
 #include "collective/local/local_transport.hpp"
 #include "collective/p2p_communicator.hpp"
 #include "models/causal_lm.hpp"
+#include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/testing.hpp"
+#include "models/parallel/data_parallel.hpp"
 #include "models/parallel/exact_run.hpp"
 #include "models/parallel/hybrid.hpp"
+#include "models/parallel/mixed_piece.hpp"
+#include "models/parallel/model_producer.hpp"
+#include "models/parallel/parallelize_gpt.hpp"
+#include "models/parallel/parallelize_llama.hpp"
 #include "models/parallel/testing.hpp"
+#include "models/targets.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
 #include "tests/rounding.hpp"
@@ -128,10 +137,15 @@ void run_plan(const scheduler::parallel_plan& plan,
   if (first >= 0) std::rethrow_exception(err[first]);
 }
 
-// The single-process bf16 trainer (f32 master weights): steps [0, steps), saved into `dir`.
+// The 16-bit type a run of `c` computes in (bf16 or f16).
+dtype half_of(const train_config& c) {
+  return c.precision == "f16" ? dtype::f16 : dtype::bf16;
+}
+
+// The single-process bf16 / f16 trainer (f32 master weights): steps [0, steps), saved into `dir`.
 std::vector<step_result> single(bool llama, const train_config& c, const std::string& dir) {
   const auto model = model_of(llama);
-  auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::bf16);
+  auto m = make_causal_lm(model, {c.batch, c.seq}, half_of(c));
   m->init_weights(c.seed);
   trainer t(*m, c);
   std::vector<step_result> out;
@@ -176,8 +190,11 @@ plan_result planned(bool llama, train_config c, const scheduler::parallel_plan& 
     t.save(dir);
   });
   for (int r = 1; r < plan.world_size(); ++r)
-    for (std::size_t s = 0; s < got[0].steps.size(); ++s)
+    for (std::size_t s = 0; s < got[0].steps.size(); ++s) {
       CHECK(got[r].steps[s].loss == got[0].steps[s].loss);
+      CHECK(got[r].steps[s].skipped == got[0].steps[s].skipped);  // f16: one decision
+      CHECK(got[r].steps[s].loss_scale == got[0].steps[s].loss_scale);
+    }
   return got[0];
 }
 
@@ -242,6 +259,121 @@ void check_steps(const std::vector<step_result>& got, const std::vector<step_res
   CHECK(v.norms.ok());
   if (std::getenv("TROUPE_ROUNDING_REPORT") != nullptr)
     std::printf("bf16 ratios: losses %.3g, norms %.3g\n", v.losses.ratio(), v.norms.ratio());
+}
+
+// ---- f16 -----------------------------------------------------------------------------------
+//
+// f16 (mixed_piece.hpp, loss_scaler.hpp): the same pieces in f16 with the engine's dynamic loss
+// scaling. The runs start at a loss scale above what the tiny models' gradients fit in f16, so the
+// first steps overflow and halve it until they fit, and the scale doubles after every 2 good steps,
+// so it comes back to the edge and overflows again: the rows compare a scale sequence with skips
+// and growth, not a constant scale (GPT-2 and Llama follow different sequences, f16_run). The
+// overflow decisions must be the single process's at every step. They agree for a reason, not by
+// luck: every token's loss is scaled as in the single process (mixed_piece.hpp), so the per-token
+// gradients are as large as there and each rank's accumulated f16 gradients are parts of the single
+// process's sums (measured before that: scaling each rank's own mean loss instead, dp2's ranks
+// overflowed at a scale the single process fitted). A part can exceed its whole only through
+// cancellation between the parts, and only a step whose largest value lies near f16's maximum
+// could then go either way; on none of these steps does that happen.
+
+// The learning rate is constant (lr = min_lr, no warmup), so the exact twin skips the steps the
+// f16 runs skip by not stepping: the schedule's position does not matter then.
+train_config f16_run() {
+  train_config c = bf16_run();
+  c.precision = "f16";
+  c.steps = 8;
+  c.lr = c.min_lr = 2e-3;
+  c.warmup = 0;
+  // GPT-2: 2^19! 2^18! 2^17 2^17 2^18 2^18 2^19! 2^18; Llama: 2^19! 2^18! 2^17 2^17 2^18! 2^17
+  // 2^17! 2^16 ("!": skipped).
+  c.loss_scale = 1 << 19;
+  c.loss_scale_growth = 2;
+  return c;
+}
+
+// The exact twin of f16 runs that skipped the steps `ref` skipped: the f64 trainer from the same
+// f16-rounded weights, stepping where they stepped. A skipped step's loss is the forward of its
+// batch (what the f16 runs report as well), its gradient norm 0.
+exact_twin exact_f16(bool llama, const train_config& c, const std::vector<step_result>& ref) {
+  const auto model = model_of(llama);
+  auto start = make_causal_lm(model, {c.batch, c.seq}, dtype::f16);
+  start->init_weights(c.seed);
+  exact_twin x;
+  x.model = make_causal_lm(model, {c.batch, c.seq}, dtype::f64);
+  ops::copy(start->memory().params(), x.model->memory().params());  // same slots, same layout
+  train_config e = c;
+  e.precision = "f64";
+  trainer t(*x.model, e);
+  const int b = static_cast<int>(c.batch), t_len = static_cast<int>(c.seq);
+  std::vector<std::int32_t> rows, targets;
+  for (int s = 0; s < c.steps; ++s) {
+    if (ref.at(static_cast<std::size_t>(s)).skipped) {
+      x.run.loss.push_back(evaluate(*x.model, rows_of, b, t_len, static_cast<std::uint64_t>(s), 1));
+      x.run.grad_norm.push_back(0.0);
+      continue;
+    }
+    // Draw s: the step's own batch (the trainer's count of steps lags by the skipped ones).
+    const auto r = t.step([&](causal_lm& m, std::uint64_t, double scale) {
+      rows_of(static_cast<std::uint64_t>(s), b, t_len, rows);
+      targets.resize(rows.size());
+      tensor ids(rows.data(), rows.size() * 4, dtype::i32, {b, t_len});
+      tensor tg(targets.data(), targets.size() * 4, dtype::i32, {b, t_len});
+      next_token_targets(ids, tg);
+      const double loss = m.forward(ids, tg);
+      m.backward(scale);
+      return loss;
+    });
+    x.run.loss.push_back(r.loss);
+    x.run.grad_norm.push_back(r.grad_norm);
+  }
+  return x;
+}
+
+// The steps' skip decisions and loss scales of `got` are `ref`'s, step by step.
+void check_scales(const std::vector<step_result>& got, const std::vector<step_result>& ref) {
+  REQUIRE(got.size() == ref.size());
+  for (std::size_t s = 0; s < ref.size(); ++s) {
+    INFO("step " << s << ": scale " << got[s].loss_scale << " vs " << ref[s].loss_scale);
+    CHECK(got[s].skipped == ref[s].skipped);
+    CHECK(got[s].loss_scale == ref[s].loss_scale);
+    if (got[s].skipped) CHECK(got[s].grad_norm == 0.0);  // no norm, no clipping, no update
+  }
+}
+
+// f16 has an 11-bit mantissa: both f16 runs sit ~2^-12 relative from the exact run, 8 times
+// closer than bf16's, and the plan rounds at the same few extra points the bf16 rows list, so the
+// ratio of the two runs' errors is O(1) as there: the bf16 rows' k (default_k) for the losses (all
+// steps, skipped ones included: their forward) and the gradient norms (the steps that updated).
+void check_f16_steps(const std::vector<step_result>& got, const std::vector<step_result>& ref,
+                     const testing::exact_run& x) {
+  std::vector<step_result> g, r;
+  testing::exact_run stepped;
+  for (std::size_t s = 0; s < x.loss.size(); ++s) {
+    if (ref.at(s).skipped) continue;
+    g.push_back(got.at(s));
+    r.push_back(ref.at(s));
+    stepped.loss.push_back(x.loss[s]);
+    stepped.grad_norm.push_back(x.grad_norm[s]);
+  }
+  std::vector<double> gl, rl;
+  for (std::size_t s = 0; s < x.loss.size(); ++s) {
+    gl.push_back(got.at(s).loss);
+    rl.push_back(ref.at(s).loss);
+  }
+  const auto losses = tests::as_accurate_as(gl, rl, x.loss, bf16_trajectory_k);
+  const auto norms = judge_steps(g, r, stepped).norms;
+  INFO("losses: " << losses.str());
+  INFO("gradient norms: " << norms.str());
+  CHECK(losses.ok());
+  CHECK(norms.ok());
+  if (std::getenv("TROUPE_ROUNDING_REPORT") != nullptr)
+    std::printf("f16 ratios: losses %.3g, norms %.3g\n", losses.ratio(), norms.ratio());
+}
+
+std::string scale_line(const std::vector<step_result>& steps) {
+  std::ostringstream out;
+  for (const auto& r : steps) out << ' ' << r.loss_scale << (r.skipped ? "!" : "");
+  return out.str();
 }
 
 }  // namespace
@@ -379,4 +511,224 @@ TEST_CASE("The bf16 rule tells a plan that loses half its tokens from the single
   INFO("gradient norms: " << v.norms.str());
   CHECK_FALSE(v.losses.ok());
   CHECK_FALSE(v.norms.ok());
+}
+
+TEST_CASE("Every plan in f16 skips the single process's steps and trains as accurately",
+          "[parallel]") {
+  struct row {
+    scheduler::parallel_plan plan;
+    bool llama_too;
+  };
+  auto dp = [](int zero) {
+    auto p = plan_of(2, 1, 1);
+    p.zero = zero;
+    return p;
+  };
+  auto interleaved = plan_of(1, 2, 1);
+  interleaved.schedule = scheduler::schedule_kind::interleaved;
+  interleaved.virtual_stages = 2;
+  const std::vector<row> rows = {{dp(0), false},
+                                 {dp(1), false},
+                                 {dp(2), false},
+                                 {dp(3), true},
+                                 {plan_of(1, 1, 2, /*sp=*/true), true},
+                                 {plan_of(1, 2, 1), true},
+                                 {interleaved, false},
+                                 {plan_of(2, 2, 2), true}};
+  const train_config c = f16_run();
+  for (bool llama : {false, true}) {
+    temp_dir tmp;
+    const std::string ref_dir = (tmp / "single").string();
+    const auto ref = single(llama, c, ref_dir);
+    if (std::getenv("TROUPE_ROUNDING_REPORT") != nullptr)
+      std::printf("%s single f16 scales:%s\n", llama ? "llama" : "gpt-2", scale_line(ref).c_str());
+    // The run this test is about: steps skipped at the start and again after the scale grew.
+    int skipped = 0;
+    bool grew = false;
+    for (std::size_t s = 0; s < ref.size(); ++s) {
+      skipped += ref[s].skipped ? 1 : 0;
+      grew = grew || (s > 0 && ref[s].loss_scale > ref[s - 1].loss_scale);
+    }
+    INFO("single process scales:" << scale_line(ref));
+    REQUIRE(skipped >= 2);
+    REQUIRE(grew);
+    const auto exact = exact_f16(llama, c, ref);
+    for (const auto& [plan, llama_too] : rows) {
+      if (llama && !llama_too) continue;
+      INFO((llama ? "llama " : "gpt-2 ") << scheduler::describe(plan));
+      const std::string dir = (tmp / "plan").string();
+      const auto got = planned(llama, c, plan, dir);
+      INFO("rank 0: " << got.described);
+      INFO("plan scales:" << scale_line(got.steps));
+      CHECK(got.described.find("f16 with f32 master weights and dynamic loss scaling") !=
+            std::string::npos);
+      check_scales(got.steps, ref);
+      check_f16_steps(got.steps, ref, exact.run);
+      check_weights(llama, dir, ref_dir, exact);
+    }
+  }
+}
+
+// The loss scaler's state (scale, good steps in a row) is in the checkpoint: 3 steps under tp2 + SP
+// (two skipped, one good: scale 2^17, one good step counted) go on under dp2 x pp2 and in one
+// process, and the single process's checkpoint after 3 steps goes on under pp2 x tp2, each with
+// the uninterrupted single process's skips and scales - the scale grows at step 5 only when the
+// good step counted before the save is carried - and as accurate as it by the rule above.
+TEST_CASE("f16 checkpoints carry the loss scale between plans and the single process",
+          "[parallel]") {
+  const train_config c = f16_run();
+  temp_dir tmp;
+  const std::string ref_dir = (tmp / "single").string();
+  const auto ref = single(false, c, ref_dir);
+  const auto exact = exact_f16(false, c, ref);
+  REQUIRE(ref[3].loss_scale == ref[2].loss_scale);
+  REQUIRE(ref[4].loss_scale == 2 * ref[3].loss_scale);  // grows after the 2nd good step
+  const std::vector<step_result> want(ref.begin() + 3, ref.end());
+  testing::exact_run x = exact.run;
+  x.loss.erase(x.loss.begin(), x.loss.begin() + 3);
+  x.grad_norm.erase(x.grad_norm.begin(), x.grad_norm.begin() + 3);
+  auto check_rest = [&](const std::vector<step_result>& got, const std::string& dir) {
+    INFO("resumed scales:" << scale_line(got));
+    check_scales(got, want);
+    check_f16_steps(got, want, x);
+    check_weights(false, dir, ref_dir, exact);
+  };
+  const std::string half = (tmp / "half").string();
+  {
+    train_config first = c;
+    first.plan = plan_of(1, 1, 2, true);
+    run_plan(first.plan, [&](int, const hybrid_groups& g) {
+      hybrid_trainer t(model_of(false), first, g);
+      for (int s = 0; s < 3; ++s) t.step(rows_of);
+      t.save(half);
+    });
+  }
+  SECTION("under dp2 x pp2") {
+    train_config rest = c;
+    rest.resume = half;
+    const std::string dir = (tmp / "rest").string();
+    const auto got = planned(false, rest, plan_of(2, 2, 1), dir);
+    check_rest(got.steps, dir);
+  }
+  SECTION("in one process") {
+    const auto model = model_of(false);
+    auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::f16);
+    trainer t(*m, c);
+    REQUIRE(t.resume(half, model).value() == 3);
+    std::vector<step_result> got;
+    for (int s = 3; s < c.steps; ++s) got.push_back(t.step(rows_of));
+    const std::string dir = (tmp / "one").string();
+    t.save(dir, model).value();
+    check_rest(got, dir);
+  }
+  SECTION("from one process") {
+    const auto model = model_of(false);
+    auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::f16);
+    m->init_weights(c.seed);
+    trainer t(*m, c);
+    for (int s = 0; s < 3; ++s) t.step(rows_of);
+    const std::string from = (tmp / "from-one").string();
+    t.save(from, model).value();
+    train_config rest = c;
+    rest.resume = from;
+    const std::string dir = (tmp / "rest").string();
+    const auto got = planned(false, rest, plan_of(1, 2, 2), dir);
+    check_rest(got.steps, dir);
+  }
+}
+
+namespace {
+
+// A piece that makes one parameter's gradient +inf on its rank at one step (after its backward):
+// an overflow only that rank sees.
+class overflow_at final : public grad_producer {
+ public:
+  overflow_at(grad_producer& inner, int step, const tensor* grad)
+      : inner_(inner), step_(step), grad_(grad) {}
+  layer_memory& memory() override { return inner_.memory(); }
+  const slot_list& slots() const override { return inner_.slots(); }
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override {
+    const double loss = inner_.forward_backward(microbatches, fetch);
+    if (calls_++ == step_ && grad_ != nullptr)
+      ops::fill(grad_->reshape({grad_->numel()}).narrow(0, 0, 1),
+                std::numeric_limits<double>::infinity());
+    return loss;
+  }
+  collective::communicator* norm_group() override { return inner_.norm_group(); }
+  bool counts_in_norm(const tensor_slot& p) const override { return inner_.counts_in_norm(p); }
+
+ private:
+  grad_producer& inner_;
+  int step_, calls_ = 0;
+  const tensor* grad_;
+};
+
+}  // namespace
+
+// The overflow decision is the grid's, not a rank's: under dp2 x tp2 an inf in the gradient of a
+// LayerNorm weight on one rank only (dp rank 1, tensor shard 1: a replica that shard does not count
+// in the gradient norm, so the norm does not see it; under ZeRO 2 its f32 gradient is reduced into
+// another rank's chunk) skips step 2 on all four ranks, halves the scale on all four and leaves
+// every rank's weights as they were. (Checked to fail with the flag's reduction removed from
+// dp_trainer::any_rank_overflowed: the other three ranks then update.)
+TEST_CASE("An f16 overflow on one rank skips the step on every rank of the grid", "[parallel]") {
+  for (int zero : {0, 2}) {
+    INFO("zero " << zero);
+    train_config c = f16_run();
+    c.steps = 3;
+    c.loss_scale = 1024;  // no natural overflow at this scale (the rows above: 2^10 fits)
+    c.loss_scale_growth = 2000;
+    c.plan = plan_of(2, 1, 2, /*sp=*/true);
+    c.plan.zero = zero;
+    const auto model = model_of(false);
+    const int n = c.plan.world_size();
+    std::vector<std::vector<step_result>> got(static_cast<std::size_t>(n));
+    std::vector<int> unchanged(static_cast<std::size_t>(n), 0), changed(unchanged);
+    run_plan(c.plan, [&](int r, const hybrid_groups& g) {
+      const batch_dims dims{dp_trainer::microbatch_rows(c), c.seq};
+      std::unique_ptr<causal_lm> m;
+      with_family(model, [&](auto family, auto mc) {
+        using F = typename decltype(family)::type;
+        if constexpr (tp_family<F>)
+          m = std::make_unique<causal_lm_of<tp_model<F>>>(mc, dims, tp_group{g.tp, true},
+                                                          dtype::f16);
+      });
+      REQUIRE(m != nullptr);
+      m->init_weights(c.seed);
+      model_producer producer(*m, *g.tp);
+      const tensor* target = nullptr;
+      if (g.dp->rank() == 1 && g.tp->rank() == 1)
+        for (const auto& s : producer.slots().slots())
+          if (s.kind == slot_kind::param && !producer.counts_in_norm(s) &&
+              s.name.find("ln") != std::string::npos) {
+            target = s.grad;
+            break;
+          }
+      REQUIRE((target != nullptr) == (g.dp->rank() == 1 && g.tp->rank() == 1));
+      overflow_at inject(producer, 1, target);
+      mixed_piece piece(inject);
+      dp_trainer t(piece, c, *g.dp);
+      auto weights = [&] {
+        if (zero != 0) t.gather_full_parameters();
+        return testing::flat(piece.memory().params());
+      };
+      got[r].push_back(t.step(rows_of));
+      const auto before = weights();
+      got[r].push_back(t.step(rows_of));
+      unchanged[r] = weights() == before ? 1 : 0;
+      got[r].push_back(t.step(rows_of));
+      changed[r] = weights() != before ? 1 : 0;
+    });
+    for (int r = 0; r < n; ++r) {
+      INFO("rank " << r << " scales:" << scale_line(got[r]));
+      CHECK(!got[r][0].skipped);
+      CHECK(got[r][1].skipped);
+      CHECK(!got[r][2].skipped);
+      CHECK(got[r][1].loss_scale == 1024);
+      CHECK(got[r][2].loss_scale == 512);
+      CHECK(unchanged[r] == 1);
+      CHECK(changed[r] == 1);
+    }
+  }
 }

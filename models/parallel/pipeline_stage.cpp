@@ -42,8 +42,8 @@ pipeline_stage::pipeline_stage(std::string what, std::int64_t n_layer, batch_dim
       chunks_(o.virtual_stages),
       boundary_(boundary),
       type_(o.type) {
-  TROUPE_CHECK(o.type == dtype::f32 || o.type == dtype::bf16, what_,
-               ": a pipeline stage computes in f32 or bf16, not ", dtype_name(o.type));
+  TROUPE_CHECK(o.type == dtype::f32 || o.type == dtype::bf16 || o.type == dtype::f16, what_,
+               ": a pipeline stage computes in f32, bf16 or f16, not ", dtype_name(o.type));
   TROUPE_CHECK(o.stages >= 1 && o.stage >= 0 && o.stage < o.stages, what_, ": stage ", o.stage,
                " must be in [0, stages = ", o.stages, ")");
   TROUPE_CHECK(o.virtual_stages >= 1, what_, ": virtual_stages must be >= 1, got ",

@@ -62,8 +62,8 @@ struct stage_options {
   // Block boundaries of the p * v virtual stages (p * v + 1 entries: virtual stage k holds blocks
   // [first[k], first[k + 1])), e.g. scheduler::balanced_partition(...).first; empty: even split.
   std::vector<int> first;
-  // The stage's parameters, gradients, activations and boundary tensors: f32, or bf16 (trained
-  // under mixed_piece.hpp with f32 master weights).
+  // The stage's parameters, gradients, activations and boundary tensors: f32, or bf16 / f16
+  // (trained under mixed_piece.hpp with f32 master weights).
   dtype type = dtype::f32;
 
   // Stage `stage` of plan.pp with plan.virtual_stages chunks, even split.

@@ -33,7 +33,7 @@ class tp_model {
  public:
   using config_type = typename F::config;
 
-  // t: the dtype of the shard's parameters, gradients and activations (f32 or bf16).
+  // t: the dtype of the shard's parameters, gradients and activations (f32, bf16 or f16).
   tp_model(const config_type& cfg, batch_dims dims, tp_group tp, dtype t = dtype::f32);
   tp_model(const tp_model&) = delete;
   tp_model& operator=(const tp_model&) = delete;
@@ -85,8 +85,8 @@ class tp_model {
 template <tp_family F>
 tp_model<F>::tp_model(const config_type& cfg, batch_dims dims, tp_group tp, dtype t)
     : tp_(tp), dims_(dims), trunk_(cfg, dims, tp, std::string("tp_") + F::name) {
-  TROUPE_CHECK(t == dtype::f32 || t == dtype::bf16, trunk_.who(),
-               ": a tensor shard computes in f32 or bf16, not ", dtype_name(t));
+  TROUPE_CHECK(t == dtype::f32 || t == dtype::bf16 || t == dtype::f16, trunk_.who(),
+               ": a tensor shard computes in f32, bf16 or f16, not ", dtype_name(t));
   trunk_.declare(slots_, all(), config().recompute);
   trunk_.declare_scratch(slots_);
   mem_ = layer_memory(slots_, t, device::cpu());

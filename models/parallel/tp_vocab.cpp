@@ -144,7 +144,7 @@ vocab_parallel_cross_entropy::vocab_parallel_cross_entropy(const config& c, tp_g
 void vocab_parallel_cross_entropy::declare(slot_list& s, std::string_view name, batch_dims b) {
   auto sc = s.enter(name);
   label = "vocab_parallel_cross_entropy '" + s.prefix() + "'";
-  // Twice the rows: room for f32 statistics in the bytes of a bf16 memory (stats_of).
+  // Twice the rows: room for f32 statistics in the bytes of a bf16 / f16 memory (stats_of).
   s.activation("row_max", {2 * b.rows()}, row_max);
   s.activation("sum_exp", {2 * b.rows()}, sum_exp);
   s.activation("losses", {2 * b.rows()}, losses);
@@ -158,10 +158,15 @@ namespace {
 template <class T>
 using stat_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// f16 logits' bits (std::uint16_t: bf16's); statistics in f32 as for bf16.
+enum class f16_bits : std::uint16_t {};
+
 template <class T>
 stat_t<T> load(T v) {
   if constexpr (std::is_same_v<T, std::uint16_t>)
     return bf16_bits_to_f32(v);
+  else if constexpr (std::is_same_v<T, f16_bits>)
+    return f16_bits_to_f32(static_cast<std::uint16_t>(v));
   else
     return v;
 }
@@ -170,6 +175,8 @@ template <class T>
 T store(double v) {
   if constexpr (std::is_same_v<T, std::uint16_t>)
     return f32_to_bf16_bits(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, f16_bits>)
+    return static_cast<f16_bits>(f32_to_f16_bits(static_cast<float>(v)));
   else
     return static_cast<T>(v);
 }
@@ -259,8 +266,8 @@ double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tens
   TROUPE_CHECK(logits_in.defined() && logits_in.dim() >= 1 && logits_in.size(-1) == local_vocab &&
                    logits_in.is_cpu() && logits_in.is_contiguous() &&
                    (logits_in.type() == dtype::f32 || logits_in.type() == dtype::f64 ||
-                    logits_in.type() == dtype::bf16),
-               label, ": logits must be contiguous f32, f64 or bf16 [..., ", local_vocab,
+                    logits_in.type() == dtype::bf16 || logits_in.type() == dtype::f16),
+               label, ": logits must be contiguous f32, f64, bf16 or f16 [..., ", local_vocab,
                "] (the shard's vocabulary columns) on the host, got ", describe(logits_in));
   shape rows = logits_in.sizes();
   rows.erase(rows.rank() - 1);
@@ -288,6 +295,8 @@ double vocab_parallel_cross_entropy::forward(const tensor& logits_in, const tens
       return ce_forward<float>(*this, n);
     case dtype::f64:
       return ce_forward<double>(*this, n);
+    case dtype::f16:
+      return ce_forward<f16_bits>(*this, n);
     default:
       return ce_forward<std::uint16_t>(*this, n);  // bf16
   }
@@ -331,6 +340,9 @@ void vocab_parallel_cross_entropy::backward(const tensor& dlogits, double dloss)
       break;
     case dtype::f64:
       ce_backward<double>(*this, dlogits, n, scale, rs);
+      break;
+    case dtype::f16:
+      ce_backward<f16_bits>(*this, dlogits, n, scale, rs);
       break;
     default:
       ce_backward<std::uint16_t>(*this, dlogits, n, scale, rs);  // bf16

@@ -70,7 +70,7 @@ struct vocab_parallel_cross_entropy {
   std::int64_t vocab_start = 0, local_vocab = 0;
 
   tensor logits, targets;  // saved views of the caller's tensors
-  // Activations [2 rows]: the per-row statistics in the logits' dtype, or f32 for bf16 logits
+  // Activations [2 rows]: the per-row statistics in the logits' dtype, or f32 for 16-bit logits
   // (in the first rows x 4 bytes); scratch [4 rows], the allreduce buffer.
   tensor row_max, sum_exp, losses;
   tensor scratch;
