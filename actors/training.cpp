@@ -176,6 +176,9 @@ struct trainer_state {
   std::vector<collective_watch> watches;  // the comms' flight records in describe (after comms)
   std::unique_ptr<mp::hybrid_trainer> hybrid;
   models::data_source data;
+  // A post-training run (add_trainer_role with trainer_samples): its model and samples.
+  std::shared_ptr<const trainer_samples> post;
+  mp::sample_source samples;
   std::string broken;  // why a step failed: the piece's state is undefined from then on
   // Elastic runs: who holds which grid position (read by the membership callback), the callback,
   // and the drill (elastic.chaos_kill).
@@ -394,7 +397,10 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
       plan.cp > 1 ? fmt::format(" x {}", plan.cp) : std::string(), " = ", plan.world_size(),
       spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
       " but the job has ", n.world_size(), " ranks");
-  st.model = models::model_config_of(st.cfg);
+  TROUPE_CHECK(!st.post || !st.elastic,
+               "elastic runs (elastic.enabled, elastic.spares) of post-training (troupe sft) are "
+               "not supported yet");
+  st.model = st.post ? st.post->model : models::model_config_of(st.cfg);
   st.grid = std::make_unique<collective::rank_grid>(grid_axes_of(plan));
   st.layout = elastic_layout::initial(plan.world_size(), n.world_size());
   if (!r.positions.empty()) {
@@ -406,9 +412,12 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
   if (!st.cfg.elastic_chaos_kill.empty())
     st.chaos = models::parse_chaos_kill(st.cfg.elastic_chaos_kill);
   const int me = n.rank();
-  st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
-                                     st.cfg.seed)
-                .value();
+  if (st.post)
+    st.samples = st.post->make(st.cfg);
+  else
+    st.data = models::open_data_source(st.cfg.data_tokens, st.cfg.data_text, vocab_of(st.model),
+                                       st.cfg.seed)
+                  .value();
   if (st.elastic) {
     watch_losses(n, sp);
     ctx.set_metric("elastic.generation", 0);
@@ -494,7 +503,7 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
       out.step = r.step + 1;
       return out;
     }
-    res = st.hybrid->step(st.data.rows);
+    res = st.samples ? st.hybrid->step(st.samples) : st.hybrid->step(st.data.rows);
   } catch (const std::exception& e) {
     // Fail what this rank still has in flight; its peers learn of it through their own ops
     // (a lost or failed peer) or the driver tearing the job down.
@@ -970,12 +979,11 @@ save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& 
   return out;
 }
 
-}  // namespace
-
-void add_trainer_role(role_registry& roles) {
+void add_role(role_registry& roles, std::shared_ptr<const trainer_samples> post) {
   add_expert_group_role(roles);
-  roles.add("trainer", [](role_builder& b, role_context&) {
+  roles.add("trainer", [post](role_builder& b, role_context&) {
     auto st = std::make_shared<trainer_state>();
+    st->post = post;
     b.on<setup_request>([st](role_context& c, const setup_request& r) { return setup(c, st, r); });
     b.on<step_request>(
         [st](role_context& c, const step_request& r) { return run_step(c, *st, r); });
@@ -999,6 +1007,16 @@ void add_trainer_role(role_registry& roles) {
     b.on<memory_request>(
         [st](role_context& c, const memory_request&) { return memory_line(c, *st); });
   });
+}
+
+}  // namespace
+
+void add_trainer_role(role_registry& roles) {
+  add_role(roles, nullptr);
+}
+
+void add_trainer_role(role_registry& roles, trainer_samples samples) {
+  add_role(roles, std::make_shared<const trainer_samples>(std::move(samples)));
 }
 
 namespace {

@@ -28,6 +28,8 @@
 
 #include "actors/node.hpp"
 #include "actors/roles.hpp"
+#include "models/hf/config.hpp"
+#include "models/parallel/grad_producer.hpp"
 #include "models/train_config.hpp"
 #include "models/train_loop.hpp"
 #include "models/trainer.hpp"
@@ -36,6 +38,19 @@ namespace troupe::actors {
 
 // Registers the "trainer" role.
 void add_trainer_role(role_registry& roles);
+
+// Post-training under a plan (troupe sft launched): the trainers train `model` (instead of the
+// job's model.size / model.hf config: the command sizes the vocabulary to its chat template's
+// special tokens) on the samples `make` returns for the run's train_config (instead of its
+// pretraining data), each rank making its own from the same file and settings (the samples are a
+// pure function of them, so every rank sees the same stream). Elastic runs are refused by name.
+struct trainer_samples {
+  models::hf::model_config model;
+  std::function<models::parallel::sample_source(const models::train_config&)> make;
+};
+
+// Registers the "trainer" role training on `samples`.
+void add_trainer_role(role_registry& roles, trainer_samples samples);
 
 // What the driver learns from one step.
 struct step_report {

@@ -2,12 +2,28 @@
 // conversations rendered by a chat template, the loss on the assistant tokens only, several
 // conversations packed per row (attention and positions kept per conversation), trained by the
 // single-process trainer's step (models/post/sft_step.hpp) and saved in HF layout.
+//
+// Under troupe launch -n N with troupe train's plan flags (--dp, --tp, --pp, --zero, ...) it is
+// one rank of a hybrid-parallel run: rank 0 drives the trainer actors of every rank
+// (actors/training.hpp), each of which reads the same JSONL file into the same rows and trains
+// its piece on them (models/post/plan_samples.hpp: sft_samples); the checkpoint is the plan
+// checkpoint path's HF folder. Packed rows under --tp or --pp, --cp, --ep and elastic runs are
+// refused by name.
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "actors/bootstrap.hpp"
+#include "actors/node.hpp"
+#include "actors/training.hpp"
 #include "apps/commands.hpp"
+#include "apps/plan_flags.hpp"
 #include "apps/post_run.hpp"
+#include "models/post/plan_samples.hpp"
 #include "models/post/sft_data.hpp"
 #include "models/post/sft_step.hpp"
 
@@ -16,33 +32,122 @@ namespace {
 
 struct sft_cli : post_cli {
   bool pack = true;
+  plan_cli plan;  // --dp, --tp, ... (apps/plan_flags.hpp)
+  config_flags plan_flags;
 };
 
-int run_sft(const sft_cli& c) {
-  post_setup s = prepare_post(c, "sft", 1);
+// The run's rows: a pure function of the file and the settings (every rank makes the same).
+std::shared_ptr<const models::sft_rows> sft_rows_of(const sft_cli& c, const post_setup& s) {
   auto convs = models::read_chat_jsonl(c.data).value();
   const models::sft_options o{.format = s.format,
                               .seq = s.cfg.seq,
                               .pack = c.pack,
                               .truncate = c.truncate,
                               .pad_id = s.tok->eos_id() >= 0 ? s.tok->eos_id() : 0};
-  auto rows = std::make_shared<const models::sft_rows>(
+  return std::make_shared<const models::sft_rows>(
       models::make_sft_rows(*s.tok, s.specials, convs, o, c.data).value());
+}
+
+void print_json_step(std::FILE* json, const models::step_result& r) {
+  if (json != nullptr)
+    fmt::print(json, "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}}}\n", r.step,
+               r.loss, r.grad_norm, r.lr);
+}
+
+void print_data_line(const sft_cli& c, const models::sft_rows& rows) {
+  fmt::print("data: {}: {} conversations in {} rows of {} tokens ({}), {} assistant targets\n",
+             c.data, rows.conversations, rows.rows(), rows.seq, c.pack ? "packed" : "one per row",
+             rows.trained_targets);
+}
+
+// What a launched run cannot do yet, refused by name before any rank joins.
+void refuse_unsupported_plan(const sft_cli& c, const models::train_config& cfg) {
+  const auto& p = cfg.plan;
+  TROUPE_CHECK(!c.pack || (p.tp == 1 && p.pp == 1),
+               "troupe sft: packed rows (--pack, the default) under parallel.tp (--tp) ", p.tp,
+               " / parallel.pp (--pp) ", p.pp,
+               ": tensor shards and pipeline stages do not take the rows' segments yet; pass "
+               "--no-pack (one conversation per row)");
+  TROUPE_CHECK(p.cp == 1, "troupe sft: parallel.cp (--cp) ", p.cp,
+               ": context parallelism is not supported for SFT yet");
+  TROUPE_CHECK(p.ep == 1, "troupe sft: parallel.ep (--ep) ", p.ep,
+               ": expert parallelism is not supported for SFT yet");
+  TROUPE_CHECK(!cfg.elastic(),
+               "troupe sft: elastic runs (elastic.enabled, elastic.spares) are not supported "
+               "for post-training yet");
+}
+
+// One rank of a launched run: rank 0 drives the trainer actors of every rank.
+int run_sft_launched(const sft_cli& c, post_setup& s) {
+  refuse_unsupported_plan(c, s.cfg);
+  auto rows = sft_rows_of(c, s);
+  actors::role_registry roles;
+  const bool pack = c.pack;
+  actors::add_trainer_role(
+      roles, actors::trainer_samples{
+                 .model = s.mcfg, .make = [rows, pack](const models::train_config& cfg) {
+                   return models::sft_samples(rows, cfg.batch, cfg.grad_accum, pack);
+                 }});
+  actors::node_options no;
+  no.roles = &roles;
+  actors::node n(no);
+  if (n.rank() == 0) {
+    fmt::print("troupe sft: {} on {} ranks: {}, template {}, tokenizer {}\n", s.label,
+               n.world_size(), scheduler::describe(s.cfg.plan), c.chat_template, s.tok->name());
+    print_data_line(c, *rows);
+    auto json = open_post_json(c.json_path);
+    actors::drive_options d;
+    d.on_setup = [](const std::vector<std::string>& ranks) {
+      for (const auto& r : ranks) fmt::print("  {}\n", r);
+      std::fflush(stdout);
+    };
+    double tokens = 0, seconds = 0;
+    d.on_step = [&](const actors::step_report& rep) {
+      const auto& r = rep.result;
+      print_json_step(json.get(), r);
+      tokens += r.tokens;
+      seconds += r.seconds;
+      if (r.step % s.cfg.log_every == 0 || r.step == s.cfg.steps || r.step == 1)
+        fmt::print("step {:5d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
+                   r.step, s.cfg.steps, r.loss, r.grad_norm, r.lr,
+                   tokens / std::max(seconds, 1e-9));
+      std::fflush(stdout);
+    };
+    d.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
+      fmt::print("{}\n", models::hf::saved_line(dir, step, held));
+      std::fflush(stdout);
+    };
+    const auto sum = actors::drive_training(n, s.cfg, d);
+    fmt::print("{}\n", models::trained_line(sum.progress));
+    if (!sum.checkpoint.empty())
+      fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", sum.checkpoint,
+                 sum.checkpoint);
+    std::fflush(stdout);
+  }
+  n.barrier("troupe sft: done");
+  n.shutdown();
+  return 0;
+}
+
+int run_sft(const sft_cli& c) {
+  post_setup s = prepare_post(c, "sft", 1, &c.plan_flags);
+  if (actors::join_info_from_env().has_value()) return run_sft_launched(c, s);
+  TROUPE_CHECK(s.cfg.plan.world_size() == 1,
+               "troupe sft: parallel.dp x parallel.pp x parallel.tp = ", s.cfg.plan.world_size(),
+               " ranks: start them with `troupe launch -n ", s.cfg.plan.world_size(),
+               " -- troupe sft ...`");
+  auto rows = sft_rows_of(c, s);
   auto model = make_post_model(s);
   models::trainer tr(*model, s.cfg);
   fmt::print("troupe sft: {} ({:.2f} M parameters), template {}, tokenizer {}\n", s.label,
              static_cast<double>(model->slots().param_count()) / 1e6, c.chat_template,
              s.tok->name());
-  fmt::print("data: {}: {} conversations in {} rows of {} tokens ({}), {} assistant targets\n",
-             c.data, rows->conversations, rows->rows(), rows->seq,
-             c.pack ? "packed" : "one per row", rows->trained_targets);
+  print_data_line(c, *rows);
   auto json = open_post_json(c.json_path);
   const auto micro = models::sft_micro_batch(rows, s.per_batch, s.cfg.grad_accum);
   models::train_hooks hooks;
   hooks.on_step = [&](const models::step_result& r) {
-    if (json)
-      fmt::print(json.get(), "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}}}\n",
-                 r.step, r.loss, r.grad_norm, r.lr);
+    print_json_step(json.get(), r);
     if (r.step % s.cfg.log_every == 0 || r.step == s.cfg.steps || r.step == 1)
       fmt::print("step {:5d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
                  r.step, s.cfg.steps, r.loss, r.grad_norm, r.lr, r.tokens / r.seconds);
@@ -61,6 +166,7 @@ command_fn add_sft_command(CLI::App& app) {
   add_post_flags(sub, *c, "Rows per micro-batch");
   sub->add_flag("--pack,!--no-pack", c->pack,
                 "Pack several conversations per row (first-fit; --no-pack: one per row)");
+  add_plan_flags(sub, c->plan, c->plan_flags);
   return [sub, c]() -> int {
     if (!sub->parsed()) return -1;
     return run_sft(*c);

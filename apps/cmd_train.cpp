@@ -20,6 +20,7 @@
 #include "actors/node.hpp"
 #include "actors/training.hpp"
 #include "apps/commands.hpp"
+#include "apps/plan_flags.hpp"
 #include "apps/sample_text.hpp"
 #include "apps/train_tiers.hpp"
 #include "memory/gpu.hpp"
@@ -48,11 +49,7 @@ struct train_cli {
   int threads = 0;
   sample_options sample;  // its seed is the run's train.seed
   // [parallel] flags (nested in train_config::plan, so bound by hand)
-  int dp = 1, tp = 1, pp = 1, cp = 1, zero = 0, microbatches = 1, virtual_stages = 1;
-  int ep = 1;
-  bool sp = false, dp_overlap = true;
-  std::string cp_mode = "ulysses";
-  std::string schedule = "1f1b", pipe_p2p = "async", dp_bucket_bytes;
+  plan_cli plan;  // --dp, --tp, ... (apps/plan_flags.hpp)
   std::vector<std::pair<CLI::Option*, std::function<void(train_config&)>>> plan_flags;
 };
 
@@ -427,76 +424,7 @@ command_fn add_train_command(CLI::App& app) {
   auto plan_flag = [&](CLI::Option* opt, std::function<void(train_config&)> apply) {
     c->plan_flags.emplace_back(opt, std::move(apply));
   };
-  auto* pc = c.get();
-  plan_flag(sub->add_option("--dp", c->dp, "Data-parallel degree")->capture_default_str(),
-            [pc](train_config& t) { t.plan.dp = pc->dp; });
-  plan_flag(sub->add_option("--tp", c->tp, "Tensor-parallel degree")->capture_default_str(),
-            [pc](train_config& t) { t.plan.tp = pc->tp; });
-  plan_flag(sub->add_option("--pp", c->pp, "Pipeline stages")->capture_default_str(),
-            [pc](train_config& t) { t.plan.pp = pc->pp; });
-  plan_flag(sub->add_option("--ep", c->ep,
-                            "Expert-parallel degree, out of the data-parallel ranks (MoE models)")
-                ->capture_default_str(),
-            [pc](train_config& t) { t.plan.ep = pc->ep; });
-  plan_flag(sub->add_flag("--sp", c->sp, "Sequence parallelism over the tp group"),
-            [pc](train_config& t) { t.plan.sp = pc->sp; });
-  plan_flag(sub->add_option("--cp", c->cp,
-                            "Context-parallel degree: every sample's sequence split over cp ranks")
-                ->capture_default_str(),
-            [pc](train_config& t) { t.plan.cp = pc->cp; });
-  plan_flag(sub->add_option("--cp-mode", c->cp_mode,
-                            "How attention runs over the split sequence: ulysses (ring: not yet)")
-                ->capture_default_str(),
-            [pc](train_config& t) {
-              auto m = scheduler::parse_cp_mode(pc->cp_mode);
-              TROUPE_CHECK(m.has_value(), "--cp-mode must be ulysses or ring, got '", pc->cp_mode,
-                           "'");
-              t.plan.cp_mode = *m;
-            });
-  plan_flag(sub->add_option("--zero", c->zero, "ZeRO stage (0-3)")->capture_default_str(),
-            [pc](train_config& t) { t.plan.zero = pc->zero; });
-  plan_flag(sub->add_option("--microbatches", c->microbatches,
-                            "Microbatches per data-parallel rank and step")
-                ->capture_default_str(),
-            [pc](train_config& t) { t.plan.microbatches = pc->microbatches; });
-  plan_flag(sub->add_option("--schedule", c->schedule,
-                            "Pipeline schedule: gpipe, 1f1b, eager-1f1b, zero-bubble, interleaved")
-                ->capture_default_str(),
-            [pc](train_config& t) {
-              auto k = scheduler::parse_schedule_kind(pc->schedule);
-              TROUPE_CHECK(
-                  k.has_value(),
-                  "--schedule must be gpipe, 1f1b, eager-1f1b, zero-bubble or interleaved, got '",
-                  pc->schedule, "'");
-              t.plan.schedule = *k;
-            });
-  plan_flag(sub->add_option("--virtual-stages", c->virtual_stages,
-                            "Model chunks per pipeline stage (interleaved)")
-                ->capture_default_str(),
-            [pc](train_config& t) { t.plan.virtual_stages = pc->virtual_stages; });
-  plan_flag(sub->add_flag("--dp-overlap,!--no-dp-overlap", c->dp_overlap,
-                          "Reduce gradient buckets during backward (--no-dp-overlap: after it)"),
-            [pc](train_config& t) { t.plan.dp_overlap = pc->dp_overlap; });
-  plan_flag(sub->add_option("--dp-bucket-bytes", c->dp_bucket_bytes,
-                            "Gradient bucket size of the data-parallel reduction (e.g. 256K)")
-                ->default_str("25M"),
-            [pc](train_config& t) {
-              auto v = models::parse_byte_size(pc->dp_bucket_bytes);
-              TROUPE_CHECK(v.has_value() && *v <= (1ULL << 50),
-                           "--dp-bucket-bytes must be a size like 256K or 25M, got '",
-                           pc->dp_bucket_bytes, "'");
-              t.plan.dp_bucket_bytes = static_cast<long long>(*v);
-            });
-  plan_flag(sub->add_option("--pipe-p2p", c->pipe_p2p,
-                            "How pipeline stages wait for transfers: async, or batched (each "
-                            "batch of the schedule's transfers waited where it stands)")
-                ->capture_default_str(),
-            [pc](train_config& t) {
-              auto m = scheduler::parse_p2p_mode(pc->pipe_p2p);
-              TROUPE_CHECK(m.has_value() && *m != scheduler::p2p_mode::blocking,
-                           "--pipe-p2p must be async or batched, got '", pc->pipe_p2p, "'");
-              t.plan.pipe_p2p = *m;
-            });
+  add_plan_flags(sub, c->plan, c->plan_flags);
   bind<&train_config::pipe_trace>(
       *c, sub, "--pipe-trace",
       "Path prefix: pipeline stages append each step's actions and times to "

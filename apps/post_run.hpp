@@ -5,7 +5,8 @@
 // Special tokens: the templates' tokens (<|im_start|>, ...) get the ids after the tokenizer's
 // vocabulary, as HF's add_special_tokens numbers them; the model's vocabulary must hold them (a
 // named size is built so; an HF folder whose vocabulary is too small is refused naming it).
-// Both commands run in one process; under troupe launch they refuse by name.
+// troupe sft also takes troupe train's plan flags and, under troupe launch, trains through the
+// launched driver (apps/cmd_sft.cpp); troupe dpo runs in one process and refuses launch.
 //
 // Job files: --config takes the TOML of troupe train (models/train_config.hpp: [model], [train],
 // [optim], [checkpoint]); the flags given override it. The data, template, tokenizer and the
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "actors/bootstrap.hpp"
+#include "apps/plan_flags.hpp"
 #include "models/causal_lm.hpp"
 #include "models/families.hpp"
 #include "models/hf/checkpoint.hpp"
@@ -111,9 +113,12 @@ struct post_setup {
   models::hf::model_config mcfg;
 };
 
-// rows_per_unit: rows of one unit of train.batch (1: a row, 2: a pair).
-inline post_setup prepare_post(const post_cli& c, const char* command, std::int64_t rows_per_unit) {
-  TROUPE_CHECK(!actors::join_info_from_env().has_value(), "troupe ", command,
+// rows_per_unit: rows of one unit of train.batch (1: a row, 2: a pair). plan: the command's
+// plan flags (apps/plan_flags.hpp), applied over the job file's [parallel]; a command without
+// them (null) runs in one process only and refuses troupe launch.
+inline post_setup prepare_post(const post_cli& c, const char* command, std::int64_t rows_per_unit,
+                               const config_flags* plan = nullptr) {
+  TROUPE_CHECK(plan != nullptr || !actors::join_info_from_env().has_value(), "troupe ", command,
                " runs in one process; it does not run under troupe launch yet");
   if (c.threads > 0) parallel::set_num_threads(c.threads);
   post_setup s;
@@ -130,6 +135,7 @@ inline post_setup prepare_post(const post_cli& c, const char* command, std::int6
     for (const auto& [opt, apply] : c.overrides)
       if (opt->count() > 0) apply(cfg);
   }
+  if (plan != nullptr) apply_given(*plan, cfg);
   s.per_batch = cfg.batch;
   cfg.batch *= rows_per_unit;
   s.label = cfg.model_hf.empty() ? cfg.model_size : cfg.model_hf;
