@@ -72,6 +72,8 @@ void refuse_unsupported_plan(const sft_cli& c, const models::train_config& cfg) 
                ": context parallelism is not supported for SFT yet");
   TROUPE_CHECK(p.ep == 1, "troupe sft: parallel.ep (--ep) ", p.ep,
                ": expert parallelism is not supported for SFT yet");
+  TROUPE_CHECK(cfg.precision == "f32", "troupe sft: train.precision (--precision) ", cfg.precision,
+               " under troupe launch: launched post-training runs in f32 (f64: one process)");
   TROUPE_CHECK(!cfg.elastic(),
                "troupe sft: elastic runs (elastic.enabled, elastic.spares) are not supported "
                "for post-training yet");

@@ -43,7 +43,7 @@ namespace troupe::apps {
 
 struct post_cli {
   std::string data, chat_template = "chatml", model = "llama-tiny", model_hf;
-  std::string tokenizer = "byte", ckpt_dir, json_path;
+  std::string tokenizer = "byte", ckpt_dir, json_path, precision = "f32";
   std::int64_t steps = 40, batch = 4, seq = 128, grad_accum = 1, log_every = 10, warmup = 5;
   std::int64_t ckpt_every = 0;
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.0, clip = 1.0;
@@ -101,6 +101,9 @@ inline void add_post_flags(CLI::App* sub, post_cli& c, const std::string& batch_
        [p](train_config& t) { t.ckpt_every = p->ckpt_every; });
   knob(sub->add_option("--log-every", c.log_every, "Steps between log lines"),
        [p](train_config& t) { t.log_every = p->log_every; });
+  knob(sub->add_option("--precision", c.precision,
+                       "f32, or f64 (the reference f32 runs are judged against; one process)"),
+       [p](train_config& t) { t.precision = p->precision; });
 }
 
 struct post_setup {
@@ -153,7 +156,11 @@ inline post_setup prepare_post(const post_cli& c, const char* command, std::int6
 
 // The model of the run: the HF folder's weights, or initialised from the seed.
 inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s) {
-  auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq});
+  TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64",
+               "train.precision (--precision) ", s.cfg.precision,
+               ": post-training runs in f32, or f64 (the reference)");
+  auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq},
+                                  s.cfg.precision == "f64" ? dtype::f64 : dtype::f32);
   TROUPE_CHECK(s.cfg.seq <= m->max_seq(), "--seq ", s.cfg.seq, " exceeds the model's ",
                m->max_seq(), " positions");
   if (s.cfg.model_hf.empty())

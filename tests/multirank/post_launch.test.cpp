@@ -1,0 +1,151 @@
+// troupe sft launched under plans (`troupe launch -n N -- troupe sft --dp 2 --pp 2 ...`): every
+// rank reads the same JSONL file into the same rows and trains its piece through the launched
+// driver and trainer actors (actors/training.hpp); the per-step losses (--json) and the saved
+// weights are the single-process troupe sft's as far as f32 rounding goes (tests/rounding.hpp:
+// same_losses and same_weights, against the single process's f64 twin, `troupe sft --precision
+// f64`), and troupe generate reads the launched checkpoint. What a launched SFT cannot do is
+// refused by name, each refusal printing its "faults:" line.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tests/multirank/same_weights.hpp"
+#include "tests/multirank/train_runs.hpp"
+
+using namespace troupe::tests;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::string chat = std::string(TROUPE_SOURCE_DIR) + "/examples/post/chat.jsonl";
+
+// The run: 4 rows of one conversation each per micro-batch, 2 micro-batches per step (so each
+// micro-batch's weight is its share of the step's assistant tokens), 5 steps at a learning rate
+// that moves the weights well past rounding, gradient clipping active (the first steps' norms
+// are 11 to 5).
+std::vector<std::string> sft_flags(const std::string& dir, const std::string& name) {
+  return {"sft",
+          "--data",
+          chat,
+          "--no-pack",
+          "--seq",
+          "128",
+          "--steps",
+          "5",
+          "--lr",
+          "3e-3",
+          "--grad-accum",
+          "2",
+          "--threads",
+          "1",
+          "--json",
+          dir + "/" + name + ".json",
+          "--checkpoint-dir",
+          dir + "/" + name};
+}
+
+// Runs argv to its end; its exit code and output.
+struct ran {
+  int code = -1;
+  std::string output;
+};
+
+ran run(const std::vector<std::string>& argv) {
+  child_process p(argv);
+  auto st = p.wait(300s);
+  INFO(p.output());
+  REQUIRE(st.has_value());
+  return {child_process::code(*st), p.output()};
+}
+
+std::vector<std::string> launch(int n, const std::string& name, std::vector<std::string> flags,
+                                const std::vector<std::string>& plan) {
+  std::vector<std::string> a = {troupe_bin, "launch",
+                                "-n",       std::to_string(n),
+                                "--job",    "sft-" + name + "-" + std::to_string(::getpid()),
+                                "--",       troupe_bin};
+  a.insert(a.end(), flags.begin(), flags.end());
+  a.insert(a.end(), plan.begin(), plan.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single process",
+          "[multirank][post]") {
+  scratch_dir dir("sft-launch");
+  const std::string& d = dir.path;
+  // The single process in f32 and its f64 twin (the same rows, weights and schedule).
+  auto one = [&](const std::string& name, std::vector<std::string> extra) {
+    auto f = sft_flags(d, name);
+    f.insert(f.begin(), troupe_bin);
+    f.insert(f.end(), extra.begin(), extra.end());
+    const ran r = run(f);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return losses(d + "/" + name + ".json");
+  };
+  reference_losses want;
+  want.f32 = one("single", {});
+  want.f64 = one("single-f64", {"--precision", "f64"});
+  REQUIRE(want.f32.size() == 5);
+  REQUIRE(want.f64.size() == 5);
+
+  struct plan_run {
+    int n;
+    std::string name;
+    std::vector<std::string> plan;
+  };
+  for (const auto& p : std::vector<plan_run>{
+           {4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
+           {2, "tp2", {"--tp", "2"}},
+       }) {
+    INFO(p.name);
+    const ran r = run(launch(p.n, p.name, sft_flags(d, p.name), p.plan));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(r.output.find("one per row") != std::string::npos);
+    same_losses(losses(d + "/" + p.name + ".json"), want);
+    same_weights(d + "/" + p.name, d + "/single");
+  }
+  // The launched checkpoint is an HF folder troupe generate reads.
+  const ran g = run({troupe_bin, "generate", "--model", d + "/dp2pp2", "--prompt", "Hi",
+                     "--max-new", "8", "--greedy"});
+  INFO(g.output);
+  CHECK(g.code == 0);
+}
+
+TEST_CASE("Launched troupe sft refuses packed rows under tp and a plan run in one process",
+          "[multirank][post][faults]") {
+  scratch_dir dir("sft-refuse");
+  // Packed rows (the default) under a tensor shard: refused by every rank before it joins.
+  auto flags = sft_flags(dir.path, "packed");
+  flags.erase(std::find(flags.begin(), flags.end(), "--no-pack"));
+  const ran packed = run(launch(2, "packed", flags, {"--tp", "2"}));
+  INFO(packed.output);
+  CHECK(packed.code != 0);
+  const auto at =
+      packed.output.find("packed rows (--pack, the default) under parallel.tp (--tp) 2");
+  REQUIRE(at != std::string::npos);
+  CHECK(packed.output.find("--no-pack") != std::string::npos);
+  const auto line = packed.output.substr(at, packed.output.find('\n', at) - at);
+  std::printf("faults: troupe sft --tp 2 with packed rows -> refused: %s\n", line.c_str());
+
+  // A plan of 2 ranks in one process: refused, saying how to start it.
+  auto single = sft_flags(dir.path, "alone");
+  single.insert(single.begin(), troupe_bin);
+  single.insert(single.end(), {"--dp", "2"});
+  const ran alone = run(single);
+  INFO(alone.output);
+  CHECK(alone.code != 0);
+  const auto at2 = alone.output.find("start them with `troupe launch -n 2 -- troupe sft");
+  REQUIRE(at2 != std::string::npos);
+  std::printf("faults: troupe sft --dp 2 in one process -> refused: %s\n",
+              alone.output.substr(0, alone.output.find('\n')).c_str());
+}
