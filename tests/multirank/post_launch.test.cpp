@@ -9,7 +9,6 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -25,15 +24,16 @@ namespace {
 
 const std::string chat = std::string(TROUPE_SOURCE_DIR) + "/examples/post/chat.jsonl";
 
-// The run: 4 rows of one conversation each per micro-batch, 2 micro-batches per step (so each
-// micro-batch's weight is its share of the step's assistant tokens), 5 steps at a learning rate
-// that moves the weights well past rounding, gradient clipping active (the first steps' norms
-// are 11 to 5).
-std::vector<std::string> sft_flags(const std::string& dir, const std::string& name) {
+// The run: 4 rows (of one conversation each, or packed) per micro-batch, 2 micro-batches per step
+// (so each micro-batch's weight is its share of the step's assistant tokens), 5 steps at a
+// learning rate that moves the weights well past rounding, gradient clipping active (the first
+// steps' norms are 11 to 5).
+std::vector<std::string> sft_flags(const std::string& dir, const std::string& name,
+                                   bool pack = false) {
   return {"sft",
           "--data",
           chat,
-          "--no-pack",
+          pack ? "--pack" : "--no-pack",
           "--seq",
           "128",
           "--steps",
@@ -75,15 +75,17 @@ std::vector<std::string> launch(int n, const std::string& name, std::vector<std:
   return a;
 }
 
-}  // namespace
+struct plan_run {
+  int n;
+  std::string name;
+  std::vector<std::string> plan;
+};
 
-TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single process",
-          "[multirank][post]") {
-  scratch_dir dir("sft-launch");
-  const std::string& d = dir.path;
-  // The single process in f32 and its f64 twin (the same rows, weights and schedule).
+// The single process in f32 and its f64 twin (the same rows, weights and schedule), then each
+// launched run: its losses and saved weights as accurate as the single process's.
+void check_against_single(const std::string& d, bool pack, const std::vector<plan_run>& runs) {
   auto one = [&](const std::string& name, std::vector<std::string> extra) {
-    auto f = sft_flags(d, name);
+    auto f = sft_flags(d, name, pack);
     f.insert(f.begin(), troupe_bin);
     f.insert(f.end(), extra.begin(), extra.end());
     const ran r = run(f);
@@ -96,24 +98,26 @@ TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single proc
   want.f64 = one("single-f64", {"--precision", "f64"});
   REQUIRE(want.f32.size() == 5);
   REQUIRE(want.f64.size() == 5);
-
-  struct plan_run {
-    int n;
-    std::string name;
-    std::vector<std::string> plan;
-  };
-  for (const auto& p : std::vector<plan_run>{
-           {4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
-           {2, "tp2", {"--tp", "2"}},
-       }) {
+  for (const auto& p : runs) {
     INFO(p.name);
-    const ran r = run(launch(p.n, p.name, sft_flags(d, p.name), p.plan));
+    const ran r = run(launch(p.n, p.name, sft_flags(d, p.name, pack), p.plan));
     INFO(r.output);
     REQUIRE(r.code == 0);
-    CHECK(r.output.find("one per row") != std::string::npos);
+    CHECK(r.output.find(pack ? "(packed)" : "(one per row)") != std::string::npos);
     same_losses(losses(d + "/" + p.name + ".json"), want);
     same_weights(d + "/" + p.name, d + "/single");
   }
+}
+
+}  // namespace
+
+TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single process",
+          "[multirank][post]") {
+  scratch_dir dir("sft-launch");
+  const std::string& d = dir.path;
+  check_against_single(d, false,
+                       {{4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
+                        {2, "tp2", {"--tp", "2"}}});
   // The launched checkpoint is an HF folder troupe generate reads.
   const ran g = run({troupe_bin, "generate", "--model", d + "/dp2pp2", "--prompt", "Hi",
                      "--max-new", "8", "--greedy"});
@@ -121,12 +125,17 @@ TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single proc
   CHECK(g.code == 0);
 }
 
+TEST_CASE("Launched troupe sft with packed rows under dp2 and ZeRO 2 trains as the single process",
+          "[multirank][post]") {
+  scratch_dir dir("sft-packed");
+  check_against_single(dir.path, true, {{2, "dp2zero2", {"--dp", "2", "--zero", "2"}}});
+}
+
 TEST_CASE("Launched troupe sft refuses packed rows under tp and a plan run in one process",
           "[multirank][post][faults]") {
   scratch_dir dir("sft-refuse");
   // Packed rows (the default) under a tensor shard: refused by every rank before it joins.
-  auto flags = sft_flags(dir.path, "packed");
-  flags.erase(std::find(flags.begin(), flags.end(), "--no-pack"));
+  auto flags = sft_flags(dir.path, "packed", true);
   const ran packed = run(launch(2, "packed", flags, {"--tp", "2"}));
   INFO(packed.output);
   CHECK(packed.code != 0);
