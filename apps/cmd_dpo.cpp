@@ -2,13 +2,25 @@
 // (JSONL of {"prompt", "chosen", "rejected"}, as strings or as lists of messages with a chat
 // template), against a frozen reference: a copy of the starting weights, run forward only in
 // the same process. Sigmoid loss with label smoothing, or IPO; TRL's metrics in the log.
+//
+// Under troupe launch -n N with troupe train's plan flags it is one rank of a hybrid-parallel run
+// (apps/post_launched.hpp): the reference's log-probabilities are precomputed on every rank and
+// the trainers train on dpo_samples (models/post/plan_samples.hpp); its --json carries the step,
+// loss, gradient norm and learning rate (not TRL's reward metrics).
 #include <fmt/core.h>
 
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "actors/bootstrap.hpp"
+#include "actors/training.hpp"
 #include "apps/commands.hpp"
+#include "apps/plan_flags.hpp"
+#include "apps/post_launched.hpp"
 #include "apps/post_run.hpp"
 #include "models/post/dpo_step.hpp"
+#include "models/post/plan_samples.hpp"
 #include "models/post/preference_data.hpp"
 #include "tensor/ops.hpp"
 
@@ -18,11 +30,39 @@ namespace {
 struct dpo_cli : post_cli {
   double beta = 0.1, label_smoothing = 0.0;
   std::string loss = "sigmoid";
+  plan_cli plan;  // --dp, --tp, ... (apps/plan_flags.hpp)
+  config_flags plan_flags;
 };
+
+// One rank of a launched run (apps/post_launched.hpp): the reference's log-probabilities of every
+// row are computed here, from the starting weights on a whole model (every rank the same), and
+// the trainers train on dpo_samples (a microbatch must hold whole pairs: an even number of rows).
+int run_dpo_launched(const dpo_cli& c, const post_setup& s,
+                     std::shared_ptr<const models::preference_rows> rows,
+                     const models::dpo_options& opt) {
+  refuse_unlaunchable("dpo", s.cfg);
+  post_setup pairs = {};
+  pairs.cfg = s.cfg;
+  pairs.mcfg = s.mcfg;
+  pairs.cfg.batch = 2;  // the reference runs pair by pair (dpo_reference_logprobs)
+  auto reference = make_post_model(pairs);
+  auto logp = std::make_shared<const std::vector<double>>(
+      models::dpo_reference_logprobs(*reference, *rows, opt));
+  reference.reset();
+  return run_post_launched(
+      c, s, "dpo",
+      fmt::format("data: {}: {} pairs, {} per micro-batch; loss {} beta {} label smoothing {}; "
+                  "the reference is the starting weights",
+                  c.data, rows->pairs(), s.per_batch, c.loss, c.beta, c.label_smoothing),
+      actors::trainer_samples{.model = s.mcfg,
+                              .make = [rows, logp, opt](const models::train_config&) {
+                                return models::dpo_samples(rows, logp, opt);
+                              }});
+}
 
 int run_dpo(const dpo_cli& c) {
   // A micro-batch of --batch pairs is 2 x --batch rows.
-  post_setup s = prepare_post(c, "dpo", 2);
+  post_setup s = prepare_post(c, "dpo", 2, &c.plan_flags);
   auto type = models::parse_dpo_loss_type(c.loss);
   if (!type) throw error("--loss: " + type.error_message());
   const models::dpo_options opt{
@@ -36,8 +76,10 @@ int run_dpo(const dpo_cli& c) {
                                       .pad_id = s.tok->eos_id() >= 0 ? s.tok->eos_id() : 0};
   auto rows = std::make_shared<const models::preference_rows>(
       models::read_preference_jsonl(c.data, *s.tok, s.specials, po).value());
+  if (actors::join_info_from_env().has_value()) return run_dpo_launched(c, s, rows, opt);
+  refuse_plan_in_one_process("dpo", s.cfg);
   auto policy = make_post_model(s);
-  auto reference = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq});
+  auto reference = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq}, post_dtype(s));
   ops::copy(policy->memory().params(), reference->memory().params());  // frozen: never stepped
   models::trainer tr(*policy, s.cfg);
   fmt::print("troupe dpo: {} ({:.2f} M parameters), loss {} beta {} label smoothing {}\n", s.label,
@@ -81,6 +123,7 @@ command_fn add_dpo_command(CLI::App& app) {
   sub->add_option("--loss", c->loss, "sigmoid or ipo")->capture_default_str();
   sub->add_option("--label-smoothing", c->label_smoothing, "Conservative DPO (sigmoid only)")
       ->capture_default_str();
+  add_plan_flags(sub, c->plan, c->plan_flags);
   return [sub, c]() -> int {
     if (!sub->parsed()) return -1;
     return run_dpo(*c);

@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "actors/bootstrap.hpp"
-#include "actors/node.hpp"
 #include "actors/training.hpp"
 #include "apps/commands.hpp"
 #include "apps/plan_flags.hpp"
+#include "apps/post_launched.hpp"
 #include "apps/post_run.hpp"
 #include "models/post/plan_samples.hpp"
 #include "models/post/sft_data.hpp"
@@ -48,103 +48,44 @@ std::shared_ptr<const models::sft_rows> sft_rows_of(const sft_cli& c, const post
       models::make_sft_rows(*s.tok, s.specials, convs, o, c.data).value());
 }
 
-void print_json_step(std::FILE* json, const models::step_result& r) {
-  if (json != nullptr)
-    fmt::print(json, "{{\"step\": {}, \"loss\": {}, \"grad_norm\": {}, \"lr\": {:.6g}}}\n", r.step,
-               r.loss, r.grad_norm, r.lr);
+std::string data_line(const sft_cli& c, const models::sft_rows& rows) {
+  return fmt::format(
+      "data: {}: {} conversations in {} rows of {} tokens ({}), {} assistant targets", c.data,
+      rows.conversations, rows.rows(), rows.seq, c.pack ? "packed" : "one per row",
+      rows.trained_targets);
 }
 
-void print_data_line(const sft_cli& c, const models::sft_rows& rows) {
-  fmt::print("data: {}: {} conversations in {} rows of {} tokens ({}), {} assistant targets\n",
-             c.data, rows.conversations, rows.rows(), rows.seq, c.pack ? "packed" : "one per row",
-             rows.trained_targets);
-}
-
-// What a launched run cannot do yet, refused by name before any rank joins.
-void refuse_unsupported_plan(const sft_cli& c, const models::train_config& cfg) {
-  const auto& p = cfg.plan;
+// One rank of a launched run (apps/post_launched.hpp). Packed rows only under whole models (dp,
+// ZeRO): tensor shards and pipeline stages take no segments yet.
+int run_sft_launched(const sft_cli& c, const post_setup& s) {
+  const auto& p = s.cfg.plan;
   TROUPE_CHECK(!c.pack || (p.tp == 1 && p.pp == 1),
                "troupe sft: packed rows (--pack, the default) under parallel.tp (--tp) ", p.tp,
                " / parallel.pp (--pp) ", p.pp,
                ": tensor shards and pipeline stages do not take the rows' segments yet; pass "
                "--no-pack (one conversation per row)");
-  TROUPE_CHECK(p.cp == 1, "troupe sft: parallel.cp (--cp) ", p.cp,
-               ": context parallelism is not supported for SFT yet");
-  TROUPE_CHECK(p.ep == 1, "troupe sft: parallel.ep (--ep) ", p.ep,
-               ": expert parallelism is not supported for SFT yet");
-  TROUPE_CHECK(cfg.precision == "f32", "troupe sft: train.precision (--precision) ", cfg.precision,
-               " under troupe launch: launched post-training runs in f32 (f64: one process)");
-  TROUPE_CHECK(!cfg.elastic(),
-               "troupe sft: elastic runs (elastic.enabled, elastic.spares) are not supported "
-               "for post-training yet");
-}
-
-// One rank of a launched run: rank 0 drives the trainer actors of every rank.
-int run_sft_launched(const sft_cli& c, post_setup& s) {
-  refuse_unsupported_plan(c, s.cfg);
+  refuse_unlaunchable("sft", s.cfg);
   auto rows = sft_rows_of(c, s);
-  actors::role_registry roles;
   const bool pack = c.pack;
-  actors::add_trainer_role(
-      roles, actors::trainer_samples{
-                 .model = s.mcfg, .make = [rows, pack](const models::train_config& cfg) {
-                   return models::sft_samples(rows, cfg.batch, cfg.grad_accum, pack);
-                 }});
-  actors::node_options no;
-  no.roles = &roles;
-  actors::node n(no);
-  if (n.rank() == 0) {
-    fmt::print("troupe sft: {} on {} ranks: {}, template {}, tokenizer {}\n", s.label,
-               n.world_size(), scheduler::describe(s.cfg.plan), c.chat_template, s.tok->name());
-    print_data_line(c, *rows);
-    auto json = open_post_json(c.json_path);
-    actors::drive_options d;
-    d.on_setup = [](const std::vector<std::string>& ranks) {
-      for (const auto& r : ranks) fmt::print("  {}\n", r);
-      std::fflush(stdout);
-    };
-    double tokens = 0, seconds = 0;
-    d.on_step = [&](const actors::step_report& rep) {
-      const auto& r = rep.result;
-      print_json_step(json.get(), r);
-      tokens += r.tokens;
-      seconds += r.seconds;
-      if (r.step % s.cfg.log_every == 0 || r.step == s.cfg.steps || r.step == 1)
-        fmt::print("step {:5d}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.0f} tokens/s\n",
-                   r.step, s.cfg.steps, r.loss, r.grad_norm, r.lr,
-                   tokens / std::max(seconds, 1e-9));
-      std::fflush(stdout);
-    };
-    d.on_save = [](std::int64_t step, const std::string& dir, std::optional<std::int64_t> held) {
-      fmt::print("{}\n", models::hf::saved_line(dir, step, held));
-      std::fflush(stdout);
-    };
-    const auto sum = actors::drive_training(n, s.cfg, d);
-    fmt::print("{}\n", models::trained_line(sum.progress));
-    if (!sum.checkpoint.empty())
-      fmt::print("checkpoint: {} (HF layout; troupe generate --model {})\n", sum.checkpoint,
-                 sum.checkpoint);
-    std::fflush(stdout);
-  }
-  n.barrier("troupe sft: done");
-  n.shutdown();
-  return 0;
+  return run_post_launched(
+      c, s, "sft", data_line(c, *rows),
+      actors::trainer_samples{.model = s.mcfg,
+                              .make = [rows, pack](const models::train_config& cfg) {
+                                return models::sft_samples(rows, cfg.batch, cfg.grad_accum, pack);
+                              }});
 }
 
 int run_sft(const sft_cli& c) {
   post_setup s = prepare_post(c, "sft", 1, &c.plan_flags);
   if (actors::join_info_from_env().has_value()) return run_sft_launched(c, s);
-  TROUPE_CHECK(s.cfg.plan.world_size() == 1,
-               "troupe sft: parallel.dp x parallel.pp x parallel.tp = ", s.cfg.plan.world_size(),
-               " ranks: start them with `troupe launch -n ", s.cfg.plan.world_size(),
-               " -- troupe sft ...`");
+  refuse_plan_in_one_process("sft", s.cfg);
   auto rows = sft_rows_of(c, s);
   auto model = make_post_model(s);
   models::trainer tr(*model, s.cfg);
   fmt::print("troupe sft: {} ({:.2f} M parameters), template {}, tokenizer {}\n", s.label,
              static_cast<double>(model->slots().param_count()) / 1e6, c.chat_template,
              s.tok->name());
-  print_data_line(c, *rows);
+  fmt::print("{}\n", data_line(c, *rows));
   auto json = open_post_json(c.json_path);
   const auto micro = models::sft_micro_batch(rows, s.per_batch, s.cfg.grad_accum);
   models::train_hooks hooks;

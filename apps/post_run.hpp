@@ -5,8 +5,9 @@
 // Special tokens: the templates' tokens (<|im_start|>, ...) get the ids after the tokenizer's
 // vocabulary, as HF's add_special_tokens numbers them; the model's vocabulary must hold them (a
 // named size is built so; an HF folder whose vocabulary is too small is refused naming it).
-// troupe sft also takes troupe train's plan flags and, under troupe launch, trains through the
-// launched driver (apps/cmd_sft.cpp); troupe dpo runs in one process and refuses launch.
+// troupe sft and troupe dpo also take troupe train's plan flags and, under troupe launch, train
+// through the launched driver (apps/post_launched.hpp); troupe rm runs in one process and refuses
+// launch.
 //
 // Job files: --config takes the TOML of troupe train (models/train_config.hpp: [model], [train],
 // [optim], [checkpoint]); the flags given override it. The data, template, tokenizer and the
@@ -154,13 +155,17 @@ inline post_setup prepare_post(const post_cli& c, const char* command, std::int6
   return s;
 }
 
+// The run's compute precision (train.precision: f32, or f64 for the reference twin).
+inline dtype post_dtype(const post_setup& s) {
+  return s.cfg.precision == "f64" ? dtype::f64 : dtype::f32;
+}
+
 // The model of the run: the HF folder's weights, or initialised from the seed.
 inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s) {
   TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64",
                "train.precision (--precision) ", s.cfg.precision,
                ": post-training runs in f32, or f64 (the reference)");
-  auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq},
-                                  s.cfg.precision == "f64" ? dtype::f64 : dtype::f32);
+  auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq}, post_dtype(s));
   TROUPE_CHECK(s.cfg.seq <= m->max_seq(), "--seq ", s.cfg.seq, " exceeds the model's ",
                m->max_seq(), " positions");
   if (s.cfg.model_hf.empty())

@@ -1,16 +1,18 @@
-// troupe sft launched under plans (`troupe launch -n N -- troupe sft --dp 2 --pp 2 ...`): every
-// rank reads the same JSONL file into the same rows and trains its piece through the launched
-// driver and trainer actors (actors/training.hpp); the per-step losses (--json) and the saved
-// weights are the single-process troupe sft's as far as f32 rounding goes (tests/rounding.hpp:
-// same_losses and same_weights, against the single process's f64 twin, `troupe sft --precision
-// f64`), and troupe generate reads the launched checkpoint. What a launched SFT cannot do is
-// refused by name, each refusal printing its "faults:" line.
+// troupe sft and troupe dpo launched under plans (`troupe launch -n N -- troupe sft --dp 2 --pp 2
+// ...`): every rank reads the same JSONL file into the same rows (DPO: and the reference's
+// log-probabilities) and trains its piece through the launched driver and trainer actors
+// (actors/training.hpp); the per-step losses (--json) and the saved weights are the single
+// process's as far as f32 rounding goes (tests/rounding.hpp: same_losses and same_weights,
+// against the single process's f64 twin, `--precision f64`), and troupe generate reads the
+// launched checkpoint. What a launched run cannot do is refused by name, each refusal printing
+// its "faults:" line.
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,7 @@ using namespace std::chrono_literals;
 namespace {
 
 const std::string chat = std::string(TROUPE_SOURCE_DIR) + "/examples/post/chat.jsonl";
+const std::string pairs = std::string(TROUPE_SOURCE_DIR) + "/examples/post/pairs.jsonl";
 
 // The run: 4 rows (of one conversation each, or packed) per micro-batch, 2 micro-batches per step
 // (so each micro-batch's weight is its share of the step's assistant tokens), 5 steps at a
@@ -42,6 +45,25 @@ std::vector<std::string> sft_flags(const std::string& dir, const std::string& na
           "3e-3",
           "--grad-accum",
           "2",
+          "--threads",
+          "1",
+          "--json",
+          dir + "/" + name + ".json",
+          "--checkpoint-dir",
+          dir + "/" + name};
+}
+
+// DPO: 4 pairs (8 rows) per step against the starting weights as the reference, 5 steps.
+std::vector<std::string> dpo_flags(const std::string& dir, const std::string& name) {
+  return {"dpo",
+          "--data",
+          pairs,
+          "--seq",
+          "64",
+          "--steps",
+          "5",
+          "--lr",
+          "3e-3",
           "--threads",
           "1",
           "--json",
@@ -83,9 +105,12 @@ struct plan_run {
 
 // The single process in f32 and its f64 twin (the same rows, weights and schedule), then each
 // launched run: its losses and saved weights as accurate as the single process's.
-void check_against_single(const std::string& d, bool pack, const std::vector<plan_run>& runs) {
+// flags: the command's flags for a run called `name`; says: what the launched run's log must say.
+void check_against_single(const std::string& d,
+                          const std::function<std::vector<std::string>(const std::string&)>& flags,
+                          const std::string& says, const std::vector<plan_run>& runs) {
   auto one = [&](const std::string& name, std::vector<std::string> extra) {
-    auto f = sft_flags(d, name, pack);
+    auto f = flags(name);
     f.insert(f.begin(), troupe_bin);
     f.insert(f.end(), extra.begin(), extra.end());
     const ran r = run(f);
@@ -100,10 +125,10 @@ void check_against_single(const std::string& d, bool pack, const std::vector<pla
   REQUIRE(want.f64.size() == 5);
   for (const auto& p : runs) {
     INFO(p.name);
-    const ran r = run(launch(p.n, p.name, sft_flags(d, p.name, pack), p.plan));
+    const ran r = run(launch(p.n, p.name, flags(p.name), p.plan));
     INFO(r.output);
     REQUIRE(r.code == 0);
-    CHECK(r.output.find(pack ? "(packed)" : "(one per row)") != std::string::npos);
+    CHECK(r.output.find(says) != std::string::npos);
     same_losses(losses(d + "/" + p.name + ".json"), want);
     same_weights(d + "/" + p.name, d + "/single");
   }
@@ -115,7 +140,8 @@ TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single proc
           "[multirank][post]") {
   scratch_dir dir("sft-launch");
   const std::string& d = dir.path;
-  check_against_single(d, false,
+  check_against_single(d, [&](const std::string& name) { return sft_flags(d, name); },
+                       "(one per row)",
                        {{4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
                         {2, "tp2", {"--tp", "2"}}});
   // The launched checkpoint is an HF folder troupe generate reads.
@@ -128,7 +154,21 @@ TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single proc
 TEST_CASE("Launched troupe sft with packed rows under dp2 and ZeRO 2 trains as the single process",
           "[multirank][post]") {
   scratch_dir dir("sft-packed");
-  check_against_single(dir.path, true, {{2, "dp2zero2", {"--dp", "2", "--zero", "2"}}});
+  const std::string& d = dir.path;
+  check_against_single(d, [&](const std::string& name) { return sft_flags(d, name, true); },
+                       "(packed)", {{2, "dp2zero2", {"--dp", "2", "--zero", "2"}}});
+}
+
+// The reference's log-probabilities are computed on every rank from the starting weights (a whole
+// model, pair by pair); each microbatch holds whole pairs (dp2 x pp2 x 2 microbatches: one pair).
+TEST_CASE("Launched troupe dpo under dp2 x pp2 and tp2 trains as the single process",
+          "[multirank][post]") {
+  scratch_dir dir("dpo-launch");
+  const std::string& d = dir.path;
+  check_against_single(d, [&](const std::string& name) { return dpo_flags(d, name); },
+                       "pairs, 4 per micro-batch",
+                       {{4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
+                        {2, "tp2", {"--tp", "2"}}});
 }
 
 TEST_CASE("Launched troupe sft refuses packed rows under tp and a plan run in one process",
