@@ -9,6 +9,7 @@
 // loss, gradient norm and learning rate (not TRL's reward metrics).
 #include <fmt/core.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +42,13 @@ int run_dpo_launched(const dpo_cli& c, const post_setup& s,
                      std::shared_ptr<const models::preference_rows> rows,
                      const models::dpo_options& opt) {
   refuse_unlaunchable("dpo", s.cfg);
+  const auto& plan = s.cfg.plan;
+  const std::int64_t per_micro = s.cfg.batch / (plan.dp * plan.microbatches);
+  TROUPE_CHECK(per_micro % 2 == 0, "troupe dpo: --batch ", s.per_batch, " pairs (", s.cfg.batch,
+               " rows) over parallel.dp (--dp) ", plan.dp,
+               " x parallel.microbatches (--microbatches) ", plan.microbatches, " gives ",
+               per_micro,
+               " rows per microbatch: a microbatch must hold whole pairs (an even number of rows)");
   post_setup pairs = {};
   pairs.cfg = s.cfg;
   pairs.mcfg = s.mcfg;

@@ -171,7 +171,7 @@ TEST_CASE("Launched troupe dpo under dp2 x pp2 and tp2 trains as the single proc
                         {2, "tp2", {"--tp", "2"}}});
 }
 
-TEST_CASE("Launched troupe sft refuses packed rows under tp and a plan run in one process",
+TEST_CASE("Launched SFT and DPO refuse packed rows under tp, split pairs and a plan in one process",
           "[multirank][post][faults]") {
   scratch_dir dir("sft-refuse");
   // Packed rows (the default) under a tensor shard: refused by every rank before it joins.
@@ -185,6 +185,17 @@ TEST_CASE("Launched troupe sft refuses packed rows under tp and a plan run in on
   CHECK(packed.output.find("--no-pack") != std::string::npos);
   const auto line = packed.output.substr(at, packed.output.find('\n', at) - at);
   std::printf("faults: troupe sft --tp 2 with packed rows -> refused: %s\n", line.c_str());
+
+  // DPO microbatches of one row (4 pairs over dp 2 x 4 microbatches): refused before any step.
+  const ran halves = run(launch(4, "halves", dpo_flags(dir.path, "halves"),
+                                {"--dp", "2", "--pp", "2", "--microbatches", "4"}));
+  INFO(halves.output);
+  CHECK(halves.code != 0);
+  const auto at3 = halves.output.find("troupe dpo: --batch 4 pairs");
+  REQUIRE(at3 != std::string::npos);
+  CHECK(halves.output.find("must hold whole pairs", at3) != std::string::npos);
+  std::printf("faults: troupe dpo with one row per microbatch -> refused: %s\n",
+              halves.output.substr(at3, halves.output.find('\n', at3) - at3).c_str());
 
   // A plan of 2 ranks in one process: refused, saying how to start it.
   auto single = sft_flags(dir.path, "alone");
