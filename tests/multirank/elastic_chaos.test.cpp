@@ -129,7 +129,7 @@ TEST_CASE(
     "A ZeRO-3 dp4 run survives SIGKILLs at random steps and phases with the fault-free run's "
     "bytes",
     "[multirank][faults][slow]") {
-  chaos_run("zero3", "ZeRO-3 dp4", {"--dp", "4", "--zero", "3"}, 4, 2, 41);
+  chaos_run("zero3", "ZeRO-3 dp4", {"--dp", "4", "--zero", "3"}, 4, 2, 5);
 }
 
 TEST_CASE(
