@@ -190,3 +190,29 @@ TEST_CASE(
       "4 steps -> survived: %s\n",
       line.c_str());
 }
+
+TEST_CASE("A run whose driver gives up fails its launch, spares left or not",
+          "[multirank][faults]") {
+  // Ranks 1 and 2 (a ZeRO-1 shard and its buddy) die together and no checkpoint was saved yet:
+  // the driver (rank 0) ends the run naming both. Three spares tolerate three failures, but rank 0
+  // is not replaceable: the launch must fail, not count it among them and exit 0.
+  scratch_dir dir("elastic-chaos-driver");
+  const std::vector<std::string> plan = {"--dp",
+                                         "4",
+                                         "--zero",
+                                         "1",
+                                         "--replica-interval",
+                                         "1",
+                                         "--chaos-kill",
+                                         "1:3:forward,2:3:forward"};
+  const auto out = run(elastic_argv(4, 3, dir.path, "ends", plan, 6), 1);
+  const auto line = first_line_with(out, "elastic: rank 1 (dp 1 pp 0 tp 0) was lost");
+  INFO(out);
+  REQUIRE(!line.empty());
+  CHECK(line.find("rank 2, which holds its buddy replica, was lost too") != std::string::npos);
+  CHECK(out.find("every other rank ended well") == std::string::npos);
+  std::printf(
+      "faults: SIGKILL of rank 1 and its buddy rank 2 with no checkpoint, 3 spares -> "
+      "refused: %s\n",
+      line.c_str());
+}
