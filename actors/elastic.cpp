@@ -182,6 +182,33 @@ collective::rank_group reshard_group(const std::vector<int>& ranks, int generati
   return g;
 }
 
+expected<recovery_plan> plan_replacement(const collective::rank_grid& grid,
+                                         const elastic_layout& now, const std::vector<int>& lost) {
+  using result = expected<recovery_plan>;
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+  recovery_plan p;
+  p.next = now;
+  p.next.generation = now.generation + 1;
+  if (p.next.generation > 255)
+    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
+  std::erase_if(p.next.spares, is_lost);
+  for (int pos = 0; pos < static_cast<int>(now.positions.size()); ++pos) {
+    const int r = now.positions[static_cast<std::size_t>(pos)];
+    if (!is_lost(r)) continue;
+    if (p.next.spares.empty())
+      return result::failure(fmt::format("elastic: rank {} ({}) was lost and no spare rank is left",
+                                         r, coordinates(grid, pos)));
+    replacement m;
+    m.position = pos;
+    m.lost = r;
+    m.spare = p.next.spares.front();
+    p.next.spares.erase(p.next.spares.begin());
+    p.next.positions[static_cast<std::size_t>(pos)] = m.spare;
+    p.moves.push_back(m);
+  }
+  return p;
+}
+
 std::uint32_t group_id_of(std::uint32_t base, int generation) {
   TROUPE_CHECK(base < (1u << 24) && generation >= 0 && generation < 256, "elastic: group id ", base,
                " of generation ", generation, " does not fit 32 bits");

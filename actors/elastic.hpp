@@ -82,6 +82,12 @@ std::string plan_text(const collective::rank_grid& grid);
 // The grid of the same axes as `grid` with dp of degree `dp`.
 collective::rank_grid with_dp(const collective::rank_grid& grid, int dp);
 
+// The disk fallback's layout: each lost position (lost ranks among `now`'s positions) gets the
+// lowest alive spare, with no donor (the piece comes from a checkpoint). Fails, naming the lost
+// rank and its coordinates, when no spare is left for one.
+expected<recovery_plan> plan_replacement(const collective::rank_grid& grid,
+                                         const elastic_layout& now, const std::vector<int>& lost);
+
 // The group id of a communicator of generation `generation` (0-255) for a grid group `base`.
 std::uint32_t group_id_of(std::uint32_t base, int generation);
 // The 2-rank group {donor, spare} that moves a piece's state to the spare at `position`.

@@ -217,3 +217,24 @@ TEST_CASE("A shrink below elastic.min_ranks or of a ZeRO shard is refused, namin
   REQUIRE_FALSE(staged);
   CHECK(staged.error_message().find("pp = tp = 1") != std::string::npos);
 }
+
+TEST_CASE("The disk fallback puts the lowest spares in the lost positions, without donors",
+          "[elastic]") {
+  const auto grid = dp_pp(1, 3);
+  elastic_layout now = elastic_layout::initial(3, 6);  // spares 3, 4, 5
+  now.generation = 2;
+  auto p = plan_replacement(grid, now, {2, 1, 4});  // spare 4 lost too
+  REQUIRE(p);
+  CHECK(p->next.generation == 3);
+  CHECK(p->next.positions == std::vector<int>{0, 3, 5});
+  CHECK(p->next.spares.empty());
+  REQUIRE(p->moves.size() == 2);
+  CHECK(p->moves[0].position == 1);
+  CHECK(p->moves[0].lost == 1);
+  CHECK(p->moves[0].donor == -1);
+  CHECK(p->moves[1].spare == 5);
+  auto short_of = plan_replacement(grid, elastic_layout::initial(3, 4), {1, 2});
+  REQUIRE(!short_of);
+  CHECK(short_of.error_message().find("rank 2 (dp 0 pp 2 tp 0) was lost and no spare rank is "
+                                      "left") != std::string::npos);
+}

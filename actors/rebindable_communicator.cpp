@@ -36,6 +36,20 @@ std::shared_ptr<collective::communicator> rebindable_communicator::current() con
   return inner_;
 }
 
+void rebindable_communicator::before_next_reduction(std::function<void()> f) {
+  std::lock_guard lk(mu_);
+  reduction_hook_ = std::move(f);
+}
+
+void rebindable_communicator::run_reduction_hook() {
+  std::function<void()> f;
+  {
+    std::lock_guard lk(mu_);
+    f = std::exchange(reduction_hook_, nullptr);
+  }
+  if (f) f();
+}
+
 int rebindable_communicator::rank() const {
   return current()->rank();
 }
@@ -47,11 +61,13 @@ std::string rebindable_communicator::name() const {
 }
 collective::work rebindable_communicator::allreduce(void* data, std::size_t count, dtype t,
                                                     const collective::options& o) {
+  run_reduction_hook();
   return current()->allreduce(data, count, t, o);
 }
 collective::work rebindable_communicator::reduce_scatter(const void* in, void* out,
                                                          std::size_t count, dtype t,
                                                          const collective::options& o) {
+  run_reduction_hook();
   return current()->reduce_scatter(in, out, count, t, o);
 }
 collective::work rebindable_communicator::all_gather(const void* in, void* out, std::size_t count,

@@ -12,6 +12,7 @@
 // waited for any more (the failed step has ended).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,6 +30,11 @@ class rebindable_communicator final : public collective::communicator {
   // Replaces the backing communicator (same rank and size, else troupe::error naming both;
   // `any_shape`: another group, e.g. a replica's survivors saving on their own).
   void rebind(std::unique_ptr<collective::communicator> inner, bool any_shape = false);
+
+  // `f` runs once, on the thread that issues the next allreduce or reduce_scatter, before it is
+  // issued (the elastic drill's "backward" kill: a step's first gradient reduction); an empty `f`
+  // clears it.
+  void before_next_reduction(std::function<void()> f);
 
   int rank() const override;
   int size() const override;
@@ -57,10 +63,12 @@ class rebindable_communicator final : public collective::communicator {
 
  private:
   std::shared_ptr<collective::communicator> current() const;
+  void run_reduction_hook();
   mutable std::mutex mu_;
   std::shared_ptr<collective::communicator> inner_;
   std::chrono::milliseconds timeout_{0};
   bool timeout_set_ = false;
+  std::function<void()> reduction_hook_;
 };
 
 }  // namespace troupe::actors

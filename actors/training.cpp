@@ -24,6 +24,7 @@
 #include "memory/error.hpp"
 #include "memory/tier.hpp"
 #include "models/causal_lm.hpp"
+#include "models/chaos_kills.hpp"
 #include "models/data_source.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/checkpoint_folder.hpp"
@@ -130,6 +131,16 @@ struct salvage_request {
   std::string dir;
   auto fields() { return std::tie(generation, dir); }
 };
+// Elastic, no survivor holds a lost piece (a rank and its buddy lost together, or no donor) but
+// checkpoint.dir holds a save of a committed step: every rank of the next layout (spares too)
+// takes it, and the ranks holding positions build their pieces from the checkpoint in `dir`.
+struct reload_request {
+  std::int32_t generation = 0;
+  std::vector<int> positions, spares;
+  std::string dir;
+  std::int64_t steps = 0;  // the checkpoint's step
+  auto fields() { return std::tie(generation, positions, spares, dir, steps); }
+};
 struct recover_reply {
   std::string line;
   std::int64_t bytes = 0;  // piece state sent or received
@@ -187,7 +198,7 @@ struct trainer_state {
   elastic_layout layout;
   node* n = nullptr;
   int membership_callback = -1;
-  std::optional<models::chaos_kill> chaos;
+  std::vector<models::chaos_kill> chaos;
   // Buddy replicas (elastic.replica_interval): this rank's own state and its left neighbour's at
   // the last replicated step, the neighbour's next copy while it arrives, and the two pair
   // communicators of the current generation.
@@ -340,15 +351,23 @@ void watch_losses(node& n, const std::shared_ptr<trainer_state>& sp) {
   });
 }
 
-// elastic.chaos_kill: this process ends itself, as SIGKILL from outside would, where the drill
-// says (generation 0 only: the first run through that step).
-void maybe_chaos_kill(const trainer_state& st, node& n, std::int64_t step, const char* phase) {
-  if (!st.chaos || st.layout.generation != 0) return;
-  if (st.chaos->rank != n.rank() || st.chaos->step != step + 1 || st.chaos->phase != phase) return;
-  std::fprintf(stderr, "troupe: rank %d: elastic.chaos_kill: SIGKILL in step %lld (%s)\n", n.rank(),
+// elastic.chaos_kill (models/chaos_kills.hpp): whether an entry names this rank, step `step` + 1
+// (`step`: 0-based) and `phase`. Each entry fires once: the first time the process gets there
+// (in whatever generation: a spare that took a place can be named too), and the process ends.
+bool chaos_due(const trainer_state& st, int rank, std::int64_t step, const char* phase) {
+  for (const auto& k : st.chaos)
+    if (k.rank == rank && k.step == step + 1 && k.phase == phase) return true;
+  return false;
+}
+// This process ends itself, as SIGKILL from outside would.
+void chaos_kill_now(int rank, std::int64_t step, const char* phase) {
+  std::fprintf(stderr, "troupe: rank %d: elastic.chaos_kill: SIGKILL in step %lld (%s)\n", rank,
                static_cast<long long>(step + 1), phase);
   std::fflush(stderr);
   ::kill(::getpid(), SIGKILL);
+}
+void maybe_chaos_kill(const trainer_state& st, node& n, std::int64_t step, const char* phase) {
+  if (chaos_due(st, n.rank(), step, phase)) chaos_kill_now(n.rank(), step, phase);
 }
 
 std::int64_t vocab_of(const models::hf::model_config& m) {
@@ -410,7 +429,7 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
     st.layout.positions = r.positions;
   }
   if (!st.cfg.elastic_chaos_kill.empty())
-    st.chaos = models::parse_chaos_kill(st.cfg.elastic_chaos_kill);
+    st.chaos = models::parse_chaos_kills(st.cfg.elastic_chaos_kill).value();
   const int me = n.rank();
   if (st.post)
     st.samples = st.post->make(st.cfg);
@@ -497,7 +516,14 @@ step_reply run_step(role_context& ctx, trainer_state& st, const step_request& r)
   try {
     maybe_chaos_kill(st, ctx.node(), r.step, "forward");
     if (r.phase == 1) {
+      // The drill's "backward": at the step's first gradient reduction on the dp group (issued
+      // from the backward pass, after the forward); dp 1 issues none: once prepare is done.
+      const bool backward = chaos_due(st, ctx.node().rank(), r.step, "backward");
+      if (backward)
+        st.comms[0]->before_next_reduction(
+            [rank = ctx.node().rank(), step = r.step] { chaos_kill_now(rank, step, "backward"); });
       st.hybrid->prepare(st.data.rows);
+      if (backward) chaos_kill_now(ctx.node().rank(), r.step, "backward");
       ctx.set_activity(fmt::format("step {} prepared", r.step + 1));
       step_reply out;
       out.step = r.step + 1;
@@ -524,7 +550,9 @@ step_reply commit_step(role_context& ctx, trainer_state& st, const commit_reques
                " but it has done ", st.hybrid->steps_done(), " at generation ",
                st.layout.generation);
   maybe_chaos_kill(st, ctx.node(), r.step, "commit");
-  return step_done(ctx, st, st.hybrid->commit());
+  const auto res = st.hybrid->commit();
+  maybe_chaos_kill(st, ctx.node(), r.step, "optimizer");  // its AdamW ran; no reply goes out
+  return step_done(ctx, st, res);
 }
 
 step_reply step_done(role_context& ctx, trainer_state& st, const models::step_result& res) {
@@ -669,6 +697,12 @@ replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_
     works.push_back(st.buddy_in->recv(in[i]->view().data(), static_cast<std::size_t>(theirs[i]),
                                       dtype::f32, 0));
     bytes += mine[i] * 4;
+    if (i == 0 && chaos_due(st, me, r.step - 1, "replicate")) {
+      // The drill: the parameters went (and came), the moments not yet.
+      works[0].wait();
+      works[1].wait();
+      chaos_kill_now(me, r.step - 1, "replicate");
+    }
   }
   for (auto& w : works) w.wait();
   st.staging.steps = r.step;
@@ -682,8 +716,11 @@ replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_
 recover_reply recover(role_context& ctx, trainer_state& st, const recover_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": recovery of a trainer not set up elastic");
-  TROUPE_CHECK(r.generation == st.layout.generation + 1, ctx.name(), ": asked to recover into ",
-               "generation ", r.generation, " from generation ", st.layout.generation);
+  // A spare is told of no recovery it takes no part in: it may skip generations.
+  TROUPE_CHECK(r.generation == st.layout.generation + 1 ||
+                   (!st.hybrid && r.generation > st.layout.generation),
+               ctx.name(), ": asked to recover into generation ", r.generation, " from generation ",
+               st.layout.generation);
   const auto t0 = std::chrono::steady_clock::now();
   node& n = ctx.node();
   const int me = n.rank();
@@ -952,6 +989,61 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
           whole.bytes};
 }
 
+// The disk fallback on one rank (reload_request): the next generation's layout and communicators,
+// the piece built again from the checkpoint (a survivor drops its own; a spare builds the lost
+// one), no buddy replicas until the driver makes them again.
+recover_reply reload(role_context& ctx, trainer_state& st, const reload_request& r) {
+  std::lock_guard lk(st.mu);
+  TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": reload of a trainer not set up elastic");
+  // Not necessarily the next: a recovery from the survivors may have been under way when a
+  // further loss left no copy of a piece.
+  TROUPE_CHECK(r.generation > st.layout.generation, ctx.name(), ": asked to reload into ",
+               "generation ", r.generation, " from generation ", st.layout.generation);
+  const auto t0 = std::chrono::steady_clock::now();
+  node& n = ctx.node();
+  const int me = n.rank();
+  {
+    std::lock_guard lk2(st.layout_mu);
+    st.layout.positions = r.positions;
+    st.layout.spares = r.spares;
+    st.layout.generation = r.generation;
+  }
+  ctx.set_metric("elastic.generation", r.generation);
+  st.own = {};
+  st.buddy = {};
+  st.staging = {};
+  const int position = st.layout.position_of(me);
+  if (position < 0) {  // a spare (again): holds no piece
+    st.hybrid.reset();
+    st.broken.clear();
+    ctx.set_activity("spare: idle until a rank is lost");
+    return {fmt::format("rank {}: spare at generation {}", me, r.generation), 0};
+  }
+  ctx.set_activity(
+      fmt::format("loading the checkpoint of step {} (generation {})", r.steps, r.generation));
+  const bool survivor = st.hybrid != nullptr;
+  bind_comms(ctx, st, position);
+  set_mesh_of(ctx, st, position);
+  ctx.set_metric("elastic.spare", 0);
+  st.hybrid.reset();  // its layers hold the rebindable communicators, which stay
+  auto cfg = st.cfg;
+  cfg.resume = r.dir;
+  cfg.model_hf.clear();
+  st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
+  st.broken.clear();
+  TROUPE_CHECK(st.hybrid->steps_done() == r.steps, ctx.name(), ": the checkpoint in ", r.dir,
+               " holds step ", st.hybrid->steps_done(), ", the driver expected step ", r.steps);
+  ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
+  ctx.set_activity("idle");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {fmt::format("rank {}: {} {}, {} from the checkpoint of step {} at generation {} ({:.3f} "
+                      "s)",
+                      me, coordinates(*st.grid, position), st.hybrid->describe(),
+                      survivor ? "survivor, rebuilt" : "promoted spare, built", r.steps,
+                      r.generation, secs),
+          0};
+}
+
 save_reply salvage(role_context& ctx, trainer_state& st, const salvage_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.hybrid && st.elastic, ctx.name(), ": nothing to save");
@@ -998,6 +1090,8 @@ void add_role(role_registry& roles, std::shared_ptr<const trainer_samples> post)
         [st](role_context& c, const recover_request& r) { return recover(c, *st, r); });
     b.on<shrink_request>(
         [st](role_context& c, const shrink_request& r) { return shrink(c, *st, r); });
+    b.on<reload_request>(
+        [st](role_context& c, const reload_request& r) { return reload(c, *st, r); });
     b.on_stop([st](role_context& c) {
       if (st->membership_callback >= 0)
         c.node().remove_membership_callback(st->membership_callback);
@@ -1219,8 +1313,54 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
         secs));
     return from;
   };
+  // The disk fallback's checkpoint: the last save of this run (its step, its folder), else the
+  // folder it resumed from.
+  std::optional<std::pair<std::int64_t, std::string>> on_disk;
+  if (!cfg.resume.empty()) on_disk = std::pair{resumed, cfg.resume};
+  // No survivor holds a piece of the lost ranks `lost` of `before` (a rank and its buddy lost
+  // together, or no donor): with a checkpoint of a committed step on disk, every rank of a layout
+  // with spares in the lost positions loads it and the steps since run again; the steps to go on
+  // from. nullopt (the run ends as before) without a checkpoint or enough spares.
+  auto from_disk = [&](const elastic_layout& before, const std::vector<int>& lost,
+                       std::int64_t step, const char* phase, std::int64_t committed,
+                       std::chrono::steady_clock::time_point t0) -> std::optional<std::int64_t> {
+    if (!on_disk || on_disk->first > committed) return std::nullopt;
+    elastic_layout now = before;
+    now.generation = std::max(before.generation, layout.generation);  // a recovery under way
+    auto plan = plan_replacement(grid, now, lost);
+    if (!plan) return std::nullopt;
+    std::string who;
+    for (const auto& m : plan->moves)
+      who += fmt::format("{}rank {} ({})", who.empty() ? "" : " and ", m.lost,
+                         coordinates(grid, m.position));
+    const auto [disk_step, dir] = *on_disk;
+    layout = plan->next;
+    std::vector<role_handle> alive;  // every rank of the new layout, spares too
+    for (int r : layout.positions) alive.push_back(trainers[static_cast<std::size_t>(r)]);
+    for (int r : layout.spares) alive.push_back(trainers[static_cast<std::size_t>(r)]);
+    j.ask_all<recover_reply>(alive,
+                             reload_request{static_cast<std::int32_t>(layout.generation),
+                                            layout.positions, layout.spares, dir, disk_step},
+                             step_wait);
+    replica_step = -1;  // made again by the caller
+    ++sum.recoveries;
+    std::string took;
+    for (const auto& m : plan->moves)
+      took +=
+          fmt::format("{}rank {} took rank {}'s place", took.empty() ? "" : ", ", m.spare, m.lost);
+    say(fmt::format(
+        "elastic: {} lost in step {} ({}): {}; going back to the checkpoint of step {} in {} (the "
+        "last committed step was {}; the steps since run again); {} at generation {} (membership "
+        "epoch {}); recovery took {:.2f} s",
+        who, step + 1, phase,
+        plan->moves.size() > 1 ? "a piece and its copy both lost"
+                               : "no survivor holds a copy of its piece",
+        disk_step, dir, committed, took, layout.generation, n.epoch(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()));
+    return disk_step;
+  };
   auto recover = [&](std::int64_t step, const char* phase, std::int64_t committed,
-                     const std::string& error) {
+                     const std::string& error) -> std::int64_t {
     const auto t0 = std::chrono::steady_clock::now();
     if (!failure_seen) failure_seen = t0;
     const auto lost = lost_ranks(n, layout, std::chrono::seconds(10));
@@ -1236,10 +1376,13 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     // the second seen late) fails the recovery's requests: end naming every lost rank and why no
     // survivor holds a lost piece (both a rank and its buddy), not with the failed request.
     const elastic_layout before = layout;
-    auto fail_if_more_lost = [&](const std::exception& e) {
+    auto fail_if_more_lost = [&](const std::exception& e) -> std::optional<std::int64_t> {
       auto all = lost_ranks(n, before, std::chrono::seconds(10));
-      if (all.size() <= lost.size()) return;
+      if (all.size() <= lost.size()) return std::nullopt;
       auto again = plan_recovery(grid, before, all, cfg.plan.zero, replicas > 0);
+      if (!again) {
+        if (auto s = from_disk(before, all, step, phase, committed, t0)) return s;
+      }
       std::string names;
       for (int r : all) names += fmt::format("{}{}", names.empty() ? "" : ", ", r);
       TROUPE_FAIL(again ? fmt::format("elastic: ranks {} were lost, some during the recovery (not "
@@ -1258,7 +1401,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     try {
       status = j.ask_all<status_reply>(survivors, status_request{}, step_wait);
     } catch (const std::exception& e) {
-      fail_if_more_lost(e);
+      if (auto s = fail_if_more_lost(e)) return *s;
       throw;
     }
     for (std::size_t i = 0; i < status.size(); ++i)
@@ -1290,6 +1433,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       no_way = sh.error_message();
     }
     if (!plan) {
+      if (auto s = from_disk(before, lost, step, phase, committed, t0)) return *s;
       // No way on: save the last committed step when one whole data-parallel replica survived
       // (ZeRO 0: it holds the whole state) and there is a checkpoint folder.
       std::string saved = " (no checkpoint of it was written: ";
@@ -1358,7 +1502,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     try {
       replies = j.ask_all<recover_reply>(active(), req, step_wait);
     } catch (const std::exception& e) {
-      fail_if_more_lost(e);
+      if (auto s = fail_if_more_lost(e)) return *s;
       throw;
     }
     std::int64_t bytes = 0;
@@ -1407,8 +1551,9 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
             done - 1,
             phase == 0 ? "replicating its state to the buddies" : "keeping the buddy replicas",
             done, failed);
-        // The new spare holds no replica yet, nor its buddy its copy: replicate again.
-        return at == done ? replicate(done) : at;
+        // The new spare holds no replica yet, nor its buddy its copy: replicate again (also when
+        // every rank went back: the spare holds no snapshot of that step).
+        return replicate(at);
       }
     }
     ++sum.replications;
@@ -1480,7 +1625,11 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   hooks.on_step = [&](const models::step_result&) {
     if (o.on_step) o.on_step(rep);
   };
-  hooks.on_save = o.on_save;
+  hooks.on_save = [&](std::int64_t step, const std::string& folder,
+                      std::optional<std::int64_t> before) {
+    on_disk = std::pair{step, folder};
+    if (o.on_save) o.on_save(step, folder, before);
+  };
   sum.progress = models::run_train_loop(cfg, resumed, policy, hooks);
   for (auto& m : j.ask_all<memory_reply>(active(), memory_request{}, std::chrono::minutes(1)))
     sum.memory.push_back(m.line);

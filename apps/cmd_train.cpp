@@ -419,8 +419,9 @@ command_fn add_train_command(CLI::App& app) {
       "--min-ranks M gives its M)");
   bind<&train_config::elastic_chaos_kill>(
       *c, sub, "--chaos-kill",
-      "Drill: RANK:STEP:PHASE - that rank's process SIGKILLs itself as step STEP reaches PHASE "
-      "(forward or commit)");
+      "Drill: RANK:STEP:PHASE[,...] - that rank's process SIGKILLs itself as step STEP reaches "
+      "PHASE (forward, backward, commit, optimizer or replicate: during the buddy copy after "
+      "step STEP); several entries separated by commas");
   auto plan_flag = [&](CLI::Option* opt, std::function<void(train_config&)> apply) {
     c->plan_flags.emplace_back(opt, std::move(apply));
   };

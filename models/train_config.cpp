@@ -1,5 +1,7 @@
 #include "models/train_config.hpp"
 
+#include "models/chaos_kills.hpp"
+
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -371,8 +373,22 @@ std::optional<chaos_kill> parse_chaos_kill(std::string_view text) {
   };
   const auto rank = number(text.substr(0, a)), step = number(text.substr(a + 1, b - a - 1));
   const std::string_view phase = text.substr(b + 1);
-  if (!rank || !step || *step < 1 || (phase != "forward" && phase != "commit")) return std::nullopt;
-  return chaos_kill{static_cast<int>(*rank), *step, std::string(phase)};
+  if (!rank || !step || *step < 1) return std::nullopt;
+  for (const char* known : chaos_phases)
+    if (phase == known) return chaos_kill{static_cast<int>(*rank), *step, std::string(phase)};
+  return std::nullopt;
+}
+
+std::optional<std::vector<chaos_kill>> parse_chaos_kills(std::string_view text) {
+  std::vector<chaos_kill> out;
+  while (true) {
+    const auto comma = text.find(',');
+    auto one = parse_chaos_kill(text.substr(0, comma));
+    if (!one) return std::nullopt;
+    out.push_back(std::move(*one));
+    if (comma == std::string_view::npos) return out;
+    text.remove_prefix(comma + 1);
+  }
 }
 
 void train_config::validate() const {
@@ -418,10 +434,11 @@ void train_config::validate() const {
        "must be in [0, 1024]");
   need(elastic_replica_interval >= 0, "elastic.replica_interval (--replica-interval)",
        "must be >= 0 (0: no buddy replicas)");
-  need(
-      elastic_chaos_kill.empty() || parse_chaos_kill(elastic_chaos_kill).has_value(),
-      "elastic.chaos_kill (--chaos-kill)",
-      "must be \"RANK:STEP:PHASE\" with PHASE forward or commit, got '" + elastic_chaos_kill + "'");
+  need(elastic_chaos_kill.empty() || parse_chaos_kills(elastic_chaos_kill).has_value(),
+       "elastic.chaos_kill (--chaos-kill)",
+       "must be \"RANK:STEP:PHASE\" entries separated by commas, PHASE one of forward, backward, "
+       "optimizer, commit or replicate, got '" +
+           elastic_chaos_kill + "'");
   {
     const int whole = plan.world_size(), piece = whole / std::max(plan.dp, 1);
     need(elastic_min_ranks == 0 || (elastic_min_ranks >= piece && elastic_min_ranks <= whole),

@@ -108,9 +108,12 @@ struct train_config {
   // the commit point of every step and turns the loss of a rank into a recovery instead of the
   // job's end; spares (--spares; `troupe launch --spares S` passes its S): ranks started beyond
   // the plan's, idle until one takes a lost rank's place (spares > 0 implies enabled);
-  // chaos_kill (--chaos-kill "RANK:STEP:PHASE", a drill): the process of rank RANK kills itself
-  // (SIGKILL) as step STEP (1-based) reaches PHASE: "forward" (before its forward pass) or
-  // "commit" (after every rank prepared the step, before its optimizer step); "": none.
+  // chaos_kill (--chaos-kill "RANK:STEP:PHASE[,...]", a drill): the process of rank RANK kills
+  // itself (SIGKILL) as step STEP (1-based) reaches PHASE: "forward" (before its forward pass),
+  // "backward" (at its first gradient reduction), "commit" (after every rank prepared the step,
+  // before its optimizer step), "optimizer" (its AdamW ran, no reply sent) or "replicate" (during
+  // the buddy copy after step STEP); several entries separated by commas (models/chaos_kills.hpp);
+  // "": none.
   // replica_interval (--replica-interval K): every K steps each rank sends its piece state to its
   // buddy (the next grid position) and keeps a snapshot of its own, so a piece without a
   // data-parallel replica (dp 1, a stage or shard of dp 1, ZeRO 1-3) is restored from the buddy
@@ -153,7 +156,7 @@ bool trains_on_gpu(const train_config& c, bool gpu_visible, bool cuda_built = tr
 struct chaos_kill {
   int rank = -1;
   std::int64_t step = 0;  // 1-based
-  std::string phase;      // "forward" or "commit"
+  std::string phase;      // models/chaos_kills.hpp's chaos_phases
 };
 std::optional<chaos_kill> parse_chaos_kill(std::string_view text);
 

@@ -8,6 +8,8 @@
 
 #include "models/train_config.hpp"
 
+#include "models/chaos_kills.hpp"
+
 using namespace troupe::models;
 
 namespace {
@@ -248,14 +250,29 @@ TEST_CASE("The [elastic] table: spares, buddy replicas and the drill, checked an
   CHECK(kill->step == 7);
   CHECK(kill->phase == "commit");
   CHECK(parse_train_config("[elastic]\nenabled = true\n", "a").value().elastic());
-  for (const char* bad : {"3:7", "3:0:forward", "x:1:forward", "1:1:backward", ""}) {
+  for (const char* bad : {"3:7", "3:0:forward", "x:1:forward", "1:1:later", ""}) {
     INFO(bad);
     CHECK(!parse_chaos_kill(bad).has_value());
+    CHECK(!parse_chaos_kills(bad).has_value());
   }
+  // Several entries, every phase a step reaches.
+  auto several = parse_chaos_kills("1:5:forward,3:12:replicate,2:7:backward,4:9:optimizer");
+  REQUIRE(several.has_value());
+  REQUIRE(several->size() == 4);
+  CHECK((*several)[1].rank == 3);
+  CHECK((*several)[1].step == 12);
+  CHECK((*several)[1].phase == "replicate");
+  CHECK((*several)[2].phase == "backward");
+  CHECK((*several)[3].phase == "optimizer");
+  CHECK(!parse_chaos_kills("1:5:forward,").has_value());
+  CHECK(!parse_chaos_kills("1:5:forward,,2:3:commit").has_value());
+  CHECK(parse_train_config("[elastic]\nchaos_kill = \"1:5:backward,2:9:replicate\"\n", "job.toml")
+            .has_value());
   auto wrong = parse_train_config("[elastic]\nchaos_kill = \"1:2:later\"\n", "job.toml");
   REQUIRE(!wrong.has_value());
   CHECK(wrong.error_message().find("job.toml: elastic.chaos_kill (--chaos-kill) must be "
-                                   "\"RANK:STEP:PHASE\"") != std::string::npos);
+                                   "\"RANK:STEP:PHASE\" entries separated by commas") !=
+        std::string::npos);
   auto negative = parse_train_config("[elastic]\nspares = -1\n", "job.toml");
   REQUIRE(!negative.has_value());
   CHECK(negative.error_message().find("elastic.spares (--spares) must be in [0, 1024]") !=
