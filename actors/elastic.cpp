@@ -108,7 +108,7 @@ collective::rank_grid with_dp(const collective::rank_grid& grid, int dp) {
 
 expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
                                   const elastic_layout& now, const std::vector<int>& lost,
-                                  int min_ranks, int zero, bool buddies) {
+                                  int min_ranks, int zero, bool buddies, int microbatch_multiple) {
   using result = expected<shrink_plan>;
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   std::string who;
@@ -134,20 +134,27 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
             grid.coord(pos, "dp")));
   if (now.generation + 1 > 255)
     return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
-  // Survivors per piece (pp, tp coordinates), in dp order.
+  // Survivors per piece (its coordinates on every axis but dp: cp, pp, tp), in dp order.
   const int pieces = grid.world_size() / dp;
-  std::map<std::pair<int, int>, std::vector<int>> holders;
+  auto piece_of = [](const collective::rank_grid& g, int pos) {
+    std::vector<int> key;
+    for (const auto& a : g.axes())
+      if (a.name != "dp") key.push_back(g.coord(pos, a.name));
+    return key;
+  };
+  std::map<std::vector<int>, std::vector<int>> holders;
   for (int pos = 0; pos < grid.world_size(); ++pos) {
     const int r = now.positions[static_cast<std::size_t>(pos)];
-    auto& h = holders[{grid.coord(pos, "pp"), grid.coord(pos, "tp")}];
+    auto& h = holders[piece_of(grid, pos)];
     if (!is_lost(r)) h.push_back(r);
   }
   int most = dp;
   for (const auto& [piece, h] : holders) most = std::min(most, static_cast<int>(h.size()));
-  // The most replicas that keep dp x microbatches (the global batch's slots) whole.
+  // The most replicas that keep dp x microbatches (the global batch's slots) whole, with
+  // micro-batches per replica the schedule can run (a multiple of microbatch_multiple).
   const int slots = dp * microbatches;
   int d = most;
-  while (d > 0 && slots % d != 0) --d;
+  while (d > 0 && (slots % d != 0 || (slots / d) % std::max(microbatch_multiple, 1) != 0)) --d;
   if (d == 0 || d * pieces < min_ranks)
     return result::failure(fmt::format(
         "elastic: {} was lost and no spare rank is left; shrinking onto the survivors gives {}, "
@@ -162,7 +169,7 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
   p.next.generation = now.generation + 1;
   const auto next_grid = with_dp(grid, d);
   for (int q = 0; q < next_grid.world_size(); ++q) {
-    const auto& h = holders[{next_grid.coord(q, "pp"), next_grid.coord(q, "tp")}];
+    const auto& h = holders[piece_of(next_grid, q)];
     p.next.positions.push_back(h[static_cast<std::size_t>(next_grid.coord(q, "dp"))]);
   }
   for (int r : now.positions)

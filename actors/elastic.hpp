@@ -68,13 +68,16 @@ struct shrink_plan {
 // shrinking needs buddy replicas (`buddies`), a plan of one piece (pp = tp = 1) and every lost
 // position's buddy holder alive; every survivor then takes part in resharding the whole state onto
 // the new dp (actors/training.cpp).
-// `grid` is the current plan's (axes dp, pp, tp in its order), `dp` and `microbatches` its
-// degrees. Fails naming the lost ranks, what the survivors allow and elastic.min_ranks
-// (--min-ranks) when the largest plan has fewer than `min_ranks` ranks, or naming the setting that
-// a ZeRO shrink lacks.
+// `grid` is the current plan's (axes dp, cp, pp, tp in its order; a piece is a position's
+// coordinates on every axis but dp), `dp` and `microbatches` its degrees; the new micro-batches
+// per replica are a multiple of `microbatch_multiple` (parallel.pp for the interleaved schedule,
+// which scheduler::validate requires). Fails naming the lost ranks, what the survivors allow and
+// elastic.min_ranks (--min-ranks) when the largest plan has fewer than `min_ranks` ranks, or
+// naming the setting that a ZeRO shrink lacks.
 expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int microbatches,
                                   const elastic_layout& now, const std::vector<int>& lost,
-                                  int min_ranks, int zero, bool buddies = false);
+                                  int min_ranks, int zero, bool buddies = false,
+                                  int microbatch_multiple = 1);
 // The group of the ranks `ranks` (ascending) that reshard a ZeRO state at a shrink.
 collective::rank_group reshard_group(const std::vector<int>& ranks, int generation);
 // "dp2 x pp2": the grid's dp and its axes of degree > 1.

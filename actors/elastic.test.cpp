@@ -238,3 +238,35 @@ TEST_CASE("The disk fallback puts the lowest spares in the lost positions, witho
   CHECK(short_of.error_message().find("rank 2 (dp 0 pp 2 tp 0) was lost and no spare rank is "
                                       "left") != std::string::npos);
 }
+
+TEST_CASE("A dp2 x cp2 job that lost a rank shrinks to dp1 with each cp position on a survivor",
+          "[elastic]") {
+  // Positions: 0 (dp0 cp0), 1 (dp0 cp1), 2 (dp1 cp0), 3 (dp1 cp1). The cp positions are
+  // different pieces: each reads its own part of every sequence.
+  const collective::rank_grid grid({{"dp", 2}, {"cp", 2}, {"pp", 1}, {"tp", 1}});
+  const auto now = elastic_layout::initial(4, 4);
+  auto s = plan_shrink(grid, 2, 1, now, {3}, 2, 0);
+  REQUIRE(s);
+  CHECK(s->dp == 1);
+  CHECK(s->microbatches == 2);
+  CHECK(s->next.positions == std::vector<int>{0, 1});  // each rank in one position only
+  CHECK(s->next.spares == std::vector<int>{2});
+}
+
+TEST_CASE("An interleaved pipeline shrinks to micro-batches per replica that are a multiple of pp",
+          "[elastic]") {
+  // dp3 x pp2 with 2 micro-batches: 6 slots. dp2 would take 3 micro-batches each, which the
+  // interleaved schedule refuses (scheduler::validate: a multiple of pp); dp1 takes 6.
+  const auto grid = dp_pp(3, 2);
+  const auto now = elastic_layout::initial(6, 6);
+  auto s = plan_shrink(grid, 3, 2, now, {5}, 2, 0, false, 2);
+  REQUIRE(s);
+  CHECK(s->dp == 1);
+  CHECK(s->microbatches == 6);
+  CHECK(s->next.positions == std::vector<int>{0, 1});
+  // Other schedules take dp2 x 3.
+  auto t = plan_shrink(grid, 3, 2, now, {5}, 2, 0);
+  REQUIRE(t);
+  CHECK(t->dp == 2);
+  CHECK(t->microbatches == 3);
+}

@@ -1412,8 +1412,11 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     std::string no_way = plan ? std::string() : plan.error_message();
     if (!plan && cfg.elastic_min_ranks > 0) {
       // elastic.min_ranks: no spare (or no copy) for a lost position - shrink onto the survivors.
+      // The interleaved schedule runs micro-batches in multiples of pp (scheduler::validate).
+      const int multiple =
+          cfg.plan.schedule == scheduler::schedule_kind::interleaved ? cfg.plan.pp : 1;
       auto sh = plan_shrink(grid, grid.degree("dp"), microbatches, layout, lost,
-                            cfg.elastic_min_ranks, cfg.plan.zero, replicas > 0);
+                            cfg.elastic_min_ranks, cfg.plan.zero, replicas > 0, multiple);
       if (sh && cfg.plan.zero != 0) {
         // The shards are put together from the last replicated step: every survivor holds a
         // snapshot of it, and the buddy holders the lost ranks' shards.
