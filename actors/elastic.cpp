@@ -32,6 +32,11 @@ int buddy_holder(int position, int positions) {
   return (position + 1) % positions;
 }
 
+bool takes_generation(const elastic_layout& mine, int rank, int generation) {
+  return generation == mine.generation + 1 ||
+         (generation > mine.generation && mine.position_of(rank) < 0);
+}
+
 expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
                                       const std::vector<int>& lost, int zero, bool buddies) {
   using result = expected<recovery_plan>;

@@ -29,6 +29,12 @@ struct elastic_layout {
   int position_of(int rank) const;  // -1: a spare (or not in the job any more)
 };
 
+// Whether rank `rank`, whose layout is `mine`, may take the layout of generation `generation`
+// (a recovery's or a shrink's): the next one, or any later one while it holds no position. The
+// driver asks only the ranks of the new positions to recover, so an idle spare is not told of
+// the recoveries that pass it by and still holds an older generation when it is called.
+bool takes_generation(const elastic_layout& mine, int rank, int generation);
+
 // One lost position and how it is filled.
 struct replacement {
   int position = -1;   // grid position

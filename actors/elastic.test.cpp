@@ -270,3 +270,25 @@ TEST_CASE("An interleaved pipeline shrinks to micro-batches per replica that are
   CHECK(t->dp == 2);
   CHECK(t->microbatches == 3);
 }
+
+TEST_CASE("A spare passed over by one recovery takes its place at the next one's generation",
+          "[elastic]") {
+  // dp2 with spares 2 and 3. Rank 0 is lost: rank 2 takes its place at generation 1; the driver
+  // asks only the new positions' ranks, so rank 3 still holds generation 0's layout.
+  const auto grid = dp_pp(2, 1);
+  const auto rank3 = elastic_layout::initial(2, 4);
+  auto first = plan_recovery(grid, rank3, {0}, 0);
+  REQUIRE(first);
+  REQUIRE(first->next.positions == std::vector<int>{2, 1});
+  CHECK(takes_generation(rank3, 2, 1));
+  // Rank 1 is lost next: rank 3 takes its place at generation 2, from its layout of generation 0.
+  auto second = plan_recovery(grid, first->next, {1}, 0);
+  REQUIRE(second);
+  REQUIRE(second->next.positions == std::vector<int>{2, 3});
+  REQUIRE(second->next.generation == 2);
+  CHECK(takes_generation(rank3, 3, second->next.generation));
+  // A rank holding a position was in every generation since: it takes the next one only.
+  CHECK(takes_generation(first->next, 2, 2));
+  CHECK_FALSE(takes_generation(first->next, 2, 3));
+  CHECK_FALSE(takes_generation(rank3, 3, 0));
+}

@@ -901,11 +901,12 @@ void take_shard(trainer_state& st, const whole_state& w, int d) {
 recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": shrinking a trainer not set up elastic");
-  TROUPE_CHECK(r.generation == st.layout.generation + 1, ctx.name(), ": asked to shrink into ",
-               "generation ", r.generation, " from generation ", st.layout.generation);
   const auto t0 = std::chrono::steady_clock::now();
   node& n = ctx.node();
   const int me = n.rank();
+  TROUPE_CHECK(takes_generation(st.layout, me, r.generation), ctx.name(),
+               ": asked to shrink into generation ", r.generation, " from generation ",
+               st.layout.generation);
   const bool reshard = !r.old_positions.empty();
   // The state this rank brings: ZeRO 0 its piece's, ZeRO 1-3 the whole one.
   trainer_state::snapshot mine;
