@@ -45,6 +45,7 @@
 #include "models/parallel/model_producer.hpp"
 #include "models/parallel/parallelize_gpt.hpp"
 #include "models/parallel/parallelize_llama.hpp"
+#include "models/parallel/plan_threads.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/targets.hpp"
 #include "models/trainer.hpp"
@@ -55,6 +56,7 @@ using namespace troupe;
 using namespace troupe::models;
 using namespace troupe::models::parallel;
 using troupe::models::hf::testing::temp_dir;
+using troupe::models::testing::run_plan;
 
 namespace {
 
@@ -100,41 +102,6 @@ scheduler::parallel_plan plan_of(int dp, int pp, int tp, bool sp = false) {
   p.sp = sp;
   p.microbatches = pp > 1 ? 4 / dp : 1;  // one row per microbatch under pp
   return p;
-}
-
-// fn(rank, groups) on one thread per rank of the plan's dp x pp x tp grid (local groups); a
-// failing rank aborts every communicator, and the first failure (not the aborts it caused
-// elsewhere) is rethrown.
-void run_plan(const scheduler::parallel_plan& plan,
-              const std::function<void(int, const hybrid_groups&)>& fn) {
-  const int n = plan.world_size();
-  auto world = std::make_shared<collective::local_world>(n);
-  collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
-  std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
-  for (int r = 0; r < n; ++r)
-    for (const auto& axes :
-         std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
-      comms[r].push_back(
-          collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
-  std::vector<std::exception_ptr> err(n);
-  std::mutex mu;
-  int first = -1;  // the rank that failed first
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto& c = comms[r];
-        fn(r, hybrid_groups{c[0].get(), c[1].get(), c[2].get(), c[3].get()});
-      } catch (...) {
-        err[r] = std::current_exception();
-        std::lock_guard lk(mu);
-        if (first < 0) first = r;
-        for (auto& rc : comms)
-          for (auto& c : rc) c->abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first >= 0) std::rethrow_exception(err[first]);
 }
 
 // The 16-bit type a run of `c` computes in (bf16 or f16).

@@ -29,6 +29,7 @@
 #include "models/hf/testing.hpp"
 #include "models/parallel/exact_run.hpp"
 #include "models/parallel/hybrid.hpp"
+#include "models/parallel/plan_threads.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/post/dpo_step.hpp"
 #include "models/post/grpo_step.hpp"
@@ -42,6 +43,7 @@ using namespace troupe;
 using namespace troupe::models;
 using namespace troupe::models::parallel;
 using troupe::models::hf::testing::temp_dir;
+using troupe::models::testing::run_plan;
 
 namespace {
 
@@ -73,40 +75,6 @@ scheduler::parallel_plan plan_of(int dp, int pp, int tp, int zero = 0) {
   p.zero = zero;
   p.microbatches = pp > 1 ? 2 : 1;  // an even number of rows per microbatch (DPO's pairs)
   return p;
-}
-
-// fn(rank, groups) on one thread per rank of the plan's dp x pp x tp grid (local groups, as
-// mixed_plans.test.cpp); the first failure is rethrown.
-void run_plan(const scheduler::parallel_plan& plan,
-              const std::function<void(int, const hybrid_groups&)>& fn) {
-  const int n = plan.world_size();
-  auto world = std::make_shared<collective::local_world>(n);
-  collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
-  std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
-  for (int r = 0; r < n; ++r)
-    for (const auto& axes :
-         std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
-      comms[r].push_back(
-          collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
-  std::vector<std::exception_ptr> err(n);
-  std::mutex mu;
-  int first = -1;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto& c = comms[r];
-        fn(r, hybrid_groups{c[0].get(), c[1].get(), c[2].get(), c[3].get()});
-      } catch (...) {
-        err[r] = std::current_exception();
-        std::lock_guard lk(mu);
-        if (first < 0) first = r;
-        for (auto& rc : comms)
-          for (auto& c : rc) c->abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first >= 0) std::rethrow_exception(err[first]);
 }
 
 std::vector<std::int32_t> random_ids(std::size_t n, std::uint64_t seed) {
