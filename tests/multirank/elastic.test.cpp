@@ -115,6 +115,39 @@ TEST_CASE("A rank SIGKILLed from outside mid-run is replaced by a spare, bit for
            p.output());
 }
 
+TEST_CASE("A spare passed over by the first recovery takes the place of a rank lost later",
+          "[multirank][faults]") {
+  // dp2 with spares 2 and 3. Rank 1 dies in step 3: rank 2 takes its place at generation 1, and
+  // only the positions' ranks are told, so rank 3 still holds generation 0's layout. Rank 2 is
+  // killed after step 6: rank 3 takes its place at generation 2, two generations after its own
+  // (the trainer once took only the next one, and the run ended there).
+  scratch_dir dir("elastic-twice");
+  const std::vector<std::string> plan = {"--dp", "2", "--log-every", "1"};
+  run(elastic_argv(2, 2, dir.path, "clean", plan, 10), 0);
+  auto killed = plan;
+  killed.insert(killed.end(), {"--chaos-kill", "1:3:forward"});
+  child_process p(elastic_argv(2, 2, dir.path, "twice", killed, 10));
+  REQUIRE(p.wait_for("rank 2 took its place at generation 1", 120s));
+  REQUIRE(p.wait_for("step     6/10", 120s));
+  int pid = -1;
+  for (const auto& l : p.lines_with("rank 2 (host ")) {
+    std::smatch m;
+    static const std::regex re("rank 2 \\(host [^,]+, pid ([0-9]+)\\) joined");
+    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
+  }
+  REQUIRE(pid > 0);
+  REQUIRE(::kill(pid, SIGKILL) == 0);
+  auto st = p.wait(300s);
+  INFO(p.output());
+  REQUIRE(st.has_value());
+  CHECK(child_process::code(*st) == 0);
+  CHECK(p.output().find("rank 3 took its place at generation 2") != std::string::npos);
+  same_bits(dir.path, "twice", "clean");
+  survived(
+      "SIGKILL of rank 1 in step 3, then of its replacement rank 2 after step 6, dp2, 2 spares",
+      p.output());
+}
+
 TEST_CASE("A SIGSTOPped rank is declared lost, fenced and replaced; its SIGCONT changes nothing",
           "[multirank][faults]") {
   // A hung rank: silent for the heartbeat timeout (3 s), the coordinator declares it lost, the
