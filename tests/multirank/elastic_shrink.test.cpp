@@ -132,6 +132,41 @@ TEST_CASE("A dp4 run with no spare loses a replica and shrinks to dp2, equal by 
   survived("SIGKILL of rank 2 (dp 2) before its forward pass of step 3, dp4, no spare", out);
 }
 
+TEST_CASE(
+    "An interleaved dp3 x pp2 run shrinks to micro-batches its schedule runs, equal by rounding",
+    "[multirank][faults]") {
+  // 6 slots (dp3 x 2 micro-batches): dp2 would take 3 micro-batches each, which the interleaved
+  // schedule refuses (a multiple of pp = 2), so every survivor's rebuilt piece failed and the run
+  // ended; dp1 x pp2 takes 6.
+  scratch_dir dir("elastic-shrink-interleaved");
+  const std::vector<std::string> plan = {"--dp",
+                                         "3",
+                                         "--pp",
+                                         "2",
+                                         "--microbatches",
+                                         "2",
+                                         "--schedule",
+                                         "interleaved",
+                                         "--virtual-stages",
+                                         "2",
+                                         "--batch",
+                                         "12"};
+  const auto exact = single(
+      "gpt2-demo", 6, dir.path,
+      {"--checkpoint-dir", dir.path + "/exact", "--precision", "f64", "--batch", "12"}, "exact");
+  run(elastic_argv(6, 0, dir.path, "clean", plan), 0);
+  auto p = plan;
+  p.insert(p.end(), {"--chaos-kill", "5:3:forward"});
+  const auto out = run(shrink_argv(6, 2, dir.path, "killed", p), 0);
+  CHECK(out.find("shrank dp3 x pp2 -> dp1 x pp2, micro-batches per replica (gradient "
+                 "accumulation) 2 -> 6") != std::string::npos);
+  same_by_rounding(dir.path, "killed", "clean", exact);
+  survived(
+      "SIGKILL of rank 5 (dp 2 pp 1) before its forward pass of step 3, dp3 x pp2 "
+      "interleaved, no spare",
+      out);
+}
+
 TEST_CASE("Below elastic.min_ranks the run ends naming min_ranks and saves the last committed step",
           "[multirank][faults]") {
   scratch_dir dir("elastic-shrink-min");
