@@ -37,16 +37,31 @@ bool takes_generation(const elastic_layout& mine, int rank, int generation) {
          (generation > mine.generation && mine.position_of(rank) < 0);
 }
 
-expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
-                                      const std::vector<int>& lost, int zero, bool buddies) {
-  using result = expected<recovery_plan>;
-  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+namespace {
+
+// A plan of the next generation: the layout as it is, less the lost spares; the lost positions
+// are for the caller to fill.
+expected<recovery_plan> next_generation(const elastic_layout& now, const std::vector<int>& lost) {
   recovery_plan p;
   p.next = now;
   p.next.generation = now.generation + 1;
   if (p.next.generation > 255)
-    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
-  std::erase_if(p.next.spares, is_lost);
+    return expected<recovery_plan>::failure(
+        "elastic: 255 recoveries in one run, the most group ids can tell apart");
+  std::erase_if(p.next.spares,
+                [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); });
+  return p;
+}
+
+}  // namespace
+
+expected<recovery_plan> plan_recovery(const collective::rank_grid& grid, const elastic_layout& now,
+                                      const std::vector<int>& lost, int zero, bool buddies) {
+  using result = expected<recovery_plan>;
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
+  auto started = next_generation(now, lost);
+  if (!started) return started;
+  recovery_plan p = std::move(*started);
   for (int pos = 0; pos < static_cast<int>(now.positions.size()); ++pos) {
     const int r = now.positions[pos];
     if (!is_lost(r)) continue;
@@ -198,12 +213,9 @@ expected<recovery_plan> plan_replacement(const collective::rank_grid& grid,
                                          const elastic_layout& now, const std::vector<int>& lost) {
   using result = expected<recovery_plan>;
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
-  recovery_plan p;
-  p.next = now;
-  p.next.generation = now.generation + 1;
-  if (p.next.generation > 255)
-    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
-  std::erase_if(p.next.spares, is_lost);
+  auto started = next_generation(now, lost);
+  if (!started) return started;
+  recovery_plan p = std::move(*started);
   for (int pos = 0; pos < static_cast<int>(now.positions.size()); ++pos) {
     const int r = now.positions[static_cast<std::size_t>(pos)];
     if (!is_lost(r)) continue;

@@ -713,6 +713,19 @@ replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_
 // Elastic recovery on one rank: survivors put the next generation's communicators under their
 // piece and take steps again; a promoted spare builds the lost rank's piece; the donor of each
 // replaced position sends the piece's parameters and AdamW moments to its spare over UCX.
+// Takes the layout of a recovery, a shrink or a reload: the grid positions, the spares and the
+// generation, reported as the elastic.generation metric.
+void adopt_layout(role_context& ctx, trainer_state& st, const std::vector<int>& positions,
+                  const std::vector<int>& spares, int generation) {
+  {
+    std::lock_guard lk(st.layout_mu);
+    st.layout.positions = positions;
+    st.layout.spares = spares;
+    st.layout.generation = generation;
+  }
+  ctx.set_metric("elastic.generation", generation);
+}
+
 recover_reply recover(role_context& ctx, trainer_state& st, const recover_request& r) {
   std::lock_guard lk(st.mu);
   TROUPE_CHECK(st.grid && st.elastic, ctx.name(), ": recovery of a trainer not set up elastic");
@@ -724,13 +737,7 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
   const auto t0 = std::chrono::steady_clock::now();
   node& n = ctx.node();
   const int me = n.rank();
-  {
-    std::lock_guard lk2(st.layout_mu);
-    st.layout.positions = r.positions;
-    st.layout.spares = r.spares;
-    st.layout.generation = r.generation;
-  }
-  ctx.set_metric("elastic.generation", r.generation);
+  adopt_layout(ctx, st, r.positions, r.spares, r.generation);
   const int position = st.layout.position_of(me);
   TROUPE_CHECK(position >= 0, ctx.name(), ": asked to recover, but it holds no grid position");
   ctx.set_activity(fmt::format("recovering (generation {})", r.generation));
@@ -931,13 +938,7 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
   st.cfg.plan.dp = r.dp;
   st.cfg.plan.microbatches = r.microbatches;
   st.grid = std::make_unique<collective::rank_grid>(with_dp(*st.grid, r.dp));
-  {
-    std::lock_guard lk2(st.layout_mu);
-    st.layout.positions = r.positions;
-    st.layout.spares = r.spares;
-    st.layout.generation = r.generation;
-  }
-  ctx.set_metric("elastic.generation", r.generation);
+  adopt_layout(ctx, st, r.positions, r.spares, r.generation);
   ctx.set_metric("elastic.dp", r.dp);
   // Buddy replicas of the old grid are of no use in the new one: the next round makes them again.
   st.own = {};
@@ -1003,13 +1004,7 @@ recover_reply reload(role_context& ctx, trainer_state& st, const reload_request&
   const auto t0 = std::chrono::steady_clock::now();
   node& n = ctx.node();
   const int me = n.rank();
-  {
-    std::lock_guard lk2(st.layout_mu);
-    st.layout.positions = r.positions;
-    st.layout.spares = r.spares;
-    st.layout.generation = r.generation;
-  }
-  ctx.set_metric("elastic.generation", r.generation);
+  adopt_layout(ctx, st, r.positions, r.spares, r.generation);
   st.own = {};
   st.buddy = {};
   st.staging = {};
