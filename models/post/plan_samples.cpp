@@ -105,8 +105,9 @@ parallel::sample_source dpo_samples(std::shared_ptr<const preference_rows> rows,
   auto buf = std::make_shared<buffers>();
   return [rows, reference, opt, buf](const parallel::sample_request& r) {
     TROUPE_CHECK(r.begin % 2 == 0 && r.end % 2 == 0, "dpo: a microbatch must hold whole pairs ",
-                 "(an even number of rows per data-parallel rank and microbatch), got samples ",
-                 r.begin, "..", r.end);
+                 "(an even number of rows per data-parallel rank and microbatch: 2 x train.batch ",
+                 "divided by parallel.dp x parallel.microbatches), got samples ", r.begin, "..",
+                 r.end);
     const preference_rows& s = *rows;
     const std::int64_t n = 2 * s.pairs(), t = s.seq, pairs = (r.end - r.begin) / 2;
     auto& b = *buf;
