@@ -27,7 +27,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -97,12 +96,7 @@ TEST_CASE("A rank SIGKILLed from outside mid-run is replaced by a spare, bit for
   child_process p(elastic_argv(4, 1, dir.path, "killed", plan, 12));
   REQUIRE(p.wait_for("step     4/12", 120s));
   // The coordinator's line for rank 2: "rank 2 (host H, pid P) joined".
-  int pid = -1;
-  for (const auto& l : p.lines_with("rank 2 (host ")) {
-    std::smatch m;
-    static const std::regex re("rank 2 \\(host [^,]+, pid ([0-9]+)\\) joined");
-    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
-  }
+  const int pid = pid_of_rank(p, 2);
   REQUIRE(pid > 0);
   REQUIRE(::kill(pid, SIGKILL) == 0);
   auto st = p.wait(300s);
@@ -129,12 +123,7 @@ TEST_CASE("A spare passed over by the first recovery takes the place of a rank l
   child_process p(elastic_argv(2, 2, dir.path, "twice", killed, 10));
   REQUIRE(p.wait_for("rank 2 took its place at generation 1", 120s));
   REQUIRE(p.wait_for("step     6/10", 120s));
-  int pid = -1;
-  for (const auto& l : p.lines_with("rank 2 (host ")) {
-    std::smatch m;
-    static const std::regex re("rank 2 \\(host [^,]+, pid ([0-9]+)\\) joined");
-    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
-  }
+  const int pid = pid_of_rank(p, 2);
   REQUIRE(pid > 0);
   REQUIRE(::kill(pid, SIGKILL) == 0);
   auto st = p.wait(300s);
@@ -160,12 +149,7 @@ TEST_CASE("A SIGSTOPped rank is declared lost, fenced and replaced; its SIGCONT 
   run(elastic_argv(4, 1, dir.path, "clean", plan, 10), 0);
   child_process p(elastic_argv(4, 1, dir.path, "stopped", plan, 10));
   REQUIRE(p.wait_for("step     3/10", 120s));
-  int pid = -1;
-  for (const auto& l : p.lines_with("rank 1 (host ")) {
-    std::smatch m;
-    static const std::regex re("rank 1 \\(host [^,]+, pid ([0-9]+)\\) joined");
-    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
-  }
+  const int pid = pid_of_rank(p, 1);
   REQUIRE(pid > 0);
   REQUIRE(::kill(pid, SIGSTOP) == 0);
   const bool recovered = p.wait_for("rank 4 took its place at generation 1", 120s);

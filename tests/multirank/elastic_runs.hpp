@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,18 @@ inline void survived(const std::string& what, const std::string& output) {
   const auto line = first_line_with(output, "elastic: rank ");
   REQUIRE(!line.empty());
   std::printf("faults: %s -> survived: %s\n", what.c_str(), line.c_str());
+}
+
+// The pid of rank `rank` from the coordinator's line "rank R (host H, pid P) joined" in p's
+// output so far (-1 before it).
+inline int pid_of_rank(child_process& p, int rank) {
+  const std::regex re("rank " + std::to_string(rank) + " \\(host [^,]+, pid ([0-9]+)\\) joined");
+  int pid = -1;
+  for (const auto& l : p.lines_with("rank " + std::to_string(rank) + " (host ")) {
+    std::smatch m;
+    if (std::regex_search(l, m, re)) pid = std::stoi(m[1]);
+  }
+  return pid;
 }
 
 }  // namespace troupe::tests

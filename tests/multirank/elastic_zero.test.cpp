@@ -20,7 +20,6 @@
 #include <signal.h>
 
 #include <chrono>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -124,15 +123,9 @@ TEST_CASE("A ZeRO-1 run that loses a rank and its buddy at once ends naming both
                                          "1",    "--log-every", "1"};
   child_process p(elastic_argv(4, 1, dir.path, "lost", plan, 12));
   REQUIRE(p.wait_for("step     3/12", 120s));
-  std::vector<int> pids;
-  for (int rank : {1, 2}) {
-    const std::regex re("rank " + std::to_string(rank) + " \\(host [^,]+, pid ([0-9]+)\\) joined");
-    for (const auto& l : p.lines_with("rank " + std::to_string(rank) + " (host ")) {
-      std::smatch m;
-      if (std::regex_search(l, m, re)) pids.push_back(std::stoi(m[1]));
-    }
-  }
-  REQUIRE(pids.size() == 2);
+  const std::vector<int> pids = {pid_of_rank(p, 1), pid_of_rank(p, 2)};
+  REQUIRE(pids[0] > 0);
+  REQUIRE(pids[1] > 0);
   for (int pid : pids) REQUIRE(::kill(pid, SIGKILL) == 0);
   auto st = p.wait(300s);
   INFO(p.output());
