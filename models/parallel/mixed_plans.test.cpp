@@ -343,6 +343,18 @@ std::string scale_line(const std::vector<step_result>& steps) {
   return out.str();
 }
 
+// Steps 0..2 of GPT-2 run `c` under tp2 + SP, saved in `dir`: the schedule spans all of c's steps,
+// the run stops after 3 (the checkpoint tests resume the rest elsewhere).
+void save_first_steps_under_tp2(const train_config& c, const std::string& dir) {
+  train_config first = c;
+  first.plan = plan_of(1, 1, 2, true);
+  run_plan(first.plan, [&](int, const hybrid_groups& g) {
+    hybrid_trainer t(model_of(false), first, g);
+    for (int s = 0; s < 3; ++s) t.step(rows_of);
+    t.save(dir);
+  });
+}
+
 }  // namespace
 
 TEST_CASE("Tensor shards and pipeline stages in bf16 train as accurately as the single process",
@@ -397,16 +409,7 @@ TEST_CASE("bf16 checkpoints move between plans and the single process", "[parall
   const auto ref = single(false, c, ref_dir);
   const auto exact = exact_single(false, c);
   const std::string half = (tmp / "half").string();
-  {
-    // Steps 0..2 under tp2 + SP: the schedule spans all 6 steps, the run stops after 3.
-    train_config first = c;
-    first.plan = plan_of(1, 1, 2, true);
-    run_plan(first.plan, [&](int, const hybrid_groups& g) {
-      hybrid_trainer t(model_of(false), first, g);
-      for (int s = 0; s < 3; ++s) t.step(rows_of);
-      t.save(half);
-    });
-  }
+  save_first_steps_under_tp2(c, half);
   SECTION("under dp2 x pp2") {
     train_config rest = c;
     rest.resume = half;
@@ -561,15 +564,7 @@ TEST_CASE("f16 checkpoints carry the loss scale between plans and the single pro
     check_weights(false, dir, ref_dir, exact);
   };
   const std::string half = (tmp / "half").string();
-  {
-    train_config first = c;
-    first.plan = plan_of(1, 1, 2, true);
-    run_plan(first.plan, [&](int, const hybrid_groups& g) {
-      hybrid_trainer t(model_of(false), first, g);
-      for (int s = 0; s < 3; ++s) t.step(rows_of);
-      t.save(half);
-    });
-  }
+  save_first_steps_under_tp2(c, half);
   SECTION("under dp2 x pp2") {
     train_config rest = c;
     rest.resume = half;
