@@ -23,9 +23,9 @@ after: on the shared 2-vCPU machine every figure needs it next to it.
 """
 import os
 import re
-import subprocess
 import sys
-import time
+
+from timed_lines import first, run_timed
 
 build = sys.argv[1] if len(sys.argv) > 1 else "build"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -39,20 +39,7 @@ common = ["train", "--model", "gpt2-demo", "--batch", "8", "--seq", "128", "--st
 def run(name, spares, extra):
     argv = [troupe, "launch", "-n", "4", "--spares", str(spares), "--job",
             "bench-elastic-%s-%d" % (name, os.getpid()), "--", troupe] + common + extra
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:
-        lines.append((time.monotonic() - t0, line.rstrip("\n")))
-    rc = p.wait()
-    return rc, lines
-
-
-def first(lines, needle):
-    for t, l in lines:
-        if needle in l:
-            return t, l
-    return None, None
+    return run_timed(argv)
 
 
 print("load average before:", " ".join(open("/proc/loadavg").read().split()[:3]))

@@ -23,9 +23,9 @@ needs it.
 """
 import os
 import re
-import subprocess
 import sys
-import time
+
+from timed_lines import first, run_timed
 
 build = sys.argv[1] if len(sys.argv) > 1 else "build"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -49,17 +49,7 @@ rows = [
 def run(name, launch, extra):
     argv = [troupe, "launch", "-n", "4"] + launch + [
         "--job", "bench-shrink-%s-%d" % (name, os.getpid()), "--", troupe] + common + extra
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = [(time.monotonic() - t0, l.rstrip("\n")) for l in p.stdout]
-    return p.wait(), lines
-
-
-def first(lines, needle):
-    for t, l in lines:
-        if needle in l:
-            return t, l
-    return None, None
+    return run_timed(argv)
 
 
 def report(name, rc, lines):

@@ -24,9 +24,9 @@ whole run. Load average before and after: on the shared 2-vCPU machine every fig
 """
 import os
 import re
-import subprocess
 import sys
-import time
+
+from timed_lines import first, run_timed
 
 build = sys.argv[1] if len(sys.argv) > 1 else "build"
 zero = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -42,20 +42,7 @@ common = ["train", "--model", "gpt2-demo", "--batch", "8", "--seq", "128", "--st
 def run(name, extra):
     argv = [troupe, "launch", "-n", "4", "--spares", "1", "--job",
             "bench-elastic-zero-%s-%d" % (name, os.getpid()), "--", troupe] + common + extra
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:
-        lines.append((time.monotonic() - t0, line.rstrip("\n")))
-    rc = p.wait()
-    return rc, lines
-
-
-def first(lines, needle):
-    for t, l in lines:
-        if needle in l:
-            return t, l
-    return None, None
+    return run_timed(argv)
 
 
 def report(name, rc, lines):
