@@ -355,6 +355,16 @@ void save_first_steps_under_tp2(const train_config& c, const std::string& dir) {
   });
 }
 
+// The same 3 steps in one process computing in `compute`, saved in `dir`.
+void save_first_steps_in_one_process(const train_config& c, dtype compute, const std::string& dir) {
+  const auto model = model_of(false);
+  auto m = make_causal_lm(model, {c.batch, c.seq}, compute);
+  m->init_weights(c.seed);
+  trainer t(*m, c);
+  for (int s = 0; s < 3; ++s) t.step(rows_of);
+  t.save(dir, model).value();
+}
+
 }  // namespace
 
 TEST_CASE("Tensor shards and pipeline stages in bf16 train as accurately as the single process",
@@ -425,13 +435,8 @@ TEST_CASE("bf16 checkpoints move between plans and the single process", "[parall
   }
   SECTION("from one process") {
     // The single process's bf16 checkpoint after 3 steps, resumed under pp2 x tp2.
-    const auto model = model_of(false);
-    auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::bf16);
-    m->init_weights(c.seed);
-    trainer t(*m, c);
-    for (int s = 0; s < 3; ++s) t.step(rows_of);
     const std::string from = (tmp / "from-one").string();
-    t.save(from, model).value();
+    save_first_steps_in_one_process(c, dtype::bf16, from);
     train_config rest = c;
     rest.resume = from;
     const std::string dir = (tmp / "rest").string();
@@ -584,13 +589,8 @@ TEST_CASE("f16 checkpoints carry the loss scale between plans and the single pro
     check_rest(got, dir);
   }
   SECTION("from one process") {
-    const auto model = model_of(false);
-    auto m = make_causal_lm(model, {c.batch, c.seq}, dtype::f16);
-    m->init_weights(c.seed);
-    trainer t(*m, c);
-    for (int s = 0; s < 3; ++s) t.step(rows_of);
     const std::string from = (tmp / "from-one").string();
-    t.save(from, model).value();
+    save_first_steps_in_one_process(c, dtype::f16, from);
     train_config rest = c;
     rest.resume = from;
     const std::string dir = (tmp / "rest").string();
