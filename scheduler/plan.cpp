@@ -147,11 +147,12 @@ std::vector<std::string> validate(const parallel_plan& p, const model_shape& m, 
   if (p.sp && p.tp == 1)
     out.add("parallel.sp = true needs parallel.tp > 1 (it splits activations over the tp group)");
   if (p.cp > 1) {
-    // Ulysses and ring run on a whole model per rank so far
-    // (models/parallel/context_parallel.hpp).
-    if (p.tp > 1 || p.pp > 1)
-      out.add("parallel.cp = ", p.cp, " runs with parallel.tp = 1 and parallel.pp = 1 so far (got ",
-              "tp ", p.tp, ", pp ", p.pp, ")");
+    // Ulysses and ring run on a whole model per rank or inside pipeline stages
+    // (models/parallel/context_parallel.hpp, context_pipeline.hpp); not on tensor shards yet.
+    if (p.tp > 1)
+      out.add("parallel.cp = ", p.cp, " with parallel.tp = ", p.tp,
+              ": context parallelism runs on unsharded stages only so far (parallel.tp = 1; "
+              "Ulysses or ring inside tensor-parallel attention is not written)");
   }
   if (p.zero < 0 || p.zero > 3) out.add("parallel.zero = ", p.zero, " must be 0, 1, 2 or 3");
   if (p.microbatches < 1) out.add("parallel.microbatches = ", p.microbatches, " must be >= 1");

@@ -60,7 +60,7 @@ std::optional<p2p_mode> parse_p2p_mode(std::string_view s);
 // How context parallelism (parallel.cp > 1) runs attention over a sequence split across ranks.
 // ulysses: an all-to-all turns [T/cp, heads] into [T, heads/cp] around attention and back
 // (DeepSpeed-Ulysses; models/parallel/context_parallel.hpp). ring: key/value blocks passed
-// around the ring (not available yet: refused by validate).
+// around the ring (models/parallel/ring_context.hpp). Both with dp and pp, not with tp.
 enum class cp_mode_kind { ulysses, ring };
 std::string_view name(cp_mode_kind m);  // "ulysses", "ring"
 std::optional<cp_mode_kind> parse_cp_mode(std::string_view s);

@@ -239,10 +239,16 @@ TEST_CASE("a context-parallel plan names every shape it does not divide and the 
   p.cp = 2;
   p.cp_mode = cp_mode_kind::ring;
   p.tp = 2;
-  CHECK(
-      validate(p, llama(), 4) ==
-      std::vector<std::string>{
-          "parallel.cp = 2 runs with parallel.tp = 1 and parallel.pp = 1 so far (got tp 2, pp 1)"});
+  CHECK(validate(p, llama(), 4) ==
+        std::vector<std::string>{
+            "parallel.cp = 2 with parallel.tp = 2: context parallelism runs on unsharded stages "
+            "only so far (parallel.tp = 1; Ulysses or ring inside tensor-parallel attention is not "
+            "written)"});
+  // Inside pipeline stages (cp x pp): accepted.
+  p.tp = 1;
+  p.pp = 2;
+  CHECK(validate(p, llama(), 4).empty());
+  p.pp = 1;
   // Ring needs no head condition (cp 4 over 8 kv heads would do for Ulysses too), only two
   // zigzag chunks per rank: seq 2044 = 4 x 511 splits over 4 ranks but not into 8 chunks.
   p.tp = 1;

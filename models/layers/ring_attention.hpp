@@ -34,7 +34,15 @@
 // halves (workspace_bytes() says how much). Nothing scales with T x T or with the full T.
 //
 // The op runs on any communicator (collective/communicator.hpp: send/recv of the group), with
-// host tensors: ops::attention_merge has no CUDA kernel yet. f32 and f64.
+// host tensors: ops::attention_merge has no CUDA kernel yet. f32 and f64, and bf16 and f16 (the
+// 16-bit compute path of every other op, tensor/ops.hpp): q, k, v, out and the gradients are
+// 16-bit, the key/value blocks travel in 16 bits, but every block is computed from them in f32
+// (a converted copy of q, of the block, of out and dout), the online-softmax statistics (lse, the
+// running output, the dk/dv accumulators that travel with the blocks in backward, dq) are kept in
+// f32, and out, dq, dk and dv are rounded to 16 bits once at the end, as the single-rank kernel
+// rounds its results once. The caller's lse may be f32 or 16-bit (as the attention layer keeps it
+// in a 16-bit model); the running one is f32 either way, and a 16-bit lse is read into f32 for
+// backward, as the single-rank kernel reads it.
 #pragma once
 
 #include <cstddef>
@@ -62,7 +70,7 @@ class ring_attention {
  public:
   // Plans the workspace for `cfg` on this rank of `cp` (the context-parallel group; kept by
   // reference, must outlive the op). Throws troupe::error naming the field when the config does
-  // not fit (heads, a zigzag Tl that is odd, a dtype other than f32/f64).
+  // not fit (heads, a zigzag Tl that is odd, a dtype other than f32/f64/bf16/f16).
   ring_attention(collective::communicator& cp, const ring_attention_config& cfg);
 
   // out [B, Tl, Hq, D] and lse [B, Hq, Tl] (contiguous) receive this rank's rows of the attention
@@ -111,6 +119,15 @@ class ring_attention {
   owned_tensor dkv_[2];       // backward: dk, dv accumulators travelling with the blocks
   owned_tensor dkv_part_;     // backward: a block's dk, dv share
   owned_tensor lse_half_[2];  // backward (zigzag): the saved lse of each local chunk, contiguous
+  // 16-bit types: the statistics' and compute type (f32) and the f32 copies computed from.
+  dtype wide_ = dtype::f32;
+  bool narrow_ = false;     // cfg.type is bf16 or f16
+  owned_tensor kv_wide_;    // the block in use, [2, B, Tl, Hkv, D]
+  owned_tensor lse_wide_;   // the log-sum-exp [B, Hq, Tl] when the caller keeps a 16-bit one
+  owned_tensor q_wide_;     // q, then in backward q again ([B, Tl, Hq, D])
+  owned_tensor out_wide_;   // the running output; in backward forward's output
+  owned_tensor dout_wide_;  // backward: dout
+  owned_tensor dq_wide_;    // backward: dq accumulated
 };
 
 }  // namespace troupe::models

@@ -42,7 +42,8 @@ full_run make_run(const attn_case& c, dtype type) {
   r.v = empty({c.b, c.t, c.hkv, c.d}, type);
   r.dout = empty({c.b, c.t, c.hq, c.d}, type);
   r.out = empty({c.b, c.t, c.hq, c.d}, type);
-  r.lse = empty({c.b, c.hq, c.t}, type);
+  // ops::attention's lse is f32 for 16-bit q.
+  r.lse = empty({c.b, c.hq, c.t}, type == dtype::bf16 || type == dtype::f16 ? dtype::f32 : type);
   r.dq = empty({c.b, c.t, c.hq, c.d}, type);
   r.dk = empty({c.b, c.t, c.hkv, c.d}, type);
   r.dv = empty({c.b, c.t, c.hkv, c.d}, type);
@@ -79,7 +80,7 @@ void run_ring_rank(collective::communicator& comm, const attn_case& c, sequence_
   const int cp = comm.size(), r = comm.rank();
   attn_case lc = c;
   lc.t = c.t / cp;
-  full_run loc = make_run(lc, dtype::f32);
+  full_run loc = make_run(lc, in.q.type());
   owned_tensor qkv, dqkv;
   if (fused) {
     const std::int64_t w = (c.hq + 2 * c.hkv) * c.d;
@@ -107,6 +108,7 @@ void run_ring_rank(collective::communicator& comm, const attn_case& c, sequence_
   rc.head_dim = c.d;
   rc.layout = layout;
   rc.causal = c.causal;
+  rc.type = in.q.type();
   ring_attention op(comm, rc);
   op.forward(loc.q, loc.k, loc.v, loc.out, loc.lse);
   op.backward(loc.q, loc.k, loc.v, loc.out, loc.lse, loc.dout, loc.dq, loc.dk, loc.dv);
@@ -121,6 +123,13 @@ void run_ring_rank(collective::communicator& comm, const attn_case& c, sequence_
 // the ring adds the same terms in another order (blocks merged by their log-sum-exps, dq and
 // dk/dv summed over blocks), a few roundings per element more, well inside default_k; a block
 // left out, merged with a wrong weight or sent to the wrong rank is off by O(|exact|).
+// Every element of t (any floating dtype), in f64.
+std::vector<double> wide(const tensor& t) {
+  owned_tensor w = empty(t.sizes(), dtype::f64);
+  ops::copy(t, w);
+  return testing::values(w);
+}
+
 void expect_as_accurate(const full_run& got, const full_run& ref, const full_run& exact) {
   const std::pair<const char*, const owned_tensor full_run::*> fields[] = {{"out", &full_run::out},
                                                                            {"lse", &full_run::lse},
@@ -128,8 +137,7 @@ void expect_as_accurate(const full_run& got, const full_run& ref, const full_run
                                                                            {"dk", &full_run::dk},
                                                                            {"dv", &full_run::dv}};
   for (auto [name, f] : fields) {
-    const auto v = tests::as_accurate_as(testing::flat(got.*f), testing::flat(ref.*f),
-                                         testing::values(exact.*f));
+    const auto v = tests::as_accurate_as(wide(got.*f), wide(ref.*f), testing::values(exact.*f));
     INFO(name << ": " << v.str());
     CHECK(v.ok());
   }
@@ -189,6 +197,29 @@ TEST_CASE(
   full_run got = make_run(c, dtype::f32);
   testing::run_ranks(
       cp, [&](int, collective::communicator& comm) { run_ring_rank(comm, c, layout, ref, got); });
+  expect_as_accurate(got, ref, exact);
+}
+
+TEST_CASE("ring attention in bf16 and f16 is as accurate as single-rank attention in 16 bits",
+          "[models][ring]") {
+  // The single-rank 16-bit kernel loads q, k, v to f32, computes in f32 and rounds out, dq, dk,
+  // dv once; the ring computes each block from the same 16-bit values in f32 (the blocks travel
+  // in 16 bits: no rounding, they are the inputs), merges in f32 and rounds once at the end: the
+  // same one rounding per result plus f32 summation-order differences, so as accurate as the
+  // single-rank run against the f64 twin of the same 16-bit inputs by default_k. A ring that
+  // rounded each block's output or its dk/dv accumulators to 16 bits would add cp such roundings.
+  const auto type = GENERATE(dtype::bf16, dtype::f16);
+  const int cp = GENERATE(2, 4);
+  attn_case c;
+  INFO(dtype_name(type) << ", cp " << cp);
+  full_run ref = make_run(c, type), exact = make_run(c, dtype::f64);
+  fill_inputs(ref, exact, 11 + cp);
+  run_single(ref, c.causal);
+  run_single(exact, c.causal);
+  full_run got = make_run(c, type);
+  testing::run_ranks(cp, [&](int, collective::communicator& comm) {
+    run_ring_rank(comm, c, sequence_layout::zigzag, ref, got);
+  });
   expect_as_accurate(got, ref, exact);
 }
 

@@ -69,6 +69,14 @@ tensor ulysses_exchange::get(buffer which, const shape& s, dtype t) {
   TROUPE_FAIL("ulysses_exchange: unknown buffer");
 }
 
+void ulysses_exchange::keep(std::size_t slot, bool save) {
+  if (kept_.size() <= slot) kept_.resize(slot + 1);
+  // Saving and restoring are the same swap: the arena's buffers go where the stash's were.
+  (void)save;
+  std::swap(att_heads_, kept_[slot][0]);
+  std::swap(kv_heads_, kept_[slot][1]);
+}
+
 void ulysses_exchange::to_heads(const tensor& x, const tensor& y,
                                 std::span<const std::int64_t> sections) {
   const int cp = cp_.size();
@@ -126,9 +134,6 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
   TROUPE_CHECK(!ring || seq % (2 * n) == 0, "context parallelism (ring): 2 x parallel.cp = ", 2 * n,
                " does not divide train.seq = ", seq,
                " (every rank holds two zigzag chunks of seq / (2 cp) positions)");
-  TROUPE_CHECK(!ring || t == dtype::f32, "context parallelism: parallel.cp_mode = \"ring\" runs ",
-               "f32 models only so far (the ring's attention merge has no ", dtype_name(t),
-               " kernel): use train.precision = \"f32\" or parallel.cp_mode = \"ulysses\"");
   TROUPE_CHECK(!std::holds_alternative<hf::moe_config>(model),
                "context parallelism (parallel.cp = ", n,
                ") is not available for mixture-of-experts models yet");
@@ -163,41 +168,47 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
   pieces_ = sequence_pieces(seq, n, cp.rank(),
                             ring ? sequence_layout::zigzag : sequence_layout::contiguous);
   inner_ = std::make_unique<model_producer>(*model_);
+  columns_ = std::make_unique<cp_columns>(seq, pieces_);
 }
 
 cp_piece::~cp_piece() = default;
 
 double cp_piece::forward_backward(int microbatches,
                                   const std::function<microbatch_data(int k)>& fetch) {
+  return inner_->forward_backward(microbatches, [&](int k) { return (*columns_)(fetch(k), k); });
+}
+
+cp_columns::cp_columns(std::int64_t seq, std::vector<sequence_piece> pieces)
+    : seq_(seq), pieces_(std::move(pieces)) {
+  for (const auto& p : pieces_) local_ += p.length;
+}
+
+microbatch_data cp_columns::operator()(const microbatch_data& mb, int k) {
   constexpr std::int32_t ignore_index = -100;  // next_token_targets' (models/targets.hpp)
-  const std::int64_t tl = local_seq_;
-  return inner_->forward_backward(microbatches, [&](int k) {
-    const microbatch_data mb = fetch(k);
-    TROUPE_CHECK(
-        mb.ids.dim() == 2 && mb.ids.size(1) == seq_ && mb.targets.sizes() == mb.ids.sizes(),
-        "cp_piece: microbatch ", k, " must be [rows, ", seq_, "] ids and targets, got ",
-        describe(mb.ids), " and ", describe(mb.targets));
-    const std::int64_t rows = mb.ids.size(0);
-    const auto* ids = mb.ids.data_as<std::int32_t>();
-    const auto* targets = mb.targets.data_as<std::int32_t>();
-    ids_.resize(static_cast<std::size_t>(rows * tl));
-    targets_.resize(ids_.size());
-    std::int64_t counted = 0, mine = 0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      for (std::int64_t i = 0; i < seq_; ++i) counted += targets[r * seq_ + i] != ignore_index;
-      for (const auto& p : pieces_) {
-        std::copy_n(ids + r * seq_ + p.start, p.length, ids_.begin() + r * tl + p.local);
-        std::copy_n(targets + r * seq_ + p.start, p.length, targets_.begin() + r * tl + p.local);
-      }
-      for (std::int64_t i = 0; i < tl; ++i) mine += targets_[r * tl + i] != ignore_index;
+  const std::int64_t tl = local_;
+  TROUPE_CHECK(mb.ids.dim() == 2 && mb.ids.size(1) == seq_ && mb.targets.sizes() == mb.ids.sizes(),
+               "context parallelism: microbatch ", k, " must be [rows, ", seq_,
+               "] ids and targets, got ", describe(mb.ids), " and ", describe(mb.targets));
+  const std::int64_t rows = mb.ids.size(0);
+  const auto* ids = mb.ids.data_as<std::int32_t>();
+  const auto* targets = mb.targets.data_as<std::int32_t>();
+  ids_.resize(static_cast<std::size_t>(rows * tl));
+  targets_.resize(ids_.size());
+  std::int64_t counted = 0, mine = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t i = 0; i < seq_; ++i) counted += targets[r * seq_ + i] != ignore_index;
+    for (const auto& p : pieces_) {
+      std::copy_n(ids + r * seq_ + p.start, p.length, ids_.begin() + r * tl + p.local);
+      std::copy_n(targets + r * seq_ + p.start, p.length, targets_.begin() + r * tl + p.local);
     }
-    microbatch_data out;
-    out.ids = tensor(ids_.data(), ids_.size() * 4, dtype::i32, {rows, tl});
-    out.targets = tensor(targets_.data(), targets_.size() * 4, dtype::i32, {rows, tl});
-    out.weight =
-        counted == 0 ? 0.0 : mb.weight * static_cast<double>(mine) / static_cast<double>(counted);
-    return out;
-  });
+    for (std::int64_t i = 0; i < tl; ++i) mine += targets_[r * tl + i] != ignore_index;
+  }
+  microbatch_data out;
+  out.ids = tensor(ids_.data(), ids_.size() * 4, dtype::i32, {rows, tl});
+  out.targets = tensor(targets_.data(), targets_.size() * 4, dtype::i32, {rows, tl});
+  out.weight =
+      counted == 0 ? 0.0 : mb.weight * static_cast<double>(mine) / static_cast<double>(counted);
+  return out;
 }
 
 }  // namespace troupe::models::parallel

@@ -34,6 +34,7 @@
 // (grouped-query heads travel as they are); f32 models only (the ring's merge has no bf16 kernel).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -64,12 +65,33 @@ class ulysses_exchange final : public sequence_exchange {
   void to_sequence(const tensor& x, const tensor& y,
                    std::span<const std::int64_t> sections) override;
   tensor get(buffer which, const shape& s, dtype t) override;
+  // Under a pipeline (context_pipeline.hpp): the layer's state kept for backward (its heads of the
+  // attention output, and of the repeated kv heads) moves into stash buffer `slot` (save) or back
+  // from it, by swapping buffers (no copy).
+  void keep(std::size_t slot, bool save);
 
  private:
   collective::communicator& cp_;
   std::shared_ptr<ulysses_pool> pool_;
-  owned_tensor att_heads_;  // this layer's
-  owned_tensor kv_heads_;   // this layer's (GQA with n_kv_head < cp)
+  owned_tensor att_heads_;                         // this layer's
+  owned_tensor kv_heads_;                          // this layer's (GQA with n_kv_head < cp)
+  std::vector<std::array<owned_tensor, 2>> kept_;  // keep()'s, per stash buffer
+};
+
+// This rank's columns of whole-row microbatches [rows, seq]: the ids and targets at its `pieces`
+// and the weight share weight x n_r / N (see the top). The returned tensors stay valid until the
+// next call.
+class cp_columns {
+ public:
+  cp_columns(std::int64_t seq, std::vector<sequence_piece> pieces);
+  microbatch_data operator()(const microbatch_data& whole, int k);
+  std::int64_t local_seq() const { return local_; }
+  const std::vector<sequence_piece>& pieces() const { return pieces_; }
+
+ private:
+  std::int64_t seq_ = 0, local_ = 0;
+  std::vector<sequence_piece> pieces_;
+  std::vector<std::int32_t> ids_, targets_;
 };
 
 class cp_piece final : public grad_producer {
@@ -116,7 +138,7 @@ class cp_piece final : public grad_producer {
   owned_tensor positions_;              // ring mode: the global positions of the local tokens
   std::vector<sequence_piece> pieces_;
   std::unique_ptr<model_producer> inner_;
-  std::vector<std::int32_t> ids_, targets_;  // this rank's columns of the microbatch
+  std::unique_ptr<cp_columns> columns_;
 };
 
 }  // namespace troupe::models::parallel

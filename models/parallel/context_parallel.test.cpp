@@ -321,19 +321,9 @@ TEST_CASE(
   CHECK_THAT(said, Catch::Contains("parallel.cp = 2") && Catch::Contains("mixture-of-experts"));
 }
 
-TEST_CASE("Ring over a bf16 model and a seq that does not split into 2 cp chunks are refused",
+TEST_CASE("Ring over a seq that does not split into 2 cp chunks is refused",
           "[parallel][cp][faults]") {
   std::string said;
-  try {
-    t::run_ranks(2, [&](int, collective::communicator& comm) {
-      cp_piece piece(tiny_model(true), 1, 8, comm, dtype::bf16, false, cp_mode_kind::ring);
-    });
-  } catch (const std::exception& e) {
-    said = e.what();
-  }
-  std::printf("faults: ring cp2 of a bf16 model -> refused: %s\n", said.c_str());
-  CHECK_THAT(said, Catch::Contains("parallel.cp_mode = \"ring\"") && Catch::Contains("bf16"));
-  said.clear();
   try {
     t::run_ranks(2, [&](int, collective::communicator& comm) {
       cp_piece piece(tiny_model(false), 1, 6, comm, dtype::f32, false, cp_mode_kind::ring);

@@ -17,6 +17,7 @@
 #include "models/hf/file_io.hpp"
 #include "models/hf/training_state.hpp"
 #include "models/parallel/context_parallel.hpp"
+#include "models/parallel/context_pipeline.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/expert_parallel.hpp"
 #include "models/parallel/gpt_stage.hpp"
@@ -57,6 +58,18 @@ std::string blocks_of(const pipeline_stage& s) {
   for (int c = 0; c < s.chunks(); ++c)
     out += fmt::format("{}{}-{}", c ? ", " : "", s.first_block(c), s.end_block(c) - 1);
   return out;
+}
+
+// "0-3, 12-15": the runs of positions a context-parallel rank holds.
+std::string positions_of(const std::vector<sequence_piece>& pieces) {
+  std::string at;
+  for (const auto& p : pieces)
+    at += fmt::format("{}{}-{}", at.empty() ? "" : ", ", p.start, p.start + p.length - 1);
+  return at;
+}
+
+const char* cp_mode_label(scheduler::cp_mode_kind m) {
+  return m == scheduler::cp_mode_kind::ring ? "ring attention, zigzag" : "Ulysses";
 }
 
 int size_of(collective::communicator* c, const char* what) {
@@ -223,7 +236,9 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
         if (plan.pp > 1) {
           stage_options o = stage_options::of(plan, g.pp->rank(), shape);
           o.type = compute;
-          I.stage = std::make_unique<stage<F>>(c, dims, o, tg);
+          // Context parallelism inside the stages: each holds seq / cp positions of every sample.
+          const batch_dims sd{dims.batch, plan.cp > 1 ? dims.seq / plan.cp : dims.seq};
+          I.stage = std::make_unique<stage<F>>(c, sd, o, tg);
         } else {
           I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg, compute);
         }
@@ -233,22 +248,27 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     auto runner = std::make_unique<pipeline_runner>(*I.stage, *g.pp, plan, g.mp);
     runner->trace_to(cfg.pipe_trace);
     I.runner = runner.get();
-    I.piece = std::move(runner);
     I.description =
         fmt::format("stage {} of {} (blocks {}){}", g.pp->rank(), plan.pp, blocks_of(*I.stage),
                     plan.tp > 1 ? fmt::format(", tensor shard {} of {}{}", g.tp->rank(), plan.tp,
                                               plan.sp ? " (sequence parallel)" : "")
                                 : std::string());
+    if (plan.cp > 1) {  // context parallelism inside the stage (context_pipeline.hpp)
+      auto piece = std::make_unique<cp_pipeline_piece>(std::move(runner), *I.stage, cfg.seq, *g.cp,
+                                                       plan.cp_mode);
+      I.description += fmt::format(" on positions {} of each sample ({}, cp {} of {})",
+                                   positions_of(piece->pieces()), cp_mode_label(plan.cp_mode),
+                                   g.cp->rank(), plan.cp);
+      I.piece = std::move(piece);
+    } else {
+      I.piece = std::move(runner);
+    }
   } else if (plan.cp > 1) {
     auto piece = std::make_unique<cp_piece>(model, dims.batch, cfg.seq, *g.cp, compute, recompute,
                                             plan.cp_mode);
-    std::string at;
-    for (const auto& p : piece->pieces())
-      at += fmt::format("{}{}-{}", at.empty() ? "" : ", ", p.start, p.start + p.length - 1);
-    I.description = fmt::format(
-        "whole model on positions {} of each sample ({}, cp {} of {})", at,
-        plan.cp_mode == scheduler::cp_mode_kind::ring ? "ring attention, zigzag" : "Ulysses",
-        g.cp->rank(), plan.cp);
+    I.description = fmt::format("whole model on positions {} of each sample ({}, cp {} of {})",
+                                positions_of(piece->pieces()), cp_mode_label(plan.cp_mode),
+                                g.cp->rank(), plan.cp);
     I.piece = std::move(piece);
   } else if (plan.tp == 1) {
     I.model = make_causal_lm(model, dims, compute, device::cpu(), {.recompute = recompute});

@@ -1,6 +1,6 @@
-// hybrid_trainer: one rank's part of a dp x pp x tp (or dp x cp) training run, composed from the
-// pieces of models/parallel: the rank's model piece (the whole model, a tensor-parallel shard, a
-// pipeline stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine
+// hybrid_trainer: one rank's part of a dp x pp x tp (or dp x cp x pp) training run, composed from
+// the pieces of models/parallel: the rank's model piece (the whole model, a tensor-parallel shard,
+// a pipeline stage, or a shard of a stage) as a grad_producer, driven by the data-parallel engine
 // (dp_trainer: gradient buckets, ZeRO, clipping over the model-parallel group, AdamW). With
 // parallel.ep > 1 (an MoE model) the piece is the rank's experts and everything else, trained by
 // ep_trainer (expert_parallel.hpp) over the dp, ep and edp groups instead.

@@ -42,7 +42,10 @@ void tp_gpt_front::add_positions(const tensor& pos_ids, const tensor& x0) {
 void tp_gpt_front::forward(const tensor& ids, const tensor& x0) {
   const std::int64_t rows = x0.size(1);  // the shard's positions: rank * rows.. with SP
   wte.forward(ids, x0);
-  add_positions(positions.narrow(0, tp.sequence_parallel ? tp.rank() * rows : 0, rows), x0);
+  add_positions(context_positions.defined()
+                    ? context_positions.narrow(0, 0, rows)
+                    : positions.narrow(0, tp.sequence_parallel ? tp.rank() * rows : 0, rows),
+                x0);
 }
 
 void tp_gpt_front::forward_step(const tensor& ids, std::int64_t start, const tensor& x0) {
@@ -63,7 +66,9 @@ void tp_gpt_front::backward(const tensor& dx0) {
   tensor d = planned_view(dpos, {t, dim}, "tp_gpt front", "dpos");
   ops::fill(d, 0.0);
   for (std::int64_t r = 0; r < b; ++r) ops::add(d, d0.select(0, r), d);
-  wpe.ids = positions.narrow(0, 0, t);  // every position, as d0 covers them all
+  // Every position, as d0 covers them all (context parallelism: the stage's own).
+  wpe.ids =
+      context_positions.defined() ? context_positions.narrow(0, 0, t) : positions.narrow(0, 0, t);
   wpe.backward(d);
 }
 

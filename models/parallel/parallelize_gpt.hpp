@@ -41,6 +41,9 @@ struct tp_gpt_front {
   owned_tensor positions;             // i32 0..max_seq-1
   tensor pos_emb;                     // activation [T_local, C]
   tensor dpos, dx0_full, gather_buf;  // backward scratch
+  // Context parallelism (tp_trunk::set_context): i32 [T_local], the global positions of the
+  // stage's tokens, read instead of 0..T-1; undefined: none.
+  tensor context_positions;
 
   tp_gpt_front(const gpt_config& c, tp_group g);
   void declare(slot_list& s, batch_dims d);           // wte, wpe, pos_emb

@@ -187,6 +187,10 @@ void pipeline_stage::move_pages(int chunk, std::size_t slot, bool to_arena) {
     std::memcpy(kept, arena, ch.page_bytes);
 }
 
+void pipeline_stage::set_context(const stage_context&) {
+  TROUPE_FAIL(what_, " (stage ", stage_, "): this stage cannot run context parallelism");
+}
+
 void pipeline_stage::begin_step(int microbatches) {
   TROUPE_CHECK(broken_.empty(), what_, ": a stash of an earlier step failed half way (", broken_,
                "); this stage cannot run another step");

@@ -45,6 +45,8 @@
 #include <string_view>
 #include <vector>
 
+#include "models/layers/sequence_exchange.hpp"
+#include "models/layers/sequence_ring.hpp"
 #include "models/layers/slots.hpp"
 #include "models/layers/weight_grads.hpp"
 #include "models/parallel/page_swap.hpp"
@@ -74,6 +76,18 @@ struct stage_options {
                           const scheduler::model_shape& m);
 };
 
+// Context parallelism inside a stage (context_pipeline.hpp): the stage's tokens are the positions
+// `positions` (i32 [T_local]) of each sample, which learned positions read; each held block's
+// attention exchanges its heads through exchange(block) (Ulysses) or runs its core through
+// `ring`; keep(block, slot, save) moves a block's attention state outside the arena (the
+// exchange's heads kept for backward) into stash buffer `slot` of its chunk (save) and back.
+struct stage_context {
+  tensor positions;
+  std::function<sequence_exchange*(std::int64_t block)> exchange;
+  sequence_ring* ring = nullptr;
+  std::function<void(std::int64_t block, std::size_t slot, bool save)> keep;
+};
+
 // Called after the backward of a block (global index) has added its gradients.
 using block_hook = std::function<void(std::int64_t block)>;
 
@@ -99,6 +113,10 @@ class pipeline_stage {
   // The shape of an activation or gradient passed between virtual stages.
   const shape& boundary() const { return boundary_; }
   dtype boundary_type() const { return type_; }  // the stage's dtype (stage_options::type)
+
+  // Context parallelism (stage_context above), set once after construction; refused by stages
+  // without it.
+  virtual void set_context(const stage_context& c);
 
   // Starts a step of `microbatches`, dropping whatever a failed step left in flight.
   void begin_step(int microbatches);

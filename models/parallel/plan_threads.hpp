@@ -1,5 +1,6 @@
-// plan_threads: a test helper that runs one thread per rank of a plan's dp x pp x tp grid over
-// local communicators (the plan tests: mixed_plans.test.cpp, models/post/plan_samples.test.cpp).
+// plan_threads: a test helper that runs one thread per rank of a plan's dp x cp x pp x tp grid
+// over local communicators (the plan tests: mixed_plans.test.cpp,
+// models/post/plan_samples.test.cpp).
 #pragma once
 
 #include <exception>
@@ -25,11 +26,20 @@ inline void run_plan(const scheduler::parallel_plan& plan,
                      const std::function<void(int, const parallel::hybrid_groups&)>& fn) {
   const int n = plan.world_size();
   auto world = std::make_shared<collective::local_world>(n);
-  collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
+  // Context parallelism: the grid's "cp" axis (scheduler::grid_order) and the cp and dp x cp
+  // groups, as actors/training.cpp builds them.
+  std::vector<collective::grid_axis> axes_of_grid;
+  for (const auto& a : scheduler::grid_order(plan))
+    if (a != "cp" || plan.cp > 1) axes_of_grid.push_back({a, scheduler::degree_of(plan, a)});
+  collective::rank_grid grid(axes_of_grid);
+  std::vector<std::vector<std::string>> groups{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}};
+  if (plan.cp > 1) {
+    groups.push_back({"cp"});
+    groups.push_back({"dp", "cp"});
+  }
   std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
   for (int r = 0; r < n; ++r)
-    for (const auto& axes :
-         std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
+    for (const auto& axes : groups)
       comms[r].push_back(
           collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
   std::vector<std::exception_ptr> err(n);
@@ -40,7 +50,12 @@ inline void run_plan(const scheduler::parallel_plan& plan,
     threads.emplace_back([&, r] {
       try {
         auto& c = comms[r];
-        fn(r, parallel::hybrid_groups{c[0].get(), c[1].get(), c[2].get(), c[3].get()});
+        parallel::hybrid_groups g{c[0].get(), c[1].get(), c[2].get(), c[3].get()};
+        if (plan.cp > 1) {
+          g.cp = c[4].get();
+          g.dp_cp = c[5].get();
+        }
+        fn(r, g);
       } catch (...) {
         err[r] = std::current_exception();
         std::lock_guard lk(mu);

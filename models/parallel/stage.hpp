@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,11 @@ class stage final : public pipeline_stage {
                 bool to_grads = false) const override;
   void init_weights(std::uint64_t seed) override;
   void step_chunk(int chunk, const tensor& in, const tensor& y, std::int64_t start) override;
+  // Context parallelism (tp_group{} only): every held block's attention and the front's positions.
+  void set_context(const stage_context& c) override {
+    trunk_.set_context(c.positions, c.exchange, c.ring);
+    keep_ = c.keep;
+  }
 
  private:
   static std::string who() { return std::string(F::name) + "_stage"; }
@@ -70,6 +76,7 @@ class stage final : public pipeline_stage {
   // and its per-token objective with the row weights it gave (tp_head::objective).
   std::vector<token_objective> objective_saved_;
   std::vector<std::vector<double>> row_weights_saved_;
+  std::function<void(std::int64_t, std::size_t, bool)> keep_;  // set_context's
 };
 
 // ---- definitions (instantiated with the families' tp parts) ------------------------------------
@@ -138,6 +145,8 @@ void stage<F>::step_chunk(int c, const tensor& in, const tensor& y, std::int64_t
 
 template <tp_family F>
 void stage<F>::save_extra(int c, std::size_t slot) {
+  if (keep_)
+    for (std::int64_t i = first_block(c); i < end_block(c); ++i) keep_(i, slot, true);
   if (holds_first(c)) {
     if (tokens_saved_.size() <= slot) tokens_saved_.resize(slot + 1);
     tokens_saved_[slot] = trunk_.front().tokens();
@@ -154,6 +163,8 @@ void stage<F>::save_extra(int c, std::size_t slot) {
 
 template <tp_family F>
 void stage<F>::restore_extra(int c, std::size_t slot) {
+  if (keep_)
+    for (std::int64_t i = first_block(c); i < end_block(c); ++i) keep_(i, slot, false);
   if (holds_first(c)) trunk_.front().tokens() = tokens_saved_[slot];
   if (holds_last(c)) {
     trunk_.back().loss.count = count_saved_[slot];

@@ -71,6 +71,13 @@ class tp_trunk {
   // Declares a span: the front, per block "x.<i>" and the block "<scope>.<i>" (recompute: in a
   // recomputed scope, slots.hpp), then "x.<n_layer>" and the back. Spans in block order.
   void declare(slot_list& s, block_span span, bool recompute);
+  // Context parallelism (models/parallel/context_pipeline.hpp; an unsharded trunk only): the
+  // tokens are the positions `positions` (i32 [T], the planned seq; kept, not copied) of each
+  // sample, which a front with learned positions reads; every held block's attention exchanges
+  // its heads through exchange(i) (Ulysses) or runs its core through `ring` (attention.hpp).
+  void set_context(const tensor& positions,
+                   const std::function<sequence_exchange*(std::int64_t block)>& exchange,
+                   sequence_ring* ring);
   // After the spans: the backward scratch (dx_a, dx_b, the front's).
   void declare_scratch(slot_list& s);
   // After the memory is bound: a tied head held with the front reads the front's token embedding.
@@ -163,6 +170,25 @@ void tp_trunk<F>::declare(slot_list& s, block_span span, bool recompute) {
                 !back_.cfg.tied ? parts::head_scope(cfg_)
                                 : (has_front_ ? std::string_view{} : parts::token_scope));
   has_back_ = true;
+}
+
+template <tp_family F>
+void tp_trunk<F>::set_context(const tensor& positions,
+                              const std::function<sequence_exchange*(std::int64_t block)>& exchange,
+                              sequence_ring* ring) {
+  TROUPE_CHECK(tp_.size() == 1, who_, ": context parallelism runs on unsharded stages only ",
+               "(parallel.cp with parallel.tp = ", tp_.size(), " is not written yet)");
+  TROUPE_CHECK(!positions.defined() ||
+                   (positions.type() == dtype::i32 && positions.sizes() == shape({dims_.seq})),
+               who_, ": context positions must be i32 [", dims_.seq, "], got ",
+               describe(positions));
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (!blocks_[i]) continue;
+    auto& a = const_cast<attention&>(parts::attention_of(*blocks_[i]));
+    a.exchange = exchange ? exchange(static_cast<std::int64_t>(i)) : nullptr;
+    a.ring = ring;
+  }
+  if constexpr (requires { front_.context_positions; }) front_.context_positions = positions;
 }
 
 template <tp_family F>

@@ -1,6 +1,7 @@
 // `troupe launch ... -- troupe train --cp 2 --cp-mode ulysses|ring` across real processes: every
-// sample's 32 positions split over 2 ranks (Ulysses: models/parallel/context_parallel.hpp), alone
-// and under dp 2, train GPT-2 and grouped-query Llama with the single-process `troupe train`'s
+// sample's 32 positions split over 2 ranks (Ulysses: models/parallel/context_parallel.hpp), alone,
+// under dp 2 and inside 2 pipeline stages (context_pipeline.hpp), train GPT-2 and grouped-query
+// Llama with the single-process `troupe train`'s
 // losses as far as f32 rounding goes (train_runs.hpp's same_losses against the f64 twin).
 #include <catch2/catch.hpp>
 
@@ -50,5 +51,28 @@ TEST_CASE("A launched ring cp2 run trains like the single process", "[multirank]
                         Catch::Contains("positions 8-15, 16-23 of each sample (ring attention, "
                                         "zigzag, cp 1 of 2)"));
     same_losses(got, want);
+  }
+}
+
+TEST_CASE("Launched ring and Ulysses cp2 x pp2 runs train like the single process", "[multirank]") {
+  // 4 processes: two pipeline stages, each stage's blocks context parallel over the 2 ranks that
+  // hold it (models/parallel/context_pipeline.hpp); 1F1B over 4 microbatches of 2 rows, so the
+  // first stage stashes microbatches in flight (with Ulysses, the heads its exchanges keep).
+  const int steps = 8;
+  for (const std::string model : {"gpt2-demo", "llama-tiny"}) {
+    INFO(model);
+    scratch_dir dir("cp-pp-" + model);
+    const reference_losses want = single_and_twin(model, steps, dir.path);
+    for (const std::string mode : {"ring", "ulysses"}) {
+      INFO(mode);
+      std::string out;
+      const auto got =
+          launched(4, model, steps, dir.path, "cp2pp2-" + mode,
+                   {"--cp", "2", "--pp", "2", "--cp-mode", mode, "--microbatches", "4"}, &out);
+      CHECK_THAT(out, Catch::Contains("cp2 (" + mode + ") x pp2") &&
+                          Catch::Contains("stage 1 of 2 (blocks ") &&
+                          Catch::Contains(", cp 1 of 2)"));
+      same_losses(got, want);
+    }
   }
 }
