@@ -45,6 +45,7 @@ struct ring_args {
   std::int64_t seq = 16384, batch = 1, heads = 8, kv_heads = 2, head_dim = 64;
   int cp = 4;
   std::string layout = "zigzag";
+  std::string dtype = "f32";  // f32, bf16 or f16 (the timed runs; --check is f32)
   double budget_mib = 96;
   bool check = false;
 };
@@ -68,9 +69,16 @@ double draw(std::uint64_t which, std::uint64_t i, double scale) {
   return scale * (static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
 }
 
-// Fills x [B, Tl, H, D] (host, f32 or f64) with the rank's tokens of input `which`.
+// Fills x [B, Tl, H, D] (host, f32 or f64; bf16 and f16 through an f32 copy) with the rank's
+// tokens of input `which`.
 void fill_part(const tensor& x, std::uint64_t which, double scale, std::int64_t t, int cp, int rank,
                models::sequence_layout layout) {
+  if (x.type() == dtype::bf16 || x.type() == dtype::f16) {
+    owned_tensor wide = empty(x.sizes(), dtype::f32);
+    fill_part(wide, which, scale, t, cp, rank, layout);
+    ops::copy(wide, x);
+    return;
+  }
   const auto pos = models::local_positions(t, cp, rank, layout);
   const std::int64_t b = x.size(0), tl = x.size(1), row = x.size(2) * x.size(3);
   for (std::int64_t bi = 0; bi < b; ++bi)
@@ -93,8 +101,10 @@ struct attn_tensors {
 
 attn_tensors make_tensors(const ring_args& a, std::int64_t t, dtype type) {
   const shape qs{a.batch, t, a.heads, a.head_dim}, ks{a.batch, t, a.kv_heads, a.head_dim};
+  // The log-sum-exp of 16-bit attention is f32 (tensor/ops.hpp).
+  const dtype stat = type == dtype::bf16 || type == dtype::f16 ? dtype::f32 : type;
   return {empty(qs, type), empty(ks, type), empty(ks, type),
-          empty(qs, type), empty(qs, type), empty({a.batch, a.heads, t}, type),
+          empty(qs, type), empty(qs, type), empty({a.batch, a.heads, t}, stat),
           empty(qs, type), empty(ks, type), empty(ks, type)};
 }
 
@@ -154,6 +164,11 @@ int run(const ring_args& a) {
   TROUPE_CHECK(a.layout == "contiguous" || a.layout == "zigzag",
                "bench ring-attention: --layout must be zigzag or contiguous, got ", a.layout);
   TROUPE_CHECK(a.cp >= 1, "bench ring-attention: --cp must be at least 1, got ", a.cp);
+  const dtype type = a.dtype == "bf16" ? dtype::bf16 : a.dtype == "f16" ? dtype::f16 : dtype::f32;
+  TROUPE_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16",
+               "bench ring-attention: --dtype must be f32, bf16 or f16, got ", a.dtype);
+  TROUPE_CHECK(!a.check || type == dtype::f32, "bench ring-attention: --check runs in f32 only ",
+               "(--dtype ", a.dtype, "); the 16-bit ring is checked by models/layers tests");
   // Checked here, before the ranks fork: a rank holds --seq / --cp tokens (zigzag: two chunks).
   const std::int64_t pieces = layout == models::sequence_layout::zigzag ? 2 * a.cp : a.cp;
   TROUPE_CHECK(a.seq > 0 && a.seq % pieces == 0, "bench ring-attention: --seq ", a.seq,
@@ -177,7 +192,7 @@ int run(const ring_args& a) {
         [&](collective::ucx_transport&) {
           const std::int64_t before = memory::stats(memory::tier::host).in_use;
           memory::reset_peak(memory::tier::host);
-          attn_tensors x = make_tensors(a, a.seq, dtype::f32);
+          attn_tensors x = make_tensors(a, a.seq, type);
           fill_inputs(x, a, 1, 0, layout);
           const auto t0 = clock::now();
           single_rank(x);
@@ -198,13 +213,14 @@ int run(const ring_args& a) {
         const std::int64_t before = memory::stats(memory::tier::host).in_use;
         memory::reset_peak(memory::tier::host);
         const std::int64_t tl = a.seq / a.cp;
-        attn_tensors x = make_tensors(a, tl, dtype::f32);
+        attn_tensors x = make_tensors(a, tl, type);
         fill_inputs(x, a, a.cp, r, layout);
         models::ring_attention op(comm, {.batch = a.batch,
                                          .local_seq = tl,
                                          .n_head = a.heads,
                                          .n_kv_head = a.kv_heads,
                                          .head_dim = a.head_dim,
+                                         .type = type,
                                          .layout = layout});
         comm.barrier().wait();
         const auto t0 = clock::now();
@@ -231,8 +247,8 @@ int run(const ring_args& a) {
   }
 
   const double mib = 1024.0 * 1024.0;
-  fmt::print("causal attention forward + backward, f32, B {} T {} heads {} kv heads {} D {}\n",
-             a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
+  fmt::print("causal attention forward + backward, {}, B {} T {} heads {} kv heads {} D {}\n",
+             a.dtype, a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
   fmt::print("budget per rank: {:.1f} MiB of host tier\n", a.budget_mib);
   fmt::print("{:<28} {:>6} {:>16} {:>16} {:>8} {:>10} {:>12} {:>10}\n", "run", "ranks",
              "peak/rank MiB", "workspace MiB", "fits", "seconds", "tokens/s", "blocked s");
@@ -281,6 +297,9 @@ command_fn add_bench_ring_command(CLI::App& bench) {
   c->add_option("--kv-heads", a->kv_heads, "key/value heads")->capture_default_str();
   c->add_option("--head-dim", a->head_dim, "head dimension D")->capture_default_str();
   c->add_option("--layout", a->layout, "zigzag or contiguous")->capture_default_str();
+  c->add_option("--dtype", a->dtype,
+                "f32, bf16 or f16 (16 bits: blocks travel in 16 bits, computed and merged in f32)")
+      ->capture_default_str();
   c->add_option("--budget-mib", a->budget_mib,
                 "the per-rank host memory budget the report "
                 "compares peaks with")

@@ -1,10 +1,12 @@
 // `troupe launch ... -- troupe train --cp 2 --cp-mode ulysses|ring` across real processes: every
 // sample's 32 positions split over 2 ranks (Ulysses: models/parallel/context_parallel.hpp), alone,
 // under dp 2 and inside 2 pipeline stages (context_pipeline.hpp), train GPT-2 and grouped-query
-// Llama with the single-process `troupe train`'s
-// losses as far as f32 rounding goes (train_runs.hpp's same_losses against the f64 twin).
+// Llama with the single-process `troupe train`'s losses as far as f32 rounding goes
+// (train_runs.hpp's same_losses against the f64 twin); ring attention in bf16 as accurately as the
+// single bf16 run.
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -75,4 +77,27 @@ TEST_CASE("Launched ring and Ulysses cp2 x pp2 runs train like the single proces
       same_losses(got, want);
     }
   }
+}
+
+// Ring attention in bf16 across processes (models/layers/ring_attention.hpp: blocks travel in
+// bf16, computed and merged in f32): the rule of tests/multirank/bf16_train.test.cpp, the plan's
+// losses and the single-process bf16 run's both against the f64 twin, within default_k.
+TEST_CASE("A launched bf16 ring cp2 x pp2 run trains like the single process bf16", "[multirank]") {
+  const int steps = 4;
+  scratch_dir dir("cp-ring-bf16");
+  reference_losses want;
+  want.f32 = single("llama-tiny", steps, dir.path, {"--precision", "bf16"}, "single-bf16");
+  want.f64 = single("llama-tiny", steps, dir.path, {"--precision", "f64"}, "single-f64");
+  REQUIRE(want.f32.size() == static_cast<std::size_t>(steps));
+  std::string out;
+  const auto got = launched(
+      4, "llama-tiny", steps, dir.path, "ring-bf16",
+      {"--precision", "bf16", "--cp", "2", "--pp", "2", "--cp-mode", "ring", "--microbatches", "4"},
+      &out);
+  CHECK_THAT(out, Catch::Contains("ring attention, zigzag, cp 1 of 2), bf16 with f32 master"));
+  REQUIRE(got.size() == want.f32.size());
+  const auto v = as_accurate_as(got, want.f32, want.f64, default_k);
+  if (print_ratios()) std::printf("ratios: ring cp2 x pp2 bf16 losses: %s\n", v.str().c_str());
+  INFO("losses: " << v.str());
+  CHECK(v.ok());
 }
