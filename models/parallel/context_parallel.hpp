@@ -23,7 +23,9 @@
 // touches the gradients, and ZeRO shards over dp x cp ranks. Replicated parameters thus need no
 // norm group; every rank counts every parameter.
 //
-// Composition: dp x cp so far (tp = pp = 1, refused by scheduler::validate); f32 and bf16 models.
+// Composition: dp x cp here, and dp x cp x pp with the same exchanges and ring inside pipeline
+// stages (context_pipeline.hpp); not with tp (refused by scheduler::validate naming parallel.tp);
+// f32 and bf16 models, and f16 (tested with ring mode only).
 //
 // Ring mode (parallel.cp_mode = "ring"): the same piece, each rank holding the zigzag pieces of
 // every sample (models/layers/sequence_split.hpp: chunks r and 2 cp - 1 - r of 2 cp, so T must
@@ -31,7 +33,8 @@
 // over the cp ranks (ring_context.hpp, models/layers/ring_attention.hpp), RoPE and GPT-2's learned
 // positions read the pieces' global positions (trunk::set_ring_context). The loss share and the
 // gradient reduction are Ulysses' above, over the rank's zigzag columns. No head count condition
-// (grouped-query heads travel as they are); f32 models only (the ring's merge has no bf16 kernel).
+// (grouped-query heads travel as they are); f32, bf16 and f16 (ring_attention.hpp: 16-bit blocks
+// computed and merged in f32).
 #pragma once
 
 #include <array>
@@ -99,8 +102,8 @@ class cp_piece final : public grad_producer {
   // The model of `model` planned for [rows, seq / cp.size()] (dtype t; recompute: per block,
   // models/trunk.hpp), this rank's part of the sequence cp.rank(). Refused naming parallel.cp: an
   // MoE model, a seq or head count that cp does not divide.
-  // Ring mode: this rank's zigzag pieces; refused naming parallel.cp_mode for bf16, naming
-  // parallel.cp when 2 cp does not divide seq.
+  // Ring mode: this rank's zigzag pieces; refused naming parallel.cp when 2 cp does not divide
+  // seq.
   cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_t seq,
            collective::communicator& cp, dtype t = dtype::f32, bool recompute = false,
            scheduler::cp_mode_kind mode = scheduler::cp_mode_kind::ulysses);
