@@ -1,8 +1,9 @@
 // Context parallelism inside pipeline stages (context_pipeline.hpp) under hybrid_trainer, ranks as
-// threads of one process: Ulysses and ring cp2 x pp2 (1F1B and interleaved, with and without
-// recompute, and under dp2) train GPT-2 and grouped-query Llama as the single-process trainer does
-// at the same tokens per step, by the f32 rule (tests/rounding.hpp, exact_run.hpp): the losses,
-// gradient norms and final weights as accurate as the single process's against its f64 twin.
+// threads of one process: Ulysses and ring cp2 x pp2 (1F1B, interleaved and zero-bubble, with and
+// without recompute, and under dp2 with ZeRO 0 and 2) train GPT-2 and grouped-query Llama as the
+// single-process trainer does at the same tokens per step, by the f32 rule (tests/rounding.hpp,
+// exact_run.hpp): the losses, gradient norms and final weights as accurate as the single process's
+// against its f64 twin.
 #include <catch2/catch.hpp>
 
 #include <array>
@@ -101,6 +102,7 @@ struct plan_row {
   int dp, cp, pp;
   scheduler::schedule_kind schedule;
   bool recompute;
+  int zero = 0;
 };
 
 scheduler::parallel_plan plan_of(const plan_row& row) {
@@ -113,6 +115,7 @@ scheduler::parallel_plan plan_of(const plan_row& row) {
   p.virtual_stages = row.schedule == scheduler::schedule_kind::interleaved ? 2 : 1;
   p.microbatches = 4 / row.dp;  // one row per microbatch: the first stage stashes 1F1B's in flight
   if (row.recompute) p.recompute = scheduler::recompute_policy::full;
+  p.zero = row.zero;  // ZeRO 1, 2: sharded over the dp x cp ranks of a stage
   return p;
 }
 
@@ -145,25 +148,31 @@ void check_rows(std::initializer_list<plan_row> rows) {
 
 constexpr auto one_f_one_b = scheduler::schedule_kind::one_f_one_b;
 constexpr auto interleaved = scheduler::schedule_kind::interleaved;
+constexpr auto zero_bubble = scheduler::schedule_kind::zero_bubble;
 
 }  // namespace
 
 TEST_CASE(
-    "Ulysses cp2 x pp2 under 1F1B and interleaved stages trains like the single process for "
-    "GPT-2 and grouped-query Llama",
+    "Ulysses cp2 x pp2 under 1F1B, interleaved and zero-bubble stages trains like the single "
+    "process for GPT-2 and grouped-query Llama",
     "[parallel][cp]") {
+  // zero-bubble: split backwards, the weight passes deferred (the exchanges' heads are read in
+  // the input-gradient pass, before the stash may move them).
   check_rows({{cp_mode_kind::ulysses, 1, 2, 2, one_f_one_b, false},
               {cp_mode_kind::ulysses, 1, 2, 2, interleaved, false},
-              {cp_mode_kind::ulysses, 1, 2, 2, one_f_one_b, true}});
+              {cp_mode_kind::ulysses, 1, 2, 2, one_f_one_b, true},
+              {cp_mode_kind::ulysses, 1, 2, 2, zero_bubble, false}});
 }
 
 TEST_CASE(
-    "Ring cp2 x pp2 under 1F1B and interleaved stages, and dp2 x cp2 x pp2, train like the "
-    "single process for GPT-2 and grouped-query Llama",
+    "Ring cp2 x pp2 under 1F1B, interleaved and zero-bubble stages, and dp2 x cp2 x pp2 with "
+    "ZeRO 0 and 2, train like the single process for GPT-2 and grouped-query Llama",
     "[parallel][cp]") {
   check_rows({{cp_mode_kind::ring, 1, 2, 2, one_f_one_b, false},
               {cp_mode_kind::ring, 1, 2, 2, interleaved, false},
-              {cp_mode_kind::ring, 2, 2, 2, one_f_one_b, false}});
+              {cp_mode_kind::ring, 1, 2, 2, zero_bubble, false},
+              {cp_mode_kind::ring, 2, 2, 2, one_f_one_b, false},
+              {cp_mode_kind::ring, 2, 2, 2, one_f_one_b, false, 2}});
 }
 
 TEST_CASE("Context parallelism with tensor parallelism is refused naming parallel.tp",
