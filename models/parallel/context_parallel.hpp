@@ -25,7 +25,7 @@
 //
 // Composition: dp x cp here, and dp x cp x pp with the same exchanges and ring inside pipeline
 // stages (context_pipeline.hpp); not with tp (refused by scheduler::validate naming parallel.tp);
-// f32 and bf16 models, and f16 (tested with ring mode only).
+// f32, bf16 and f16 models.
 //
 // Ring mode (parallel.cp_mode = "ring"): the same piece, each rank holding the zigzag pieces of
 // every sample (models/layers/sequence_split.hpp: chunks r and 2 cp - 1 - r of 2 cp, so T must

@@ -695,19 +695,22 @@ TEST_CASE("An f16 overflow on one rank skips the step on every rank of the grid"
   }
 }
 
-// Ring attention in 16 bits (models/layers/ring_attention.hpp): the key/value blocks travel in
-// bf16 / f16 and every block is computed from them in f32 with the online-softmax statistics in
-// f32, out and the gradients rounded once, as the single-rank kernel rounds its results once. So
-// a ring run rounds where the single process does plus the f32 merges: cp2 (whole model per rank)
-// and cp2 x pp2 (1F1B over 4 microbatches) train as accurately as the single process in bf16 by
-// the rule above, and in f16 skip the single process's steps with its scales. seq 8: two zigzag
-// chunks of 2 tokens per rank.
-TEST_CASE("Ring attention in bf16 and f16 under cp2 and cp2 x pp2 trains like the single process",
-          "[parallel][cp]") {
-  auto ring = [](int pp) {
+// Context parallelism in 16 bits. Ring attention (models/layers/ring_attention.hpp): the key/value
+// blocks travel in bf16 / f16 and every block is computed from them in f32 with the online-softmax
+// statistics in f32, out and the gradients rounded once, as the single-rank kernel rounds its
+// results once. So a ring run rounds where the single process does plus the f32 merges; Ulysses
+// moves 16-bit heads (copies, no rounding) and runs the single process's kernel on them. cp2
+// (whole model per rank) and cp2 x pp2 (1F1B over 4 microbatches) train as accurately as the
+// single process in bf16 by the rule above, and in f16 skip the single process's steps with its
+// scales. seq 8: two zigzag chunks of 2 tokens per ring rank.
+TEST_CASE(
+    "Ring and Ulysses context parallelism in bf16 and f16 under cp2 and cp2 x pp2 train like the "
+    "single process",
+    "[parallel][cp]") {
+  auto cp2 = [](int pp, scheduler::cp_mode_kind mode) {
     auto p = plan_of(1, pp, 1);
     p.cp = 2;
-    p.cp_mode = scheduler::cp_mode_kind::ring;
+    p.cp_mode = mode;
     return p;
   };
   for (const std::string precision : {"bf16", "f16"}) {
@@ -717,22 +720,25 @@ TEST_CASE("Ring attention in bf16 and f16 under cp2 and cp2 x pp2 trains like th
       const std::string ref_dir = (tmp / "single").string();
       const auto ref = single(llama, c, ref_dir);
       const auto exact = precision == "bf16" ? exact_single(llama, c) : exact_f16(llama, c, ref);
-      for (int pp : {1, 2}) {
-        const auto plan = ring(pp);
-        INFO((llama ? "llama " : "gpt-2 ") << precision << " " << scheduler::describe(plan));
-        const std::string dir = (tmp / "plan").string();
-        const auto got = planned(llama, c, plan, dir);
-        INFO("rank 0: " << got.described);
-        CHECK(got.described.find("ring attention") != std::string::npos);
-        CHECK(got.described.find(precision + " with f32 master weights") != std::string::npos);
-        if (precision == "bf16") {
-          check_steps(got.steps, ref, exact.run);
-        } else {
-          check_scales(got.steps, ref);
-          check_f16_steps(got.steps, ref, exact.run);
+      for (auto mode : {scheduler::cp_mode_kind::ring, scheduler::cp_mode_kind::ulysses})
+        for (int pp : {1, 2}) {
+          const auto plan = cp2(pp, mode);
+          INFO((llama ? "llama " : "gpt-2 ") << precision << " " << scheduler::describe(plan));
+          const std::string dir = (tmp / "plan").string();
+          const auto got = planned(llama, c, plan, dir);
+          INFO("rank 0: " << got.described);
+          CHECK(got.described.find(mode == scheduler::cp_mode_kind::ring
+                                       ? "ring attention"
+                                       : "Ulysses") != std::string::npos);
+          CHECK(got.described.find(precision + " with f32 master weights") != std::string::npos);
+          if (precision == "bf16") {
+            check_steps(got.steps, ref, exact.run);
+          } else {
+            check_scales(got.steps, ref);
+            check_f16_steps(got.steps, ref, exact.run);
+          }
+          check_weights(llama, dir, ref_dir, exact);
         }
-        check_weights(llama, dir, ref_dir, exact);
-      }
     }
   }
 }
