@@ -1,6 +1,7 @@
 // grpo_loop: the GRPO driver (grpo_loop.hpp).
 #include "actors/grpo_loop.hpp"
 
+#include "actors/grpo_plan_trainer.hpp"
 #include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
 #include "models/post/grpo_loss.hpp"
@@ -40,7 +41,14 @@ std::vector<grpo_iteration> run_grpo(
   job j(n);
   std::vector<role_handle> rollouts;
   for (int rank : opt.rollout_ranks) rollouts.push_back(j.spawn("grpo_rollout", rank));
-  const role_handle trainer = j.spawn("grpo_trainer", opt.trainer_rank);
+  // One grpo_trainer, or the plan's grid of grpo_plan_trainer actors (every one asked the same).
+  const bool planned = !opt.plan_config.empty();
+  std::vector<role_handle> trainers;
+  if (planned)
+    for (int r = 0; r < opt.plan_ranks; ++r) trainers.push_back(j.spawn("grpo_plan_trainer", r));
+  else
+    trainers.push_back(j.spawn("grpo_trainer", opt.trainer_rank));
+  const role_handle trainer = trainers.front();
   const role_handle reward = j.spawn("grpo_reward", opt.reward_rank);
   const bool use_reference = opt.trainer.beta != 0;
   role_handle reference;
@@ -48,12 +56,22 @@ std::vector<grpo_iteration> run_grpo(
 
   grpo_trainer_setup ts = opt.trainer;
   ts.model = {opt.checkpoint, rows, seq};
-  j.ask<std::int64_t>(trainer, ts, opt.timeout);
+  if (planned)
+    j.ask_all<std::int64_t>(trainers,
+                            grpo_plan_setup{opt.plan_config, opt.trainer.epsilon, opt.trainer.beta},
+                            opt.timeout);
+  else
+    j.ask<std::int64_t>(trainer, ts, opt.timeout);
   j.ask_all<std::int64_t>(rollouts, grpo_model_setup{opt.checkpoint, rows / r, seq}, opt.timeout);
   if (use_reference)
     j.ask<std::int64_t>(reference, grpo_model_setup{opt.checkpoint, rows, seq}, opt.timeout);
   auto push = [&]() {
-    return j.ask<grpo_push_reply>(trainer, grpo_push_request{rollouts}, opt.timeout);
+    // Under a plan every piece takes part in gathering the policy; rank 0 sends it.
+    return j.ask_all<grpo_push_reply>(trainers, grpo_push_request{rollouts}, opt.timeout).front();
+  };
+  auto train = [&](const grpo_train_request& tr) {
+    if (!planned) return j.ask<grpo_train_reply>(trainer, tr, opt.timeout);
+    return combine_plan_replies(j.ask_all<grpo_plan_train_reply>(trainers, tr, opt.timeout));
   };
   push();  // version 0: the checkpoint's weights
 
@@ -94,7 +112,7 @@ std::vector<grpo_iteration> run_grpo(
     tr.advantages = models::group_advantages(rewards, opt.group);
     tr.samples = std::move(cur.samples);
     t = clock_type::now();
-    it.train = j.ask<grpo_train_reply>(trainer, tr, opt.timeout);
+    it.train = train(tr);
     it.train_seconds = since(t);
     if (more) {
       if (opt.staleness == 1) {  // the overlapped sampling ends before the weights move
@@ -111,12 +129,13 @@ std::vector<grpo_iteration> run_grpo(
     if (on_iteration) on_iteration(it);
     if (!opt.save_dir.empty() && (!more || (opt.save_every > 0 && (k + 1) % opt.save_every == 0))) {
       const auto saved =
-          j.ask<grpo_save_reply>(trainer, grpo_save_request{opt.save_dir}, opt.timeout);
+          j.ask_all<grpo_save_reply>(trainers, grpo_save_request{opt.save_dir}, opt.timeout)
+              .front();
       if (on_save) on_save(saved, opt.save_dir);
     }
   }
   for (const auto& h : rollouts) j.stop(h);
-  j.stop(trainer);
+  for (const auto& h : trainers) j.stop(h);
   j.stop(reward);
   if (use_reference) j.stop(reference);
   return out;

@@ -8,7 +8,11 @@
 //
 // It runs in one process (a coordinator and one node here, every actor on it), or under
 // `troupe launch -n N`: rank 0 drives and holds the trainer, reward and reference actors, the
-// rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts).
+// rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts). With a plan
+// (--dp, --tp, --pp, --zero, --microbatches, --sp, or [parallel]) of G = dp x tp x pp ranks the
+// trainer is G grpo_plan_trainer actors on ranks 0..G-1 (actors/grpo_plan_trainer.hpp), each
+// stepping its piece on the step's whole batch; the rollout actors sit on ranks G..N-1, or on
+// rank 0 when the plan takes every rank. The reward and reference actors stay on rank 0.
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -24,9 +28,13 @@
 
 #include "actors/bootstrap.hpp"
 #include "actors/grpo_loop.hpp"
+#include "actors/grpo_plan_trainer.hpp"
 #include "actors/grpo_roles.hpp"
 #include "actors/one_rank_job.hpp"
+#include "actors/rl_model.hpp"
 #include "apps/commands.hpp"
+#include "apps/plan_flags.hpp"
+#include "apps/post_launched.hpp"
 #include "apps/post_run.hpp"
 #include "apps/rl_run.hpp"
 #include "models/causal_lm.hpp"
@@ -37,6 +45,8 @@
 #include "models/post/grpo_job.hpp"
 #include "models/post/grpo_prompts.hpp"
 #include "models/text/tokenizer.hpp"
+#include "models/train_config.hpp"
+#include "scheduler/plan.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::apps {
@@ -47,9 +57,46 @@ using models::grpo_job;
 
 using grpo_cli = rl_cli<grpo_job>;
 
-int run_grpo_command(const grpo_cli& c) {
+// The trainer's plan flags (apps/plan_flags.hpp), over the job's [parallel].
+struct grpo_plan_cli {
+  plan_cli plan;
+  config_flags flags;
+};
+
+// The trainer's train_config under the job's plan: [parallel] with the plan flags given over it;
+// AdamW and the batch (the step's rows x seq) are filled in by the driver. Refuses by name what
+// GRPO under a plan does not do.
+models::train_config grpo_plan_config(const grpo_job& j, const grpo_plan_cli& p) {
+  models::train_config tc;
+  tc.plan.dp = static_cast<int>(j.dp);
+  tc.plan.tp = static_cast<int>(j.tp);
+  tc.plan.pp = static_cast<int>(j.pp);
+  tc.plan.zero = static_cast<int>(j.zero);
+  tc.plan.microbatches = static_cast<int>(j.microbatches);
+  tc.plan.sp = j.sp;
+  apply_given(p.flags, tc);
+  refuse_unlaunchable("grpo", tc);
+  const std::int64_t rows = j.prompts_per_step * j.group,
+                     slots = std::int64_t{tc.plan.dp} * tc.plan.microbatches;
+  TROUPE_CHECK(tc.plan.dp >= 1 && tc.plan.microbatches >= 1 && rows % slots == 0,
+               "troupe grpo: grpo.prompts_per_step x grpo.group = ", j.prompts_per_step, " x ",
+               j.group, " = ", rows, " rows per step do not split over parallel.dp (--dp) ",
+               tc.plan.dp, " x parallel.microbatches (--microbatches) ", tc.plan.microbatches);
+  return tc;
+}
+
+int run_grpo_command(const grpo_cli& c, const grpo_plan_cli& pc) {
   const grpo_job j = resolve_rl_job(c, &models::load_grpo_job);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
+  const models::train_config plan_cfg = grpo_plan_config(j, pc);
+  const int grid = plan_cfg.plan.world_size();
+  auto launched = actors::join_info_from_env();
+  if (!launched) refuse_plan_in_one_process("grpo", plan_cfg);
+  if (launched && launched->world_size > 0)
+    TROUPE_CHECK(grid <= launched->world_size, "troupe grpo: parallel.dp x parallel.pp x ",
+                 "parallel.tp = ", plan_cfg.plan.dp, " x ", plan_cfg.plan.pp, " x ",
+                 plan_cfg.plan.tp, " = ", grid, " trainer ranks but the job has ",
+                 launched->world_size, " (troupe launch -n)");
 
   const auto task = prepare_rl_task(j, "grpo");
   const auto& tok = task->tok;
@@ -69,8 +116,12 @@ int run_grpo_command(const grpo_cli& c) {
     scratch_folder scratch;
     actors::grpo_loop_options o;
     o.checkpoint = rl_starting_checkpoint(j, task->mcfg, scratch, "grpo");
-    // The trainer, reward and reference actors on rank 0 (the driver's).
-    o.rollout_ranks = rl_rollout_ranks(j.rollouts, n.world_size());
+    // The trainer, reward and reference actors on rank 0 (the driver's); under a plan the
+    // trainer's pieces on ranks 0..grid-1 and the rollout actors after them.
+    TROUPE_CHECK(grid <= n.world_size(),
+                 "troupe grpo: parallel.dp x parallel.pp x parallel.tp = ", grid,
+                 " trainer ranks but the job has ", n.world_size());
+    o.rollout_ranks = rl_rollout_ranks(j.rollouts, n.world_size(), grid);
     o.iterations = j.steps;
     o.prompts = j.prompts_per_step;
     o.prompt_len = draw.longest();
@@ -91,6 +142,18 @@ int run_grpo_command(const grpo_cli& c) {
     o.trainer.beta = j.kl_coef;
     o.save_dir = j.ckpt_dir;
     o.save_every = j.ckpt_every;
+    if (grid > 1) {
+      // The single-process trainer's settings (AdamW, the step's rows x seq) under the plan.
+      models::train_config tc = actors::rl_train_config(
+          {o.checkpoint, j.prompts_per_step * j.group, o.prompt_len + o.max_new}, j.lr,
+          j.weight_decay, j.clip, j.beta1, j.beta2, j.warmup);
+      tc.plan = plan_cfg.plan;
+      tc.model_hf = o.checkpoint;
+      o.plan_config = models::to_toml(tc);
+      o.plan_ranks = grid;
+      fmt::print("trainer: {} on ranks 0..{} (grpo_plan_trainer pieces)\n",
+                 scheduler::describe(tc.plan), grid - 1);
+    }
 
     fmt::print("troupe grpo: {}, tokenizer {}{}\n", label, tok->name(),
                j.chat_template.empty() ? "" : ", template " + j.chat_template);
@@ -155,7 +218,10 @@ int run_grpo_command(const grpo_cli& c) {
 
   if (!actors::join_info_from_env()) {  // one process: a coordinator and one node here
     actors::one_rank_job node(
-        [&](actors::role_registry& roles) { actors::add_grpo_roles(roles, verifier); },
+        [&](actors::role_registry& roles) {
+          actors::add_grpo_roles(roles, verifier);
+          actors::add_grpo_plan_trainer_role(roles);
+        },
         fmt::format("troupe-grpo-{}", ::getpid()));
     drive(*node.n);
     return 0;
@@ -163,6 +229,7 @@ int run_grpo_command(const grpo_cli& c) {
   // Under troupe launch: every rank registers the roles (each read the same job and prompts).
   actors::role_registry roles;
   actors::add_grpo_roles(roles, verifier);
+  actors::add_grpo_plan_trainer_role(roles);
   actors::node_options no;
   no.roles = &roles;
   actors::node n(no);
@@ -227,9 +294,11 @@ command_fn add_grpo_command(CLI::App& app) {
   sub->add_option("--json", c->json_path, "Per-step JSON lines to this file ('-': stdout)");
   sub->add_option("--threads", c->threads, "CPU threads (0: all)");
   add_job_flags(sub, *c);
-  return [sub, c]() -> int {
+  auto pc = std::make_shared<grpo_plan_cli>();
+  add_plan_flags(sub, pc->plan, pc->flags);
+  return [sub, c, pc]() -> int {
     if (!sub->parsed()) return -1;
-    return run_grpo_command(*c);
+    return run_grpo_command(*c, *pc);
   };
 }
 

@@ -156,11 +156,13 @@ std::string rl_starting_checkpoint(const Job& j, const models::hf::model_config&
 }
 
 // One node: every rollout actor on it (rank 0). Launched on world > 1 ranks: rollout actor i on
-// rank 1 + i % (world - 1); the other actors stay with the driver on rank 0.
-inline std::vector<int> rl_rollout_ranks(std::int64_t rollouts, int world) {
+// rank first + i % (world - first) (first: the ranks before it hold the trainer, 1 or a plan's
+// grid); when no rank is left after them, on rank 0. The other actors stay with the driver on
+// rank 0.
+inline std::vector<int> rl_rollout_ranks(std::int64_t rollouts, int world, int first = 1) {
   std::vector<int> out;
   for (std::int64_t i = 0; i < rollouts; ++i)
-    out.push_back(world > 1 ? 1 + static_cast<int>(i % (world - 1)) : 0);
+    out.push_back(world > first ? first + static_cast<int>(i % (world - first)) : 0);
   return out;
 }
 

@@ -497,6 +497,41 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   return writer ? folder.string() : std::string();
 }
 
+bool hybrid_trainer::gather_parameters(const tensor& to) {
+  auto& I = *impl_;
+  const whole_layout& wl = I.whole->layout();
+  auto& gather = *I.gather;
+  auto& parts = *I.parts;
+  const bool writer = gather.rank() == 0 && parts.rank() == 0;
+  if (I.cfg.plan.zero != 0 && I.dp) I.dp->gather_full_parameters();
+  std::exception_ptr failed;
+  try {
+    TROUPE_CHECK(!writer || (to.defined() && to.type() == dtype::f32 && to.numel() == wl.numel),
+                 "hybrid_trainer::gather_parameters: the whole model's ", wl.numel,
+                 " f32 parameters do not fit the buffer given");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  agree_on_failure(failed, gather, parts, "hybrid_trainer::gather_parameters");
+  if (gather.rank() != 0) return false;  // dp rank 0's replica gathers
+  std::int64_t widest = 0;
+  for (const auto& p : wl.params) widest = std::max(widest, p.numel());
+  owned_tensor scratch = empty({widest});
+  for (const auto& p : wl.params) {
+    const tensor full = scratch.view().narrow(0, 0, p.numel()).reshape(p.sizes);
+    ops::fill(full, 0.0);
+    gather_param(I.layout, I.layout.base, p.name, full);
+    if (parts.size() > 1) {
+      collective::options o;
+      o.op = collective::reduce_op::sum;
+      parts.allreduce(full.data(), static_cast<std::size_t>(p.numel()), full.type(), o).wait();
+    }
+    if (writer)
+      ops::copy(full, to.reshape({wl.numel}).narrow(0, p.offset, p.numel()).reshape(p.sizes));
+  }
+  return writer;
+}
+
 hybrid_trainer::~hybrid_trainer() = default;
 
 step_result hybrid_trainer::step(const trainer::batch_source& data) {

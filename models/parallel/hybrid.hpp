@@ -113,6 +113,12 @@ class hybrid_trainer {
   // none waits (the failed one its error, the others naming the folder); the partial folder is
   // removed and `folder` left as it was.
   std::string save(const std::filesystem::path& folder);
+  // Collective over every rank of the job: the whole model's f32 parameters (laid out like
+  // whole(): the single-process model's params()) into `to` on the rank that is rank 0 of its dp
+  // and mp groups, which returns true; elsewhere `to` is not touched (it may be undefined). One
+  // parameter at a time, summed over mp from the parts the ranks own (as save() gathers the
+  // weights); an RL trainer under a plan sends them to its rollout actors.
+  bool gather_parameters(const tensor& to);
 
   // AdamW's moments in the whole layout (the single-process trainer's flat m and v, laid out like
   // its params(): whole_layout): gathered into m and v on the rank that is rank 0 of its dp and mp

@@ -37,13 +37,20 @@ const job_keys<grpo_job>& keys() {
       {"optim.beta2", job_field<grpo_job>(&grpo_job::beta2)},
       {"checkpoint.dir", job_field<grpo_job>(&grpo_job::ckpt_dir)},
       {"checkpoint.every", job_field<grpo_job>(&grpo_job::ckpt_every)},
+      {"parallel.dp", job_field<grpo_job>(&grpo_job::dp)},
+      {"parallel.tp", job_field<grpo_job>(&grpo_job::tp)},
+      {"parallel.pp", job_field<grpo_job>(&grpo_job::pp)},
+      {"parallel.zero", job_field<grpo_job>(&grpo_job::zero)},
+      {"parallel.microbatches", job_field<grpo_job>(&grpo_job::microbatches)},
+      {"parallel.sp", job_field<grpo_job>(&grpo_job::sp)},
   };
   return s;
 }
 
 std::string unknown_key(const std::string& name) {
   return rl_unknown_key(name, "troupe grpo", "grpo.prompts_per_step x grpo.group",
-                        "[model], [grpo], [optim] and [checkpoint]");
+                        "[model], [grpo], [optim], [checkpoint] and [parallel] (dp, tp, pp, zero, "
+                        "microbatches, sp)");
 }
 
 }  // namespace

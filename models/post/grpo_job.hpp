@@ -47,6 +47,10 @@ struct grpo_job {
   // [checkpoint]
   std::string ckpt_dir;
   std::int64_t ckpt_every = 0;  // 0: only at the end (when dir is set)
+  // [parallel]: the trainer's plan under troupe launch (troupe train's keys; the flags --dp, --tp,
+  // --pp, --zero, --microbatches, --sp override them): dp x tp x pp trainer ranks
+  std::int64_t dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1;
+  bool sp = false;
 
   // Checks ranges and combinations; the message names "section.key (--flag)".
   void validate() const;

@@ -156,13 +156,14 @@ parallel::sample_source dpo_samples(std::shared_ptr<const preference_rows> rows,
 }
 
 parallel::sample_source grpo_samples(std::shared_ptr<const grpo_batch> batch,
-                                     const grpo_options& opt) {
+                                     const grpo_options& opt,
+                                     std::function<void(const grpo_microbatch_result&)> on_result) {
   TROUPE_CHECK(batch != nullptr && batch->rows > 0, "grpo: no rows to train on");
   struct buffers {
     std::vector<std::int32_t> ids, targets;
   };
   auto buf = std::make_shared<buffers>();
-  return [batch, opt, buf](const parallel::sample_request& r) {
+  return [batch, opt, buf, on_result](const parallel::sample_request& r) {
     const grpo_batch& s = *batch;
     const std::int64_t n = s.rows, t = s.seq;
     auto& b = *buf;
@@ -181,8 +182,17 @@ parallel::sample_source grpo_samples(std::shared_ptr<const grpo_batch> batch,
     mb.targets = rows_view(b.targets, t);
     mb.weight = r.weight;
     mb.objective = [opt, old = std::move(old), ref = std::move(ref), adv = std::move(adv),
-                    mask = completion_mask(b.targets)](std::span<const double> logp) {
+                    mask = completion_mask(b.targets), on_result, begin = r.begin,
+                    weight = r.weight](std::span<const double> logp) {
       grpo_result g = grpo_loss(logp, old, ref, mask, adv, opt);
+      if (on_result) {
+        grpo_microbatch_result seen{.begin = begin, .weight = weight, .result = {}, .masked = 0};
+        seen.result.loss = g.loss;
+        seen.result.kl = g.kl;
+        seen.result.clip_ratio = g.clip_ratio;
+        seen.masked = std::count(mask.begin(), mask.end(), std::uint8_t{1});
+        on_result(seen);
+      }
       return token_loss{g.loss, std::move(g.dlogp)};
     };
     return mb;

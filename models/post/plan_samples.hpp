@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -44,7 +45,19 @@ parallel::sample_source dpo_samples(std::shared_ptr<const preference_rows> rows,
                                     std::shared_ptr<const std::vector<double>> reference,
                                     const dpo_options& opt);
 
-parallel::sample_source grpo_samples(std::shared_ptr<const grpo_batch> batch,
-                                     const grpo_options& opt);
+// What one GRPO microbatch's objective saw (grpo_samples' on_result): its first sample, its
+// weight (rows over the step's), its result (kl and clip_ratio) and its completion tokens. A rank
+// hears the microbatches whose logits it holds (every tensor shard of the last stage), a
+// microbatch run again (recompute) once more.
+struct grpo_microbatch_result {
+  std::int64_t begin = 0;
+  double weight = 0;
+  grpo_result result;
+  std::int64_t masked = 0;
+};
+
+parallel::sample_source grpo_samples(
+    std::shared_ptr<const grpo_batch> batch, const grpo_options& opt,
+    std::function<void(const grpo_microbatch_result&)> on_result = {});
 
 }  // namespace troupe::models
