@@ -7,27 +7,29 @@
 //
 // Same samples. The rollout actors sample from the pushed policy, which differs from the single
 // process's by f32 rounding (the plan sums in another order), so a sampled token flips only when
-// a uniform draw falls within that rounding (~1e-7 relative) of a boundary of the sampling
-// distribution: with ~100 sampled tokens per step, about 1e-5 per step. The test finds the first
-// step whose samples differ (mean reward or new tokens not equal: the reward is a pure function of
-// the samples) and compares every step before it; it requires all steps to have the same samples
-// (they do here, deterministically: the same kernels on one thread each run), so a flip would
-// fail loudly rather than pass a shorter comparison.
+// its uniform draw falls within the two policies' probability difference of a boundary of the
+// sampling distribution (relative 1e-6 to 1e-5 here, from the weights' differences below): with
+// 96 sampled tokens per step, about 1e-4 to 1e-3 per step. The test finds the first step whose
+// samples differ (mean reward or new tokens not equal: the reward is a pure function of the
+// samples) and compares every step before it; it requires all steps to have the same samples
+// (they do here, deterministically: the same kernels on one thread each run), so a flip fails
+// loudly, naming the step, rather than passing a shorter comparison.
 //
 // Tolerances (troupe grpo has no f64 twin: its rollout, reference and trainer actors run f32
 // models). A plan's step is the single process's up to the summation order of its reductions (dp:
-// the gradient halves summed across ranks; tp: the sharded matmuls' partial sums; pp: none), so
-// each loss, KL and norm differs by a few f32 roundings of the quantities summed: relative 1e-7 to
-// 1e-6 of the sums' magnitudes, measured up to 3e-6 here (TROUPE_PRINT_RATIOS prints them). The
-// checks allow 1e-4 relative to the step's magnitude (its |value| plus the run's mean |loss| for
-// the loss and KL, which cross zero). The weights: AdamW normalises each update by its own
-// gradient size, so an element whose gradient is near zero can move by up to lr either way from
-// rounding alone (tests/multirank/same_weights.hpp), and an elementwise bound is not meaningful;
-// the distance between the two runs' final weights relative to the distance the single process
-// moved them from the start, ||w_plan - w_one|| / ||w_one - w_0||, is measured at 1e-4 to 1e-3
-// and allowed 2e-2. A plan whose dp ranks skip the gradient reduction trains each replica on its
-// half of the batch: the gradient norms differ from step 1 by ~40% and the weights by ~0.3 of the
-// distance moved (seen failing with the reduction removed; see the report of the change).
+// the gradient halves summed across ranks; tp: the sharded matmuls' partial sums), and from step 2
+// on also up to the rounding its earlier updates carried into the weights. Measured here
+// (TROUPE_PRINT_RATIOS prints them), relative to each value's magnitude (its |value|, plus the
+// run's mean |loss| for the loss and KL, which cross zero): dp2 x pp2 and dp2 ZeRO 2 up to 1e-6,
+// dp2 async 1.5e-5, tp2 2.7e-5 (the gradient norm; tp's partial sums change every matmul's
+// rounding). The checks allow 1e-3. The weights: AdamW normalises each update by its own gradient
+// size, so an element whose gradient is near zero can move by up to lr either way from rounding
+// alone (tests/multirank/same_weights.hpp) and an elementwise bound means nothing; the distance
+// between the two runs' final weights relative to the distance the single process moved them,
+// ||w_plan - w_one|| / ||w_one - w_0||, is measured at 3e-6 (dp) to 3.4e-5 (tp2) and allowed
+// 1e-3. What a wrong plan gives: with the dp gradient allreduce removed (each replica trains on
+// its half of the batch) step 1's gradient norm is 0.92 against 1.17 (0.2 relative) and the
+// samples differ from step 2 on; one update fewer moves the weights by ~1/6 of the distance.
 #include <catch2/catch.hpp>
 
 #include <unistd.h>
@@ -129,16 +131,18 @@ void same_run(const std::string& d, const std::string& got, const std::string& o
   CHECK(same == g.size());
   double loss_scale = 0;
   for (const auto& s : o) loss_scale += std::abs(s["loss"].get<double>()) / steps;
-  double worst = 0;
+  double worst[3] = {0, 0, 0};  // loss, kl, grad_norm: the largest relative difference
   for (std::size_t i = 0; i < same; ++i) {
     INFO(got << " step " << i + 1);
     CHECK(g[i]["weights_version"] == o[i]["weights_version"]);
+    int k = 0;
     for (const char* key : {"loss", "kl", "grad_norm"}) {
       const double a = g[i][key].get<double>(), b = o[i][key].get<double>();
       const double scale = std::abs(b) + (std::string(key) == "grad_norm" ? 0.0 : loss_scale);
       INFO(key << ": " << a << " vs " << b);
-      CHECK(std::abs(a - b) <= 1e-4 * scale);
-      if (scale > 0) worst = std::max(worst, std::abs(a - b) / scale);
+      CHECK(std::abs(a - b) <= 1e-3 * scale);
+      if (scale > 0) worst[k] = std::max(worst[k], std::abs(a - b) / scale);
+      ++k;
     }
   }
   if (same < g.size()) return;  // the weights are compared after the same samples only
@@ -146,10 +150,10 @@ void same_run(const std::string& d, const std::string& got, const std::string& o
   const double moved = distance(w1, w0), apart = distance(wg, w1);
   INFO(got << ": ||w_plan - w_one|| = " << apart << ", ||w_one - w_0|| = " << moved);
   REQUIRE(moved > 0);
-  CHECK(apart <= 2e-2 * moved);
+  CHECK(apart <= 1e-3 * moved);
   if (print_ratios())
-    std::printf("%s: steps relative %.3g, weights relative %.3g\n", got.c_str(), worst,
-                apart / moved);
+    std::printf("%s: relative differences: loss %.3g, kl %.3g, grad norm %.3g; weights %.3g\n",
+                got.c_str(), worst[0], worst[1], worst[2], apart / moved);
 }
 
 }  // namespace
@@ -221,8 +225,9 @@ TEST_CASE("troupe grpo refuses a plan without launch, a grid beyond the ranks, c
     CHECK(r.code != 0);
     const auto at = r.output.find(text);
     REQUIRE(at != std::string::npos);
+    const auto from = r.output.rfind('\n', at) + 1;  // npos + 1: the first line
     std::printf("faults: %s -> refused: %s\n", what.c_str(),
-                r.output.substr(at, r.output.find('\n', at) - at).c_str());
+                r.output.substr(from, r.output.find('\n', at) - from).c_str());
   };
   auto flags = [&](const std::string& name, std::vector<std::string> extra) {
     auto f = grpo_flags("llama-tiny", d, name);
