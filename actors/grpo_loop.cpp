@@ -1,7 +1,7 @@
 // grpo_loop: the GRPO driver (grpo_loop.hpp).
 #include "actors/grpo_loop.hpp"
 
-#include "actors/grpo_plan_trainer.hpp"
+#include "actors/rl_plan_trainer.hpp"
 #include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
 #include "models/post/grpo_loss.hpp"
@@ -41,11 +41,11 @@ std::vector<grpo_iteration> run_grpo(
   job j(n);
   std::vector<role_handle> rollouts;
   for (int rank : opt.rollout_ranks) rollouts.push_back(j.spawn("grpo_rollout", rank));
-  // One grpo_trainer, or the plan's grid of grpo_plan_trainer actors (every one asked the same).
+  // One grpo_trainer, or the plan's grid of rl_plan_trainer actors (every one asked the same).
   const bool planned = !opt.plan_config.empty();
   std::vector<role_handle> trainers;
   if (planned)
-    for (int r = 0; r < opt.plan_ranks; ++r) trainers.push_back(j.spawn("grpo_plan_trainer", r));
+    for (int r = 0; r < opt.plan_ranks; ++r) trainers.push_back(j.spawn("rl_plan_trainer", r));
   else
     trainers.push_back(j.spawn("grpo_trainer", opt.trainer_rank));
   const role_handle trainer = trainers.front();
@@ -58,7 +58,7 @@ std::vector<grpo_iteration> run_grpo(
   ts.model = {opt.checkpoint, rows, seq};
   if (planned)
     j.ask_all<std::int64_t>(trainers,
-                            grpo_plan_setup{opt.plan_config, opt.trainer.epsilon, opt.trainer.beta},
+                            rl_plan_setup{opt.plan_config, opt.trainer.epsilon, opt.trainer.beta},
                             opt.timeout);
   else
     j.ask<std::int64_t>(trainer, ts, opt.timeout);
@@ -71,7 +71,7 @@ std::vector<grpo_iteration> run_grpo(
   };
   auto train = [&](const grpo_train_request& tr) {
     if (!planned) return j.ask<grpo_train_reply>(trainer, tr, opt.timeout);
-    return combine_plan_replies(j.ask_all<grpo_plan_train_reply>(trainers, tr, opt.timeout));
+    return combine_grpo_plan_replies(j.ask_all<grpo_plan_train_reply>(trainers, tr, opt.timeout));
   };
   push();  // version 0: the checkpoint's weights
 

@@ -39,8 +39,8 @@ struct grpo_loop_options {
   // but the last) and after the last; "": never.
   std::string save_dir;
   std::int64_t save_every = 0;
-  // The trainer under a parallel plan (actors/grpo_plan_trainer.hpp): when plan_config is set (a
-  // models::to_toml train_config whose plan has plan_ranks ranks), grpo_plan_trainer actors on
+  // The trainer under a parallel plan (actors/rl_plan_trainer.hpp): when plan_config is set (a
+  // models::to_toml train_config whose plan has plan_ranks ranks), rl_plan_trainer actors on
   // ranks 0..plan_ranks-1 train instead of one grpo_trainer on trainer_rank; its trainer fields
   // (AdamW, batch) must be those of `trainer` (the driver copies epsilon and beta from it).
   std::string plan_config;

@@ -4,6 +4,7 @@
 #include <future>
 #include <tuple>
 
+#include "actors/rl_plan_trainer.hpp"
 #include "actors/rollout_batch.hpp"
 #include "memory/error.hpp"
 #include "models/post/policy_logprobs.hpp"
@@ -41,7 +42,14 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
   job j(n);
   std::vector<role_handle> rollouts;
   for (int rank : opt.rollout_ranks) rollouts.push_back(j.spawn("grpo_rollout", rank));
-  const role_handle policy = j.spawn("ppo_policy", opt.policy_rank);
+  // One ppo_policy, or the plan's grid of rl_plan_trainer actors (every one asked the same).
+  const bool planned = !opt.plan_config.empty();
+  std::vector<role_handle> policies;
+  if (planned)
+    for (int r = 0; r < opt.plan_ranks; ++r) policies.push_back(j.spawn("rl_plan_trainer", r));
+  else
+    policies.push_back(j.spawn("ppo_policy", opt.policy_rank));
+  const role_handle policy = policies.front();
   const role_handle critic = j.spawn("ppo_critic", opt.critic_rank);
   const role_handle reward = j.spawn("grpo_reward", opt.reward_rank);
   const bool use_reference = opt.rewards.kl_coef != 0;
@@ -51,13 +59,23 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
   ppo_trainer_setup ps = opt.policy, cs = opt.critic;
   ps.model = {opt.checkpoint, rows, seq};
   cs.model = {opt.critic_checkpoint.empty() ? opt.checkpoint : opt.critic_checkpoint, rows, seq};
-  j.ask<std::int64_t>(policy, ps, opt.timeout);
+  if (planned)
+    j.ask_all<std::int64_t>(policies,
+                            rl_plan_setup{.config = opt.plan_config,
+                                          .cliprange = opt.policy.cliprange,
+                                          .epochs = opt.policy.epochs},
+                            opt.timeout);
+  else
+    j.ask<std::int64_t>(policy, ps, opt.timeout);
   j.ask<std::int64_t>(critic, cs, opt.timeout);
   j.ask_all<std::int64_t>(rollouts, grpo_model_setup{opt.checkpoint, rows / r, seq}, opt.timeout);
   if (use_reference)
     j.ask<std::int64_t>(reference, grpo_model_setup{opt.checkpoint, rows, seq}, opt.timeout);
   auto push = [&]() {
-    return j.ask<grpo_push_reply>(policy, grpo_push_request{rollouts}, opt.timeout).version;
+    // Under a plan every piece takes part in gathering the policy; rank 0 sends it.
+    return j.ask_all<grpo_push_reply>(policies, grpo_push_request{rollouts}, opt.timeout)
+        .front()
+        .version;
   };
   std::int64_t version = push();  // 0: the checkpoint's weights
 
@@ -112,8 +130,11 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
           return side.ask<ppo_train_reply>(
               critic, ppo_critic_train_request{s, old_values, adv.returns}, opt.timeout);
         });
+    const ppo_policy_train_request pr{s, adv.advantages};
     it.policy =
-        j.ask<ppo_train_reply>(policy, ppo_policy_train_request{s, adv.advantages}, opt.timeout);
+        planned
+            ? combine_ppo_plan_replies(j.ask_all<ppo_plan_train_reply>(policies, pr, opt.timeout))
+            : j.ask<ppo_train_reply>(policy, pr, opt.timeout);
     it.critic = critic_step.get();
     it.train_seconds = since(t);
     if (more) {
@@ -133,13 +154,17 @@ std::vector<ppo_iteration> run_ppo(node& n, const ppo_loop_options& opt,
       for (const auto& [who, h, dir] : {std::tuple{"policy", policy, opt.save_dir},
                                         std::tuple{"critic", critic, opt.critic_save_dir}}) {
         if (dir.empty()) continue;
-        const auto saved = j.ask<grpo_save_reply>(h, grpo_save_request{dir}, opt.timeout);
+        const bool pieces = planned && h.name == policy.name;  // every piece saves together
+        const auto saved =
+            pieces
+                ? j.ask_all<grpo_save_reply>(policies, grpo_save_request{dir}, opt.timeout).front()
+                : j.ask<grpo_save_reply>(h, grpo_save_request{dir}, opt.timeout);
         if (on_save) on_save(who, saved, dir);
       }
     }
   }
   for (const auto& h : rollouts) j.stop(h);
-  j.stop(policy);
+  for (const auto& h : policies) j.stop(h);
   j.stop(critic);
   j.stop(reward);
   if (use_reference) j.stop(reference);

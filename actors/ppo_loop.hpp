@@ -44,6 +44,12 @@ struct ppo_loop_options {
   // empty folder is not saved.
   std::string save_dir, critic_save_dir;
   std::int64_t save_every = 0;
+  // The policy under a parallel plan (actors/rl_plan_trainer.hpp): when plan_config is set (a
+  // models::to_toml train_config whose plan has plan_ranks ranks), rl_plan_trainer actors on
+  // ranks 0..plan_ranks-1 train the policy instead of one ppo_policy on policy_rank (with
+  // `policy`'s epochs and cliprange). The critic stays one ppo_critic actor on critic_rank.
+  std::string plan_config;
+  int plan_ranks = 0;
 };
 
 struct ppo_iteration {

@@ -10,7 +10,7 @@
 // `troupe launch -n N`: rank 0 drives and holds the trainer, reward and reference actors, the
 // rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts). With a plan
 // (--dp, --tp, --pp, --zero, --microbatches, --sp, or [parallel]) of G = dp x tp x pp ranks the
-// trainer is G grpo_plan_trainer actors on ranks 0..G-1 (actors/grpo_plan_trainer.hpp), each
+// trainer is G rl_plan_trainer actors on ranks 0..G-1 (actors/rl_plan_trainer.hpp), each
 // stepping its piece on the step's whole batch; the rollout actors sit on ranks G..N-1, or on
 // rank 0 when the plan takes every rank. The reward and reference actors stay on rank 0.
 #include <fmt/core.h>
@@ -28,10 +28,10 @@
 
 #include "actors/bootstrap.hpp"
 #include "actors/grpo_loop.hpp"
-#include "actors/grpo_plan_trainer.hpp"
 #include "actors/grpo_roles.hpp"
 #include "actors/one_rank_job.hpp"
 #include "actors/rl_model.hpp"
+#include "actors/rl_plan_trainer.hpp"
 #include "apps/commands.hpp"
 #include "apps/plan_flags.hpp"
 #include "apps/post_launched.hpp"
@@ -57,46 +57,12 @@ using models::grpo_job;
 
 using grpo_cli = rl_cli<grpo_job>;
 
-// The trainer's plan flags (apps/plan_flags.hpp), over the job's [parallel].
-struct grpo_plan_cli {
-  plan_cli plan;
-  config_flags flags;
-};
-
-// The trainer's train_config under the job's plan: [parallel] with the plan flags given over it;
-// AdamW and the batch (the step's rows x seq) are filled in by the driver. Refuses by name what
-// GRPO under a plan does not do.
-models::train_config grpo_plan_config(const grpo_job& j, const grpo_plan_cli& p) {
-  models::train_config tc;
-  tc.plan.dp = static_cast<int>(j.dp);
-  tc.plan.tp = static_cast<int>(j.tp);
-  tc.plan.pp = static_cast<int>(j.pp);
-  tc.plan.zero = static_cast<int>(j.zero);
-  tc.plan.microbatches = static_cast<int>(j.microbatches);
-  tc.plan.sp = j.sp;
-  apply_given(p.flags, tc);
-  refuse_unlaunchable("grpo", tc);
-  const std::int64_t rows = j.prompts_per_step * j.group,
-                     slots = std::int64_t{tc.plan.dp} * tc.plan.microbatches;
-  TROUPE_CHECK(tc.plan.dp >= 1 && tc.plan.microbatches >= 1 && rows % slots == 0,
-               "troupe grpo: grpo.prompts_per_step x grpo.group = ", j.prompts_per_step, " x ",
-               j.group, " = ", rows, " rows per step do not split over parallel.dp (--dp) ",
-               tc.plan.dp, " x parallel.microbatches (--microbatches) ", tc.plan.microbatches);
-  return tc;
-}
-
-int run_grpo_command(const grpo_cli& c, const grpo_plan_cli& pc) {
+int run_grpo_command(const grpo_cli& c, const rl_plan_cli& pc) {
   const grpo_job j = resolve_rl_job(c, &models::load_grpo_job);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
-  const models::train_config plan_cfg = grpo_plan_config(j, pc);
+  const models::train_config plan_cfg =
+      rl_plan_config(j, pc, "grpo", "grpo.prompts_per_step x grpo.group");
   const int grid = plan_cfg.plan.world_size();
-  auto launched = actors::join_info_from_env();
-  if (!launched) refuse_plan_in_one_process("grpo", plan_cfg);
-  if (launched && launched->world_size > 0)
-    TROUPE_CHECK(grid <= launched->world_size, "troupe grpo: parallel.dp x parallel.pp x ",
-                 "parallel.tp = ", plan_cfg.plan.dp, " x ", plan_cfg.plan.pp, " x ",
-                 plan_cfg.plan.tp, " = ", grid, " trainer ranks but the job has ",
-                 launched->world_size, " (troupe launch -n)");
 
   const auto task = prepare_rl_task(j, "grpo");
   const auto& tok = task->tok;
@@ -143,16 +109,11 @@ int run_grpo_command(const grpo_cli& c, const grpo_plan_cli& pc) {
     o.save_dir = j.ckpt_dir;
     o.save_every = j.ckpt_every;
     if (grid > 1) {
-      // The single-process trainer's settings (AdamW, the step's rows x seq) under the plan.
-      models::train_config tc = actors::rl_train_config(
-          {o.checkpoint, j.prompts_per_step * j.group, o.prompt_len + o.max_new}, j.lr,
-          j.weight_decay, j.clip, j.beta1, j.beta2, j.warmup);
-      tc.plan = plan_cfg.plan;
-      tc.model_hf = o.checkpoint;
-      o.plan_config = models::to_toml(tc);
+      o.plan_config = rl_plan_toml(plan_cfg, o.checkpoint, j.prompts_per_step * j.group,
+                                   o.prompt_len + o.max_new, j);
       o.plan_ranks = grid;
-      fmt::print("trainer: {} on ranks 0..{} (grpo_plan_trainer pieces)\n",
-                 scheduler::describe(tc.plan), grid - 1);
+      fmt::print("trainer: {} on ranks 0..{} (rl_plan_trainer pieces)\n",
+                 scheduler::describe(plan_cfg.plan), grid - 1);
     }
 
     fmt::print("troupe grpo: {}, tokenizer {}{}\n", label, tok->name(),
@@ -220,7 +181,7 @@ int run_grpo_command(const grpo_cli& c, const grpo_plan_cli& pc) {
     actors::one_rank_job node(
         [&](actors::role_registry& roles) {
           actors::add_grpo_roles(roles, verifier);
-          actors::add_grpo_plan_trainer_role(roles);
+          actors::add_rl_plan_trainer_role(roles);
         },
         fmt::format("troupe-grpo-{}", ::getpid()));
     drive(*node.n);
@@ -229,7 +190,7 @@ int run_grpo_command(const grpo_cli& c, const grpo_plan_cli& pc) {
   // Under troupe launch: every rank registers the roles (each read the same job and prompts).
   actors::role_registry roles;
   actors::add_grpo_roles(roles, verifier);
-  actors::add_grpo_plan_trainer_role(roles);
+  actors::add_rl_plan_trainer_role(roles);
   actors::node_options no;
   no.roles = &roles;
   actors::node n(no);
@@ -288,13 +249,15 @@ command_fn add_grpo_command(CLI::App& app) {
   auto c = std::make_shared<grpo_cli>();
   auto* sub = app.add_subcommand(
       "grpo", "GRPO with rollout, reward, reference and trainer actors on a verifiable task");
-  sub->add_option("--config", c->config_file,
-                  "TOML job file: [model], [grpo], [optim], [checkpoint] (flags override it)")
+  sub->add_option(
+         "--config", c->config_file,
+         "TOML job file: [model], [grpo], [optim], [checkpoint], [parallel] (flags override "
+         "it)")
       ->check(CLI::ExistingFile);
   sub->add_option("--json", c->json_path, "Per-step JSON lines to this file ('-': stdout)");
   sub->add_option("--threads", c->threads, "CPU threads (0: all)");
   add_job_flags(sub, *c);
-  auto pc = std::make_shared<grpo_plan_cli>();
+  auto pc = std::make_shared<rl_plan_cli>();
   add_plan_flags(sub, pc->plan, pc->flags);
   return [sub, c, pc]() -> int {
     if (!sub->parsed()) return -1;

@@ -11,12 +11,18 @@
 //
 // It runs in one process (a coordinator and one node here, every actor on it), or under
 // `troupe launch -n N`: rank 0 drives and holds the policy, critic, reward and reference actors,
-// the rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts).
+// the rollout actors sit on ranks 1..N-1 (every rank reads the same job and prompts). With a plan
+// (--dp, --tp, --pp, --zero, --microbatches, --sp, or [parallel]) of G = dp x tp x pp ranks the
+// policy is G rl_plan_trainer actors on ranks 0..G-1 (actors/rl_plan_trainer.hpp); the rollout
+// actors sit on ranks G..N-1, or on rank 0 when the plan takes every rank. The critic (a whole
+// value model), the reward and the reference actors stay on rank 0. Under a plan the policy's
+// entropy is not computed (it needs the whole logits): --json writes null.
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -29,6 +35,7 @@
 #include "actors/one_rank_job.hpp"
 #include "actors/ppo_loop.hpp"
 #include "actors/ppo_roles.hpp"
+#include "actors/rl_plan_trainer.hpp"
 #include "apps/commands.hpp"
 #include "apps/post_run.hpp"
 #include "apps/rl_run.hpp"
@@ -36,6 +43,7 @@
 #include "models/hf/checkpoint_folder.hpp"
 #include "models/hf/config.hpp"
 #include "models/post/ppo_job.hpp"
+#include "scheduler/plan.hpp"
 #include "tensor/parallel.hpp"
 
 namespace troupe::apps {
@@ -59,9 +67,12 @@ void check_critic(const ppo_job& j, const rl_task& t, std::int64_t seq) {
                " positions do not hold rows of ", seq, " tokens (prompt and completion)");
 }
 
-int run_ppo_command(const ppo_cli& c) {
+int run_ppo_command(const ppo_cli& c, const rl_plan_cli& pc) {
   const ppo_job j = resolve_rl_job(c, &models::load_ppo_job);
   if (c.threads > 0) parallel::set_num_threads(c.threads);
+  const models::train_config plan_cfg =
+      rl_plan_config(j, pc, "ppo", "ppo.prompts_per_step x ppo.samples_per_prompt");
+  const int grid = plan_cfg.plan.world_size();
   const auto task = prepare_rl_task(j, "ppo");
   const std::int64_t seq = task->draw->longest() + j.max_new_tokens;
   check_critic(j, *task, seq);
@@ -82,8 +93,12 @@ int run_ppo_command(const ppo_cli& c) {
     actors::ppo_loop_options o;
     o.checkpoint = rl_starting_checkpoint(j, task->mcfg, scratch, "ppo");
     o.critic_checkpoint = j.critic_hf;
-    // The policy, critic, reward and reference actors on rank 0 (the driver's).
-    o.rollout_ranks = rl_rollout_ranks(j.rollouts, n.world_size());
+    // The policy, critic, reward and reference actors on rank 0 (the driver's); under a plan the
+    // policy's pieces on ranks 0..grid-1 and the rollout actors after them.
+    TROUPE_CHECK(grid <= n.world_size(),
+                 "troupe ppo: parallel.dp x parallel.pp x parallel.tp = ", grid,
+                 " policy ranks but the job has ", n.world_size());
+    o.rollout_ranks = rl_rollout_ranks(j.rollouts, n.world_size(), grid);
     o.iterations = j.steps;
     o.prompts = j.prompts_per_step;
     o.prompt_len = task->draw->longest();
@@ -117,6 +132,13 @@ int run_ppo_command(const ppo_cli& c) {
     o.save_dir = j.ckpt_dir;
     o.critic_save_dir = j.critic_dir();
     o.save_every = j.ckpt_every;
+    if (grid > 1) {
+      o.plan_config = rl_plan_toml(plan_cfg, o.checkpoint, j.prompts_per_step * j.group,
+                                   o.prompt_len + o.max_new, j);
+      o.plan_ranks = grid;
+      fmt::print("policy: {} on ranks 0..{} (rl_plan_trainer pieces); critic on rank 0\n",
+                 scheduler::describe(plan_cfg.plan), grid - 1);
+    }
 
     fmt::print("troupe ppo: {}, tokenizer {}{}; critic {}\n", task->label, task->tok->name(),
                j.chat_template.empty() ? "" : ", template " + j.chat_template,
@@ -155,11 +177,13 @@ int run_ppo_command(const ppo_cli& c) {
                    "\"values_seconds\": {}, \"train_seconds\": {}, \"sync_seconds\": {}, "
                    "\"seconds\": {}}}\n",
                    it.iteration, it.mean_reward, it.kl, it.non_score_reward, it.policy.loss,
-                   it.policy.clipfrac, it.policy.approx_kl, it.policy.entropy, it.critic.loss,
-                   it.critic.clipfrac, it.policy.grad_norm, it.critic.grad_norm, it.policy.lr,
-                   it.sampled_by, it.new_tokens, generate, it.generate_seconds, it.logprob_seconds,
-                   it.reward_seconds, it.values_seconds, it.train_seconds, it.sync_seconds,
-                   it.seconds);
+                   it.policy.clipfrac, it.policy.approx_kl,
+                   std::isnan(it.policy.entropy) ? std::string("null")
+                                                 : fmt::format("{}", it.policy.entropy),
+                   it.critic.loss, it.critic.clipfrac, it.policy.grad_norm, it.critic.grad_norm,
+                   it.policy.lr, it.sampled_by, it.new_tokens, generate, it.generate_seconds,
+                   it.logprob_seconds, it.reward_seconds, it.values_seconds, it.train_seconds,
+                   it.sync_seconds, it.seconds);
         std::fflush(json.get());
       }
       if (it.iteration % j.log_every == 0 || it.iteration == j.steps || it.iteration == 1)
@@ -192,6 +216,7 @@ int run_ppo_command(const ppo_cli& c) {
 
   const auto add_roles = [&](actors::role_registry& roles) {
     actors::add_ppo_roles(roles, verifier);
+    actors::add_rl_plan_trainer_role(roles);
   };
   if (!actors::join_info_from_env()) {  // one process: a coordinator and one node here
     actors::one_rank_job node(add_roles, fmt::format("troupe-ppo-{}", ::getpid()));
@@ -275,15 +300,17 @@ command_fn add_ppo_command(CLI::App& app) {
   auto* sub = app.add_subcommand(
       "ppo", "PPO with rollout, reward, reference, critic and policy actors on a verifiable task");
   sub->add_option("--config", c->config_file,
-                  "TOML job file: [model], [ppo], [critic], [optim], [checkpoint] (flags "
-                  "override it)")
+                  "TOML job file: [model], [ppo], [critic], [optim], [checkpoint], [parallel] "
+                  "(flags override it)")
       ->check(CLI::ExistingFile);
   sub->add_option("--json", c->json_path, "Per-step JSON lines to this file ('-': stdout)");
   sub->add_option("--threads", c->threads, "CPU threads (0: all)");
   add_job_flags(sub, *c);
-  return [sub, c]() -> int {
+  auto pc = std::make_shared<rl_plan_cli>();
+  add_plan_flags(sub, pc->plan, pc->flags);
+  return [sub, c, pc]() -> int {
     if (!sub->parsed()) return -1;
-    return run_ppo_command(*c);
+    return run_ppo_command(*c, *pc);
   };
 }
 

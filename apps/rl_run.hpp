@@ -19,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+#include "actors/bootstrap.hpp"
+#include "actors/rl_model.hpp"
+#include "apps/plan_flags.hpp"
+#include "apps/post_launched.hpp"
 #include "memory/error.hpp"
 #include "models/causal_lm.hpp"
 #include "models/families.hpp"
@@ -26,6 +30,7 @@
 #include "models/hf/config.hpp"
 #include "models/post/grpo_prompts.hpp"
 #include "models/text/tokenizer.hpp"
+#include "models/train_config.hpp"
 
 namespace troupe::apps {
 
@@ -164,6 +169,59 @@ inline std::vector<int> rl_rollout_ranks(std::int64_t rollouts, int world, int f
   for (std::int64_t i = 0; i < rollouts; ++i)
     out.push_back(world > first ? first + static_cast<int>(i % (world - first)) : 0);
   return out;
+}
+
+// The policy trainer's plan flags (apps/plan_flags.hpp), applied over the job's [parallel].
+struct rl_plan_cli {
+  plan_cli plan;
+  config_flags flags;
+};
+
+// The policy trainer's plan: the job's [parallel] with the plan flags given over it. Refuses by
+// name, on every rank before it joins, what an RL loop under a plan does not do (cp, ep, 16-bit:
+// refuse_unlaunchable), a plan of several ranks in one process, a grid larger than the launched
+// job and rows that do not split over dp x microbatches (rows_keys: the job's keys of a step's
+// rows, e.g. "grpo.prompts_per_step x grpo.group").
+template <class Job>
+models::train_config rl_plan_config(const Job& j, const rl_plan_cli& p, const char* command,
+                                    const std::string& rows_keys) {
+  models::train_config tc;
+  tc.plan.dp = static_cast<int>(j.dp);
+  tc.plan.tp = static_cast<int>(j.tp);
+  tc.plan.pp = static_cast<int>(j.pp);
+  tc.plan.zero = static_cast<int>(j.zero);
+  tc.plan.microbatches = static_cast<int>(j.microbatches);
+  tc.plan.sp = j.sp;
+  apply_given(p.flags, tc);
+  refuse_unlaunchable(command, tc);
+  const std::int64_t rows = j.prompts_per_step * j.group,
+                     slots = std::int64_t{tc.plan.dp} * tc.plan.microbatches;
+  TROUPE_CHECK(tc.plan.dp >= 1 && tc.plan.microbatches >= 1 && rows % slots == 0, "troupe ",
+               command, ": ", rows_keys, " = ", j.prompts_per_step, " x ", j.group, " = ", rows,
+               " rows per step do not split over parallel.dp (--dp) ", tc.plan.dp,
+               " x parallel.microbatches (--microbatches) ", tc.plan.microbatches);
+  auto launched = actors::join_info_from_env();
+  if (!launched) refuse_plan_in_one_process(command, tc);
+  const int grid = tc.plan.world_size();
+  if (launched && launched->world_size > 0)
+    TROUPE_CHECK(grid <= launched->world_size, "troupe ", command,
+                 ": parallel.dp x parallel.pp x parallel.tp = ", tc.plan.dp, " x ", tc.plan.pp,
+                 " x ", tc.plan.tp, " = ", grid, " trainer ranks but the job has ",
+                 launched->world_size, " (troupe launch -n)");
+  return tc;
+}
+
+// The TOML of the policy trainer's train_config under `plan` (rl_plan_trainer's setup): the
+// single-process trainer's settings (actors::rl_train_config: the job's AdamW, the step's rows x
+// seq) with the plan, the weights from `checkpoint`.
+template <class Job>
+std::string rl_plan_toml(const models::train_config& plan, const std::string& checkpoint,
+                         std::int64_t rows, std::int64_t seq, const Job& j) {
+  models::train_config tc = actors::rl_train_config({checkpoint, rows, seq}, j.lr, j.weight_decay,
+                                                    j.clip, j.beta1, j.beta2, j.warmup);
+  tc.plan = plan.plan;
+  tc.model_hf = checkpoint;
+  return models::to_toml(tc);
 }
 
 }  // namespace troupe::apps

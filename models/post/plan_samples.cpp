@@ -7,6 +7,7 @@
 
 #include "memory/error.hpp"
 #include "models/post/grpo_loss.hpp"
+#include "models/post/ppo_loss.hpp"
 #include "models/post/sequence_logprob.hpp"
 
 namespace troupe::models {
@@ -194,6 +195,51 @@ parallel::sample_source grpo_samples(std::shared_ptr<const grpo_batch> batch,
         on_result(seen);
       }
       return token_loss{g.loss, std::move(g.dlogp)};
+    };
+    return mb;
+  };
+}
+
+parallel::sample_source ppo_samples(std::shared_ptr<const ppo_batch> batch, const ppo_options& opt,
+                                    std::function<void(const ppo_microbatch_result&)> on_result) {
+  TROUPE_CHECK(batch != nullptr, "ppo: no rows to train on");
+  struct buffers {
+    std::vector<std::int32_t> ids, targets;
+  };
+  auto buf = std::make_shared<buffers>();
+  return [batch, opt, buf, on_result](const parallel::sample_request& r) {
+    const ppo_batch& s = *batch;
+    const std::int64_t n = s.rows, t = s.seq;
+    TROUPE_CHECK(n > 0 && s.old_logp.size() == static_cast<std::size_t>(n * t) &&
+                     s.advantages.size() == static_cast<std::size_t>(n * t),
+                 "ppo: a batch of ", n, " x ", t, " rows with ", s.old_logp.size(),
+                 " old log-probabilities and ", s.advantages.size(), " advantages");
+    const std::int64_t total = trained(s.targets, 0, n * t);  // the batch's completion tokens
+    auto& b = *buf;
+    copy_rows(s.ids, n, t, r.begin, r.end, b.ids);
+    copy_rows(s.targets, n, t, r.begin, r.end, b.targets);
+    std::vector<double> old, adv;
+    for (std::int64_t i = r.begin; i < r.end; ++i) {
+      const auto from = static_cast<std::ptrdiff_t>((i % n) * t);
+      old.insert(old.end(), s.old_logp.begin() + from, s.old_logp.begin() + from + t);
+      adv.insert(adv.end(), s.advantages.begin() + from, s.advantages.begin() + from + t);
+    }
+    const std::int64_t mine = trained(b.targets, 0, static_cast<std::int64_t>(b.targets.size()));
+    parallel::microbatch_data mb;
+    mb.ids = rows_view(b.ids, t);
+    mb.targets = rows_view(b.targets, t);
+    mb.weight = total == 0 ? r.weight : static_cast<double>(mine) / static_cast<double>(total);
+    mb.objective = [opt, old = std::move(old), adv = std::move(adv),
+                    mask = completion_mask(b.targets), on_result, begin = r.begin,
+                    weight = mb.weight](std::span<const double> logp) {
+      ppo_policy_result p = ppo_policy_loss(logp, old, adv, mask, opt.cliprange);
+      if (on_result)
+        on_result({.begin = begin,
+                   .weight = weight,
+                   .loss = p.loss,
+                   .clipfrac = p.clipfrac,
+                   .approx_kl = p.approx_kl});
+      return token_loss{p.loss, std::move(p.dlogp)};
     };
     return mb;
   };

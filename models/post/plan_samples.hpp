@@ -16,6 +16,9 @@
 //         reference model).
 //   GRPO  sample i: row i mod rows of the batch (the single process trains on the whole batch
 //         every step), with its old and reference log-probabilities and its advantage.
+//   PPO   the policy's clipped objective (ppo_loss.hpp), sample i as GRPO's with its per-token
+//         old log-probabilities and advantages; the loss is a token mean over the batch (TRL's
+//         masked_mean), so a microbatch is weighed by its share of the batch's completion tokens.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +29,7 @@
 #include "models/causal_lm.hpp"
 #include "models/parallel/grad_producer.hpp"
 #include "models/post/grpo_step.hpp"
+#include "models/post/ppo_step.hpp"
 #include "models/post/preference_data.hpp"
 #include "models/post/preference_loss.hpp"
 #include "models/post/sft_data.hpp"
@@ -59,5 +63,18 @@ struct grpo_microbatch_result {
 parallel::sample_source grpo_samples(
     std::shared_ptr<const grpo_batch> batch, const grpo_options& opt,
     std::function<void(const grpo_microbatch_result&)> on_result = {});
+
+// What one PPO microbatch's objective saw (ppo_samples' on_result): as grpo_microbatch_result,
+// its weight being its share of the batch's completion tokens.
+struct ppo_microbatch_result {
+  std::int64_t begin = 0;
+  double weight = 0;
+  double loss = 0, clipfrac = 0, approx_kl = 0;
+};
+
+// The policy's steps on `*batch` (its rows, old_logp and advantages; read at each call).
+parallel::sample_source ppo_samples(
+    std::shared_ptr<const ppo_batch> batch, const ppo_options& opt,
+    std::function<void(const ppo_microbatch_result&)> on_result = {});
 
 }  // namespace troupe::models

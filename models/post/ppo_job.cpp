@@ -51,13 +51,19 @@ const job_keys<ppo_job>& keys() {
       {"checkpoint.dir", set(&ppo_job::ckpt_dir)},
       {"checkpoint.critic_dir", set(&ppo_job::critic_ckpt_dir)},
       {"checkpoint.every", set(&ppo_job::ckpt_every)},
+      {"parallel.dp", set(&ppo_job::dp)},
+      {"parallel.tp", set(&ppo_job::tp)},
+      {"parallel.pp", set(&ppo_job::pp)},
+      {"parallel.zero", set(&ppo_job::zero)},
+      {"parallel.microbatches", set(&ppo_job::microbatches)},
+      {"parallel.sp", set(&ppo_job::sp)},
   };
   return s;
 }
 
 std::string unknown_key(const std::string& name) {
   return rl_unknown_key(name, "troupe ppo", "ppo.prompts_per_step x ppo.samples_per_prompt",
-                        "[model], [ppo], [critic], [optim] and [checkpoint]");
+                        "[model], [ppo], [critic], [optim], [checkpoint] and [parallel]");
 }
 
 }  // namespace

@@ -62,6 +62,11 @@ struct ppo_job {
   // [checkpoint]
   std::string ckpt_dir, critic_ckpt_dir;
   std::int64_t ckpt_every = 0;  // 0: only at the end (when dir is set)
+  // [parallel]: the policy's plan under troupe launch (troupe train's keys; the flags --dp, --tp,
+  // --pp, --zero, --microbatches, --sp override them): dp x tp x pp policy ranks (the critic
+  // stays on rank 0)
+  std::int64_t dp = 1, tp = 1, pp = 1, zero = 0, microbatches = 1;
+  bool sp = false;
 
   // The critic's folder: critic_dir, or "<dir>-critic"; empty without checkpoint.dir.
   std::string critic_dir() const;

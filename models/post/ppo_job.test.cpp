@@ -112,7 +112,7 @@ TEST_CASE("a ppo job file's bad keys and values are refused naming the file and 
   };
   CHECK_THAT(refused("[ppo]\ngroup = 4\n"),
              Contains("job.toml: unknown key 'ppo.group' (troupe ppo reads [model], [ppo], "
-                      "[critic], [optim], [checkpoint])"));
+                      "[critic], [optim], [checkpoint], [parallel])"));
   CHECK_THAT(refused("[grpo]\nsteps = 4\n"), Contains("job.toml: unknown key 'grpo.steps'"));
   CHECK_THAT(refused("[train]\nbatch = 4\n"),
              Contains("job.toml: 'train.batch' is a key of troupe train's job files that troupe "

@@ -1,11 +1,12 @@
-// grpo_plan_trainer: GRPO's trainer as a grid of hybrid-parallel pieces (grpo_plan_trainer.hpp).
-#include "actors/grpo_plan_trainer.hpp"
+// rl_plan_trainer: an RL policy trainer as a grid of hybrid-parallel pieces (rl_plan_trainer.hpp).
+#include "actors/rl_plan_trainer.hpp"
 
 #include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -37,6 +38,11 @@ struct plan_state {
   std::shared_ptr<models::grpo_batch> batch = std::make_shared<models::grpo_batch>();
   mp::sample_source samples;
   std::map<std::int64_t, models::grpo_microbatch_result> seen;  // this step's, by first sample
+  // PPO's policy: its batch, samples, epochs and what its objectives saw this step.
+  std::shared_ptr<models::ppo_batch> ppo = std::make_shared<models::ppo_batch>();
+  mp::sample_source ppo_samples;
+  std::int64_t epochs = 1;
+  std::map<std::int64_t, models::ppo_microbatch_result> ppo_seen;
   owned_tensor whole;  // rank 0: the gathered policy it pushes
   std::string broken;  // why a step failed: the pieces' state is undefined from then on
 };
@@ -49,7 +55,7 @@ std::vector<collective::grid_axis> axes_of(const scheduler::parallel_plan& plan)
   return axes;
 }
 
-std::int64_t setup(role_context& c, plan_state& st, const grpo_plan_setup& s) {
+std::int64_t setup(role_context& c, plan_state& st, const rl_plan_setup& s) {
   TROUPE_CHECK(!st.hybrid, c.name(), ": already set up");
   st.cfg = models::parse_train_config(s.config, "the grpo driver's plan").value();
   const auto& plan = st.cfg.plan;
@@ -94,6 +100,12 @@ std::int64_t setup(role_context& c, plan_state& st, const grpo_plan_setup& s) {
       models::grpo_samples(st.batch, st.opt, [sp, counts](const models::grpo_microbatch_result& r) {
         if (counts) sp->seen[r.begin] = r;
       });
+  TROUPE_CHECK(s.epochs > 0, c.name(), ": epochs ", s.epochs, " must be > 0");
+  st.epochs = s.epochs;
+  st.ppo_samples = models::ppo_samples(st.ppo, {.cliprange = s.cliprange},
+                                       [sp, counts](const models::ppo_microbatch_result& r) {
+                                         if (counts) sp->ppo_seen[r.begin] = r;
+                                       });
   c.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
   c.set_activity("idle");
   return st.hybrid->steps_done();
@@ -150,6 +162,46 @@ grpo_plan_train_reply train(role_context& c, plan_state& st, const grpo_train_re
   });
 }
 
+ppo_plan_train_reply train_ppo(role_context& c, plan_state& st, const ppo_policy_train_request& r) {
+  return guarded(c, st, [&] {
+    const grpo_samples& s = r.samples;
+    const auto n = static_cast<std::size_t>(s.rows * s.seq);
+    TROUPE_CHECK(s.rows == st.cfg.batch && s.seq == st.cfg.seq && s.old_logp.size() == n &&
+                     r.advantages.size() == n,
+                 c.name(), ": samples of ", s.rows, " x ", s.seq, " rows with ", s.old_logp.size(),
+                 " old log-probabilities and ", r.advantages.size(),
+                 " advantages for a trainer planned for ", st.cfg.batch, " x ", st.cfg.seq);
+    c.set_activity("training");
+    models::ppo_batch& b = *st.ppo;
+    b.rows = s.rows;
+    b.seq = s.seq;
+    b.ids = s.ids;
+    b.targets = s.targets;
+    b.old_logp = s.old_logp;
+    b.advantages = r.advantages;
+    // The single-process policy's epochs (ppo_roles.cpp: run_epochs), their means.
+    ppo_plan_train_reply out;
+    const auto epochs = static_cast<double>(st.epochs);
+    for (std::int64_t e = 0; e < st.epochs; ++e) {
+      st.ppo_seen.clear();
+      const auto step = st.hybrid->step(st.ppo_samples);
+      out.train.loss += step.loss / epochs;
+      out.train.grad_norm = step.grad_norm;
+      out.train.lr = step.lr;
+      out.train.seconds += step.seconds;
+      for (const auto& [begin, m] : st.ppo_seen) {
+        out.clip_part += m.weight * m.clipfrac / epochs;
+        out.kl_part += m.weight * m.approx_kl / epochs;
+      }
+    }
+    out.train.entropy = std::numeric_limits<double>::quiet_NaN();  // needs the whole logits
+    out.train.version = st.hybrid->steps_done();
+    c.record_step(out.train.version, {{"loss", out.train.loss}});
+    c.set_activity("idle");
+    return out;
+  });
+}
+
 grpo_push_reply push(role_context& c, plan_state& st, const grpo_push_request& r) {
   return guarded(c, st, [&] {
     c.set_activity("gathering the policy");
@@ -180,13 +232,14 @@ grpo_save_reply save(role_context& c, plan_state& st, const grpo_save_request& r
 
 }  // namespace
 
-void add_grpo_plan_trainer_role(role_registry& roles) {
-  roles.add("grpo_plan_trainer", [](role_builder& b, role_context&) {
+void add_rl_plan_trainer_role(role_registry& roles) {
+  roles.add("rl_plan_trainer", [](role_builder& b, role_context&) {
     auto st = std::make_shared<plan_state>();
-    b.on<grpo_plan_setup>(
-        [st](role_context& c, const grpo_plan_setup& s) { return setup(c, *st, s); });
+    b.on<rl_plan_setup>([st](role_context& c, const rl_plan_setup& s) { return setup(c, *st, s); });
     b.on<grpo_train_request>(
         [st](role_context& c, const grpo_train_request& r) { return train(c, *st, r); });
+    b.on<ppo_policy_train_request>(
+        [st](role_context& c, const ppo_policy_train_request& r) { return train_ppo(c, *st, r); });
     b.on<grpo_push_request>(
         [st](role_context& c, const grpo_push_request& r) { return push(c, *st, r); });
     b.on<grpo_save_request>(
@@ -194,7 +247,7 @@ void add_grpo_plan_trainer_role(role_registry& roles) {
   });
 }
 
-grpo_train_reply combine_plan_replies(const std::vector<grpo_plan_train_reply>& replies) {
+grpo_train_reply combine_grpo_plan_replies(const std::vector<grpo_plan_train_reply>& replies) {
   TROUPE_CHECK(!replies.empty(), "grpo: no trainer replied");
   grpo_train_reply out = replies.front().train;
   double clipped = 0, masked = 0;
@@ -205,6 +258,19 @@ grpo_train_reply combine_plan_replies(const std::vector<grpo_plan_train_reply>& 
     out.seconds = std::max(out.seconds, r.train.seconds);
   }
   out.clip_ratio = masked > 0 ? clipped / masked : 0.0;
+  return out;
+}
+
+ppo_train_reply combine_ppo_plan_replies(const std::vector<ppo_plan_train_reply>& replies) {
+  TROUPE_CHECK(!replies.empty(), "ppo: no policy trainer replied");
+  ppo_train_reply out = replies.front().train;
+  out.clipfrac = 0;
+  out.approx_kl = 0;
+  for (const auto& r : replies) {
+    out.clipfrac += r.clip_part;
+    out.approx_kl += r.kl_part;
+    out.seconds = std::max(out.seconds, r.train.seconds);
+  }
   return out;
 }
 
