@@ -41,6 +41,13 @@ clip = 0.5
 [checkpoint]
 dir = "/ck/grpo"
 every = 5
+[parallel]
+dp = 2
+tp = 2
+pp = 2
+zero = 1
+microbatches = 3
+sp = true
 )",
                           "job.toml");
   REQUIRE(j.has_value());
@@ -68,6 +75,10 @@ every = 5
   want.clip = 0.5;
   want.ckpt_dir = "/ck/grpo";
   want.ckpt_every = 5;
+  want.dp = want.tp = want.pp = 2;
+  want.zero = 1;
+  want.microbatches = 3;
+  want.sp = true;
   CHECK(*j == want);
   CHECK(parse_grpo_job("", "empty.toml").value() == grpo_job{});
   CHECK_NOTHROW(grpo_job{}.validate());
@@ -85,8 +96,9 @@ TEST_CASE("a grpo job file's bad keys and values are refused naming the file and
     return j.error_message();
   };
   CHECK_THAT(refused("[grpo]\ngroups = 4\n"), Contains("job.toml: unknown key 'grpo.groups'"));
-  CHECK_THAT(refused("[parallel]\ndp = 2\n"),
-             Contains("job.toml: 'parallel.dp' is a key of troupe train's job files"));
+  CHECK_THAT(refused("[parallel]\ndp = 0\n"), Contains("parallel.dp (--dp) must be in 1..4096"));
+  CHECK_THAT(refused("[parallel]\ncp = 2\n"),
+             Contains("job.toml: 'parallel.cp' is a key of troupe train's job files"));
   CHECK_THAT(refused("[grpo]\nsteps = 1.5\n"), Contains("job.toml: grpo.steps must be an integer"));
   CHECK_THAT(refused("[grpo]\ntemperature = \"hot\"\n"),
              Contains("grpo.temperature must be a number"));

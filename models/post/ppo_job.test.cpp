@@ -52,6 +52,10 @@ clip = 0.5
 dir = "/ck/ppo"
 critic_dir = "/ck/value"
 every = 5
+[parallel]
+dp = 2
+pp = 2
+microbatches = 2
 )",
                          "job.toml");
   REQUIRE(j.has_value());
@@ -89,6 +93,7 @@ every = 5
   want.ckpt_dir = "/ck/ppo";
   want.critic_ckpt_dir = "/ck/value";
   want.ckpt_every = 5;
+  want.dp = want.pp = want.microbatches = 2;
   CHECK(*j == want);
   CHECK(j->critic_dir() == "/ck/value");
   CHECK(parse_ppo_job("", "empty.toml").value() == ppo_job{});

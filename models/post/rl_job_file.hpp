@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include "memory/error.hpp"
 
@@ -123,6 +124,14 @@ void validate_rl_common(const Job& j, const std::string& section) {
   need(!j.tokenizer.empty(), key("tokenizer", "tokenizer"), "must be byte, gpt2:DIR or spm:FILE");
   need(j.steps > 0, key("steps", "steps"), "must be > 0");
   need(j.prompts_per_step > 0, key("prompts_per_step", "prompts-per-step"), "must be > 0");
+  // [parallel]: the policy trainer's plan (the flags over it are checked by the command).
+  for (const auto& [value, name] :
+       {std::pair{j.dp, "parallel.dp (--dp)"}, std::pair{j.tp, "parallel.tp (--tp)"},
+        std::pair{j.pp, "parallel.pp (--pp)"},
+        std::pair{j.microbatches, "parallel.microbatches (--microbatches)"}})
+    need(value >= 1 && value <= 4096, name, "must be in 1..4096, got " + std::to_string(value));
+  need(j.zero >= 0 && j.zero <= 3, "parallel.zero (--zero)",
+       "must be 0, 1, 2 or 3, got " + std::to_string(j.zero));
 }
 
 }  // namespace troupe::models

@@ -38,8 +38,9 @@
 //
 // What a wrong plan gives: with the dp gradient allreduce removed (each replica trains on its half
 // of the batch) GRPO's step-1 gradient norm is 0.92 against 1.17 (0.2 relative), PPO's policy
-// loss and norms differ by 0.01 to 0.4 of their scale at step 1, and the samples differ from step
-// 2 on (seen failing both tests); one update fewer moves the weights by ~1/6 of the distance.
+// loss, approx KL and norm differ by 0.09 to 0.8 of their scale at step 1, and the samples differ
+// from step 2 on (seen failing both tests); one update fewer moves the weights by ~1/6 of the
+// distance.
 #include <fmt/core.h>
 #include <catch2/catch.hpp>
 
