@@ -172,7 +172,7 @@ void same_run(const std::string& d, const std::string& got, const std::string& o
 
 }  // namespace
 
-TEST_CASE("GRPO's trainer under dp2 x pp2 and tp2 gives the single process's steps and weights",
+TEST_CASE("GRPO's trainer under dp2 x pp2, tp2 and dp2 ZeRO 2 gives the single process's steps",
           "[multirank][post]") {
   scratch_dir dir("rl-plan");
   const std::string& d = dir.path;
@@ -284,7 +284,7 @@ TEST_CASE("PPO's policy under dp2 x pp2 and tp2 gives the single process's steps
   }
 }
 
-TEST_CASE("troupe grpo refuses a plan without launch, a grid beyond the ranks, cp and ep by name",
+TEST_CASE("troupe grpo and ppo refuse a plan without launch, a grid beyond the ranks, cp and ep",
           "[multirank][post][faults]") {
   scratch_dir dir("rl-plan-refuse");
   const std::string& d = dir.path;
@@ -304,6 +304,8 @@ TEST_CASE("troupe grpo refuses a plan without launch, a grid beyond the ranks, c
   };
   refused(run_troupe(flags("alone", {"--dp", "2"})), "troupe grpo --dp 2 in one process",
           "start them with `troupe launch -n 2 -- troupe grpo");
+  refused(run_troupe({"ppo", "--model", "llama-tiny", "--steps", "1", "--tp", "2"}),
+          "troupe ppo --tp 2 in one process", "start them with `troupe launch -n 2 -- troupe ppo");
   refused(run_troupe(launched(2, "big", flags("big", {"--dp", "2", "--pp", "2"}), {})),
           "troupe grpo --dp 2 --pp 2 on 2 ranks",
           "= 4 trainer ranks but the job has 2 (troupe launch -n)");
