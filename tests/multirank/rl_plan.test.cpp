@@ -23,7 +23,7 @@
 // and from step 2 on also up to the rounding its earlier updates carried into the weights.
 // Measured here (TROUPE_PRINT_RATIOS prints them), relative to each value's magnitude (its |value|
 // plus the run's mean |value|, for values crossing zero): GRPO dp2 x pp2 and dp2 ZeRO 2 up to
-// 1e-6, dp2 async 1.5e-5, tp2 2.7e-5 (tp's partial sums change every matmul's rounding); PPO dp2 x
+// 7e-7, dp2 async 9.2e-6, tp2 1.3e-5 (tp's partial sums change every matmul's rounding); PPO dp2 x
 // pp2 up to 8e-7, tp2 2.2e-5. The checks allow 1e-3. The weights: AdamW normalises each update by
 // its own gradient size, so an element whose gradient is near zero can move by up to lr either
 // way from rounding alone (tests/multirank/same_weights.hpp) and an elementwise bound means
