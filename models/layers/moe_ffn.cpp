@@ -72,6 +72,27 @@ moe_ffn::moe_ffn(const config& c)
     experts.emplace_back(swiglu_mlp::config{.dim = c.dim, .hidden = c.hidden});
 }
 
+moe_ffn::host_state moe_ffn::save() const {
+  host_state s{routing, prob_sum, p_, sigmoid_, served, received, rows_, {}};
+  for (const auto& e : experts)
+    for (const linear* l : {&e.gate_proj, &e.up_proj, &e.down_proj})
+      s.expert_inputs.push_back(l->x);
+  return s;
+}
+
+void moe_ffn::restore(const host_state& s) {
+  routing = s.routing;
+  prob_sum = s.prob_sum;
+  p_ = s.p;
+  sigmoid_ = s.sigmoid;
+  served = s.served;
+  received = s.received;
+  rows_ = s.rows;
+  std::size_t i = 0;
+  for (auto& e : experts)
+    for (linear* l : {&e.gate_proj, &e.up_proj, &e.down_proj}) l->x = s.expert_inputs.at(i++);
+}
+
 std::int64_t moe_ffn::capacity(std::int64_t rows) const {
   if (cfg.capacity_factor <= 0) return rows;
   const double want = std::ceil(cfg.capacity_factor * static_cast<double>(rows * cfg.top_k) /

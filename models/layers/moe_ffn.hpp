@@ -98,6 +98,20 @@ struct moe_ffn {
   moe_ffn& operator=(const moe_ffn&) = delete;
   moe_ffn(moe_ffn&&) = default;
 
+  // What backward reads outside the arena (the routing, the probabilities and shared gates on the
+  // host, the statistics and the exchange's counts, and the local experts' saved input views,
+  // whose rows vary with the routing): a pipeline stage keeps one per microbatch in flight
+  // (models/parallel/moe_stage.hpp) and puts it back before that microbatch's backward.
+  struct host_state {
+    moe_routing routing;
+    std::vector<double> prob_sum, p, sigmoid;
+    std::vector<std::int64_t> served, received;
+    std::int64_t rows = 0;
+    std::vector<tensor> expert_inputs;  // per local expert: gate_proj's, up_proj's, down_proj's x
+  };
+  host_state save() const;
+  void restore(const host_state& s);
+
   // An expert's rows for a batch of `rows` tokens.
   std::int64_t capacity(std::int64_t rows) const;
   // The first local expert's global index, and how many the layer holds.

@@ -24,6 +24,7 @@
 #include "models/parallel/llama_stage.hpp"
 #include "models/parallel/mixed_piece.hpp"
 #include "models/parallel/model_producer.hpp"
+#include "models/parallel/moe_stage.hpp"
 #include "models/parallel/pipeline_runner.hpp"
 #include "models/parallel/plan_checkpoint.hpp"
 #include "models/parallel/whole_model.hpp"
@@ -37,15 +38,7 @@ namespace {
 scheduler::model_shape shape_of(const hf::model_config& m, const train_config& cfg) {
   scheduler::model_shape s = with_family(m, [](auto family, const auto& c) {
     using F = typename decltype(family)::type;
-    if constexpr (tp_family<F>)
-      return tp_parts<F>::shape(c);
-    else  // no tensor-parallel parts (the MoE family): only whole-model placements
-      return scheduler::model_shape{.layers = c.n_layer,
-                                    .heads = c.n_head,
-                                    .kv_heads = c.n_kv_head > 0 ? c.n_kv_head : c.n_head,
-                                    .hidden = c.dim,
-                                    .vocab = c.vocab,
-                                    .experts = c.n_expert};
+    return tp_parts<F>::shape(c);  // every family has its placement parts (tp_family.hpp)
   });
   s.seq = cfg.seq;
   s.batch = cfg.batch * cfg.grad_accum;
@@ -174,15 +167,11 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                " with parallel.tp (--tp) ", plan.tp, " and parallel.pp (--pp) ", plan.pp,
                ": expert parallelism runs with tp = pp = 1 so far (tensor and pipeline ",
                "placements of experts are not written)");
-  // A family without tensor-parallel parts (tp_family.hpp) trains as a whole model per rank.
-  with_family(model, [&](auto family, const auto&) {
-    using F = typename decltype(family)::type;
-    if constexpr (!tp_family<F>)
-      TROUPE_CHECK(plan.tp == 1 && plan.pp == 1, "parallel.tp ", plan.tp, ", parallel.pp ", plan.pp,
-                   ": the ", F::label,
-                   " family trains whole on each rank only (parallel.dp with ZeRO 0-3); tensor, "
-                   "pipeline and expert parallel placements of its experts are not written yet");
-  });
+  // The MoE family's placements are pipeline stages (moe_stage.hpp); its experts are not split
+  // over tensor shards.
+  TROUPE_CHECK(plan.tp == 1 || shape.experts == 0, "parallel.tp ", plan.tp,
+               ": the MoE family has no tensor-parallel placement yet (its experts are not split "
+               "over tensor shards; use parallel.tp 1 with parallel.pp, parallel.dp, parallel.ep)");
   // Expert parallelism: an MoE model's, in its own engine (models/parallel/expert_parallel.hpp).
   TROUPE_CHECK(plan.ep == 1 || shape.experts > 0, "parallel.ep (--ep) ", plan.ep,
                " needs an MoE model: this one has no experts");

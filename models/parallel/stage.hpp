@@ -30,6 +30,25 @@
 
 namespace troupe::models::parallel {
 
+// What travels with a family's activations between virtual stages besides the residual stream:
+// nothing here; the MoE family's router statistics (moe_stage.hpp: its aux loss reads every
+// layer's) in its specialisation. The boundary is boundary(rows) (rows: the residual stream's
+// shape); rows_of(t) views the residual stream in a boundary tensor t; forward (after a chunk's
+// forward: in is the received boundary, undefined on virtual stage 0; y the boundary sent on,
+// undefined on the last) returns what it adds to the loss; backward runs before a chunk's backward
+// (dy undefined on the last virtual stage, dx on the first); save and restore keep its state per
+// stash buffer.
+template <class F>
+struct stage_side {
+  stage_side(const typename F::config&, int) {}
+  static shape boundary(const shape& rows, dtype, const std::string&) { return rows; }
+  static tensor rows_of(const tensor& t) { return t; }
+  double forward(tp_trunk<F>&, block_span, int, const tensor&, const tensor&) { return 0; }
+  void backward(tp_trunk<F>&, block_span, int, const tensor&, const tensor&, double) {}
+  void save(tp_trunk<F>&, block_span, int, std::size_t) {}
+  void restore(tp_trunk<F>&, block_span, int, std::size_t) {}
+};
+
 template <tp_family F>
 class stage final : public pipeline_stage {
  public:
@@ -55,7 +74,7 @@ class stage final : public pipeline_stage {
  private:
   static std::string who() { return std::string(F::name) + "_stage"; }
   // The boundary [B, T_local, C] after the config's checks (before the base is built).
-  static shape boundary_of(const config_type& cfg, batch_dims dims, const tp_group& tp);
+  static shape boundary_of(const config_type& cfg, batch_dims dims, const tp_group& tp, dtype type);
   block_span span_of(int c) const {
     return {first_block(c), end_block(c), holds_first(c), holds_last(c)};
   }
@@ -70,6 +89,7 @@ class stage final : public pipeline_stage {
   void restore_extra(int chunk, std::size_t slot) override;
 
   tp_trunk<F> trunk_;
+  stage_side<F> side_;
   // Per stash buffer: the token embedding's state (its ids' local rows) and the loss's count.
   std::vector<vocab_parallel_embedding> tokens_saved_;
   std::vector<std::int64_t> count_saved_;
@@ -82,17 +102,19 @@ class stage final : public pipeline_stage {
 // ---- definitions (instantiated with the families' tp parts) ------------------------------------
 
 template <tp_family F>
-shape stage<F>::boundary_of(const config_type& cfg, batch_dims dims, const tp_group& tp) {
+shape stage<F>::boundary_of(const config_type& cfg, batch_dims dims, const tp_group& tp,
+                            dtype type) {
   const config_type c = tp_parts<F>::checked(cfg, tp, who());
   TROUPE_CHECK(dims.seq <= c.max_seq, who(), ": sequence length ", dims.seq, " exceeds max_seq ",
                c.max_seq);
-  return shard_rows(dims, c.dim, tp, who());
+  return stage_side<F>::boundary(shard_rows(dims, c.dim, tp, who()), type, who());
 }
 
 template <tp_family F>
 stage<F>::stage(const config_type& cfg, batch_dims dims, const stage_options& o, tp_group tp)
-    : pipeline_stage(who(), cfg.n_layer, dims, o, tp, boundary_of(cfg, dims, tp)),
-      trunk_(cfg, dims, tp, who()) {
+    : pipeline_stage(who(), cfg.n_layer, dims, o, tp, boundary_of(cfg, dims, tp, o.type)),
+      trunk_(cfg, dims, tp, who()),
+      side_(trunk_.config(), chunks()) {
   for (int c = 0; c < chunks(); ++c) {
     open_chunk(c);
     trunk_.declare(slots_, span_of(c), /*recompute=*/false);
@@ -127,13 +149,22 @@ void stage<F>::init_weights(std::uint64_t seed) {
 
 template <tp_family F>
 double stage<F>::run_forward(int c, const tensor& in, const tensor& targets, const tensor& y) {
-  return trunk_.forward(span_of(c), dims(), in, targets, y);
+  const tensor received = holds_first(c) ? tensor{} : in;
+  const tensor sent = holds_last(c) ? tensor{} : y;
+  const double loss =
+      trunk_.forward(span_of(c), dims(), received.defined() ? side_.rows_of(in) : in, targets,
+                     sent.defined() ? side_.rows_of(y) : y);
+  return loss + side_.forward(trunk_, span_of(c), c, received, sent);
 }
 
 template <tp_family F>
 void stage<F>::run_backward(int c, const tensor& dy, const tensor& dx, double weight,
                             const block_hook& after_block) {
-  trunk_.backward(span_of(c), dims(), weight, dy, dx, /*recompute=*/false, {}, after_block);
+  const tensor received = holds_last(c) ? tensor{} : dy;
+  const tensor sent = holds_first(c) ? tensor{} : dx;
+  side_.backward(trunk_, span_of(c), c, received, sent, weight);
+  trunk_.backward(span_of(c), dims(), weight, received.defined() ? side_.rows_of(dy) : dy,
+                  sent.defined() ? side_.rows_of(dx) : dx, /*recompute=*/false, {}, after_block);
 }
 
 template <tp_family F>
@@ -145,6 +176,7 @@ void stage<F>::step_chunk(int c, const tensor& in, const tensor& y, std::int64_t
 
 template <tp_family F>
 void stage<F>::save_extra(int c, std::size_t slot) {
+  side_.save(trunk_, span_of(c), c, slot);
   if (keep_)
     for (std::int64_t i = first_block(c); i < end_block(c); ++i) keep_(i, slot, true);
   if (holds_first(c)) {
@@ -163,6 +195,7 @@ void stage<F>::save_extra(int c, std::size_t slot) {
 
 template <tp_family F>
 void stage<F>::restore_extra(int c, std::size_t slot) {
+  side_.restore(trunk_, span_of(c), c, slot);
   if (keep_)
     for (std::int64_t i = first_block(c); i < end_block(c); ++i) keep_(i, slot, false);
   if (holds_first(c)) trunk_.front().tokens() = tokens_saved_[slot];

@@ -67,6 +67,8 @@ class tp_trunk {
   const back_type& back() const { return back_; }
   // The attention of a held block: the shard's key/value heads and the head size.
   const attention& attention_of() const;
+  // Block i (global index) where held, else null.
+  block_type* block(std::int64_t i) { return blocks_[static_cast<std::size_t>(i)].get(); }
 
   // Declares a span: the front, per block "x.<i>" and the block "<scope>.<i>" (recompute: in a
   // recomputed scope, slots.hpp), then "x.<n_layer>" and the back. Spans in block order.

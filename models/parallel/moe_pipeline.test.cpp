@@ -1,0 +1,165 @@
+// The MoE family under pipeline plans (moe_stage.hpp): pp2 with 1F1B, interleaved, zero-bubble
+// and recompute, and dp2 x pp2 (ZeRO 0 and 1), Mixtral-tiny and Qwen2-MoE-tiny, against the
+// single-process trainer at the same tokens per step, with the router aux loss in the loss.
+//
+// The aux loss is per forward over its rows (n_expert * sum_e f_e P_e is not linear in the rows),
+// so the single process is run with train.batch one microbatch's rows and train.grad_accum the
+// plan's dp x microbatches: then microbatch k of a step is the single process's micro-batch k
+// (scheduler/microbatch.hpp), both compute each aux loss over the same rows, and the plan must
+// equal the single process up to f32 summation order (tests/rounding.hpp, exact_run.hpp: losses
+// and gradient norms per step within trajectory_k, final weights within default_k of the single
+// process's own error against the same run in f64). A stage that counts only its own layers in the
+// aux loss, or a backward that reads another microbatch's routing, is off by far more (the aux
+// term is ~0.02 of the loss and reaches every router's gradient).
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "models/causal_lm.hpp"
+#include "models/hf/checkpoint.hpp"
+#include "models/hf/testing.hpp"
+#include "models/parallel/exact_run.hpp"
+#include "models/parallel/hybrid.hpp"
+#include "models/parallel/plan_threads.hpp"
+#include "models/parallel/testing.hpp"
+#include "models/trainer.hpp"
+
+using namespace troupe;
+using namespace troupe::models;
+using namespace troupe::models::parallel;
+using troupe::models::hf::testing::temp_dir;
+using troupe::models::testing::check_run_as_accurate;
+using troupe::models::testing::exact_run;
+using troupe::models::testing::exact_training;
+using troupe::models::testing::run_plan;
+using troupe::models::testing::synthetic_rows;
+
+namespace {
+
+hf::model_config mixtral() {
+  return named_model_config("mixtral-tiny", 29).value();  // aux loss on, coefficient 0.01
+}
+
+// Qwen2-MoE: a shared expert with its sigmoid gate, q/k/v biases, unnormalised top-k weights.
+hf::model_config qwen2_moe() {
+  hf::moe_config q = std::get<hf::moe_config>(mixtral());
+  q.model_type = "qwen2_moe";
+  q.moe_intermediate_size = 96;
+  q.shared_expert_intermediate_size = 160;
+  q.norm_topk_prob = false;
+  return hf::model_config(q);
+}
+
+// One row per microbatch; `slots` = dp x microbatches micro-batches per step.
+train_config tiny_run(int slots) {
+  train_config c;
+  c.steps = 4;
+  c.batch = 1;
+  c.grad_accum = slots;
+  c.seq = 8;
+  c.lr = 3e-3;
+  c.min_lr = 1e-3;
+  c.warmup = 2;
+  c.clip = 0.5;
+  c.eps = 1e-6;  // as data_parallel.test.cpp: keeps Adam's amplified rounding noise small
+  c.seed = 5;
+  return c;
+}
+
+struct run_result {
+  std::vector<step_result> steps;
+  std::vector<float> params;  // the single process's flat layout
+};
+
+std::vector<float> host_params(causal_lm& m) {
+  const tensor& p = m.memory().params();
+  return {p.data_as<float>(), p.data_as<float>() + p.numel()};
+}
+
+struct reference {
+  run_result f32;
+  exact_run exact;
+};
+
+reference single_process(const hf::model_config& model, const train_config& c) {
+  reference r;
+  auto m = make_causal_lm(model, {c.batch, c.seq});
+  m->init_weights(c.seed);
+  trainer t(*m, c);
+  for (int s = 0; s < c.steps; ++s) r.f32.steps.push_back(t.step(synthetic_rows));
+  r.f32.params = host_params(*m);
+  auto m64 = make_causal_lm(model, {c.batch, c.seq}, dtype::f64);
+  m64->init_weights(c.seed);  // the f32 run's weights exactly
+  r.exact = exact_training(*m64, c, synthetic_rows);
+  return r;
+}
+
+// `c` under `plan` on threads; rank 0's steps and the saved weights in the single process's layout.
+// Every rank reports the same losses.
+run_result planned(const hf::model_config& model, train_config c,
+                   const scheduler::parallel_plan& plan, std::string* described = nullptr) {
+  c.plan = plan;
+  temp_dir tmp;
+  std::vector<std::vector<step_result>> got(plan.world_size());
+  std::vector<std::string> what(plan.world_size());
+  run_plan(plan, [&](int r, const hybrid_groups& g) {
+    hybrid_trainer t(model, c, g);
+    what[r] = t.describe();
+    for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));
+    t.save(tmp.path());
+  });
+  for (int r = 1; r < plan.world_size(); ++r)
+    for (int s = 0; s < c.steps; ++s) CHECK(got[r][s].loss == got[0][s].loss);
+  if (described != nullptr) *described = what[0];
+  auto whole = make_causal_lm(model, {c.batch, c.seq});
+  hf::load_weights(tmp.path(), model, whole->slots()).value();
+  return {got[0], host_params(*whole)};
+}
+
+scheduler::parallel_plan pipeline(int dp, int microbatches) {
+  scheduler::parallel_plan p;
+  p.dp = dp;
+  p.pp = 2;
+  p.microbatches = microbatches;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("MoE pipeline stages train like the single process with the router aux loss",
+          "[parallel][moe]") {
+  struct row {
+    std::string name;
+    scheduler::parallel_plan plan;
+    bool qwen_too;
+  };
+  auto interleaved = pipeline(1, 4);
+  interleaved.schedule = scheduler::schedule_kind::interleaved;
+  interleaved.virtual_stages = 2;  // 4 virtual stages of one layer each
+  auto zero_bubble = pipeline(1, 4);
+  zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
+  auto recompute = pipeline(1, 4);
+  recompute.recompute = scheduler::recompute_policy::full;
+  auto zero1 = pipeline(2, 2);
+  zero1.zero = 1;
+  const std::vector<row> rows = {
+      {"pp2 1F1B", pipeline(1, 4), true},      {"pp2 interleaved", interleaved, true},
+      {"pp2 zero bubble", zero_bubble, false}, {"pp2 recompute full", recompute, false},
+      {"dp2 x pp2", pipeline(2, 2), true},     {"dp2 x pp2 ZeRO 1", zero1, false}};
+  for (bool qwen : {false, true}) {
+    const auto model = qwen ? qwen2_moe() : mixtral();
+    const train_config c = tiny_run(4);
+    const auto ref = single_process(model, c);
+    for (const auto& [name, plan, qwen_too] : rows) {
+      if (qwen && !qwen_too) continue;
+      INFO((qwen ? "qwen2-moe " : "mixtral ") << name);
+      std::string described;
+      const auto got = planned(model, c, plan, &described);
+      INFO("rank 0: " << described);
+      CHECK(described.find("stage 0 of 2") != std::string::npos);
+      check_run_as_accurate(got, ref.f32, ref.exact);
+    }
+  }
+}
