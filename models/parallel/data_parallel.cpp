@@ -58,6 +58,27 @@ std::vector<bool> exempt_mask(const slot_list& slots, const tensor& p, bool deca
 }
 
 // Sorted, merged ranges.
+// `ranges` (sorted, disjoint) cut so that each of `cuts` (sorted, disjoint, each inside one range)
+// is a range of its own.
+range_list cut_at(const range_list& ranges, const range_list& cuts) {
+  if (cuts.empty()) return ranges;
+  range_list out;
+  std::size_t k = 0;
+  for (const auto& [begin, length] : ranges) {
+    std::int64_t at = begin;
+    const std::int64_t end = begin + length;
+    for (; k < cuts.size() && cuts[k].first + cuts[k].second <= end; ++k) {
+      const auto [b, n] = cuts[k];
+      if (b < at) continue;
+      if (b > at) out.emplace_back(at, b - at);
+      out.emplace_back(b, n);
+      at = b + n;
+    }
+    if (at < end) out.emplace_back(at, end - at);
+  }
+  return out;
+}
+
 range_list merged(range_list r) {
   std::sort(r.begin(), r.end());
   range_list out;
@@ -405,8 +426,21 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
                p.numel());
   const auto& slots = piece_.slots();
   auto groups = make_groups(slots, p);
-  buckets_ = make_buckets(bucket_ranges(groups, slots, p), dp,
+  range_list experts;  // own_experts: the expert parameters, each its own bucket range
+  if (opts.own_experts) {
+    TROUPE_CHECK(zero == 0, "dp_trainer: expert parallelism over pipeline stages runs with ZeRO 0 ",
+                 "(parallel.zero 0), got parallel.zero ", zero);
+    for (const auto& s : slots.slots())
+      if (s.kind == slot_kind::param && s.spec.expert >= 0 && s.field->numel() > 0)
+        experts.emplace_back(flat_offset(s, p), s.field->numel());
+    std::sort(experts.begin(), experts.end());
+  }
+  buckets_ = make_buckets(cut_at(bucket_ranges(groups, slots, p), experts), dp,
                           static_cast<std::int64_t>(opts.bucket_bytes / p.element_size()));
+  for (const auto& b : buckets_)
+    own_bucket_.push_back(std::any_of(experts.begin(), experts.end(), [&](const auto& e) {
+      return b.begin >= e.first && b.begin + b.length <= e.first + e.second;
+    }));
   for (std::size_t i = 0; i < buckets_.size(); ++i) {
     for (auto& g : groups) {
       for (const auto& [gb, gn] : g.ranges)
@@ -434,15 +468,18 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
 
   // The norm: every parameter the piece counts (the whole buffer, padding included, when it
   // counts them all: the padding is zero).
-  bool all_count = true;
-  range_list counted;
+  bool all_count = !opts.own_experts;
+  range_list counted, counted_experts;
   for (const auto& s : slots.slots()) {
     if (s.kind != slot_kind::param) continue;
-    if (piece_.counts_in_norm(s))
-      counted.emplace_back(flat_offset(s, p), s.field->numel());
-    else
+    if (!piece_.counts_in_norm(s))
       all_count = false;
+    else if (opts.own_experts && s.spec.expert >= 0)
+      counted_experts.emplace_back(flat_offset(s, p), s.field->numel());
+    else
+      counted.emplace_back(flat_offset(s, p), s.field->numel());
   }
+  expert_norm_ranges_ = merged(counted_experts);
   norm_ranges_ = all_count ? range_list{{0, p.numel()}} : merged(counted);
   std::int64_t shard = 0;
   for (const auto& b : buckets_) shard += b.chunk;
@@ -729,6 +766,7 @@ void dp_trainer::issue_ready() {
 void dp_trainer::issue_bucket(std::size_t i) {
   const dp_bucket& b = buckets_[i];
   issued_[i] = 1;
+  if (own_bucket_[i]) return;  // this rank's experts: complete here
   const tensor& g = piece_.memory().grads();
   const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
@@ -917,6 +955,11 @@ double dp_trainer::reduce_gradients() {
     sq = sum_squares(g, sharded ? shard_norm_ranges_ : norm_ranges_);
   }
   if (sharded) comm_.allreduce(&sq, 1, dtype::f64).wait();
+  if (opts_.own_experts) {  // the dp ranks hold disjoint experts
+    double own = sum_squares(g, expert_norm_ranges_);
+    if (comm_.size() > 1) comm_.allreduce(&own, 1, dtype::f64).wait();
+    sq += own;
+  }
   if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();
   comm_wait_ += seconds_since(t0);
   double norm = std::sqrt(sq);

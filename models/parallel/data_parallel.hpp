@@ -121,6 +121,11 @@ struct dp_options {
   // the optimizer step is a commit point that cannot fail on a live rank (elastic runs,
   // actors/training.hpp). The numbers are the same, bit for bit.
   bool defer_gather = false;
+  // Expert parallelism with ep = dp over a pipeline stage (hybrid.hpp): the expert parameters
+  // (param_spec::expert >= 0) are this rank's own experts, whose gradients are complete here (the
+  // expert exchange brought every dp rank's tokens): their buckets are not reduced, and their
+  // squares in the global norm are summed over the dp group. ZeRO 0 only.
+  bool own_experts = false;
 
   // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
   // from parallel.dp_overlap.
@@ -302,6 +307,10 @@ class dp_trainer {
   // Flat [begin, length) ranges of the parameters the piece counts in the norm, and the same in
   // shard coordinates (zero 2, 3).
   std::vector<std::pair<std::int64_t, std::int64_t>> norm_ranges_, shard_norm_ranges_;
+  // own_experts: the counted expert ranges (norm_ranges_ holds the rest), and per bucket whether
+  // it lies in an expert parameter (not reduced).
+  std::vector<std::pair<std::int64_t, std::int64_t>> expert_norm_ranges_;
+  std::vector<char> own_bucket_;
   std::unique_ptr<adamw_optimizer> full_opt_;   // zero 0
   std::unique_ptr<shard_optimizer> shard_opt_;  // zero 1, 2 and 3
   owned_tensor shard_grads_;                    // zero 2, 3: this rank's reduced gradient chunks

@@ -82,6 +82,8 @@ struct hybrid_trainer::impl {
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
   std::unique_ptr<ep_trainer> ep;      // parallel.ep > 1: the engine instead of dp (no piece)
+  // parallel.ep > 1 with parallel.pp > 1: the stage's MoE layers exchange rows over the ep group.
+  std::unique_ptr<comm_exchange> stage_exchange;
   std::unique_ptr<whole_model> whole;  // the whole model's description only (no memory)
   piece_layout layout;
   // Checkpoints: the moments' layout (the weights' but for who owns a run of a ZeRO shard) and the
@@ -92,8 +94,12 @@ struct hybrid_trainer::impl {
   collective::communicator* parts = nullptr;
   std::string description;
 
+  bool ep_pp = false;  // parallel.ep > 1 with parallel.pp > 1: every dp rank holds other experts
   dp_trainer::optimizer_view optimizer_state() const {
-    return ep ? ep->optimizer_state() : dp->optimizer_state();
+    if (ep) return ep->optimizer_state();
+    auto v = dp->optimizer_state();
+    if (ep_pp) v.whole = false;  // each dp rank writes its own experts' moments
+    return v;
   }
   void build_expert_parallel(const hf::model_config& model, bool recompute);
 };
@@ -163,10 +169,25 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     I.g.dp = g.dp_cp;
   }
   const scheduler::model_shape shape = shape_of(model, cfg);
-  TROUPE_CHECK(plan.ep == 1 || (plan.tp == 1 && plan.pp == 1), "parallel.ep (--ep) ", plan.ep,
-               " with parallel.tp (--tp) ", plan.tp, " and parallel.pp (--pp) ", plan.pp,
-               ": expert parallelism runs with tp = pp = 1 so far (tensor and pipeline ",
-               "placements of experts are not written)");
+  TROUPE_CHECK(plan.ep == 1 || plan.tp == 1, "parallel.ep (--ep) ", plan.ep,
+               " with parallel.tp (--tp) ", plan.tp,
+               ": expert parallelism runs with tp = 1 (the experts have no tensor-parallel "
+               "placement yet)");
+  // ep x pp (moe_stage.hpp): each stage's MoE layers over the stage's ep group, which is its
+  // whole dp group (ep = dp), so an expert's gradient is complete on its one holder.
+  const bool ep_pp = plan.ep > 1 && plan.pp > 1;
+  I.ep_pp = ep_pp;
+  if (ep_pp) {
+    TROUPE_CHECK(plan.ep == plan.dp && plan.zero == 0 && cfg.precision == "f32" &&
+                     plan.cp == 1 && !cfg.tiers() && !cfg.elastic(),
+                 "parallel.ep (--ep) ", plan.ep, " with parallel.pp (--pp) ", plan.pp,
+                 ": expert parallelism over pipeline stages runs with parallel.ep = parallel.dp (",
+                 "got dp ", plan.dp, "), parallel.zero 0 (got ", plan.zero,
+                 "), train.precision f32 (got ", cfg.precision,
+                 "), no cp, memory tiers or elastic runs so far");
+    TROUPE_CHECK(g.ep != nullptr && g.ep->size() == plan.ep, "hybrid_trainer: parallel.ep ",
+                 plan.ep, " needs an ep group of ", plan.ep, " ranks");
+  }
   // The MoE family's placements are pipeline stages (moe_stage.hpp); its experts are not split
   // over tensor shards.
   TROUPE_CHECK(plan.tp == 1 || shape.experts == 0, "parallel.tp ", plan.tp,
@@ -204,7 +225,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.whole = std::make_unique<whole_model>(model);
   I.gather = I.g.dp;
   I.parts = g.mp;
-  if (plan.ep > 1) {
+  if (plan.ep > 1 && !ep_pp) {
     I.build_expert_parallel(model, recompute);
     const std::string& from = !cfg.resume.empty() ? cfg.resume : cfg.model_hf;
     if (!from.empty())
@@ -227,7 +248,18 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
           o.type = compute;
           // Context parallelism inside the stages: each holds seq / cp positions of every sample.
           const batch_dims sd{dims.batch, plan.cp > 1 ? dims.seq / plan.cp : dims.seq};
-          I.stage = std::make_unique<stage<F>>(c, sd, o, tg);
+          if constexpr (std::is_same_v<F, moe_family>)
+            if (ep_pp) {
+              c.ep = plan.ep;
+              c.ep_rank = g.ep->rank();
+            }
+          auto st = std::make_unique<stage<F>>(c, sd, o, tg);
+          if constexpr (std::is_same_v<F, moe_family>)
+            if (ep_pp) {
+              I.stage_exchange = std::make_unique<comm_exchange>(*g.ep);
+              set_expert_exchange(*st, I.stage_exchange.get());
+            }
+          I.stage = std::move(st);
         } else {
           I.model = std::make_unique<causal_lm_of<tp_model<F>>>(c, dims, tg, compute);
         }
@@ -281,6 +313,15 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.layout.tp = plan.tp;
   grad_producer* piece = I.piece.get();
   I.layout.owns = [piece](const tensor_slot& s) { return piece->counts_in_norm(s); };
+  if (ep_pp) {  // each expert on its holder, the rest counted on ep rank 0
+    const int er = g.ep->rank();
+    I.layout.owns = [piece, er](const tensor_slot& s) {
+      return piece->counts_in_norm(s) && (s.spec.expert >= 0 || er == 0);
+    };
+    const std::int64_t n = shape.experts;
+    I.description += fmt::format(", experts {}-{} of {} of every MoE layer (ep {} of {})",
+                                 er * n / plan.ep, (er + 1) * n / plan.ep - 1, n, er, plan.ep);
+  }
   I.moment_layout = I.layout;
   // The piece's weights, one whole parameter at a time: a checkpoint's (checkpoint.resume, else
   // model.hf), or the single-process model's init.
@@ -308,6 +349,7 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // Elastic runs: the optimizer step is the commit point, so ZeRO 1 and 2 gather the updated
   // parameters at the start of the next step instead of in the commit.
   o.defer_gather = cfg.elastic();
+  o.own_experts = ep_pp;
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *I.g.dp, o);
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }
@@ -392,7 +434,8 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
   auto& gather = *I.gather;
   auto& parts = *I.parts;
   const bool writer = gather.rank() == 0 && parts.rank() == 0;
-  const bool gathers = gather.rank() == 0;  // dp rank 0's replica gathers the weights
+  // dp rank 0's replica gathers the weights; under ep x pp every dp rank (its own experts).
+  const bool gathers = gather.rank() == 0 || I.ep_pp;
   const std::string what = fmt::format("hybrid_trainer::save '{}'", folder.string());
   if (I.cfg.plan.zero != 0 && I.dp) I.dp->gather_full_parameters();
   // A rank's own work (checks, allocations, gathers, the writer's writes) runs in `attempt`, which
@@ -452,11 +495,12 @@ std::string hybrid_trainer::save(const std::filesystem::path& folder) {
       });
       float* flag = static_cast<float*>(flat.data()) + numel;
       *flag = failed ? 1.0f : 0.0f;
-      if (parts.size() > 1) {
-        collective::options o;
-        o.op = collective::reduce_op::sum;
-        parts.allreduce(flat.data(), static_cast<std::size_t>(numel + 1), flat.type(), o).wait();
-      }
+      for (auto* group : {&parts, I.ep_pp ? &gather : nullptr})
+        if (group != nullptr && group->size() > 1) {
+          collective::options o;
+          o.op = collective::reduce_op::sum;
+          group->allreduce(flat.data(), static_cast<std::size_t>(numel + 1), flat.type(), o).wait();
+        }
       if (*flag > 0.0f) break;
       if (writer) attempt([&] { weights->write(full); });
     }

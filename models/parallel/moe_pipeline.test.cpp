@@ -14,9 +14,17 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "collective/grid.hpp"
+#include "collective/local/local_transport.hpp"
+#include "collective/p2p_communicator.hpp"
 #include "models/causal_lm.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/testing.hpp"
@@ -96,6 +104,51 @@ reference single_process(const hf::model_config& model, const train_config& c) {
   return r;
 }
 
+// run_plan (plan_threads.hpp) with expert parallelism over pipeline stages: the ep group of a
+// rank is its dp group (ep = dp, a communicator of its own), its edp group itself alone.
+void run_ep_plan(const scheduler::parallel_plan& plan,
+                 const std::function<void(int, const hybrid_groups&)>& fn) {
+  if (plan.ep == 1) return run_plan(plan, fn);
+  const int n = plan.world_size();
+  auto world = std::make_shared<collective::local_world>(n);
+  collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
+  std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
+  for (int r = 0; r < n; ++r) {
+    for (const auto& axes :
+         std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
+      comms[r].push_back(
+          collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
+    collective::rank_group ep = grid.group(r, {"dp"});
+    ep.id |= (1u << 23) | (1u << 22);  // beside the grid's ids, as actors/training.cpp's
+    comms[r].push_back(collective::make_communicator(world->transport(r), ep, "local", world));
+    const collective::rank_group edp{(1u << 23) | (1u << 22) | (1u << 21) | static_cast<unsigned>(r),
+                                     {r}};
+    comms[r].push_back(collective::make_communicator(world->transport(r), edp, "local", world));
+  }
+  std::vector<std::exception_ptr> err(n);
+  std::mutex mu;
+  int first = -1;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto& c = comms[r];
+        hybrid_groups g{c[0].get(), c[1].get(), c[2].get(), c[3].get()};
+        g.ep = c[4].get();
+        g.edp = c[5].get();
+        fn(r, g);
+      } catch (...) {
+        err[r] = std::current_exception();
+        std::lock_guard lk(mu);
+        if (first < 0) first = r;
+        for (auto& rc : comms)
+          for (auto& x : rc) x->abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (first >= 0) std::rethrow_exception(err[first]);
+}
+
 // `c` under `plan` on threads; rank 0's steps and the saved weights in the single process's layout.
 // Every rank reports the same losses.
 run_result planned(const hf::model_config& model, train_config c,
@@ -104,7 +157,7 @@ run_result planned(const hf::model_config& model, train_config c,
   temp_dir tmp;
   std::vector<std::vector<step_result>> got(plan.world_size());
   std::vector<std::string> what(plan.world_size());
-  run_plan(plan, [&](int r, const hybrid_groups& g) {
+  run_ep_plan(plan, [&](int r, const hybrid_groups& g) {
     hybrid_trainer t(model, c, g);
     what[r] = t.describe();
     for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));
@@ -162,4 +215,29 @@ TEST_CASE("MoE pipeline stages train like the single process with the router aux
       check_run_as_accurate(got, ref.f32, ref.exact);
     }
   }
+}
+
+// dp2 x ep2 x pp2 (4 ranks): each stage's MoE layers split over its two dp ranks (experts 0-1 on
+// dp rank 0, 2-3 on dp rank 1), rows exchanged over the stage's ep group in every microbatch's
+// forward and backward, the expert gradients complete on their holder (not reduced), the rest
+// reduced over dp; the same tokens per step and the same rule as above.
+TEST_CASE("Expert parallel pipeline stages train like the single process", "[parallel][moe]") {
+  auto interleaved = pipeline(2, 2);
+  interleaved.schedule = scheduler::schedule_kind::interleaved;
+  interleaved.virtual_stages = 2;
+  for (bool qwen : {false, true})
+    for (auto plan : {pipeline(2, 2), interleaved}) {
+      if (qwen && plan.virtual_stages > 1) continue;
+      plan.ep = 2;
+      const auto model = qwen ? qwen2_moe() : mixtral();
+      const train_config c = tiny_run(4);
+      const auto ref = single_process(model, c);
+      INFO((qwen ? "qwen2-moe " : "mixtral ") << scheduler::describe(plan));
+      std::string described;
+      const auto got = planned(model, c, plan, &described);
+      INFO("rank 0: " << described);
+      CHECK(described.find("experts 0-1 of 4 of every MoE layer (ep 0 of 2)") !=
+            std::string::npos);
+      check_run_as_accurate(got, ref.f32, ref.exact);
+    }
 }

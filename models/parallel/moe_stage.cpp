@@ -155,4 +155,9 @@ void stage_side<moe_family>::restore(tp_trunk<moe_family>& trunk, block_span spa
 
 template class stage<moe_family>;
 
+void set_expert_exchange(moe_stage& s, moe_exchange* x) {
+  for (std::int64_t i = 0; i < s.config().n_layer; ++i)
+    if (auto* b = s.parts().block(i)) b->mlp.exchange = x;
+}
+
 }  // namespace troupe::models::parallel

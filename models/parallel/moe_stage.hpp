@@ -106,4 +106,8 @@ struct stage_side<moe_family> {
 extern template class stage<moe_family>;
 using moe_stage = stage<moe_family>;
 
+// Expert parallelism (moe_config::ep > 1): every held MoE layer's group (not owned; must outlive
+// the stage's use), as moe::set_expert_exchange.
+void set_expert_exchange(moe_stage& s, moe_exchange* x);
+
 }  // namespace troupe::models::parallel

@@ -58,6 +58,7 @@ class stage final : public pipeline_stage {
   stage(const config_type& cfg, batch_dims dims, const stage_options& o, tp_group tp = {});
 
   const config_type& config() const { return trunk_.config(); }  // checked, defaults resolved
+  tp_trunk<F>& parts() { return trunk_; }  // the family's parts of the held chunks
 
   void load_from(const slot_list& full, bool from_grads = false, bool to_grads = false) override;
   void load_from(const trunk<F>& full) { load_from(full.slots()); }
