@@ -81,7 +81,7 @@ struct hybrid_trainer::impl {
   std::unique_ptr<grad_producer> inner;   // bf16: the model's own piece, under `piece`
   std::unique_ptr<grad_producer> piece;
   std::unique_ptr<dp_trainer> dp;
-  std::unique_ptr<ep_trainer> ep;      // parallel.ep > 1: the engine instead of dp (no piece)
+  std::unique_ptr<ep_trainer> ep;  // parallel.ep > 1: the engine instead of dp (no piece)
   // parallel.ep > 1 with parallel.pp > 1: the stage's MoE layers exchange rows over the ep group.
   std::unique_ptr<comm_exchange> stage_exchange;
   std::unique_ptr<whole_model> whole;  // the whole model's description only (no memory)
@@ -178,8 +178,8 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   const bool ep_pp = plan.ep > 1 && plan.pp > 1;
   I.ep_pp = ep_pp;
   if (ep_pp) {
-    TROUPE_CHECK(plan.ep == plan.dp && plan.zero == 0 && cfg.precision == "f32" &&
-                     plan.cp == 1 && !cfg.tiers() && !cfg.elastic(),
+    TROUPE_CHECK(plan.ep == plan.dp && plan.zero == 0 && cfg.precision == "f32" && plan.cp == 1 &&
+                     !cfg.tiers() && !cfg.elastic(),
                  "parallel.ep (--ep) ", plan.ep, " with parallel.pp (--pp) ", plan.pp,
                  ": expert parallelism over pipeline stages runs with parallel.ep = parallel.dp (",
                  "got dp ", plan.dp, "), parallel.zero 0 (got ", plan.zero,

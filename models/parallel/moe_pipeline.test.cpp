@@ -28,11 +28,13 @@
 #include "models/causal_lm.hpp"
 #include "models/hf/checkpoint.hpp"
 #include "models/hf/testing.hpp"
+#include "models/moe.hpp"
 #include "models/parallel/exact_run.hpp"
 #include "models/parallel/hybrid.hpp"
 #include "models/parallel/plan_threads.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
+#include "tensor/ops.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -91,16 +93,23 @@ struct reference {
   exact_run exact;
 };
 
-reference single_process(const hf::model_config& model, const train_config& c) {
+// The single-process f32 run of `rows` and its f64 twin. `prepare` changes the weights after
+// init_weights(seed); with `start` (a folder) the starting weights are saved there for the plans.
+reference single_process(const hf::model_config& model, const train_config& c,
+                         const trainer::batch_source& rows = synthetic_rows,
+                         const std::function<void(causal_lm&)>& prepare = {},
+                         const std::string& start = {}) {
   reference r;
   auto m = make_causal_lm(model, {c.batch, c.seq});
   m->init_weights(c.seed);
-  trainer t(*m, c);
-  for (int s = 0; s < c.steps; ++s) r.f32.steps.push_back(t.step(synthetic_rows));
-  r.f32.params = host_params(*m);
+  if (prepare) prepare(*m);
   auto m64 = make_causal_lm(model, {c.batch, c.seq}, dtype::f64);
-  m64->init_weights(c.seed);  // the f32 run's weights exactly
-  r.exact = exact_training(*m64, c, synthetic_rows);
+  ops::copy(m->memory().params(), m64->memory().params());  // same slots, same layout
+  trainer t(*m, c);
+  if (!start.empty()) t.save(start, model).value();
+  for (int s = 0; s < c.steps; ++s) r.f32.steps.push_back(t.step(rows));
+  r.f32.params = host_params(*m);
+  r.exact = exact_training(*m64, c, rows);
   return r;
 }
 
@@ -121,8 +130,8 @@ void run_ep_plan(const scheduler::parallel_plan& plan,
     collective::rank_group ep = grid.group(r, {"dp"});
     ep.id |= (1u << 23) | (1u << 22);  // beside the grid's ids, as actors/training.cpp's
     comms[r].push_back(collective::make_communicator(world->transport(r), ep, "local", world));
-    const collective::rank_group edp{(1u << 23) | (1u << 22) | (1u << 21) | static_cast<unsigned>(r),
-                                     {r}};
+    const collective::rank_group edp{
+        (1u << 23) | (1u << 22) | (1u << 21) | static_cast<unsigned>(r), {r}};
     comms[r].push_back(collective::make_communicator(world->transport(r), edp, "local", world));
   }
   std::vector<std::exception_ptr> err(n);
@@ -152,7 +161,8 @@ void run_ep_plan(const scheduler::parallel_plan& plan,
 // `c` under `plan` on threads; rank 0's steps and the saved weights in the single process's layout.
 // Every rank reports the same losses.
 run_result planned(const hf::model_config& model, train_config c,
-                   const scheduler::parallel_plan& plan, std::string* described = nullptr) {
+                   const scheduler::parallel_plan& plan, std::string* described = nullptr,
+                   const trainer::batch_source& rows = synthetic_rows) {
   c.plan = plan;
   temp_dir tmp;
   std::vector<std::vector<step_result>> got(plan.world_size());
@@ -160,7 +170,7 @@ run_result planned(const hf::model_config& model, train_config c,
   run_ep_plan(plan, [&](int r, const hybrid_groups& g) {
     hybrid_trainer t(model, c, g);
     what[r] = t.describe();
-    for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(synthetic_rows));
+    for (int s = 0; s < c.steps; ++s) got[r].push_back(t.step(rows));
     t.save(tmp.path());
   });
   for (int r = 1; r < plan.world_size(); ++r)
@@ -236,8 +246,108 @@ TEST_CASE("Expert parallel pipeline stages train like the single process", "[par
       std::string described;
       const auto got = planned(model, c, plan, &described);
       INFO("rank 0: " << described);
-      CHECK(described.find("experts 0-1 of 4 of every MoE layer (ep 0 of 2)") !=
-            std::string::npos);
+      CHECK(described.find("experts 0-1 of 4 of every MoE layer (ep 0 of 2)") != std::string::npos);
       check_run_as_accurate(got, ref.f32, ref.exact);
     }
+}
+
+namespace {
+
+// Weights under which the router's choice depends on the sign of a token's embedding in channel
+// 0 alone (as expert_parallel.test.cpp's): embed_tokens[t, 0] = +3 for t < 15, -3 else; no
+// attention or expert output writes channel 0 (o_proj and every down_proj row 0 zero), so it stays
+// the embedding's in every layer; each router's column 0 is (1, -1, 0.5, -0.5), which dominates its
+// logits: tokens t < 15 choose experts 0 and 2, the others 1 and 3, in every layer of both stages.
+void split_routing(causal_lm& m) {
+  for (const auto& s : m.slots().slots()) {
+    if (s.kind != slot_kind::param) continue;
+    float* p = s.field->data_as<float>();
+    const std::int64_t cols = s.field->size(-1);
+    const std::string& n = s.name;
+    if (n == "embed_tokens.weight") {
+      for (std::int64_t t = 0; t < s.sizes[0]; ++t) p[t * cols] = t < 15 ? 3.0f : -3.0f;
+    } else if (n.ends_with("self_attn.o_proj.weight") || n.ends_with("down_proj.weight")) {
+      for (std::int64_t j = 0; j < cols; ++j) p[j] = 0.0f;
+    } else if (n.ends_with("mlp.gate.weight")) {
+      const float column[4] = {1.0f, -1.0f, 0.5f, -0.5f};
+      for (std::int64_t e = 0; e < s.sizes[0]; ++e) p[e * cols] = column[e];
+    }
+  }
+}
+
+// Rows of tokens below 15 for the draws `low` says, of tokens 15..28 for the others.
+trainer::batch_source split_rows(std::function<bool(std::uint64_t draw)> low) {
+  return [low](std::uint64_t draw, int batch, int seq, std::vector<std::int32_t>& rows) {
+    rows.resize(static_cast<std::size_t>(batch) * seq);
+    for (int b = 0; b < batch; ++b)
+      for (int i = 0; i < seq; ++i) {
+        const auto v = static_cast<std::int32_t>((draw * 7 + b * 5 + i * i * 3 + i) % 14);
+        rows[static_cast<std::size_t>(b) * seq + i] = low(draw) ? v : 15 + v;
+      }
+  };
+}
+
+// The top-k choices of each expert (over the layers) of model `model` with weights `params` on
+// the draws [first, end) of `rows` that `pick` selects, one forward per draw.
+std::vector<std::int64_t> chosen(const hf::model_config& model, const std::vector<float>& params,
+                                 const trainer::batch_source& rows, int seq, std::uint64_t end,
+                                 const std::function<bool(std::uint64_t)>& pick) {
+  auto lm = make_causal_lm(model, {1, seq});
+  auto* m = dynamic_cast<causal_lm_of<moe>*>(lm.get());
+  REQUIRE(m != nullptr);
+  REQUIRE(m->memory().params().numel() == static_cast<std::int64_t>(params.size()));
+  std::copy(params.begin(), params.end(), m->memory().params().data_as<float>());
+  std::vector<std::int64_t> out;
+  std::vector<std::int32_t> ids, tg;
+  for (std::uint64_t d = 0; d < end; ++d) {
+    if (!pick(d)) continue;
+    rows(d, 1, seq, ids);
+    tg = ids;
+    m->forward(tensor(ids.data(), ids.size() * 4, dtype::i32, {1, seq}),
+               tensor(tg.data(), tg.size() * 4, dtype::i32, {1, seq}));
+    const auto sel = m->model().load().selected;
+    out.resize(sel.size(), 0);
+    for (std::size_t e = 0; e < sel.size(); ++e) out[e] += sel[e];
+  }
+  return out;
+}
+
+}  // namespace
+
+// Starvation under ep x pp: with the split routing, dp rank 0 reads only even draws (tokens < 15:
+// experts 0 and 2) and dp rank 1 only odd ones (experts 1 and 3), so on each stage expert 1 (held
+// by dp rank 0) is fed only by the other replica's tokens and expert 2 (dp rank 1) only by rank
+// 0's; with every draw low, experts 1 and 3 get no token of the job in any layer, and their
+// holders step on zero gradients. Neither hangs, and both train like the single process.
+TEST_CASE("Expert parallel pipeline stages train experts no token of a replica or of the job chose",
+          "[parallel][moe]") {
+  auto plan = pipeline(2, 2);
+  plan.ep = 2;
+  const auto model = mixtral();
+  const train_config c = tiny_run(4);
+  for (bool whole_job : {false, true}) {
+    INFO((whole_job ? "starved by the whole job" : "fed by one replica"));
+    const auto rows = split_rows([whole_job](std::uint64_t draw) {
+      return whole_job || draw % 2 == 0;  // slot q of a step is draw 4 s + q, dp rank q % 2
+    });
+    temp_dir tmp;
+    const auto ref = single_process(model, c, rows, split_routing, tmp.path().string());
+    // The routing the weights were made for, with the starting and the trained weights, over
+    // every draw of the run: dp rank 0's draws never choose expert 1 (held by dp rank 0: fed only
+    // by rank 1's rows), rank 1's never expert 0; with every draw low expert 1 gets no token.
+    const auto end = static_cast<std::uint64_t>(c.steps * c.grad_accum);
+    auto start = make_causal_lm(model, {1, c.seq});
+    hf::load_weights(tmp.path(), model, start->slots()).value();
+    for (const auto& w : {host_params(*start), ref.f32.params}) {
+      const auto even = chosen(model, w, rows, c.seq, end, [](auto d) { return d % 2 == 0; });
+      const auto odd = chosen(model, w, rows, c.seq, end, [](auto d) { return d % 2 == 1; });
+      CHECK(even[1] == 0);
+      CHECK(even[0] > 0);
+      CHECK((whole_job ? odd[1] == 0 : odd[0] == 0));
+    }
+    train_config pc = c;
+    pc.model_hf = tmp.path().string();
+    const auto got = planned(model, pc, plan, nullptr, rows);
+    check_run_as_accurate(got, ref.f32, ref.exact);
+  }
 }
