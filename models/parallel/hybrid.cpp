@@ -178,13 +178,18 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   const bool ep_pp = plan.ep > 1 && plan.pp > 1;
   I.ep_pp = ep_pp;
   if (ep_pp) {
-    TROUPE_CHECK(plan.ep == plan.dp && plan.zero == 0 && cfg.precision == "f32" && plan.cp == 1 &&
-                     !cfg.tiers() && !cfg.elastic(),
-                 "parallel.ep (--ep) ", plan.ep, " with parallel.pp (--pp) ", plan.pp,
-                 ": expert parallelism over pipeline stages runs with parallel.ep = parallel.dp (",
-                 "got dp ", plan.dp, "), parallel.zero 0 (got ", plan.zero,
-                 "), train.precision f32 (got ", cfg.precision,
-                 "), no cp, memory tiers or elastic runs so far");
+    std::vector<std::string> no;
+    if (plan.ep != plan.dp)
+      no.push_back(fmt::format("parallel.ep = parallel.dp (got dp {})", plan.dp));
+    if (plan.zero != 0) no.push_back(fmt::format("parallel.zero 0 (got {})", plan.zero));
+    if (cfg.precision != "f32") no.push_back("train.precision f32 (got " + cfg.precision + ")");
+    if (plan.cp > 1) no.push_back(fmt::format("parallel.cp 1 (got {})", plan.cp));
+    if (cfg.tiers()) no.push_back("no memory tiers");
+    if (cfg.elastic()) no.push_back("no elastic runs");
+    std::string needs;
+    for (const auto& n : no) needs += (needs.empty() ? "" : ", ") + n;
+    TROUPE_CHECK(no.empty(), "parallel.ep (--ep) ", plan.ep, " with parallel.pp (--pp) ", plan.pp,
+                 ": expert parallelism over pipeline stages runs with ", needs, " so far");
     TROUPE_CHECK(g.ep != nullptr && g.ep->size() == plan.ep, "hybrid_trainer: parallel.ep ",
                  plan.ep, " needs an ep group of ", plan.ep, " ranks");
   }

@@ -351,3 +351,34 @@ TEST_CASE("Expert parallel pipeline stages train experts no token of a replica o
     check_run_as_accurate(got, ref.f32, ref.exact);
   }
 }
+
+TEST_CASE("Expert parallel pipeline plans it cannot run are refused naming the setting",
+          "[parallel][moe][faults]") {
+  struct bad {
+    const char* what;
+    int dp;
+    int zero;
+    const char* precision;
+    const char* names;
+  };
+  for (const auto& b : std::vector<bad>{{"ep < dp", 4, 0, "f32", "parallel.ep = parallel.dp"},
+                                        {"ZeRO 1", 2, 1, "f32", "parallel.zero 0 (got 1)"},
+                                        {"bf16", 2, 0, "bf16", "train.precision f32 (got bf16)"}}) {
+    INFO(b.what);
+    auto plan = pipeline(b.dp, 2);
+    plan.ep = 2;
+    plan.zero = b.zero;
+    train_config c = tiny_run(2 * b.dp);
+    c.precision = b.precision;
+    c.plan = plan;
+    try {
+      run_ep_plan(plan, [&](int, const hybrid_groups& g) { hybrid_trainer t(mixtral(), c, g); });
+      FAIL("accepted");
+    } catch (const troupe::error& e) {
+      const std::string message = e.what();
+      CHECK(message.find("parallel.ep (--ep) 2 with parallel.pp (--pp) 2") != std::string::npos);
+      CHECK(message.find(b.names) != std::string::npos);
+      std::printf("faults: MoE dp%d x ep2 x pp2 with %s -> refused: %s\n", b.dp, b.what, e.what());
+    }
+  }
+}

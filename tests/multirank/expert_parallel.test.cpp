@@ -233,7 +233,10 @@ TEST_CASE("Launched ep runs that do not compose are refused naming the flags",
   for (const auto& b : std::vector<bad>{
            {2, "elastic", {"--dp", "2", "--ep", "2", "--elastic"}, {"--elastic", "--ep"}},
            {4, "cp 2", {"--dp", "2", "--ep", "2", "--cp", "2"}, {"--ep", "--cp) 2"}},
-           {4, "pp 2", {"--dp", "2", "--ep", "2", "--pp", "2"}, {"--ep", "--pp) 2"}},
+           {4,
+            "pp 2 and ZeRO 1",
+            {"--dp", "2", "--ep", "2", "--pp", "2", "--zero", "1"},
+            {"--ep", "--pp) 2", "parallel.zero 0 (got 1)"}},
            {4, "tp 2", {"--dp", "2", "--ep", "2", "--tp", "2"}, {"--ep", "--tp) 2"}},
            {2, "ZeRO 3", {"--dp", "2", "--ep", "2", "--zero", "3"}, {"parallel.zero (--zero) 3"}},
        }) {
