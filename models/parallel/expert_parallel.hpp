@@ -32,7 +32,8 @@
 //
 // troupe train's engine (hybrid.hpp) runs this trainer when parallel.ep > 1, across processes.
 // Not here: tensor and pipeline placements of an MoE model, ZeRO 3 (the ep_trainer refuses them
-// naming the setting), capacity (dropless only).
+// naming the setting), capacity (dropless only). Experts split over pipeline stages' dp ranks
+// (ep x pp) run through dp_trainer instead (moe_stage.hpp, hybrid.hpp).
 #pragma once
 
 #include <cstdint>
