@@ -193,6 +193,10 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     TROUPE_CHECK(g.ep != nullptr && g.ep->size() == plan.ep, "hybrid_trainer: parallel.ep ",
                  plan.ep, " needs an ep group of ", plan.ep, " ranks");
   }
+  TROUPE_CHECK(plan.cp == 1 || plan.pp == 1 || shape.experts == 0, "parallel.cp (--cp) ", plan.cp,
+               " with parallel.pp (--pp) ", plan.pp,
+               ": the MoE family's pipeline stages do not take context parallelism yet (the router "
+               "statistics of the aux loss are not summed over the cp group)");
   // The MoE family's placements are pipeline stages (moe_stage.hpp); its experts are not split
   // over tensor shards.
   TROUPE_CHECK(plan.tp == 1 || shape.experts == 0, "parallel.tp ", plan.tp,
