@@ -414,10 +414,13 @@ TEST_CASE("Expert parallel plans it cannot run are refused naming the setting",
        [](train_config& t) { t.plan.tp = 2; },
        true,
        {"parallel.ep (--ep) 2", "parallel.tp (--tp) 2"}},
-      {"pp 2",
-       [](train_config& t) { t.plan.pp = 2; },
+      {"pp 2 and ZeRO 1",  // ep x pp runs with ZeRO 0 (moe_pipeline.test.cpp)
+       [](train_config& t) {
+         t.plan.pp = 2;
+         t.plan.zero = 1;
+       },
        true,
-       {"parallel.ep (--ep) 2", "parallel.pp (--pp) 2"}},
+       {"parallel.ep (--ep) 2", "parallel.pp (--pp) 2", "parallel.zero 0 (got 1)"}},
       {"ZeRO 3", [](train_config& t) { t.plan.zero = 3; }, true, {"parallel.zero (--zero) 3"}},
       {"bf16", [](train_config& t) { t.precision = "bf16"; }, true, {"train.precision bf16"}},
   };
