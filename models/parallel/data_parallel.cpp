@@ -430,6 +430,10 @@ dp_trainer::dp_trainer(std::unique_ptr<grad_producer> owned, grad_producer* piec
   if (opts.own_experts) {
     TROUPE_CHECK(zero == 0, "dp_trainer: expert parallelism over pipeline stages runs with ZeRO 0 ",
                  "(parallel.zero 0), got parallel.zero ", zero);
+    TROUPE_CHECK(opts.expert_dp != nullptr && opts.expert_group != nullptr &&
+                     opts.expert_dp->size() * opts.expert_group->size() == dp,
+                 "dp_trainer: own_experts needs an expert-data-parallel and an expert-parallel ",
+                 "group whose sizes multiply to the dp group's ", dp);
     for (const auto& s : slots.slots())
       if (s.kind == slot_kind::param && s.spec.expert >= 0 && s.field->numel() > 0)
         experts.emplace_back(flat_offset(s, p), s.field->numel());
@@ -766,7 +770,14 @@ void dp_trainer::issue_ready() {
 void dp_trainer::issue_bucket(std::size_t i) {
   const dp_bucket& b = buckets_[i];
   issued_[i] = 1;
-  if (own_bucket_[i]) return;  // this rank's experts: complete here
+  if (own_bucket_[i]) {  // this rank's experts: over the ranks holding the same ones
+    if (opts_.expert_dp->size() > 1)
+      pending_.push_back({i,
+                          opts_.expert_dp->allreduce(f32_at(piece_.memory().grads(), b.begin),
+                                                     b.length, dtype::f32),
+                          -1});
+    return;
+  }
   const tensor& g = piece_.memory().grads();
   const int dp = comm_.size();
   if (cfg_.plan.zero < 2) {
@@ -955,9 +966,9 @@ double dp_trainer::reduce_gradients() {
     sq = sum_squares(g, sharded ? shard_norm_ranges_ : norm_ranges_);
   }
   if (sharded) comm_.allreduce(&sq, 1, dtype::f64).wait();
-  if (opts_.own_experts) {  // the dp ranks hold disjoint experts
+  if (opts_.own_experts) {  // the ranks of the ep group hold disjoint experts
     double own = sum_squares(g, expert_norm_ranges_);
-    if (comm_.size() > 1) comm_.allreduce(&own, 1, dtype::f64).wait();
+    if (opts_.expert_group->size() > 1) opts_.expert_group->allreduce(&own, 1, dtype::f64).wait();
     sq += own;
   }
   if (auto* mp = piece_.norm_group(); mp != nullptr) mp->allreduce(&sq, 1, dtype::f64).wait();

@@ -121,11 +121,15 @@ struct dp_options {
   // the optimizer step is a commit point that cannot fail on a live rank (elastic runs,
   // actors/training.hpp). The numbers are the same, bit for bit.
   bool defer_gather = false;
-  // Expert parallelism with ep = dp over a pipeline stage (hybrid.hpp): the expert parameters
-  // (param_spec::expert >= 0) are this rank's own experts, whose gradients are complete here (the
-  // expert exchange brought every dp rank's tokens): their buckets are not reduced, and their
-  // squares in the global norm are summed over the dp group. ZeRO 0 only.
+  // Expert parallelism over a pipeline stage (hybrid.hpp): the expert parameters
+  // (param_spec::expert >= 0) are this rank's experts, which the other ranks of its expert-parallel
+  // group do not hold (the expert exchange brought their tokens here): their buckets are reduced
+  // over expert_dp (the dp ranks holding the same experts; with ep = dp this rank alone, and they
+  // are not reduced) instead of the dp group, and their squares in the global norm are summed over
+  // expert_group (the ep group). ZeRO 0 only; both groups must be given.
   bool own_experts = false;
+  collective::communicator* expert_dp = nullptr;
+  collective::communicator* expert_group = nullptr;
 
   // The defaults with the plan's settings: bucket_bytes from parallel.dp_bucket_bytes, overlap
   // from parallel.dp_overlap.

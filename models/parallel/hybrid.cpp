@@ -173,14 +173,12 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
                " with parallel.tp (--tp) ", plan.tp,
                ": expert parallelism runs with tp = 1 (the experts have no tensor-parallel "
                "placement yet)");
-  // ep x pp (moe_stage.hpp): each stage's MoE layers over the stage's ep group, which is its
-  // whole dp group (ep = dp), so an expert's gradient is complete on its one holder.
+  // ep x pp (moe_stage.hpp): each stage's MoE layers over the stage's ep group (ep of its dp
+  // ranks), the expert gradients reduced over the stage's edp group only (dp_options::own_experts).
   const bool ep_pp = plan.ep > 1 && plan.pp > 1;
   I.ep_pp = ep_pp;
   if (ep_pp) {
     std::vector<std::string> no;
-    if (plan.ep != plan.dp)
-      no.push_back(fmt::format("parallel.ep = parallel.dp (got dp {})", plan.dp));
     if (plan.zero != 0) no.push_back(fmt::format("parallel.zero 0 (got {})", plan.zero));
     if (cfg.precision != "f32") no.push_back("train.precision f32 (got " + cfg.precision + ")");
     if (plan.cp > 1) no.push_back(fmt::format("parallel.cp 1 (got {})", plan.cp));
@@ -190,8 +188,11 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
     for (const auto& n : no) needs += (needs.empty() ? "" : ", ") + n;
     TROUPE_CHECK(no.empty(), "parallel.ep (--ep) ", plan.ep, " with parallel.pp (--pp) ", plan.pp,
                  ": expert parallelism over pipeline stages runs with ", needs, " so far");
-    TROUPE_CHECK(g.ep != nullptr && g.ep->size() == plan.ep, "hybrid_trainer: parallel.ep ",
-                 plan.ep, " needs an ep group of ", plan.ep, " ranks");
+    TROUPE_CHECK(g.ep != nullptr && g.edp != nullptr && g.ep->size() == plan.ep &&
+                     g.edp->size() * plan.ep == plan.dp,
+                 "hybrid_trainer: parallel.ep ", plan.ep, " needs an ep group of ", plan.ep,
+                 " ranks and an expert-data-parallel group of parallel.dp / parallel.ep = ",
+                 plan.dp / plan.ep);
   }
   TROUPE_CHECK(plan.cp == 1 || plan.pp == 1 || shape.experts == 0, "parallel.cp (--cp) ", plan.cp,
                " with parallel.pp (--pp) ", plan.pp,
@@ -322,14 +323,16 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   I.layout.tp = plan.tp;
   grad_producer* piece = I.piece.get();
   I.layout.owns = [piece](const tensor_slot& s) { return piece->counts_in_norm(s); };
-  if (ep_pp) {  // each expert on its holder, the rest counted on ep rank 0
+  if (ep_pp) {  // each expert on its first holder (edp rank 0), the rest on dp rank 0
     const int er = g.ep->rank();
-    I.layout.owns = [piece, er](const tensor_slot& s) {
-      return piece->counts_in_norm(s) && (s.spec.expert >= 0 || er == 0);
+    const bool expert_writer = g.edp->rank() == 0, writer = I.g.dp->rank() == 0;
+    I.layout.owns = [piece, expert_writer, writer](const tensor_slot& s) {
+      return piece->counts_in_norm(s) && (s.spec.expert >= 0 ? expert_writer : writer);
     };
     const std::int64_t n = shape.experts;
-    I.description += fmt::format(", experts {}-{} of {} of every MoE layer (ep {} of {})",
-                                 er * n / plan.ep, (er + 1) * n / plan.ep - 1, n, er, plan.ep);
+    I.description += fmt::format(
+        ", experts {}-{} of {} of every MoE layer (ep {} of {}, expert data parallel {} of {})",
+        er * n / plan.ep, (er + 1) * n / plan.ep - 1, n, er, plan.ep, g.edp->rank(), g.edp->size());
   }
   I.moment_layout = I.layout;
   // The piece's weights, one whole parameter at a time: a checkpoint's (checkpoint.resume, else
@@ -359,6 +362,10 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
   // parameters at the start of the next step instead of in the commit.
   o.defer_gather = cfg.elastic();
   o.own_experts = ep_pp;
+  if (ep_pp) {
+    o.expert_dp = g.edp;
+    o.expert_group = g.ep;
+  }
   I.dp = std::make_unique<dp_trainer>(*I.piece, cfg, *I.g.dp, o);
   if (!cfg.resume.empty()) resume(cfg.resume, I.whole->layout());
 }

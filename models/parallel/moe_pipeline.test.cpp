@@ -113,12 +113,13 @@ reference single_process(const hf::model_config& model, const train_config& c,
   return r;
 }
 
-// run_plan (plan_threads.hpp) with expert parallelism over pipeline stages: the ep group of a
-// rank is its dp group (ep = dp, a communicator of its own), its edp group itself alone.
+// run_plan (plan_threads.hpp) with expert parallelism over pipeline stages, the groups carved out
+// of each rank's dp group as actors/training.cpp does: ep, the ep consecutive dp ranks from
+// d / ep * ep; edp, the dp ranks with the same d % ep (ids beside the grid's).
 void run_ep_plan(const scheduler::parallel_plan& plan,
                  const std::function<void(int, const hybrid_groups&)>& fn) {
   if (plan.ep == 1) return run_plan(plan, fn);
-  const int n = plan.world_size();
+  const int n = plan.world_size(), ep = plan.ep;
   auto world = std::make_shared<collective::local_world>(n);
   collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
   std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
@@ -127,11 +128,14 @@ void run_ep_plan(const scheduler::parallel_plan& plan,
          std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
       comms[r].push_back(
           collective::make_communicator(world->transport(r), grid.group(r, axes), "local", world));
-    collective::rank_group ep = grid.group(r, {"dp"});
-    ep.id |= (1u << 23) | (1u << 22);  // beside the grid's ids, as actors/training.cpp's
-    comms[r].push_back(collective::make_communicator(world->transport(r), ep, "local", world));
-    const collective::rank_group edp{
-        (1u << 23) | (1u << 22) | (1u << 21) | static_cast<unsigned>(r), {r}};
+    const collective::rank_group dp = grid.group(r, {"dp"});
+    const int d = grid.coord(r, "dp"), size = static_cast<int>(dp.ranks.size());
+    const std::uint32_t base = (1u << 23) | (1u << 22) | (dp.id * 64u);
+    collective::rank_group eg{base + static_cast<std::uint32_t>(d / ep), {}};
+    for (int i = d / ep * ep; i < d / ep * ep + ep; ++i) eg.ranks.push_back(dp.ranks[i]);
+    collective::rank_group edp{(1u << 21) | (base + 32u + static_cast<std::uint32_t>(d % ep)), {}};
+    for (int i = d % ep; i < size; i += ep) edp.ranks.push_back(dp.ranks[i]);
+    comms[r].push_back(collective::make_communicator(world->transport(r), eg, "local", world));
     comms[r].push_back(collective::make_communicator(world->transport(r), edp, "local", world));
   }
   std::vector<std::exception_ptr> err(n);
@@ -230,23 +234,27 @@ TEST_CASE("MoE pipeline stages train like the single process with the router aux
 // dp2 x ep2 x pp2 (4 ranks): each stage's MoE layers split over its two dp ranks (experts 0-1 on
 // dp rank 0, 2-3 on dp rank 1), rows exchanged over the stage's ep group in every microbatch's
 // forward and backward, the expert gradients complete on their holder (not reduced), the rest
-// reduced over dp; the same tokens per step and the same rule as above.
+// reduced over dp. dp4 x ep2 x pp2 (8 ranks): two ep groups per stage, each expert on two dp ranks
+// and its gradient reduced over those (the edp group). The same tokens per step and the same rule
+// as above.
 TEST_CASE("Expert parallel pipeline stages train like the single process", "[parallel][moe]") {
   auto interleaved = pipeline(2, 2);
   interleaved.schedule = scheduler::schedule_kind::interleaved;
   interleaved.virtual_stages = 2;
   for (bool qwen : {false, true})
-    for (auto plan : {pipeline(2, 2), interleaved}) {
+    for (auto plan : {pipeline(2, 2), interleaved, pipeline(4, 2)}) {
       if (qwen && plan.virtual_stages > 1) continue;
       plan.ep = 2;
       const auto model = qwen ? qwen2_moe() : mixtral();
-      const train_config c = tiny_run(4);
+      const train_config c = tiny_run(plan.dp * plan.microbatches);
       const auto ref = single_process(model, c);
       INFO((qwen ? "qwen2-moe " : "mixtral ") << scheduler::describe(plan));
       std::string described;
       const auto got = planned(model, c, plan, &described);
       INFO("rank 0: " << described);
-      CHECK(described.find("experts 0-1 of 4 of every MoE layer (ep 0 of 2)") != std::string::npos);
+      CHECK(described.find("experts 0-1 of 4 of every MoE layer (ep 0 of 2, expert data "
+                           "parallel 0 of " +
+                           std::to_string(plan.dp / 2) + ")") != std::string::npos);
       check_run_as_accurate(got, ref.f32, ref.exact);
     }
 }
@@ -361,7 +369,7 @@ TEST_CASE("Expert parallel pipeline plans it cannot run are refused naming the s
     const char* precision;
     const char* names;
   };
-  for (const auto& b : std::vector<bad>{{"ep < dp", 4, 0, "f32", "parallel.ep = parallel.dp"},
+  for (const auto& b : std::vector<bad>{{"ZeRO 2", 4, 2, "f32", "parallel.zero 0 (got 2)"},
                                         {"ZeRO 1", 2, 1, "f32", "parallel.zero 0 (got 1)"},
                                         {"bf16", 2, 0, "bf16", "train.precision f32 (got bf16)"}}) {
     INFO(b.what);
