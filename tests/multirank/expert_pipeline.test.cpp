@@ -1,13 +1,14 @@
 // `troupe launch ... -- troupe train --pp 2` for an MoE model (mixtral-tiny: 4 experts top-2, its
 // router aux loss in the loss, coefficient 0.01) across real processes: pipeline stages
 // (models/parallel/moe_stage.hpp: the layers' router statistics travel with the activations, so
-// the aux loss is the whole model's), dp2 x pp2, and dp2 x ep2 x pp2 (each stage's experts split
-// over its two dp ranks, rows exchanged by all-to-all over UCX), each against the single-process
-// `troupe train` at the same tokens per step: losses per step (train_runs.hpp's same_losses) and
-// the final weights of the checkpoints both write (same_weights.hpp), each as accurate as the f32
-// single process against its f64 twin. The aux loss is per micro-batch over its rows, so the
-// single process runs --batch 2 --grad-accum 4 and each plan's dp x microbatches slots are 2 rows:
-// slot k is the single process's micro-batch k (scheduler/microbatch.hpp).
+// the aux loss is the whole model's), dp2 x pp2, dp2 x ep2 x pp2 (each stage's experts split over
+// its two dp ranks, rows exchanged by all-to-all over UCX) and dp4 x ep2 x pp2 (8 processes, each
+// expert on two dp ranks of its stage, its gradient reduced over them), each against the
+// single-process `troupe train` at the same tokens per step: losses per step (train_runs.hpp's
+// same_losses) and the final weights of the checkpoints both write (same_weights.hpp), each as
+// accurate as the f32 single process against its f64 twin. The aux loss is per micro-batch over its
+// rows, so the single process runs --batch 2 --grad-accum 4 and each plan's dp x microbatches slots
+// are 2 rows: slot k is the single process's micro-batch k (scheduler/microbatch.hpp).
 #include <catch2/catch.hpp>
 
 #include <string>
@@ -47,7 +48,12 @@ TEST_CASE("Launched pp2, dp2 x pp2 and dp2 x ep2 x pp2 runs train an MoE model l
            {4,
             "dp2ep2pp2",
             {"--dp", "2", "--ep", "2", "--pp", "2", "--microbatches", "2"},
-            "experts 2-3 of 4 of every MoE layer (ep 1 of 2)"}}) {
+            "experts 2-3 of 4 of every MoE layer (ep 1 of 2, expert data parallel 0 of 1)"},
+           // Two ep groups per stage: each expert on two dp ranks, reduced over them.
+           {8,
+            "dp4ep2pp2",
+            {"--dp", "4", "--ep", "2", "--pp", "2", "--microbatches", "1"},
+            "experts 0-1 of 4 of every MoE layer (ep 0 of 2, expert data parallel 1 of 2)"}}) {
     INFO(name);
     const std::string ck = dir.path + "/" + name;
     std::string out;
