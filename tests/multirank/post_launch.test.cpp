@@ -151,12 +151,20 @@ TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single proc
   CHECK(g.code == 0);
 }
 
-TEST_CASE("Launched troupe sft with packed rows under dp2 and ZeRO 2 trains as the single process",
-          "[multirank][post]") {
+// Packed rows: every tensor shard's heads and every pipeline stage's blocks attend within a row's
+// conversations (each stage reads the microbatch's segments itself), GPT-2's positions restart
+// per conversation on the piece holding the front.
+TEST_CASE(
+    "Launched troupe sft with packed rows under dp2 ZeRO 2 and dp2 x pp2 and tp2 trains as "
+    "the single process",
+    "[multirank][post]") {
   scratch_dir dir("sft-packed");
   const std::string& d = dir.path;
   check_against_single(d, [&](const std::string& name) { return sft_flags(d, name, true); },
-                       "(packed)", {{2, "dp2zero2", {"--dp", "2", "--zero", "2"}}});
+                       "(packed)",
+                       {{2, "dp2zero2", {"--dp", "2", "--zero", "2"}},
+                        {4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
+                        {2, "tp2", {"--tp", "2"}}});
 }
 
 // The reference's log-probabilities are computed on every rank from the starting weights (a whole
@@ -171,20 +179,19 @@ TEST_CASE("Launched troupe dpo under dp2 x pp2 and tp2 trains as the single proc
                         {2, "tp2", {"--tp", "2"}}});
 }
 
-TEST_CASE("Launched SFT and DPO refuse packed rows under tp, split pairs and a plan in one process",
+TEST_CASE("Launched SFT and DPO refuse cp, split pairs and a plan in one process",
           "[multirank][post][faults]") {
   scratch_dir dir("sft-refuse");
-  // Packed rows (the default) under a tensor shard: refused by every rank before it joins.
+  // Packed rows over context-parallel ranks (a row's conversations split between ranks): refused
+  // by every rank before it joins, naming the flag.
   auto flags = sft_flags(dir.path, "packed", true);
-  const ran packed = run(launch(2, "packed", flags, {"--tp", "2"}));
+  const ran packed = run(launch(2, "packed", flags, {"--cp", "2"}));
   INFO(packed.output);
   CHECK(packed.code != 0);
-  const auto at =
-      packed.output.find("packed rows (--pack, the default) under parallel.tp (--tp) 2");
+  const auto at = packed.output.find("troupe sft: parallel.cp (--cp) 2");
   REQUIRE(at != std::string::npos);
-  CHECK(packed.output.find("--no-pack") != std::string::npos);
   const auto line = packed.output.substr(at, packed.output.find('\n', at) - at);
-  std::printf("faults: troupe sft --tp 2 with packed rows -> refused: %s\n", line.c_str());
+  std::printf("faults: troupe sft --cp 2 with packed rows -> refused: %s\n", line.c_str());
 
   // DPO microbatches of one row (4 pairs over dp 2 x 4 microbatches): refused before any step.
   const ran halves = run(launch(4, "halves", dpo_flags(dir.path, "halves"),
