@@ -134,6 +134,48 @@ void check_against_single(const std::string& d,
   }
 }
 
+// bf16 post-training under plans: every piece computes in bf16 under mixed_piece (f32 master
+// weights), as the single-process trainer does with --precision bf16. The rule of
+// models/parallel/mixed_plans.test.cpp and bf16_train.test.cpp: the launched run's losses and
+// saved (f32 master) weights against the single process's f64 twin, within default_k (8) times
+// the single-process bf16 run's own error. bf16 rounds every activation to 8 bits in both runs
+// (errors ~1e-3 in the losses), a plan rounds at a few more points of the same size (a shard's
+// partial sums, bf16 pipeline boundaries; DPO's reference log-probabilities come from a whole
+// bf16 model while the policy's come from the pieces), so the ratio stays O(1), while a plan
+// that loses a microbatch or a reduction is off by 0.05 and more. Both bf16 runs start from the
+// rounded f32 init, the twin from the unrounded one: an offset both carry alike.
+void check_bf16_against_single(
+    const std::string& d, const std::function<std::vector<std::string>(const std::string&)>& flags,
+    const std::vector<plan_run>& runs) {
+  auto one = [&](const std::string& name, const std::string& precision) {
+    auto f = flags(name);
+    f.insert(f.begin(), troupe_bin);
+    f.insert(f.end(), {"--precision", precision});
+    const ran r = run(f);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return losses(d + "/" + name + ".json");
+  };
+  const auto ref = one("single-bf16", "bf16");
+  const auto exact = one("single-bf16-f64", "f64");  // exact_twin's name for the folder
+  REQUIRE(ref.size() == 5);
+  for (auto p : runs) {
+    INFO(p.name);
+    p.plan.insert(p.plan.end(), {"--precision", "bf16"});
+    const ran r = run(launch(p.n, p.name, flags(p.name), p.plan));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    const auto got = losses(d + "/" + p.name + ".json");
+    REQUIRE(got.size() == ref.size());
+    const auto v = as_accurate_as(got, ref, exact, default_k);
+    if (print_ratios())
+      std::printf("ratios: %s bf16 losses: %s\n", p.name.c_str(), v.str().c_str());
+    INFO("losses: " << v.str());
+    CHECK(v.ok());
+    same_weights(d + "/" + p.name, d + "/single-bf16");
+  }
+}
+
 }  // namespace
 
 TEST_CASE("Launched troupe sft under dp2 x pp2 and tp2 trains as the single process",
@@ -177,6 +219,24 @@ TEST_CASE("Launched troupe dpo under dp2 x pp2 and tp2 trains as the single proc
                        "pairs, 4 per micro-batch",
                        {{4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}},
                         {2, "tp2", {"--tp", "2"}}});
+}
+
+TEST_CASE("Launched bf16 troupe sft and dpo under dp2 x pp2 and tp2 train like the single process",
+          "[multirank][post]") {
+  const std::vector<plan_run> plans = {
+      {4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}}, {2, "tp2", {"--tp", "2"}}};
+  SECTION("packed sft") {
+    scratch_dir dir("sft-bf16");
+    const std::string& d = dir.path;
+    check_bf16_against_single(
+        d, [&](const std::string& name) { return sft_flags(d, name, true); }, plans);
+  }
+  SECTION("dpo") {
+    scratch_dir dir("dpo-bf16");
+    const std::string& d = dir.path;
+    check_bf16_against_single(
+        d, [&](const std::string& name) { return dpo_flags(d, name); }, plans);
+  }
 }
 
 TEST_CASE("Launched SFT and DPO refuse cp, split pairs and a plan in one process",
