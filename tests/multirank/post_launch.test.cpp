@@ -144,8 +144,11 @@ void check_against_single(const std::string& d,
 // bf16 model while the policy's come from the pieces), so the ratio stays O(1), while a plan
 // that loses a microbatch or a reduction is off by 0.05 and more. Both bf16 runs start from the
 // rounded f32 init, the twin from the unrounded one: an offset both carry alike.
-void check_bf16_against_single(
-    const std::string& d, const std::function<std::vector<std::string>(const std::string&)>& flags,
+// f16 (the trainer's dynamic loss scaling, the same on every rank; no step skipped here) by the
+// same rule.
+void check_16bit_against_single(
+    const std::string& d, const std::string& precision,
+    const std::function<std::vector<std::string>(const std::string&)>& flags,
     const std::vector<plan_run>& runs) {
   auto one = [&](const std::string& name, const std::string& precision) {
     auto f = flags(name);
@@ -156,12 +159,12 @@ void check_bf16_against_single(
     REQUIRE(r.code == 0);
     return losses(d + "/" + name + ".json");
   };
-  const auto ref = one("single-bf16", "bf16");
-  const auto exact = one("single-bf16-f64", "f64");  // exact_twin's name for the folder
+  const auto ref = one("single-16", precision);
+  const auto exact = one("single-16-f64", "f64");  // exact_twin's name for the folder
   REQUIRE(ref.size() == 5);
   for (auto p : runs) {
     INFO(p.name);
-    p.plan.insert(p.plan.end(), {"--precision", "bf16"});
+    p.plan.insert(p.plan.end(), {"--precision", precision});
     const ran r = run(launch(p.n, p.name, flags(p.name), p.plan));
     INFO(r.output);
     REQUIRE(r.code == 0);
@@ -169,10 +172,10 @@ void check_bf16_against_single(
     REQUIRE(got.size() == ref.size());
     const auto v = as_accurate_as(got, ref, exact, default_k);
     if (print_ratios())
-      std::printf("ratios: %s bf16 losses: %s\n", p.name.c_str(), v.str().c_str());
+      std::printf("ratios: %s %s losses: %s\n", p.name.c_str(), precision.c_str(), v.str().c_str());
     INFO("losses: " << v.str());
     CHECK(v.ok());
-    same_weights(d + "/" + p.name, d + "/single-bf16");
+    same_weights(d + "/" + p.name, d + "/single-16");
   }
 }
 
@@ -221,21 +224,29 @@ TEST_CASE("Launched troupe dpo under dp2 x pp2 and tp2 trains as the single proc
                         {2, "tp2", {"--tp", "2"}}});
 }
 
-TEST_CASE("Launched bf16 troupe sft and dpo under dp2 x pp2 and tp2 train like the single process",
-          "[multirank][post]") {
+TEST_CASE(
+    "Launched bf16 and f16 troupe sft and dpo under dp2 x pp2 and tp2 train like the single "
+    "process",
+    "[multirank][post]") {
   const std::vector<plan_run> plans = {
       {4, "dp2pp2", {"--dp", "2", "--pp", "2", "--microbatches", "2"}}, {2, "tp2", {"--tp", "2"}}};
-  SECTION("packed sft") {
-    scratch_dir dir("sft-bf16");
-    const std::string& d = dir.path;
-    check_bf16_against_single(
-        d, [&](const std::string& name) { return sft_flags(d, name, true); }, plans);
-  }
-  SECTION("dpo") {
-    scratch_dir dir("dpo-bf16");
-    const std::string& d = dir.path;
-    check_bf16_against_single(
-        d, [&](const std::string& name) { return dpo_flags(d, name); }, plans);
+  for (const std::string precision : {"bf16", "f16"}) {
+    INFO(precision);
+    // f16 SFT overflows in its first step at the default loss scale (65536) and skips it, in one
+    // process and launched alike, which leaves the f64 twin far behind (bounds ~5 in the loss):
+    // f16 is judged on DPO, whose steps all run.
+    if (precision == "bf16") {
+      scratch_dir dir("sft-" + precision);
+      const std::string& d = dir.path;
+      check_16bit_against_single(
+          d, precision, [&](const std::string& name) { return sft_flags(d, name, true); }, plans);
+    }
+    {
+      scratch_dir dir("dpo-" + precision);
+      const std::string& d = dir.path;
+      check_16bit_against_single(
+          d, precision, [&](const std::string& name) { return dpo_flags(d, name); }, plans);
+    }
   }
 }
 
