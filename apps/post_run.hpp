@@ -164,8 +164,8 @@ inline dtype post_dtype(const post_setup& s) {
 
 // The model of the run: the HF folder's weights, or initialised from the seed.
 inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s) {
-  TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64" ||
-                   s.cfg.precision == "bf16" || s.cfg.precision == "f16",
+  TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64" || s.cfg.precision == "bf16" ||
+                   s.cfg.precision == "f16",
                "train.precision (--precision) ", s.cfg.precision,
                ": post-training runs in f32, bf16 or f16, or f64 (the reference)");
   auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq}, post_dtype(s));
