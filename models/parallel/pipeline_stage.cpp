@@ -109,8 +109,6 @@ void pipeline_stage::plan_memory() {
     }
     ch.segments = empty({dims_.batch, dims_.seq}, dtype::i32);
     ch.positions = empty({dims_.batch, dims_.seq}, dtype::i32);
-    ch.state.push_back(ch.segments);
-    ch.state.push_back(ch.positions);
     if (holds_first(c)) ch.state.push_back(ids_);
     if (holds_last(c)) ch.state.push_back(targets_);
     for (const auto& t : ch.state) ch.bytes += t.nbytes();
@@ -326,8 +324,17 @@ void pipeline_stage::stash(int chunk, int mb) {
     dst += t.nbytes();
   }
   move_pages(chunk, slot, /*to_arena=*/false);
+  // The packed rows, only when the microbatch has them (pretraining's stashes copy nothing more).
   if (ch.packed_saved.size() <= slot) ch.packed_saved.resize(slot + 1);
   ch.packed_saved[slot] = ch.packed;
+  if (ch.packed) {
+    if (ch.packing_saved.size() <= slot) ch.packing_saved.resize(slot + 1);
+    auto& kept = ch.packing_saved[slot];
+    if (!kept.defined()) kept = empty({2 * ch.segments.numel()}, dtype::i32);
+    std::memcpy(kept.data(), ch.segments.data(), ch.segments.nbytes());
+    std::memcpy(static_cast<std::byte*>(kept.data()) + ch.segments.nbytes(), ch.positions.data(),
+                ch.positions.nbytes());
+  }
   save_extra(chunk, slot);
   ch.stashed[mb] = static_cast<int>(slot);
 }
@@ -345,7 +352,13 @@ void pipeline_stage::restore(int chunk, int mb) {
   move_pages(chunk, static_cast<std::size_t>(slot), /*to_arena=*/true);
   restore_extra(chunk, static_cast<std::size_t>(slot));
   const bool packed = ch.packed_saved[static_cast<std::size_t>(slot)] != 0;
-  if (packed || ch.packed) {  // the restored microbatch's segments are back in the buffers
+  if (packed) {
+    const auto* kept =
+        static_cast<const std::byte*>(ch.packing_saved[static_cast<std::size_t>(slot)].data());
+    std::memcpy(ch.segments.data(), kept, ch.segments.nbytes());
+    std::memcpy(ch.positions.data(), kept + ch.segments.nbytes(), ch.positions.nbytes());
+  }
+  if (packed || ch.packed) {  // the chunk's blocks read the restored microbatch's (or none)
     ch.packed = packed;
     apply_packing(chunk);
   }

@@ -271,11 +271,12 @@ class pipeline_stage {
     std::byte* page_lo = nullptr;
     std::size_t page_bytes = 0;
     std::vector<mapped_pages> pages;  // per pool entry
-    // Packed rows of the microbatch in the arena (next_packing): i32 [B, T] each, in `state`,
-    // and whether it has them (per pool entry too: packed_saved).
+    // Packed rows of the microbatch in the arena (next_packing): i32 [B, T] each, and whether it
+    // has them; per pool entry: whether its microbatch has them, and a copy of both when it does.
     owned_tensor segments, positions;
     bool packed = false;
     std::vector<char> packed_saved;
+    std::vector<owned_tensor> packing_saved;
   };
   void apply_packing(int chunk);  // use_packing with the chunk's buffers or none
   // Sets chunk's page range up when it is worth it; returns its bytes (0: copy everything).
