@@ -103,7 +103,8 @@ inline void add_post_flags(CLI::App* sub, post_cli& c, const std::string& batch_
   knob(sub->add_option("--log-every", c.log_every, "Steps between log lines"),
        [p](train_config& t) { t.log_every = p->log_every; });
   knob(sub->add_option("--precision", c.precision,
-                       "f32, or f64 (the reference f32 runs are judged against; one process)"),
+                       "f32; bf16 or f16 (troupe sft, dpo: f32 master weights); or f64 (the "
+                       "reference the others are judged against; one process)"),
        [p](train_config& t) { t.precision = p->precision; });
 }
 
