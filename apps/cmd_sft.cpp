@@ -7,7 +7,8 @@
 // one rank of a hybrid-parallel run: rank 0 drives the trainer actors of every rank
 // (actors/training.hpp), each of which reads the same JSONL file into the same rows and trains
 // its piece on them (models/post/plan_samples.hpp: sft_samples); the checkpoint is the plan
-// checkpoint path's HF folder. Packed rows under --tp or --pp, --cp, --ep and elastic runs are
+// checkpoint path's HF folder; packed rows run under every dp x tp x pp plan (each tensor shard
+// and pipeline stage attends within a row's conversations). --cp, --ep and elastic runs are
 // refused by name.
 #include <fmt/core.h>
 
@@ -55,15 +56,8 @@ std::string data_line(const sft_cli& c, const models::sft_rows& rows) {
       rows.trained_targets);
 }
 
-// One rank of a launched run (apps/post_launched.hpp). Packed rows only under whole models (dp,
-// ZeRO): tensor shards and pipeline stages take no segments yet.
+// One rank of a launched run (apps/post_launched.hpp).
 int run_sft_launched(const sft_cli& c, const post_setup& s) {
-  const auto& p = s.cfg.plan;
-  TROUPE_CHECK(!c.pack || (p.tp == 1 && p.pp == 1),
-               "troupe sft: packed rows (--pack, the default) under parallel.tp (--tp) ", p.tp,
-               " / parallel.pp (--pp) ", p.pp,
-               ": tensor shards and pipeline stages do not take the rows' segments yet; pass "
-               "--no-pack (one conversation per row)");
   refuse_unlaunchable("sft", s.cfg);
   auto rows = sft_rows_of(c, s);
   const bool pack = c.pack;

@@ -32,9 +32,9 @@ inline void refuse_unlaunchable(const char* command, const models::train_config&
                ": context parallelism is not supported for post-training yet");
   TROUPE_CHECK(p.ep == 1, "troupe ", command, ": parallel.ep (--ep) ", p.ep,
                ": expert parallelism is not supported for post-training yet");
-  TROUPE_CHECK(cfg.precision == "f32", "troupe ", command, ": train.precision (--precision) ",
-               cfg.precision, " under troupe launch: launched post-training runs in f32 (f64: one ",
-               "process)");
+  TROUPE_CHECK(cfg.precision != "f64", "troupe ", command, ": train.precision (--precision) ",
+               cfg.precision, " under troupe launch: launched post-training runs in f32, bf16 or ",
+               "f16 (f64, the reference twin: one process)");
   TROUPE_CHECK(!cfg.elastic(), "troupe ", command,
                ": elastic runs (elastic.enabled, elastic.spares) are not supported for "
                "post-training yet");

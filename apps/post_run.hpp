@@ -103,7 +103,8 @@ inline void add_post_flags(CLI::App* sub, post_cli& c, const std::string& batch_
   knob(sub->add_option("--log-every", c.log_every, "Steps between log lines"),
        [p](train_config& t) { t.log_every = p->log_every; });
   knob(sub->add_option("--precision", c.precision,
-                       "f32, or f64 (the reference f32 runs are judged against; one process)"),
+                       "f32; bf16 or f16 (troupe sft, dpo: f32 master weights); or f64 (the "
+                       "reference the others are judged against; one process)"),
        [p](train_config& t) { t.precision = p->precision; });
 }
 
@@ -155,16 +156,19 @@ inline post_setup prepare_post(const post_cli& c, const char* command, std::int6
   return s;
 }
 
-// The run's compute precision (train.precision: f32, or f64 for the reference twin).
+// The run's compute precision (train.precision: f32, bf16 or f16 with f32 master weights in the
+// trainer, or f64 for the reference twin).
 inline dtype post_dtype(const post_setup& s) {
-  return s.cfg.precision == "f64" ? dtype::f64 : dtype::f32;
+  const auto& p = s.cfg.precision;
+  return p == "f64" ? dtype::f64 : p == "bf16" ? dtype::bf16 : p == "f16" ? dtype::f16 : dtype::f32;
 }
 
 // The model of the run: the HF folder's weights, or initialised from the seed.
 inline std::unique_ptr<models::causal_lm> make_post_model(const post_setup& s) {
-  TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64",
+  TROUPE_CHECK(s.cfg.precision == "f32" || s.cfg.precision == "f64" || s.cfg.precision == "bf16" ||
+                   s.cfg.precision == "f16",
                "train.precision (--precision) ", s.cfg.precision,
-               ": post-training runs in f32, or f64 (the reference)");
+               ": post-training runs in f32, bf16 or f16, or f64 (the reference)");
   auto m = models::make_causal_lm(s.mcfg, {s.cfg.batch, s.cfg.seq}, post_dtype(s));
   TROUPE_CHECK(s.cfg.seq <= m->max_seq(), "--seq ", s.cfg.seq, " exceeds the model's ",
                m->max_seq(), " positions");

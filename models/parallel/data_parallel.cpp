@@ -1024,13 +1024,16 @@ step_result dp_trainer::step(const sample_source& samples) {
   TROUPE_CHECK(cfg_.plan.cp == 1, "dp_trainer: post-training samples need whole sequences on ",
                "each rank: parallel.cp must be 1, got ", cfg_.plan.cp);
   samples_ = &samples;
+  piece_.set_every_stage_reads(true);  // a microbatch's packed rows reach every stage
   try {
     prepare(trainer::batch_source{});
   } catch (...) {
     samples_ = nullptr;
+    piece_.set_every_stage_reads(false);
     throw;
   }
   samples_ = nullptr;
+  piece_.set_every_stage_reads(false);
   return commit();
 }
 

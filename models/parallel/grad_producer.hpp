@@ -24,8 +24,9 @@ namespace troupe::models::parallel {
 // i32 [rows, seq] on the host (valid until the next fetch), and its weight (rows / global batch:
 // the factor on its mean-loss gradient). Post-training (models/post/plan_samples.hpp) may add
 // packed rows (segments and positions i32 [rows, seq], trunk::set_packing; undefined: one
-// sequence per row) and a per-token objective (models/token_objective.hpp; empty: the mean
-// cross-entropy), which the piece evaluates where its logits are.
+// sequence per row; every piece honours them: a whole model, a tensor shard, a pipeline stage) and
+// a per-token objective (models/token_objective.hpp; empty: the mean cross-entropy), which the
+// piece evaluates where its logits are.
 struct microbatch_data {
   microbatch_data() = default;
   microbatch_data(tensor i, tensor t, double w)
@@ -99,6 +100,12 @@ class grad_producer {
     (void)f;
     return false;
   }
+
+  // Post-training steps (data_parallel.hpp: step(sample_source)): every rank of the piece reads
+  // each of its microbatches, not only the ranks that hold the model's ends, since a microbatch
+  // may carry packed rows that every block's attention needs (a pipeline's middle stages fetch
+  // them too). Off: a middle pipeline stage reads no data.
+  virtual void set_every_stage_reads(bool on) { (void)on; }
 
   // Loss scaling (f16 under mixed_piece): true when the piece runs its backward on a scaled loss,
   // so a step's gradients may overflow; the engine then calls set_loss_scale before each

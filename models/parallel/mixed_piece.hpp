@@ -52,6 +52,7 @@ class mixed_piece final : public grad_producer {
   void round_master();
   double forward_backward(int microbatches,
                           const std::function<microbatch_data(int k)>& fetch) override;
+  void set_every_stage_reads(bool on) override { inner_.set_every_stage_reads(on); }
   bool scales_loss() const override { return scales_loss_; }
   void set_loss_scale(double s) override { loss_scale_ = s; }
   bool grads_finite() override { return finite_; }

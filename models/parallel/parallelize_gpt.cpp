@@ -41,11 +41,25 @@ void tp_gpt_front::add_positions(const tensor& pos_ids, const tensor& x0) {
 
 void tp_gpt_front::forward(const tensor& ids, const tensor& x0) {
   const std::int64_t rows = x0.size(1);  // the shard's positions: rank * rows.. with SP
+  const std::int64_t from = tp.sequence_parallel ? tp.rank() * rows : 0;
   wte.forward(ids, x0);
-  add_positions(context_positions.defined()
-                    ? context_positions.narrow(0, 0, rows)
-                    : positions.narrow(0, tp.sequence_parallel ? tp.rank() * rows : 0, rows),
-                x0);
+  if (!row_positions.defined()) {
+    add_positions(context_positions.defined() ? context_positions.narrow(0, 0, rows)
+                                              : positions.narrow(0, from, rows),
+                  x0);
+    return;
+  }
+  // Packed rows: each row's own positions (the whole model's gpt_ends::embed, row by row).
+  TROUPE_CHECK(row_positions.type() == dtype::i32 && row_positions.dim() == 2 &&
+                   row_positions.size(0) == x0.size(0) && row_positions.size(1) >= from + rows,
+               "tp_gpt front: packed positions must be i32 [", x0.size(0),
+               ", T] like the ids, got ", describe(row_positions));
+  tensor pos = planned_view(pos_emb, {rows, dim}, "tp_gpt front", "pos_emb");
+  for (std::int64_t r = 0; r < x0.size(0); ++r) {
+    ops::embedding(row_positions.select(0, r).narrow(0, from, rows), wpe.weight, pos);
+    tensor xr = x0.select(0, r);
+    ops::add(xr, pos, xr);
+  }
 }
 
 void tp_gpt_front::forward_step(const tensor& ids, std::int64_t start, const tensor& x0) {
@@ -62,6 +76,11 @@ void tp_gpt_front::backward(const tensor& dx0) {
   if (tp.sequence_parallel) {
     d0 = planned_view(dx0_full, {b, t, dim}, "tp_gpt front", "dx0_full");
     gather_sequence(tp, dx0, d0, gather_buf);
+  }
+  if (row_positions.defined()) {  // packed rows: each row's positions of its own
+    for (std::int64_t r = 0; r < b; ++r)
+      ops::embedding_backward(row_positions.select(0, r), d0.select(0, r), wpe.dweight);
+    return;
   }
   tensor d = planned_view(dpos, {t, dim}, "tp_gpt front", "dpos");
   ops::fill(d, 0.0);

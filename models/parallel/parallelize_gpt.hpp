@@ -44,12 +44,17 @@ struct tp_gpt_front {
   // Context parallelism (tp_trunk::set_context): i32 [T_local], the global positions of the
   // stage's tokens, read instead of 0..T-1; undefined: none.
   tensor context_positions;
+  tensor row_positions;  // set_positions' (not owned)
 
   tp_gpt_front(const gpt_config& c, tp_group g);
   void declare(slot_list& s, batch_dims d);           // wte, wpe, pos_emb
   void declare_scratch(slot_list& s, batch_dims d);   // dpos (SP: dx0_full, dx0_gather_buf)
   void forward(const tensor& ids, const tensor& x0);  // x0 [B, T_local, C]
   void backward(const tensor& dx0);
+  // Packed rows (tp_trunk::set_packing): each row's positions i32 [B, T] (whole rows, also with
+  // SP: a shard reads its columns) for the forwards and backwards that follow; undefined: every
+  // row at 0..T-1.
+  void set_positions(const tensor& p) { row_positions = p; }
   // ids [B, n] at positions start.. -> x0 [B, n, C] whole on every shard (generation).
   void forward_step(const tensor& ids, std::int64_t start, const tensor& x0);
   vocab_parallel_embedding& tokens() { return wte; }

@@ -221,6 +221,7 @@ double pipeline_runner::forward_backward(int microbatches,
   next_recv_ = 0;
   trace_.clear();
   fetched_ = -1;
+  for (auto& k : kept_) k.data = microbatch_data{};
   loss_sum_ = 0;
   failure_ = nullptr;
   timing_ = {};
@@ -450,19 +451,23 @@ void pipeline_runner::forward(const action& a, const std::function<microbatch_da
   const bool first = stage_.holds_first(c), last = stage_.holds_last(c);
   tensor in, targets, y;
   double weight = 0;
-  if (first || last) {
+  const microbatch_data* d = nullptr;
+  if (every_stage_reads_) {
+    d = &keep(mb, fetch);
+  } else if (first || last) {
     TROUPE_CHECK(mb > fetched_, "pipeline_runner: stage ", stage_.stage(),
                  " would fetch microbatch ", mb, " after ", fetched_, " (fetches must ascend)");
     data_ = fetch(mb);
     fetched_ = mb;
-    TROUPE_CHECK(!data_.segments.defined(), "pipeline_runner: stage ", stage_.stage(),
-                 ": microbatch ", mb, " has packed rows (segments), which a pipeline stage ",
-                 "cannot run yet (one sequence per row)");
-    if (first) in = data_.ids;
+    d = &data_;
+  }
+  if (d != nullptr) {
+    if (first) in = d->ids;
     if (last) {
-      targets = data_.targets;
-      weight = data_.weight;
+      targets = d->targets;
+      weight = d->weight;
     }
+    stage_.next_packing(d->segments, d->positions);
   }
   int& in_buf = table(action_kind::recv_activation, mb, c);
   if (!first) {
@@ -476,13 +481,43 @@ void pipeline_runner::forward(const action& a, const std::function<microbatch_da
     out = take_buffer();
     y = pool_[out];
   }
-  if (last) stage_.next_objective(data_.objective);
+  if (last) stage_.next_objective(d->objective);
   double loss = stage_.forward(mb, c, in, targets, weight, y);
   if (!first) {
     free_.push_back(in_buf);
     in_buf = -1;
   }
   if (last) loss_sum_ += weight * loss;
+}
+
+const microbatch_data& pipeline_runner::keep(int mb,
+                                             const std::function<microbatch_data(int k)>& fetch) {
+  if (kept_.size() < static_cast<std::size_t>(mb) + 1)
+    kept_.resize(static_cast<std::size_t>(mb) + 1);
+  auto& k = kept_[static_cast<std::size_t>(mb)];
+  if (mb <= fetched_) {
+    TROUPE_CHECK(k.data.ids.defined(), "pipeline_runner: stage ", stage_.stage(),
+                 " runs a forward of microbatch ", mb,
+                 " whose data it did not read (it read up to ", fetched_, ")");
+    return k.data;
+  }
+  // A stage's first forward of each microbatch comes in ascending order (chunk 0's).
+  microbatch_data got = fetch(mb);
+  fetched_ = mb;
+  const auto own = [](const tensor& t, owned_tensor& o) -> tensor {
+    if (!t.defined()) return {};
+    if (!o.defined() || o.sizes() != t.sizes() || o.type() != t.type())
+      o = empty(t.sizes(), t.type());
+    ops::copy(t, o);
+    return o.view();
+  };
+  k.data.ids = own(got.ids, k.ids);
+  k.data.targets = own(got.targets, k.targets);
+  k.data.segments = own(got.segments, k.segments);
+  k.data.positions = own(got.positions, k.positions);
+  k.data.weight = got.weight;
+  k.data.objective = std::move(got.objective);
+  return k.data;
 }
 
 void pipeline_runner::backward(const action& a) {

@@ -3,7 +3,11 @@
 //
 //   forward (mb, c)   ids from fetch(mb) on virtual stage 0, else the received activation;
 //                     targets and weight from fetch(mb) on the last virtual stage (one fetch per
-//                     microbatch, ascending); the output goes to a send buffer
+//                     microbatch, ascending); the output goes to a send buffer. With
+//                     set_every_stage_reads (post-training) every stage fetches each microbatch
+//                     at its first forward there and keeps a copy for the step, and every
+//                     forward passes the microbatch's packed rows (segments, positions) to the
+//                     stage: each chunk's attention stays within them
 //   backward (mb, c)  the received output gradient (the loss on the last virtual stage); the
 //                     input gradient goes to a send buffer. When the list also has a weight
 //                     action for (mb, c) (the zero-bubble schedule), the backward computes the
@@ -124,6 +128,7 @@ class pipeline_runner final : public grad_producer {
   double forward_backward(int microbatches,
                           const std::function<microbatch_data(int k)>& fetch) override;
   bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override;
+  void set_every_stage_reads(bool on) override { every_stage_reads_ = on; }
   collective::communicator* norm_group() override { return norm_group_; }
   bool counts_in_norm(const tensor_slot& parameter) const override {
     return stage_.counts_in_norm(parameter);
@@ -214,6 +219,15 @@ class pipeline_runner final : public grad_producer {
   int steps_ = 0;
   int fetched_ = -1;  // the last microbatch fetched
   microbatch_data data_;
+  // set_every_stage_reads: every stage fetches; each microbatch's data is kept (owned copies)
+  // until the step ends, since a stage's later chunks read it after other fetches.
+  bool every_stage_reads_ = false;
+  struct kept_microbatch {
+    owned_tensor ids, targets, segments, positions;
+    microbatch_data data;  // views of the above, the weight and the objective
+  };
+  std::vector<kept_microbatch> kept_;
+  const microbatch_data& keep(int mb, const std::function<microbatch_data(int k)>& fetch);
   double loss_sum_ = 0;
   owned_tensor tied_recv_;
   owned_tensor msg_;  // f64 [p + 1]: the stages' statuses, then the loss and the status

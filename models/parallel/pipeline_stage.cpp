@@ -107,6 +107,8 @@ void pipeline_stage::plan_memory() {
       ch.input = empty(boundary_, type_);
       ch.state.push_back(ch.input);
     }
+    ch.segments = empty({dims_.batch, dims_.seq}, dtype::i32);
+    ch.positions = empty({dims_.batch, dims_.seq}, dtype::i32);
     if (holds_first(c)) ch.state.push_back(ids_);
     if (holds_last(c)) ch.state.push_back(targets_);
     for (const auto& t : ch.state) ch.bytes += t.nbytes();
@@ -225,12 +227,23 @@ void pipeline_stage::set_generation_shape(std::int64_t n_kv_head, std::int64_t h
   gen_shape_.max_seq = max_seq;
 }
 
+void pipeline_stage::apply_packing(int chunk) {
+  auto& ch = chunk_[chunk];
+  TROUPE_CHECK(ch.packed ? use_packing(chunk, ch.segments, ch.positions)
+                         : use_packing(chunk, tensor{}, tensor{}),
+               what_, " (stage ", stage_, "): this model cannot run packed rows (segments)");
+}
+
 void pipeline_stage::begin_generation(std::int64_t batch, std::int64_t capacity) {
   TROUPE_CHECK(gen_shape_.n_layer > 0, what_, ": generation is not set up for this model");
   TROUPE_CHECK(type_ == dtype::f32, what_, ": generation through pipeline stages runs in f32 ",
                "only, this stage computes in ", dtype_name(type_));
   TROUPE_CHECK(in_flight() == 0, what_, ": generation cannot begin with ", in_flight(),
                " microbatches of a step in flight");
+  for (int c = 0; c < chunks_; ++c) {  // a generation step runs whole sequences
+    chunk_[c].packed = false;
+    apply_packing(c);
+  }
   tp_generation_plan p = gen_shape_;
   p.batch = batch;
   p.capacity = capacity;
@@ -311,6 +324,17 @@ void pipeline_stage::stash(int chunk, int mb) {
     dst += t.nbytes();
   }
   move_pages(chunk, slot, /*to_arena=*/false);
+  // The packed rows, only when the microbatch has them (pretraining's stashes copy nothing more).
+  if (ch.packed_saved.size() <= slot) ch.packed_saved.resize(slot + 1);
+  ch.packed_saved[slot] = ch.packed;
+  if (ch.packed) {
+    if (ch.packing_saved.size() <= slot) ch.packing_saved.resize(slot + 1);
+    auto& kept = ch.packing_saved[slot];
+    if (!kept.defined()) kept = empty({2 * ch.segments.numel()}, dtype::i32);
+    std::memcpy(kept.data(), ch.segments.data(), ch.segments.nbytes());
+    std::memcpy(static_cast<std::byte*>(kept.data()) + ch.segments.nbytes(), ch.positions.data(),
+                ch.positions.nbytes());
+  }
   save_extra(chunk, slot);
   ch.stashed[mb] = static_cast<int>(slot);
 }
@@ -327,6 +351,17 @@ void pipeline_stage::restore(int chunk, int mb) {
   }
   move_pages(chunk, static_cast<std::size_t>(slot), /*to_arena=*/true);
   restore_extra(chunk, static_cast<std::size_t>(slot));
+  const bool packed = ch.packed_saved[static_cast<std::size_t>(slot)] != 0;
+  if (packed) {
+    const auto* kept =
+        static_cast<const std::byte*>(ch.packing_saved[static_cast<std::size_t>(slot)].data());
+    std::memcpy(ch.segments.data(), kept, ch.segments.nbytes());
+    std::memcpy(ch.positions.data(), kept + ch.segments.nbytes(), ch.positions.nbytes());
+  }
+  if (packed || ch.packed) {  // the chunk's blocks read the restored microbatch's (or none)
+    ch.packed = packed;
+    apply_packing(chunk);
+  }
   ch.stashed[mb] = -1;
   ch.free.push_back(static_cast<std::size_t>(slot));
 }
@@ -378,6 +413,22 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
                  "): this stage's head cannot train a per-token objective");
     next_objective_ = {};
   }
+  {
+    // After the stash above: the previous microbatch keeps its own packed rows.
+    const tensor seg = std::move(next_segments_), pos = std::move(next_positions_);
+    next_segments_ = next_positions_ = tensor{};
+    TROUPE_CHECK(seg.defined() == pos.defined(), what_, " (stage ", stage_, "): microbatch ", mb,
+                 ": packed rows need both segments and positions, or neither");
+    const bool was = ch.packed;
+    ch.packed = seg.defined();
+    if (ch.packed) {
+      check_tokens(seg, dims_, what_, stage_, mb, "segments");
+      check_tokens(pos, dims_, what_, stage_, mb, "positions");
+      std::memcpy(ch.segments.data(), seg.data(), ch.segments.nbytes());
+      std::memcpy(ch.positions.data(), pos.data(), ch.positions.nbytes());
+    }
+    if (ch.packed || was) apply_packing(chunk);
+  }
   ch.live = mb;
   pend = 1;
   if (holds_first(chunk)) return run_forward(chunk, ids_, targets_, y);
@@ -388,6 +439,11 @@ double pipeline_stage::forward(int mb, int chunk, const tensor& in, const tensor
 
 void pipeline_stage::next_objective(token_objective f) {
   next_objective_ = std::move(f);
+}
+
+void pipeline_stage::next_packing(const tensor& segments, const tensor& positions) {
+  next_segments_ = segments;
+  next_positions_ = positions;
 }
 
 void pipeline_stage::rerun(int chunk) {

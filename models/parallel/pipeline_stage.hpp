@@ -131,6 +131,12 @@ class pipeline_stage {
   // chunk, for that microbatch's forward and backward (kept with its stash); empty: the mean
   // cross-entropy. Throws when the stage cannot take one.
   void next_objective(token_objective f);
+  // Packed rows (several sequences per row, trunk::set_packing) of the next forward, whichever
+  // chunk it runs: segments and positions i32 [B, T] on the host (undefined: one sequence per
+  // row), copied by that forward and kept with its microbatch's stash, so the chunk's backward
+  // (and a recomputed forward) attend within the same segments. Every virtual stage needs them
+  // (each runs attention); the caller passes them before each forward.
+  void next_packing(const tensor& segments, const tensor& positions);
   // Backward of `chunk` on `mb`: adds weight * d loss_mb / d params to the gradients. dy: the
   // gradient of the output [boundary()] (ignored when holds_last(chunk)); dx receives the
   // gradient of the input unless holds_first(chunk). after_block (may be empty) is called after
@@ -219,6 +225,14 @@ class pipeline_stage {
     (void)f;
     return false;
   }
+  // Points chunk c's blocks (and its front's positions when it holds the first virtual stage) at
+  // a microbatch's packed rows, or back to one sequence per row (undefined tensors). The tensors
+  // are the chunk's own buffers, stable for the stage's life. False when the model cannot run
+  // packed rows.
+  virtual bool use_packing(int chunk, const tensor& segments, const tensor& positions) {
+    (void)chunk;
+    return !segments.defined() && !positions.defined();
+  }
   // Layer state outside the arena (e.g. the loss's count), kept per stash buffer `slot`.
   virtual void save_extra(int chunk, std::size_t slot) {
     (void)chunk;
@@ -257,7 +271,14 @@ class pipeline_stage {
     std::byte* page_lo = nullptr;
     std::size_t page_bytes = 0;
     std::vector<mapped_pages> pages;  // per pool entry
+    // Packed rows of the microbatch in the arena (next_packing): i32 [B, T] each, and whether it
+    // has them; per pool entry: whether its microbatch has them, and a copy of both when it does.
+    owned_tensor segments, positions;
+    bool packed = false;
+    std::vector<char> packed_saved;
+    std::vector<owned_tensor> packing_saved;
   };
+  void apply_packing(int chunk);  // use_packing with the chunk's buffers or none
   // Sets chunk's page range up when it is worth it; returns its bytes (0: copy everything).
   std::size_t swap_activation_pages(int chunk);
   void move_pages(int chunk, std::size_t slot, bool to_arena);
@@ -281,6 +302,7 @@ class pipeline_stage {
   std::vector<int> free_queues_;
   std::vector<double> weight_;  // per microbatch
   token_objective next_objective_;
+  tensor next_segments_, next_positions_;  // next_packing's (the caller's, until the forward)
   int microbatches_ = 0;
   owned_tensor ids_, targets_;  // i32 [B, T]
   bool recompute_ = false;

@@ -82,6 +82,10 @@ class stage final : public pipeline_stage {
   double run_forward(int chunk, const tensor& in, const tensor& targets, const tensor& y) override;
   void run_backward(int chunk, const tensor& dy, const tensor& dx, double weight,
                     const block_hook& after_block) override;
+  bool use_packing(int c, const tensor& segments, const tensor& positions) override {
+    trunk_.set_packing(span_of(c), segments, positions);
+    return true;
+  }
   bool use_objective(token_objective f) override {
     trunk_.back().objective = std::move(f);
     return true;

@@ -507,3 +507,47 @@ TEST_CASE("Bad divisibility by the tensor parallel size names the quantity", "[p
   slot_list s;
   CHECK_THROWS_WITH(blk.declare(s, "h.0", {1, 5}), Catch::Contains("sequence length"));
 }
+
+TEST_CASE("One shard's 16-bit token log-probabilities are the targets' log-probabilities",
+          "[parallel]") {
+  // A pipeline stage without tensor parallelism (tp_group{}) runs the fused kernel, which writes
+  // each row's loss in the logits' type; a token objective (DPO, GRPO) reads them as log p.
+  const std::int64_t B = 2, T = 3, N = B * T, V = 24;
+  std::mt19937_64 g(7);
+  auto logits32 = empty({N, V}, dtype::f32);
+  fill_random(logits32, g, 4.0);
+  auto targets = empty({N}, dtype::i32);
+  for (std::int64_t i = 0; i < N; ++i)
+    targets.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(g() % V);
+  targets.data_as<std::int32_t>()[2] = -100;  // ignored: log p 0
+  for (dtype t : {dtype::bf16, dtype::f16}) {
+    INFO(dtype_name(t));
+    vocab_parallel_cross_entropy l({.vocab = V}, tp_group{});
+    slot_list s;
+    l.declare(s, "loss", {B, T});
+    layer_memory m(s, t);
+    auto logits = empty({N, V}, t);
+    ops::copy(logits32, logits);
+    auto wide = empty({N, V}, dtype::f64);  // the 16-bit logits, exactly
+    ops::copy(logits, wide);
+    l.forward(logits, targets);
+    const auto lp = l.token_logprobs();
+    REQUIRE(lp.size() == static_cast<std::size_t>(N));
+    // Each log p is computed in f32 and rounded once to the 16-bit type (a relative half ulp:
+    // 2^-9 for bf16, 2^-12 for f16); 2^-8 of |log p| bounds both, while reading the 16-bit values
+    // as f32 statistics gives numbers off by orders of magnitude.
+    for (std::int64_t i = 0; i < N; ++i) {
+      const auto tg = targets.data_as<std::int32_t>()[i];
+      if (tg < 0) {
+        CHECK(lp[static_cast<std::size_t>(i)] == 0.0);
+        continue;
+      }
+      const double* row = wide.data_as<double>() + i * V;
+      double mx = row[0], se = 0;
+      for (std::int64_t v = 0; v < V; ++v) mx = std::max(mx, row[v]);
+      for (std::int64_t v = 0; v < V; ++v) se += std::exp(row[v] - mx);
+      const double exact = row[tg] - mx - std::log(se);
+      CHECK(std::abs(lp[static_cast<std::size_t>(i)] - exact) <= std::ldexp(std::abs(exact), -8));
+    }
+  }
+}

@@ -54,6 +54,14 @@ class tp_model {
   double forward(const tensor& ids, const tensor& targets);
   tensor logits() const { return trunk_.back().logits(); }  // the shard's columns [B*T, V/tp]
   void backward(double loss_scale = 1.0);
+  // Packed rows for the forwards and backwards that follow (trunk::set_packing: segments and
+  // positions i32 [B, T] on the host like the ids, the same on every shard, kept intact until
+  // those backwards; undefined: one sequence per row).
+  void set_packing(const tensor& segments, const tensor& positions) {
+    trunk_.set_packing(all(), segments, positions);
+    segments_ = segments;
+    positions_ = positions;
+  }
   // A per-token objective for the forwards and backwards that follow (tp_head::objective).
   void set_token_objective(token_objective f) { trunk_.back().objective = std::move(f); }
   // Called around every use of block i's parameters (models/block_use.hpp). Empty: not called.
@@ -76,7 +84,8 @@ class tp_model {
   tp_trunk<F> trunk_;
   slot_list slots_;
   layer_memory mem_;
-  batch_dims last_{0, 0};  // the batch of the last forward
+  batch_dims last_{0, 0};        // the batch of the last forward
+  tensor segments_, positions_;  // set_packing's (not owned)
   std::unique_ptr<tp_generation> gen_;
 };
 
@@ -110,6 +119,11 @@ void tp_model<F>::init_weights(std::uint64_t seed) {
 template <tp_family F>
 double tp_model<F>::forward(const tensor& ids, const tensor& targets) {
   last_ = checked_batch(ids, targets, dims_, trunk_.who());
+  if (segments_.defined())
+    for (const tensor* p : {&segments_, &positions_})
+      TROUPE_CHECK(p->type() == dtype::i32 && p->sizes() == ids.sizes(), trunk_.who(),
+                   ": packed segments and positions must be i32 like the ids ", ids.sizes().str(),
+                   ", got ", describe(*p));
   return trunk_.forward(all(), last_, ids, targets, tensor{}, on_block_use);
 }
 

@@ -84,6 +84,12 @@ class tp_trunk {
   void declare_scratch(slot_list& s);
   // After the memory is bound: a tied head held with the front reads the front's token embedding.
   void bind_tied_head();
+  // Packed rows (several sequences per row, as trunk::set_packing) for the span's forwards and
+  // backwards that follow: segments and positions i32 [B, T] on the host, the whole rows (also
+  // with SP: the attention runs over every position of the shard's heads), kept intact until
+  // those backwards. The span's blocks attend within a segment only; a front that reads
+  // positions (GPT-2's learned ones) takes each row's own. Undefined: one sequence per row.
+  void set_packing(block_span span, const tensor& segments, const tensor& positions);
   // A tied head's parameter held here ("<token_scope>.weight") and this piece's gradient of it
   // (the front's, else the back's copy); "" when untied or neither end is held.
   std::string tied_name() const;
@@ -205,6 +211,18 @@ void tp_trunk<F>::bind_tied_head() {
   if (!back_.cfg.tied || !has_front_ || !has_back_) return;
   back_.weight = front_.tokens().weight;
   back_.dweight = front_.tokens().dweight;
+}
+
+template <tp_family F>
+void tp_trunk<F>::set_packing(block_span span, const tensor& segments, const tensor& positions) {
+  TROUPE_CHECK(segments.defined() == positions.defined(), who_,
+               ": packed rows need both segments and positions, or neither");
+  // The blocks are this trunk's own (non-const) objects; attention_of gives const access for the
+  // kv cache's sizes, and the segments are the one per-batch input the attention takes.
+  for (std::int64_t i = span.first; i < span.end; ++i)
+    const_cast<attention&>(parts::attention_of(*blocks_[i])).segments = segments;
+  if constexpr (requires { front_.set_positions(positions); })
+    if (span.front) front_.set_positions(positions);
 }
 
 template <tp_family F>

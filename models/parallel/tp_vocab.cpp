@@ -353,9 +353,16 @@ std::vector<double> vocab_parallel_cross_entropy::token_logprobs() const {
   TROUPE_CHECK(logits.defined(), label, ": token_logprobs called before forward");
   const std::int64_t n = leading_rows(logits.sizes());
   std::vector<double> out(static_cast<std::size_t>(n));
-  // The statistics' type: the logits' for f64, f32 otherwise (f32 logits, and bf16's f32
-  // statistics in the first n x 4 bytes, on both paths).
-  if (logits.type() == dtype::f64) {
+  // The statistics' type: the logits' for f64, f32 otherwise (f32 logits, and a sharded bf16
+  // head's f32 statistics in the first n x 4 bytes).
+  if (tp.size() == 1 && logits.type() != dtype::f32 && logits.type() != dtype::f64) {
+    // One shard's fused kernel (forward) wrote the per-row losses in the logits' 16-bit type, as
+    // the whole model's token log-probabilities are (models/post/policy_logprobs.hpp).
+    owned_tensor wide = empty({n}, dtype::f64);
+    ops::copy(losses.narrow(0, 0, n), wide);
+    const double* lo = wide.data_as<double>();
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = -lo[i];
+  } else if (logits.type() == dtype::f64) {
     const auto* lo = stats_of<double>(losses, n);
     for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = -lo[i];
   } else {

@@ -8,8 +8,9 @@
 //
 //   SFT   mean cross-entropy over the assistant tokens, the microbatch weighed by its share of
 //         the step's assistant tokens (as sft_micro_batch); `packed` passes the rows' segments
-//         and positions (a whole model only so far: tensor shards and pipeline stages refuse
-//         them), else one conversation per row is assumed (sft_options::pack = false).
+//         and positions, which every piece honours (a whole model, a tensor shard's heads and
+//         GPT-2 front, each pipeline stage's chunks), else one conversation per row is assumed
+//         (sft_options::pack = false).
 //   DPO   sample 2j, 2j + 1: pair j's chosen and rejected rows (preference_rows' layout), so a
 //         microbatch of an even number of rows holds whole pairs; the reference's sequence
 //         log-probabilities are precomputed (dpo_reference_logprobs: the pieces hold no

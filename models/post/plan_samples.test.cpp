@@ -1,5 +1,5 @@
-// Post-training under parallel plans (plan_samples.hpp): SFT, DPO and GRPO steps of
-// hybrid_trainer::step(samples) under dp2 (ZeRO 0, 2, 3), tp2 + SP, pp2 and dp2 x tp2 x pp2
+// Post-training under parallel plans (plan_samples.hpp): SFT (packed rows too), DPO and GRPO steps
+// of hybrid_trainer::step(samples) under dp2 (ZeRO 0, 2, 3), tp2 + SP, pp2 and dp2 x tp2 x pp2
 // train as the single-process steps (sft_micro_batch, dpo_micro_batch, grpo_micro_batch) at the
 // same rows, by the f32 rule (tests/rounding.hpp, models/parallel/exact_run.hpp): each run's
 // losses and gradient norms within tests::trajectory_k, and its final weights within
@@ -84,19 +84,22 @@ std::vector<std::int32_t> random_ids(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-// Rows of two conversations (positions 0-3 and 4-7; packed) or one (unpacked), trained on the
-// tokens after each conversation's first two (the "assistant" part).
+// Rows of two conversations (packed: the second starts at position 2 + row mod 5, a different
+// boundary per row and microbatch, mostly off the middle so a sequence-parallel shard's positions
+// differ between shards) or one (unpacked), trained on each conversation's tokens after its first
+// (packed) or first two (unpacked).
 std::shared_ptr<sft_rows> sft_data(bool packed) {
   auto r = std::make_shared<sft_rows>();
   r->seq = seq;
   const std::int64_t n = 12;  // 1.5 steps' worth: the draws wrap around
   r->ids = random_ids(static_cast<std::size_t>(n * seq), 11);
-  const std::int64_t conv = packed ? 4 : seq;
   for (std::int64_t i = 0; i < n * seq; ++i) {
-    const std::int64_t t = i % seq, in = t % conv;
-    r->segments.push_back(static_cast<std::int32_t>(t / conv));
+    const std::int64_t split = packed ? 2 + (i / seq) % 5 : 0;
+    const std::int64_t t = i % seq, second = split > 0 && t >= split ? 1 : 0;
+    const std::int64_t in = t - second * split, end = second || split == 0 ? seq : split;
+    r->segments.push_back(static_cast<std::int32_t>(second));
     r->positions.push_back(static_cast<std::int32_t>(in));
-    const bool trained = in >= 2 && in + 1 < conv;
+    const bool trained = in >= (packed ? 1 : 2) && t + 1 < end;
     r->targets.push_back(trained ? r->ids[static_cast<std::size_t>(i + 1)] : -100);
   }
   return r;
@@ -275,11 +278,35 @@ const std::vector<scheduler::parallel_plan> every_plan = {
     plan_of(2, 1, 1, 0), plan_of(2, 1, 1, 2), plan_of(2, 1, 1, 3), plan_of(1, 1, 2),
     plan_of(1, 2, 1),    gpipe(false),        gpipe(true),         plan_of(2, 2, 2)};
 
-job sft_job(bool packed) {
+job sft_job(bool packed, bool llama = false) {
   auto rows = sft_data(packed);
   return {[rows](causal_lm&) { return sft_micro_batch(rows, rows_per_step); },
-          [rows, packed] { return sft_samples(rows, rows_per_step, 1, packed); }, model_of()};
+          [rows, packed] { return sft_samples(rows, rows_per_step, 1, packed); }, model_of(llama)};
 }
+
+scheduler::parallel_plan without_sp(scheduler::parallel_plan p) {
+  p.sp = false;
+  return p;
+}
+
+scheduler::parallel_plan interleaved(scheduler::parallel_plan p) {
+  p.schedule = scheduler::schedule_kind::interleaved;
+  p.virtual_stages = 2;
+  return p;
+}
+
+scheduler::parallel_plan recomputed(scheduler::parallel_plan p) {
+  p.recompute = scheduler::recompute_policy::full;
+  return p;
+}
+
+// Packed rows under tensor shards and stages: tp2 with SP, without, and with recompute (the
+// blocks' forwards run again in backward), pp2 1F1B and interleaved, GPipe with recompute (each
+// microbatch's segments stashed and restored, its stage's forward run again), dp2 x tp2 x pp2.
+const std::vector<scheduler::parallel_plan> packed_plans = {
+    plan_of(1, 1, 2), without_sp(plan_of(1, 1, 2)),  recomputed(plan_of(1, 1, 2)),
+    plan_of(1, 2, 1), interleaved(plan_of(1, 2, 1)), gpipe(true),
+    plan_of(2, 2, 2)};
 
 job dpo_job(const dpo_options& opt, bool llama = false) {
   auto rows = dpo_data();
@@ -308,6 +335,19 @@ TEST_CASE("SFT steps under every plan train as the single-process SFT step", "[p
   }
   SECTION("one conversation per row, every plan") {
     check_plans(sft_job(false), every_plan);
+  }
+}
+
+TEST_CASE("Packed SFT rows under tensor shards and stages train as the single-process packed step",
+          "[parallel][post]") {
+  // Every shard's attention heads and every stage's blocks stay within a row's conversations, and
+  // GPT-2's learned positions restart per conversation on the shard (or stage) holding the front.
+  SECTION("GPT-2") {
+    check_plans(sft_job(true), packed_plans);
+  }
+  SECTION("Llama") {
+    check_plans(sft_job(true, true),
+                {packed_plans[0], packed_plans[3], packed_plans[4], packed_plans[6]});
   }
 }
 
@@ -370,19 +410,36 @@ TEST_CASE("A plan that drops the SFT mask on one rank is told from the single pr
               v.weights.ratio());
 }
 
-TEST_CASE("Packed rows under a tensor shard or a pipeline stage are refused",
-          "[parallel][post][faults]") {
-  const job j = sft_job(true);
-  for (const auto& plan : {plan_of(1, 1, 2), plan_of(1, 2, 1)}) {
-    INFO(scheduler::describe(plan));
-    try {
-      run_planned(j, run_config(), plan);
-      FAIL("packed rows ran");
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      CHECK(what.find("packed rows (segments)") != std::string::npos);
-      std::printf("faults: packed SFT rows under %s -> refused: %s\n",
-                  scheduler::describe(plan).c_str(), e.what());
+TEST_CASE("A tensor shard or a stage that ignores the packing is told from the single process",
+          "[parallel][post]") {
+  // Model-parallel rank 1 (tensor shard 1, pipeline stage 1) gets its rows without their
+  // segments and positions, as a piece that dropped the packing would run them: its attention
+  // crosses the conversations (and, on a front, the positions run on), off by O(1) in the
+  // losses, so the rule must refuse both plans.
+  for (const bool llama : {false, true}) {
+    const job j = sft_job(true, llama);
+    const train_config c = run_config();
+    const single_run ref = run_single(j, c, dtype::f32);
+    const single_run exact = run_single(j, c, dtype::f64);
+    auto unpack = [](int rank, sample_source src) -> sample_source {
+      if (rank != 1) return src;
+      return [src = std::move(src)](const sample_request& r) {
+        microbatch_data mb = src(r);
+        mb.segments = mb.positions = tensor{};
+        return mb;
+      };
+    };
+    for (const auto& plan : {plan_of(1, 1, 2), plan_of(1, 2, 1)}) {
+      INFO((llama ? "Llama " : "GPT-2 ") << scheduler::describe(plan));
+      const plan_run got = run_planned(j, c, plan, unpack);
+      const verdicts v = judge(got, ref, exact);
+      INFO("losses: " << v.losses.str());
+      INFO("weights: " << v.weights.str());
+      CHECK_FALSE(v.losses.ok());
+      CHECK_FALSE(v.weights.ok());
+      std::printf("%s packing dropped on rank 1 of %s: ratios losses %.3g, weights %.3g\n",
+                  llama ? "Llama" : "GPT-2", scheduler::describe(plan).c_str(), v.losses.ratio(),
+                  v.weights.ratio());
     }
   }
 }
