@@ -139,9 +139,15 @@ expected<join_info> join_info_from_env(const env_lookup& lookup) {
   if (const char* c = get("TROUPE_COORDINATOR"); c && *c) {
     j.source = "troupe launch";
     j.coordinator = c;
-    auto rank = int_var("TROUPE_RANK", get("TROUPE_RANK"));
-    if (!rank) return result::failure(rank.error_message());
-    j.rank = *rank;
+    // TROUPE_JOIN=1 (troupe launch --join): a joiner, whose rank the coordinator gives.
+    const char* joiner = get("TROUPE_JOIN");
+    if (joiner && std::string(joiner) == "1") {
+      j.rank = -1;
+    } else {
+      auto rank = int_var("TROUPE_RANK", get("TROUPE_RANK"));
+      if (!rank) return result::failure(rank.error_message());
+      j.rank = *rank;
+    }
     if (const char* w = get("TROUPE_WORLD_SIZE"); w && *w) {
       auto ws = int_var("TROUPE_WORLD_SIZE", w);
       if (!ws) return result::failure(ws.error_message());

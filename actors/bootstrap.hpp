@@ -20,7 +20,7 @@ inline constexpr int default_coordinator_port = 29400;
 struct join_info {
   std::string coordinator;  // "host:port" of the coordinator to join
   std::string token;        // the job token (secret)
-  int rank = -1;
+  int rank = -1;        // -1 with TROUPE_JOIN=1: a joiner, given a lost rank's place when it joins
   int world_size = -1;  // -1: learnt from the coordinator when joining
   int local_rank = 0;   // index among the ranks on this host
   // Under Slurm and torchrun rank 0 starts the coordinator in its own process, listening here.

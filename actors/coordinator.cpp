@@ -46,6 +46,7 @@ struct shared_status {
   int joined = 0;
   bool started = false;
   bool finished = false;
+  std::vector<int> alive_pids;  // by rank: the pid of the member in good standing (0: none)
 };
 
 struct member_rec {
@@ -114,6 +115,10 @@ void publish_status(coord_actor* self) {
     if (m.status == member_rec::alive || m.status == member_rec::joining) finished = false;
   if (!st.forming_failed.empty()) finished = true;
   std::lock_guard<std::mutex> lock(st.shared->mu);
+  st.shared->alive_pids.assign(st.members.size(), 0);
+  for (std::size_t r = 0; r < st.members.size(); ++r)
+    if (st.members[r].status == member_rec::alive || st.members[r].status == member_rec::joining)
+      st.shared->alive_pids[r] = st.members[r].info.pid;
   st.shared->joined = st.joined;
   st.shared->started = st.started;
   st.shared->finished = finished;
@@ -302,8 +307,9 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
       [self](msg::join_request& req) -> caf::result<msg::join_reply> {
         auto& st = self->state;
         ++st.msgs_in;
-        const std::string who = "rank " + std::to_string(req.rank) + " (host " + req.host +
-                                ", pid " + std::to_string(req.pid) + ")";
+        const bool joiner = req.rank == -1;
+        std::string who = (joiner ? std::string("a joiner") : "rank " + std::to_string(req.rank)) +
+                          " (host " + req.host + ", pid " + std::to_string(req.pid) + ")";
         auto refuse = [&](const std::string& why) {
           note(self, -1, "refused", "refused " + who + ": " + why);
           msg::join_reply r;
@@ -318,6 +324,22 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
         if (!tokens_equal(req.token, st.opts.token)) return refuse("wrong job token");
         if (!req.node) return refuse("no node actor in the join request");
         const int world = static_cast<int>(st.members.size());
+        if (req.rank == -1) {
+          // A joiner (troupe launch --join): the place of the lowest lost or departed rank of a
+          // running job.
+          if (!st.started)
+            return refuse(
+                "a joiner (troupe launch --join) takes a lost rank's place in a running "
+                "job, and this one has not started yet");
+          for (int r = 0; r < world && req.rank < 0; ++r)
+            if (st.members[r].status == member_rec::lost ||
+                st.members[r].status == member_rec::left)
+              req.rank = r;
+          if (req.rank < 0)
+            return refuse("no place for a joiner (troupe launch --join): none of the job's " +
+                          std::to_string(world) + " ranks is lost or has left");
+          who += " as rank " + std::to_string(req.rank);
+        }
         if (req.rank < 0 || req.rank >= world)
           return refuse("rank " + std::to_string(req.rank) + " is outside the job's world of " +
                         std::to_string(world) + " ranks");
@@ -352,6 +374,7 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           for (const auto& mm : st.members) r.members.push_back(mm.info);
           r.member_status = member_status(st);
           r.member_status[req.rank].clear();
+          r.rank = req.rank;
           publish_status(self);
           return r;
         }
@@ -377,7 +400,10 @@ caf::behavior coordinator_actor(coord_actor* self, coordinator_options opts,
           r.heartbeat_interval_ms = st.interval_ms;
           r.heartbeat_timeout_ms = st.opts.heartbeat_timeout.count();
           for (const auto& mm : st.members) r.members.push_back(mm.info);
-          for (auto& mm : st.members) mm.join_rp.deliver(r);
+          for (std::size_t k = 0; k < st.members.size(); ++k) {
+            r.rank = static_cast<std::int32_t>(k);
+            st.members[k].join_rp.deliver(r);
+          }
         }
         publish_status(self);
         return rp;
@@ -720,6 +746,13 @@ bool coordinator::wait_finished(std::chrono::milliseconds timeout) {
 
 job_snapshot coordinator::snapshot(std::chrono::milliseconds timeout) {
   return impl_->snapshot(timeout);
+}
+
+bool coordinator::taken_over(int rank, int pid) const {
+  std::lock_guard<std::mutex> lock(impl_->shared->mu);
+  const auto& p = impl_->shared->alive_pids;
+  return rank >= 0 && rank < static_cast<int>(p.size()) && p[static_cast<std::size_t>(rank)] != 0 &&
+         p[static_cast<std::size_t>(rank)] != pid;
 }
 
 void coordinator::process_ended(int rank, int pid, const std::string& how) {

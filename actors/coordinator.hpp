@@ -66,6 +66,9 @@ class coordinator {
   // that did not leave is lost at once, and a rank that never joined makes the job fail to form
   // instead of leaving the others waiting. (A rank now held by another process is not touched.)
   void process_ended(int rank, int pid, const std::string& how);
+  // Whether another process (a joiner: troupe launch --join) now holds `rank`, whose process
+  // `pid` ended: the launcher then no longer counts that end as the job's failure.
+  bool taken_over(int rank, int pid) const;
 
   struct impl;
 

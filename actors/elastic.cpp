@@ -48,8 +48,11 @@ expected<recovery_plan> next_generation(const elastic_layout& now, const std::ve
   if (p.next.generation > 255)
     return expected<recovery_plan>::failure(
         "elastic: 255 recoveries in one run, the most group ids can tell apart");
-  std::erase_if(p.next.spares,
-                [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); });
+  // A rank that is both a position holder and a spare is a joiner that took the number of the
+  // lost holder (troupe launch --join): the new process stays a spare.
+  std::erase_if(p.next.spares, [&](int r) {
+    return std::find(lost.begin(), lost.end(), r) != lost.end() && now.position_of(r) < 0;
+  });
   return p;
 }
 
@@ -197,6 +200,57 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
   for (int r : now.spares)
     if (!is_lost(r)) p.next.spares.push_back(r);
   std::sort(p.next.spares.begin(), p.next.spares.end());
+  return p;
+}
+
+expected<grow_plan> plan_grow(const collective::rank_grid& grid, int dp, int microbatches,
+                              const elastic_layout& now, int target_dp, int microbatch_multiple) {
+  using result = expected<grow_plan>;
+  const int pieces = grid.world_size() / dp;
+  const int ranks = static_cast<int>(now.positions.size() + now.spares.size());
+  const int slots = dp * microbatches;
+  int d = target_dp;
+  while (d > dp && (slots % d != 0 || (slots / d) % std::max(microbatch_multiple, 1) != 0 ||
+                    d * pieces > ranks))
+    --d;
+  if (d <= dp)
+    return result::failure(fmt::format(
+        "elastic: {} cannot grow: {} spare ranks, the larger plans up to dp{} need {} more "
+        "ranks per data-parallel replica and dp dividing the {} micro-batch slots",
+        plan_text(grid), now.spares.size(), target_dp, pieces, slots));
+  if (now.generation + 1 > 255)
+    return result::failure("elastic: 255 recoveries in one run, the most group ids can tell apart");
+  auto piece_of = [](const collective::rank_grid& g, int pos) {
+    std::vector<int> key;
+    for (const auto& a : g.axes())
+      if (a.name != "dp") key.push_back(g.coord(pos, a.name));
+    return key;
+  };
+  // The holders of the current grid by (piece, dp coordinate).
+  std::map<std::pair<std::vector<int>, int>, int> holder;
+  for (int q = 0; q < grid.world_size(); ++q)
+    holder[{piece_of(grid, q), grid.coord(q, "dp")}] = now.positions[static_cast<std::size_t>(q)];
+  grow_plan p;
+  p.dp = d;
+  p.microbatches = slots / d;
+  p.next.generation = now.generation + 1;
+  p.next.spares = now.spares;
+  const auto next_grid = with_dp(grid, d);
+  for (int q = 0; q < next_grid.world_size(); ++q) {
+    const auto key = piece_of(next_grid, q);
+    const int c = next_grid.coord(q, "dp");
+    if (c < dp) {
+      p.next.positions.push_back(holder.at({key, c}));
+      continue;
+    }
+    replacement m;
+    m.position = q;
+    m.spare = p.next.spares.front();
+    m.donor = holder.at({key, 0});
+    p.next.spares.erase(p.next.spares.begin());
+    p.next.positions.push_back(m.spare);
+    p.moves.push_back(m);
+  }
   return p;
 }
 

@@ -84,6 +84,22 @@ expected<shrink_plan> plan_shrink(const collective::rank_grid& grid, int dp, int
                                   const elastic_layout& now, const std::vector<int>& lost,
                                   int min_ranks, int zero, bool buddies = false,
                                   int microbatch_multiple = 1);
+// Growing back (docs/adr/0005, section 11): a shrunk run with idle ranks (survivors a shrink left
+// idle, joiners) takes the largest dp up to `target_dp` (the plan it started with) that divides
+// the dp x microbatches slots of the global batch into micro-batches the schedule runs (a multiple
+// of `microbatch_multiple`) and that the positions and spares fill; parallel.microbatches goes
+// down by the same factor, so each step reads the same samples. Every position holder keeps its
+// piece and dp coordinate; each new replica's position is given to the lowest spare, its state
+// from the holder of dp 0 of its piece (ZeRO 0: whole piece state on every replica). Fails,
+// saying why, when no larger plan fits (the run goes on as it is).
+struct grow_plan {
+  elastic_layout next;
+  int dp = 0, microbatches = 0;
+  std::vector<replacement> moves;  // the new positions: spare, donor (lost: -1)
+};
+expected<grow_plan> plan_grow(const collective::rank_grid& grid, int dp, int microbatches,
+                              const elastic_layout& now, int target_dp,
+                              int microbatch_multiple = 1);
 // The group of the ranks `ranks` (ascending) that reshard a ZeRO state at a shrink.
 collective::rank_group reshard_group(const std::vector<int>& ranks, int generation);
 // "dp2 x pp2": the grid's dp and its axes of degree > 1.

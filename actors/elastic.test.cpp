@@ -292,3 +292,78 @@ TEST_CASE("A spare passed over by one recovery takes its place at the next one's
   CHECK_FALSE(takes_generation(first->next, 2, 3));
   CHECK_FALSE(takes_generation(rank3, 3, 0));
 }
+
+TEST_CASE("A joiner in a lost rank's number stays a spare and takes the lost place", "[elastic]") {
+  // dp2 x pp2 with no spare; rank 3 is lost and a joiner (troupe launch --join) takes its number:
+  // the layout lists 3 both as the lost holder of position 3 and as a spare.
+  const auto grid = dp_pp(2, 2);
+  auto now = elastic_layout::initial(4, 4);
+  REQUIRE(!plan_recovery(grid, now, {3}, 0));  // no spare yet
+  now.spares = {3};
+  auto p = plan_recovery(grid, now, {3}, 0);
+  REQUIRE(p);
+  REQUIRE(p->moves.size() == 1);
+  CHECK(p->moves[0].position == 3);
+  CHECK(p->moves[0].lost == 3);
+  CHECK(p->moves[0].spare == 3);  // the new process
+  CHECK(p->moves[0].donor == 1);  // dp 0 pp 1: the same stage
+  CHECK(p->next.positions == std::vector<int>{0, 1, 2, 3});
+  CHECK(p->next.spares.empty());
+  // A lost spare that holds no position is still dropped.
+  auto q = elastic_layout::initial(4, 6);
+  auto r = plan_recovery(grid, q, {2, 4}, 0);
+  REQUIRE(r);
+  CHECK(r->moves[0].spare == 5);
+  CHECK(r->next.spares.empty());
+}
+
+TEST_CASE("A shrunk dp1 x pp2 job with two idle ranks grows back to dp2 x pp2", "[elastic]") {
+  // After the shrink of the test above (rank 3 lost): dp1 x pp2 on ranks 0 and 1, micro-batches
+  // 4, rank 2 idle; a joiner took rank 3's number.
+  const auto grid = dp_pp(1, 2);
+  elastic_layout now;
+  now.positions = {0, 1};
+  now.spares = {2, 3};
+  now.generation = 1;
+  auto g = plan_grow(grid, 1, 4, now, 2);
+  REQUIRE(g);
+  CHECK(g->dp == 2);
+  CHECK(g->microbatches == 2);  // dp x microbatches stays 4
+  CHECK(g->next.generation == 2);
+  // Positions 0 (dp0 pp0) and 1 (dp0 pp1) keep their holders; 2 (dp1 pp0) and 3 (dp1 pp1) go to
+  // the spares, their state from the dp 0 holder of the same stage.
+  CHECK(g->next.positions == std::vector<int>{0, 1, 2, 3});
+  CHECK(g->next.spares.empty());
+  REQUIRE(g->moves.size() == 2);
+  CHECK(g->moves[0].position == 2);
+  CHECK(g->moves[0].spare == 2);
+  CHECK(g->moves[0].donor == 0);
+  CHECK(g->moves[1].position == 3);
+  CHECK(g->moves[1].spare == 3);
+  CHECK(g->moves[1].donor == 1);
+  // One idle rank is not a whole replica of two stages: no growth, saying why.
+  now.spares = {3};
+  auto none = plan_grow(grid, 1, 4, now, 2);
+  REQUIRE(!none);
+  CHECK(none.error_message().find("dp1 x pp2 cannot grow: 1 spare ranks") != std::string::npos);
+}
+
+TEST_CASE("Growing takes the largest dp that divides the micro-batch slots and the ranks fill",
+          "[elastic]") {
+  const auto grid = collective::rank_grid({{"dp", 2}, {"pp", 1}, {"tp", 1}});
+  elastic_layout now;
+  now.positions = {0, 1};
+  now.spares = {2, 3, 5};
+  // dp2 x 2 micro-batches: 4 slots; dp3 would split them unevenly, dp4 fits 5 ranks.
+  auto g = plan_grow(grid, 2, 2, now, 4);
+  REQUIRE(g);
+  CHECK(g->dp == 4);
+  CHECK(g->microbatches == 1);
+  CHECK(g->next.positions == std::vector<int>{0, 1, 2, 3});
+  CHECK(g->next.spares == std::vector<int>{5});
+  CHECK(g->moves[0].donor == 0);
+  CHECK(g->moves[1].donor == 0);
+  // Not beyond the plan it started with, nor to micro-batches the schedule cannot run.
+  CHECK(!plan_grow(grid, 2, 2, now, 2));
+  CHECK(!plan_grow(grid, 2, 2, now, 4, 2));  // dp4 x 1 micro-batch is not a multiple of 2
+}

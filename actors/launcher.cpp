@@ -71,6 +71,7 @@ struct child {
   stream out, err;
   bool running = true;
   int status = 0;
+  bool taken_over = false;  // it failed and a joiner took its rank's place
 };
 
 std::string resolve_program(const std::string& p) {
@@ -194,6 +195,16 @@ int launch(const launch_options& given) {
     TROUPE_CHECK(hosts->size() == 1 || !o.bind.empty(), "troupe launch: ", o.hostfile, " names ",
                  hosts->size(),
                  " hosts: give --bind with an address of this host the others reach");
+  }
+  if (o.join) {
+    // Joiners: processes that take lost ranks' places in a running job (the coordinator gives
+    // each its rank); no world, offsets or spares of their own.
+    TROUPE_CHECK(!o.coordinator.empty() && o.hostfile.empty(),
+                 "troupe launch: --join needs --coordinator HOST:PORT of the running job");
+    TROUPE_CHECK(o.rank_offset == 0 && o.world_size == 0 && o.spares == 0 && o.min_ranks == 0,
+                 "troupe launch: --join takes no --rank-offset, --world-size, --spares or "
+                 "--min-ranks: the coordinator gives each joiner a lost rank's place");
+    if (o.nprocs == 0) o.nprocs = 1;
   }
   TROUPE_CHECK(o.nprocs > 0, "troupe launch: -n must be positive (got ", o.nprocs, ")");
   TROUPE_CHECK(o.spares >= 0, "troupe launch: --spares must not be negative (got ", o.spares, ")");
@@ -353,7 +364,12 @@ int launch(const launch_options& given) {
       break;
     }
     std::vector<std::string> env = base_env;
-    env.push_back("TROUPE_RANK=" + std::to_string(c.rank));
+    if (o.join) {
+      c.rank = -1;  // given by the coordinator
+      env.push_back("TROUPE_JOIN=1");
+    } else {
+      env.push_back("TROUPE_RANK=" + std::to_string(c.rank));
+    }
     env.push_back("TROUPE_LOCAL_RANK=" + std::to_string(i));
     std::vector<char*> envp, argv;
     for (auto& s : env) envp.push_back(s.data());
@@ -448,7 +464,10 @@ int launch(const launch_options& given) {
     for (std::size_t i = 0; i + 1 < fds.size(); ++i) {
       if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       stream& s = *streams[i];
-      const std::string prefix = o.prefix ? "[rank " + std::to_string(owners[i]->rank) + "] " : "";
+      const std::string prefix = !o.prefix ? std::string()
+                                 : owners[i]->rank < 0
+                                     ? "[joiner " + std::to_string(owners[i]->local) + "] "
+                                     : "[rank " + std::to_string(owners[i]->rank) + "] ";
       const ssize_t got = ::read(s.fd, buf, sizeof buf);
       if (got > 0) {
         s.partial.append(buf, static_cast<std::size_t>(got));
@@ -498,6 +517,17 @@ int launch(const launch_options& given) {
         }
       }
     }
+    // A failed rank whose place a joiner took (troupe launch --join) is not the job's failure.
+    if (coord)
+      std::erase_if(failures, [&](int local) {
+        child& c = children[static_cast<std::size_t>(local)];
+        if (c.rank == 0 || !coord->taken_over(c.rank, static_cast<int>(c.pid))) return false;
+        c.taken_over = true;
+        if (!terminating)
+          say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) +
+              "): a joiner took its place; the job goes on");
+        return true;
+      });
     // Signals to the launcher go to every rank: SIGTERM first, SIGKILL on the second.
     if (g_signal != 0) {
       const int s = g_signal;
@@ -569,6 +599,9 @@ int launch(const launch_options& given) {
       report +=
           (report.empty() ? "" : "; ") + ("rank " + std::to_string(c.rank) + " was not started");
       ++bad;
+    } else if (failed(c.status) && c.taken_over) {
+      say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
+          describe_status(c.status) + "; a joiner took its place");
     } else if (failed(c.status)) {
       report += (report.empty() ? "" : "; ") +
                 ("rank " + std::to_string(c.rank) + " " + describe_status(c.status));
@@ -585,7 +618,7 @@ int launch(const launch_options& given) {
     return 0;
   }
   for (const auto& c : children)
-    if (c.pid <= 0 || failed(c.status))
+    if (c.pid <= 0 || (failed(c.status) && !c.taken_over))
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(c.rank);
   say(std::to_string(bad) + " of " + std::to_string(o.nprocs) + " ranks failed (" +
       (bad == 1 ? "rank " : "ranks ") + ranks + "): " + report);

@@ -7,6 +7,8 @@
 //              launch -n 2 --coordinator 10.0.0.1:29400 --rank-offset 2 --bind 10.0.0.2
 //                     --token-file F -- ...                                                   (host
 //                     B)
+//          or  launch --join --coordinator HOST:PORT --token-file F -- ...  (a joiner: takes a lost
+//              rank's place in the running job)
 //          or  launch --hostfile F --bind ADDR --token-file T -- ...  on every host ("host slots=N"
 //              lines; the first host runs the coordinator, each launcher finds its own line).
 // Each rank gets TROUPE_COORDINATOR, TROUPE_TOKEN, TROUPE_RANK, TROUPE_WORLD_SIZE,
@@ -32,7 +34,11 @@ struct launch_options {
   double heartbeat_timeout_s = 3.0;
   std::string coordinator;  // "host:port": join that coordinator instead of starting one
   int rank_offset = 0;      // the first rank started here
-  int world_size = 0;       // all ranks of the job (0: nprocs, or the hostfile's total)
+  // Joiners (--join, with `coordinator` and the token): nprocs (default 1) processes that each
+  // take a lost rank's place in the running job (TROUPE_JOIN=1 instead of TROUPE_RANK; the
+  // coordinator gives the rank); an elastic troupe train makes them spares. Prefixed "[joiner i]".
+  bool join = false;
+  int world_size = 0;  // all ranks of the job (0: nprocs, or the hostfile's total)
   std::string hostfile;
   int host_index = -1;     // this host's line in the hostfile (-1: found by name)
   std::string job;         // the job's name (default: program name + random suffix)

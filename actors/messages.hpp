@@ -29,7 +29,7 @@ using exited_atom = caf::atom_constant<caf::atom("exited")>;  // launcher: (rank
 // A rank asks to join: the token, who it is, where its node actor listens, its UCX address.
 struct join_request {
   std::string token;
-  std::int32_t rank = -1;
+  std::int32_t rank = -1;        // -1: a joiner (troupe launch --join), any lost rank's place
   std::int32_t world_size = -1;  // -1: unknown, learnt from the reply
   std::int32_t local_rank = 0;
   std::string host;
@@ -60,6 +60,7 @@ struct join_reply {
   // Why each rank is not in good standing ("" when it is): a rank that rejoins a running job
   // learns who is gone.
   std::vector<std::string> member_status;
+  std::int32_t rank = -1;  // the rank it joins as (a joiner learns its rank here)
 };
 
 // Once the world is known every rank makes its transport and sends its UCX worker address; the
@@ -195,7 +196,7 @@ typename Inspector::result_type inspect(Inspector& f, member_info& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, join_reply& x) {
   return f(caf::meta::type_name("troupe::join_reply"), x.accepted, x.reason, x.job, x.world_size,
-           x.heartbeat_interval_ms, x.heartbeat_timeout_ms, x.members, x.member_status);
+           x.heartbeat_interval_ms, x.heartbeat_timeout_ms, x.members, x.member_status, x.rank);
 }
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, address_request& x) {

@@ -673,7 +673,7 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
   I.rank = I.info.rank;
   I.local_rank = I.info.local_rank;
   I.coordinator_endpoint = I.info.coordinator;
-  const std::string me = "rank " + std::to_string(I.rank);
+  std::string me = I.rank < 0 ? std::string("a joiner") : "rank " + std::to_string(I.rank);
   try {
     const auto deadline = steady::now() + I.opts.join_timeout;
     auto remaining = [&] {
@@ -743,6 +743,14 @@ node::node(node_options options) : impl_(std::make_unique<impl>(*this)) {
     if (!rep.accepted)
       TROUPE_FAIL("coordinator ", I.info.coordinator, " refused to join: ", rep.reason);
 
+    // A joiner (troupe launch --join) learns the rank whose place it takes.
+    if (I.rank < 0) {
+      TROUPE_CHECK(rep.rank >= 0 && rep.rank < rep.world_size, "a joiner: coordinator ",
+                   I.info.coordinator, " gave rank ", rep.rank, " in a world of ", rep.world_size);
+      I.rank = rep.rank;
+      I.info.rank = rep.rank;
+      me = "rank " + std::to_string(I.rank) + " (a joiner)";
+    }
     I.world = rep.world_size;
     I.job_name = rep.job;
     I.heartbeat_interval_ms = rep.heartbeat_interval_ms;

@@ -18,6 +18,7 @@
 
 #include "actors/elastic.hpp"
 #include "actors/expert_group.hpp"
+#include "actors/joiners.hpp"
 #include "actors/rebindable_communicator.hpp"
 #include "collective/grid.hpp"
 #include "collective/p2p_communicator.hpp"
@@ -46,7 +47,16 @@ struct setup_request {
   // parallel.ep > 1: the expert-group actor of each rank (expert_group.hpp), by rank.
   std::vector<std::string> expert_names;
   std::vector<int> expert_channels;
-  auto fields() { return std::tie(config, positions, expert_names, expert_channels); }
+  // A joiner (troupe launch --join) set up in a running elastic job: the layout's spares and
+  // generation, and the steps committed when it arrived (>= 0; -1: set up with the job). The
+  // config is the current plan's (a shrunk dp and its micro-batches).
+  std::vector<int> spares;
+  std::int32_t generation = 0;
+  std::int64_t joined_at = -1;
+  auto fields() {
+    return std::tie(config, positions, expert_names, expert_channels, spares, generation,
+                    joined_at);
+  }
 };
 struct setup_reply {
   std::string line;       // "rank 1: dp 0 pp 1 tp 0, whole model, 1.2 M parameters"
@@ -119,9 +129,13 @@ struct shrink_request {
   // the whole state together from the shards of the last replicated step (a lost rank's from its
   // buddy holder), and each new position takes its new shard of it.
   std::vector<int> old_positions, lost;
+  // Growing back (plan_grow, ZeRO 0): the same request with a larger dp and fewer micro-batches;
+  // each new replica's position goes to a spare (a joiner, or a survivor a shrink left idle),
+  // which builds the piece and receives its state from the donor (the piece's dp 0 holder).
+  std::vector<int> move_position, move_spare, move_donor;
   auto fields() {
     return std::tie(generation, positions, spares, dp, microbatches, steps, optimizer_steps,
-                    old_positions, lost);
+                    old_positions, lost, move_position, move_spare, move_donor);
   }
 };
 // Elastic, no way on: the ranks of one whole surviving data-parallel replica save the last
@@ -410,12 +424,14 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
                plan.cp > 1 ? fmt::format("parallel.cp (--cp) {}", plan.cp)
                            : std::string("elastic runs (--elastic)"),
                ": expert parallelism does not compose with them yet");
-  TROUPE_CHECK(
-      plan.world_size() + spares == n.world_size(), "parallel.dp x parallel.pp x parallel.tp",
-      plan.cp > 1 ? " x parallel.cp" : "", " = ", plan.dp, " x ", plan.pp, " x ", plan.tp,
-      plan.cp > 1 ? fmt::format(" x {}", plan.cp) : std::string(), " = ", plan.world_size(),
-      spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
-      " but the job has ", n.world_size(), " ranks");
+  const bool joiner = r.joined_at >= 0;
+  TROUPE_CHECK(joiner || plan.world_size() + spares == n.world_size(),
+               "parallel.dp x parallel.pp x parallel.tp", plan.cp > 1 ? " x parallel.cp" : "",
+               " = ", plan.dp, " x ", plan.pp, " x ", plan.tp,
+               plan.cp > 1 ? fmt::format(" x {}", plan.cp) : std::string(), " = ",
+               plan.world_size(),
+               spares > 0 ? fmt::format(" plus elastic.spares {}", spares) : std::string(),
+               " but the job has ", n.world_size(), " ranks");
   TROUPE_CHECK(!st.post || !st.elastic,
                "elastic runs (elastic.enabled, elastic.spares) of post-training (troupe sft) are "
                "not supported yet");
@@ -428,9 +444,22 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
                  plan.world_size());
     st.layout.positions = r.positions;
   }
+  const int me = n.rank();
+  if (joiner) {
+    // Its number may still hold a position (the lost process's, until the recovery): not its own.
+    for (auto& p : st.layout.positions)
+      if (p == me) p = -1;
+    st.layout.spares = r.spares;
+    st.layout.generation = r.generation;
+  }
   if (!st.cfg.elastic_chaos_kill.empty())
     st.chaos = models::parse_chaos_kills(st.cfg.elastic_chaos_kill).value();
-  const int me = n.rank();
+  // A joiner holds the number of a lost rank: the drill's entries of steps up to the one it
+  // joined at (the one that ended that rank among them) are behind the job, not for it.
+  if (joiner)
+    std::erase_if(st.chaos, [&](const models::chaos_kill& k) {
+      return k.rank == me && k.step <= r.joined_at + 1;
+    });
   if (st.post)
     st.samples = st.post->make(st.cfg);
   else
@@ -439,13 +468,21 @@ setup_reply setup(role_context& ctx, const std::shared_ptr<trainer_state>& sp,
                   .value();
   if (st.elastic) {
     watch_losses(n, sp);
-    ctx.set_metric("elastic.generation", 0);
+    ctx.set_metric("elastic.generation", st.layout.generation);
   }
   const int position = st.layout.position_of(me);
-  if (position < 0) {
-    ctx.set_activity("spare: idle until a rank is lost");
+  if (position < 0 || joiner) {
+    ctx.set_activity(joiner ? fmt::format("spare (joined at step {}): idle until a rank is lost or "
+                                          "the run grows",
+                                          r.joined_at)
+                            : std::string("spare: idle until a rank is lost"));
     ctx.set_metric("elastic.spare", 1);
-    return {fmt::format("rank {}: spare (holds no piece; takes the place of a lost rank)", me), -1};
+    return {
+        joiner ? fmt::format("rank {}: a joiner, spare at generation {} (holds no piece; takes "
+                             "a lost rank's place or a new replica's)",
+                             me, r.generation)
+               : fmt::format("rank {}: spare (holds no piece; takes the place of a lost rank)", me),
+        -1};
   }
   if (static_cast<std::size_t>(me) < r.expert_names.size() &&
       static_cast<std::size_t>(me) < r.expert_channels.size())
@@ -951,24 +988,34 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
   if (position < 0) {
     st.hybrid.reset();
     st.broken.clear();
-    ctx.set_activity(fmt::format("spare: idle since the shrink to {} (generation {})",
+    const char* change = r.move_spare.empty() ? "shrink" : "growth";
+    ctx.set_activity(fmt::format("spare: idle since the {} to {} (generation {})", change,
                                  plan_text(*st.grid), r.generation));
     ctx.set_metric("elastic.spare", 1);
-    return {fmt::format("rank {}: spare since the shrink to {}", me, plan_text(*st.grid)),
+    return {fmt::format("rank {}: spare since the {} to {}", me, change, plan_text(*st.grid)),
             whole.bytes};
   }
-  TROUPE_CHECK(st.hybrid, ctx.name(), ": asked to hold a position of the shrunk plan, but it ",
-               "holds no piece (a spare): shrinking moves no state to spares");
-  ctx.set_activity(
-      fmt::format("shrinking to {} (generation {})", plan_text(*st.grid), r.generation));
+  const bool promoted =
+      std::find(r.move_spare.begin(), r.move_spare.end(), me) != r.move_spare.end();
+  TROUPE_CHECK(st.hybrid || promoted, ctx.name(), ": asked to hold a position of the plan ",
+               plan_text(*st.grid), ", but it holds no piece (a spare) and no rank sends it one");
+  ctx.set_activity(fmt::format("{} to {} (generation {})",
+                               r.move_spare.empty() ? "shrinking" : "growing", plan_text(*st.grid),
+                               r.generation));
   bind_comms(ctx, st, position, true);
   st.hybrid.reset();
   auto cfg = st.cfg;  // its weights are the old piece's: no checkpoint read
   cfg.resume.clear();
   cfg.model_hf.clear();
   st.hybrid = std::make_unique<mp::hybrid_trainer>(st.model, cfg, groups_of(st));
+  std::string what = reshard ? "its new shard of the whole state" : "its own state";
   if (reshard) {
     take_shard(st, whole, st.grid->coord(position, "dp"));
+  } else if (promoted) {
+    (void)st.hybrid->state();  // received below
+    set_mesh_of(ctx, st, position);
+    ctx.set_metric("elastic.spare", 0);
+    ctx.set_metric("parameters", static_cast<double>(st.hybrid->parameters()));
   } else {
     const auto s = st.hybrid->state();
     TROUPE_CHECK(s.params.numel() == mine.params.view().numel() &&
@@ -979,16 +1026,40 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
     ops::copy(mine.m.view(), s.m.reshape({s.m.numel()}));
     ops::copy(mine.v.view(), s.v.reshape({s.v.numel()}));
   }
+  // Growing: each new replica's state from its piece's dp 0 holder (ZeRO 0: the whole piece's
+  // parameters and AdamW moments, bitwise), as a recovery restores a spare.
+  std::int64_t bytes = whole.bytes;
+  for (std::size_t k = 0; k < r.move_spare.size(); ++k) {
+    const int donor = r.move_donor[k], spare = r.move_spare[k];
+    if (me != donor && me != spare) continue;
+    auto c = collective::make_communicator(
+        n.transport(), restore_group(r.move_position[k], donor, spare, r.generation),
+        "ucx:restore");
+    c->set_timeout(std::chrono::milliseconds(
+        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
+    const auto s = st.hybrid->state();
+    TROUPE_CHECK(s.whole_optimizer, ctx.name(),
+                 ": growing needs whole piece states (parallel.zero 0) on the replicas");
+    for (const tensor* t : {&s.params, &s.m, &s.v}) {
+      const auto count = static_cast<std::size_t>(t->numel());
+      if (me == donor)
+        c->send(t->data(), count, dtype::f32, 1).wait();
+      else
+        c->recv(t->data(), count, dtype::f32, 0).wait();
+      bytes += t->numel() * 4;
+    }
+    what = me == spare ? fmt::format("a new replica, its state from rank {}", donor)
+                       : fmt::format("its own state, sent to rank {}", spare);
+  }
   st.hybrid->set_progress(r.steps, r.optimizer_steps);
   st.broken.clear();
   set_mesh_of(ctx, st, position);
   ctx.set_activity("idle");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return {fmt::format("rank {}: {} {}, {} under {} at generation {} ({:.3f} s)", me,
-                      coordinates(*st.grid, position), st.hybrid->describe(),
-                      reshard ? "its new shard of the whole state" : "its own state",
+                      coordinates(*st.grid, position), st.hybrid->describe(), what,
                       plan_text(*st.grid), r.generation, secs),
-          whole.bytes};
+          bytes};
 }
 
 // The disk fallback on one rank (reload_request): the next generation's layout and communicators,
@@ -1175,6 +1246,9 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                cfg.plan.ep, " with parallel.cp (--cp) ", cfg.plan.cp, " and parallel.tp (--tp) ",
                cfg.plan.tp, ": expert parallelism runs with cp = tp = 1 so far");
   elastic_layout layout = elastic_layout::initial(positions, n.world_size());
+  // Joiners (troupe launch --join): heard of from the membership, admitted as spares.
+  std::optional<joiner_watch> joiners;
+  if (elastic) joiners.emplace(n);
   // The trainers holding the grid positions, in position order.
   auto active = [&] {
     std::vector<role_handle> out;
@@ -1183,7 +1257,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   };
   training_summary sum;
   setup_request setup{
-      models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}, {}, {}};
+      models::to_toml(cfg), elastic ? layout.positions : std::vector<int>{}, {}, {}, {}, 0, -1};
   // Expert parallelism: an expert-group actor beside each trainer, told its load every step.
   std::vector<role_handle> expert_groups;
   if (cfg.plan.ep > 1) expert_groups = j.spawn_on_all("expert-group");
@@ -1309,6 +1383,108 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
         secs));
     return from;
   };
+  // Joiners: each new process heard of gets a trainer, set up as a spare of the current layout
+  // and plan (`committed` steps done); returns how many were admitted. The arrival time of the
+  // last admitted one is kept for the growth's timing line.
+  std::optional<std::chrono::steady_clock::time_point> joiner_arrived;
+  int joined_rank = -1;
+  auto current_cfg = [&] {
+    auto c = cfg;
+    c.plan.dp = grid.degree("dp");
+    c.plan.microbatches = microbatches;
+    return c;
+  };
+  auto admit_joiners = [&](std::int64_t committed) -> int {
+    int admitted = 0;
+    for (const auto& a : joiners->take()) {
+      const int r = a.rank;
+      if (!n.lost_reason(r).empty() || r == n.rank() ||
+          std::find(layout.spares.begin(), layout.spares.end(), r) != layout.spares.end())
+        continue;
+      try {
+        auto h = j.spawn("trainer", r, {}, std::chrono::seconds(30));
+        setup_request js{models::to_toml(current_cfg()),
+                         layout.positions,
+                         {},
+                         {},
+                         layout.spares,
+                         static_cast<std::int32_t>(layout.generation),
+                         committed};
+        auto line = j.ask<setup_reply>(h, js, std::chrono::minutes(5)).line;
+        trainers[static_cast<std::size_t>(r)] = h;
+        layout.spares.push_back(r);
+        std::sort(layout.spares.begin(), layout.spares.end());
+        ++sum.joiners;
+        ++admitted;
+        joiner_arrived = a.at;
+        joined_rank = r;
+        say(
+            fmt::format("elastic: a joiner took rank {}'s place in the job after step {} and "
+                        "idles as a spare under {} at generation {} (membership epoch {}): {}",
+                        r, committed, plan_text(grid), layout.generation, n.epoch(), line));
+      } catch (const std::exception& e) {
+        say(
+            fmt::format("elastic: the joiner at rank {} could not be set up, the run goes on "
+                        "without it: {}",
+                        r, e.what()));
+      }
+    }
+    return admitted;
+  };
+  // Growing back at a step boundary (`done` steps committed, every rank there): with spares idle
+  // and dp below the plan's, the largest plan they fill (plan_grow), ZeRO 0 only. A failure
+  // during it ends the run (not recovered yet).
+  std::optional<std::string> grown_to;  // the first step after a growth says how long it took
+  auto grow = [&](std::int64_t done) {
+    if (layout.spares.empty() || grid.degree("dp") >= cfg.plan.dp || cfg.plan.zero != 0) return;
+    const int multiple =
+        cfg.plan.schedule == scheduler::schedule_kind::interleaved ? cfg.plan.pp : 1;
+    auto g = plan_grow(grid, grid.degree("dp"), microbatches, layout, cfg.plan.dp, multiple);
+    if (!g) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto status = j.ask<status_reply>(
+        trainers[static_cast<std::size_t>(layout.positions.front())], status_request{}, step_wait);
+    TROUPE_CHECK(status.steps == done, "elastic: growing after step ", done, ": rank ",
+                 layout.positions.front(), " holds step ", status.steps);
+    shrink_request req;
+    req.generation = g->next.generation;
+    req.positions = g->next.positions;
+    req.spares = g->next.spares;
+    req.dp = g->dp;
+    req.microbatches = g->microbatches;
+    req.steps = done;
+    req.optimizer_steps = status.optimizer_steps;
+    std::string moved;
+    const auto next_grid = with_dp(grid, g->dp);
+    for (const auto& m : g->moves) {
+      req.move_position.push_back(m.position);
+      req.move_spare.push_back(m.spare);
+      req.move_donor.push_back(m.donor);
+      moved += fmt::format("{}rank {} took {} (its state from rank {})", moved.empty() ? "" : ", ",
+                           m.spare, coordinates(next_grid, m.position), m.donor);
+    }
+    std::vector<role_handle> live;
+    for (int r : g->next.positions) live.push_back(trainers[static_cast<std::size_t>(r)]);
+    for (int r : g->next.spares) live.push_back(trainers[static_cast<std::size_t>(r)]);
+    const std::string before = plan_text(grid);
+    const int mb_before = microbatches;
+    layout = g->next;
+    grid = next_grid;
+    microbatches = g->microbatches;
+    replica_step = -1;  // the old grid's replicas are gone: made again before the next step
+    std::int64_t bytes = 0;
+    for (const auto& rr : j.ask_all<recover_reply>(live, req, step_wait))
+      bytes = std::max(bytes, rr.bytes);
+    ++sum.growths;
+    grown_to = plan_text(grid);
+    say(fmt::format(
+        "elastic: grew {} -> {} after step {}, micro-batches per replica (gradient accumulation) "
+        "{} -> {}, the global batch of {} samples kept, at generation {} (membership epoch {}); "
+        "{}; {:.2f} MB over UCX per rank at most; growing took {:.2f} s",
+        before, *grown_to, done, mb_before, microbatches, cfg.batch * cfg.grad_accum,
+        layout.generation, n.epoch(), moved, bytes / 1e6,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()));
+  };
   // The disk fallback's checkpoint: the last save of this run (its step, its folder), else the
   // folder it resumed from.
   std::optional<std::pair<std::int64_t, std::string>> on_disk;
@@ -1405,6 +1581,23 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
     auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
+    if (!plan && cfg.elastic_join_wait > 0) {
+      // elastic.join_wait: a joiner may still take the lost place before the run shrinks or ends.
+      say(
+          fmt::format("elastic: {} lost in step {} ({}); no spare left: waiting up to {:g} s for a "
+                      "joiner (troupe launch --join) to take its place (elastic.join_wait)",
+                      who, step + 1, phase, cfg.elastic_join_wait));
+      const auto deadline =
+          std::chrono::steady_clock::now() +
+          std::chrono::milliseconds(static_cast<std::int64_t>(cfg.elastic_join_wait * 1000.0));
+      while (!plan && joiners->wait_until(deadline)) {
+        admit_joiners(committed);
+        plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
+      }
+      if (!plan)
+        say(fmt::format("elastic: no joiner took the place within {:g} s (elastic.join_wait)",
+                        cfg.elastic_join_wait));
+    }
     std::string no_way = plan ? std::string() : plan.error_message();
     if (!plan && cfg.elastic_min_ranks > 0) {
       // elastic.min_ranks: no spare (or no copy) for a lost position - shrink onto the survivors.
@@ -1571,6 +1764,21 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     // survivor at step s + 1.
     // Buddy replicas may take every rank back to an earlier step: `at` is the steps done, the
     // steps from there to s run again (their results were reported already).
+    if (cfg.elastic_await_join == s + 1) {
+      // The drill (elastic.await_join): wait here for a joiner.
+      const double wait = cfg.elastic_join_wait > 0 ? cfg.elastic_join_wait : 120.0;
+      say(
+          fmt::format("elastic: waiting up to {:g} s for a joiner before step {} "
+                      "(elastic.await_join)",
+                      wait, s + 1));
+      TROUPE_CHECK(
+          joiners->wait_until(std::chrono::steady_clock::now() +
+                              std::chrono::milliseconds(static_cast<std::int64_t>(wait * 1000.0))),
+          "elastic.await_join (--await-join) ", cfg.elastic_await_join,
+          ": no joiner arrived within ", wait, " s");
+    }
+    // A step boundary: every rank holds step s. Joiners become spares; a shrunk run grows back.
+    if (admit_joiners(s) > 0 || !layout.spares.empty()) grow(s);
     std::int64_t at = s;
     if (replicas > 0 && replica_step < 0) at = replicate(s);  // the first: the starting state
     for (;;) {
@@ -1605,6 +1813,18 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
       at = done;
       if (ran != s || done != s + 1) continue;  // a step run again, or taken back
       auto result = report_of(ok);
+      if (grown_to && joiner_arrived) {
+        say(fmt::format(
+            "elastic: step {} completed on {} {:.2f} s after the joiner at rank {} "
+            "arrived",
+            s + 1, *grown_to,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - *joiner_arrived)
+                .count(),
+            joined_rank));
+        grown_to.reset();
+        joiner_arrived.reset();
+      }
+      grown_to.reset();
       if (failure_seen) {
         say(fmt::format(
             "elastic: step {} completed {:.2f} s after the failure was seen", s + 1,

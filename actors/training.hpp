@@ -71,6 +71,8 @@ struct training_summary {
   // whole model's, its peak host buffer bytes and its peak RSS (VmHWM).
   std::vector<std::string> memory;
   int recoveries = 0;  // elastic: lost ranks replaced
+  int joiners = 0;     // elastic: joiners (troupe launch --join) admitted as spares
+  int growths = 0;     // elastic: growths back to a larger plan
   // Elastic buddy replicas (elastic.replica_interval): rounds completed, the driver's seconds in
   // them (both phases, asked of every rank and answered), and the most bytes a rank sent in one.
   int replications = 0;

@@ -37,6 +37,10 @@ command_fn add_launch_command(CLI::App& app) {
       ->default_val(3.0);
   sub->add_option("--coordinator", o->coordinator,
                   "HOST:PORT of another launcher's coordinator: start ranks of that job here");
+  sub->add_flag("--join", o->join,
+                "Join the running job at --coordinator (with its --token or --token-file): each "
+                "process takes a lost rank's place; an elastic troupe train makes it a spare that "
+                "replaces a lost rank or lets a shrunk run grow back");
   sub->add_option("--rank-offset", o->rank_offset, "First rank started here (with --coordinator)");
   sub->add_option("--world-size", o->world_size,
                   "Ranks of the whole job when other hosts join (default: -n)");

@@ -417,6 +417,14 @@ command_fn add_train_command(CLI::App& app) {
       "Elastic: with no spare left, shrink onto the survivors (fewer data-parallel replicas, the "
       "global batch kept) down to this many ranks (0: the full plan, no shrinking; troupe launch "
       "--min-ranks M gives its M)");
+  bind<&train_config::elastic_join_wait>(
+      *c, sub, "--join-wait",
+      "Elastic: a rank lost with no spare left waits up to this many seconds for a joiner "
+      "(troupe launch --join) to take its place before shrinking or ending (0: no wait)");
+  bind<&train_config::elastic_await_join>(
+      *c, sub, "--await-join",
+      "Drill: before step STEP the driver waits until a joiner arrived (up to --join-wait "
+      "seconds, 120 when 0)");
   bind<&train_config::elastic_chaos_kill>(
       *c, sub, "--chaos-kill",
       "Drill: RANK:STEP:PHASE[,...] - that rank's process SIGKILLs itself as step STEP reaches "

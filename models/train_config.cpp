@@ -259,6 +259,8 @@ const std::map<std::string, setter>& setters() {
       {"elastic.replica_interval", set(&train_config::elastic_replica_interval)},
       {"elastic.chaos_kill", set(&train_config::elastic_chaos_kill)},
       {"elastic.min_ranks", set(&train_config::elastic_min_ranks)},
+      {"elastic.join_wait", set(&train_config::elastic_join_wait)},
+      {"elastic.await_join", set(&train_config::elastic_await_join)},
   };
   return s;
 }
@@ -447,6 +449,10 @@ void train_config::validate() const {
              " (one copy of the model: the plan's ranks over parallel.dp) to the plan's " +
              std::to_string(whole) + " ranks, got " + std::to_string(elastic_min_ranks));
   }
+  need(elastic_join_wait >= 0 && elastic_join_wait <= 1e6, "elastic.join_wait (--join-wait)",
+       "must be seconds in [0, 1e6] (0: no wait for a joiner)");
+  need(elastic_await_join >= 0, "elastic.await_join (--await-join)",
+       "must be a step (1-based) or 0 (no drill)");
   need(!elastic() || !tiers(), "elastic.*", "cannot be combined with memory.device (tiers)");
   // The plan, as far as it can be checked before the model and the world size are known.
   scheduler::model_shape shape;
@@ -582,6 +588,8 @@ std::string to_toml(const train_config& c) {
   elastic.insert("replica_interval", c.elastic_replica_interval);
   elastic.insert("chaos_kill", c.elastic_chaos_kill);
   elastic.insert("min_ranks", c.elastic_min_ranks);
+  elastic.insert("join_wait", c.elastic_join_wait);
+  elastic.insert("await_join", c.elastic_await_join);
   toml::array order;
   for (const auto& a : c.plan.order) order.push_back(a);
   par.insert("order", order);

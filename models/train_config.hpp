@@ -122,6 +122,14 @@ struct train_config {
   // job shrinks onto the survivors (fewer data-parallel replicas, more micro-batches each: the
   // global batch kept) as long as the new plan has at least M ranks; 0 (the default): the full
   // plan, no shrinking. Implies enabled.
+  // join_wait (--join-wait S): a rank lost with no spare left waits up to S seconds for a joiner
+  // (troupe launch --join) to take its place before shrinking or ending the run; 0: no wait.
+  // Joiners that arrive anyway become spares, and a shrunk run grows back to the larger plan at
+  // the next step boundary when enough ranks are idle (docs/adr/0005, section 11).
+  // await_join (--await-join STEP, a drill like chaos_kill): before step STEP (1-based) the
+  // driver waits until a joiner arrived (up to join_wait seconds, 120 when 0); 0: no drill.
+  double elastic_join_wait = 0;
+  int elastic_await_join = 0;
   bool elastic_enabled = false;
   int elastic_spares = 0;
   int elastic_replica_interval = 0;
@@ -129,7 +137,7 @@ struct train_config {
   int elastic_min_ranks = 0;
   bool elastic() const {
     return elastic_enabled || elastic_spares > 0 || elastic_replica_interval > 0 ||
-           elastic_min_ranks > 0;
+           elastic_min_ranks > 0 || elastic_join_wait > 0;
   }
 
   // Checks ranges and combinations; the message names the key as "section.key".
