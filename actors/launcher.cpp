@@ -74,6 +74,11 @@ struct child {
   bool taken_over = false;  // it failed and a joiner took its rank's place
 };
 
+// "rank 3", or "joiner 0" for a joiner (troupe launch --join) whose rank the coordinator gives.
+std::string name_of(const child& c) {
+  return c.rank < 0 ? "joiner " + std::to_string(c.local) : "rank " + std::to_string(c.rank);
+}
+
 std::string resolve_program(const std::string& p) {
   if (p.find('/') != std::string::npos) {
     TROUPE_CHECK(::access(p.c_str(), X_OK) == 0, "troupe launch: cannot run ", p, ": ",
@@ -508,8 +513,7 @@ int launch(const launch_options& given) {
               (was_driver && failures.size() <= static_cast<std::size_t>(tolerated_failures)))
             first_failure = steady::now();
           if (!terminating)
-            say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
-                describe_status(status) +
+            say(name_of(c) + " (pid " + std::to_string(c.pid) + ") " + describe_status(status) +
                 (tolerated
                      ? "; the job goes on (" + std::to_string(failures.size()) + " of " +
                            std::to_string(tolerated_failures) + " failures " + tolerated_by + ")"
@@ -549,8 +553,8 @@ int launch(const launch_options& given) {
       std::string running;
       for (const auto& c : children)
         if (c.pid > 0 && c.running)
-          running += (running.empty() ? "" : ", ") +
-                     ("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ")");
+          running +=
+              (running.empty() ? "" : ", ") + (name_of(c) + " (pid " + std::to_string(c.pid) + ")");
       if (!running.empty())
         say("still running " +
             std::to_string(
@@ -596,15 +600,13 @@ int launch(const launch_options& given) {
   int bad = 0;
   for (const auto& c : children) {
     if (c.pid <= 0) {
-      report +=
-          (report.empty() ? "" : "; ") + ("rank " + std::to_string(c.rank) + " was not started");
+      report += (report.empty() ? "" : "; ") + (name_of(c) + " was not started");
       ++bad;
     } else if (failed(c.status) && c.taken_over) {
       say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
           describe_status(c.status) + "; a joiner took its place");
     } else if (failed(c.status)) {
-      report += (report.empty() ? "" : "; ") +
-                ("rank " + std::to_string(c.rank) + " " + describe_status(c.status));
+      report += (report.empty() ? "" : "; ") + (name_of(c) + " " + describe_status(c.status));
       ++bad;
     }
   }
@@ -619,7 +621,7 @@ int launch(const launch_options& given) {
   }
   for (const auto& c : children)
     if (c.pid <= 0 || (failed(c.status) && !c.taken_over))
-      ranks += (ranks.empty() ? "" : ", ") + std::to_string(c.rank);
+      ranks += (ranks.empty() ? "" : ", ") + (c.rank < 0 ? name_of(c) : std::to_string(c.rank));
   say(std::to_string(bad) + " of " + std::to_string(o.nprocs) + " ranks failed (" +
       (bad == 1 ? "rank " : "ranks ") + ranks + "): " + report);
   return 1;

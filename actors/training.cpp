@@ -1540,10 +1540,13 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
     for (int r : lost)
       if (layout.position_of(r) >= 0) lost_positions.push_back(r);
     if (lost_positions.empty()) throw troupe::error(error);  // a failure that is not a loss
+    // Why each was lost, read now: a joiner in its number clears it in the membership.
+    std::map<int, std::string> reason;
+    for (int r : lost) reason[r] = n.lost_reason(r);
     std::string who;
     for (int r : lost_positions)
       who += fmt::format("{}rank {} ({}: {})", who.empty() ? "" : ", ", r,
-                         coordinates(grid, layout.position_of(r)), n.lost_reason(r));
+                         coordinates(grid, layout.position_of(r)), reason[r]);
     // A rank lost after `lost` was read (during the recovery: a rank and its buddy killed at once,
     // the second seen late) fails the recovery's requests: end naming every lost rank and why no
     // survivor holds a lost piece (both a rank and its buddy), not with the failed request.
@@ -1707,7 +1710,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
           "elastic: rank {} ({}) lost in step {} ({}: {}); rank {} took its place at generation "
           "{} (membership epoch {}), {} from rank {} ({}, {:.2f} MB over UCX); going on "
           "from step {}, {}; recovery took {:.2f} s",
-          m.lost, coordinates(grid, m.position), step + 1, phase, n.lost_reason(m.lost), m.spare,
+          m.lost, coordinates(grid, m.position), step + 1, phase, reason[m.lost], m.spare,
           layout.generation, n.epoch(),
           cfg.plan.zero == 0
               ? std::string("its state")
