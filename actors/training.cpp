@@ -1249,6 +1249,24 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   // Joiners (troupe launch --join): heard of from the membership, admitted as spares.
   std::optional<joiner_watch> joiners;
   if (elastic) joiners.emplace(n);
+  TROUPE_CHECK(elastic || o.policy_role.empty(), "drive_training: an elastic policy (",
+               o.policy_role, ") needs an elastic run (elastic.enabled)");
+  // A custom policy (drive_options::policy_role): its actor on this rank, asked at each event.
+  std::optional<role_handle> policy_actor;
+  if (!o.policy_role.empty()) policy_actor = j.spawn(o.policy_role, n.rank());
+  auto ask_policy = [&](elastic_event e) -> elastic_decision {
+    auto d = j.ask<elastic_decision>(*policy_actor, e, std::chrono::minutes(1));
+    TROUPE_CHECK((e.what == "lost" && (d.action == "wait" || d.action == "shrink" ||
+                                       d.action == "end" || d.action == "default")) ||
+                     (e.what == "joined" &&
+                      (d.action == "grow" || d.action == "stay" || d.action == "default")) ||
+                     e.what == "recovered",
+                 "elastic policy ", o.policy_role, ": '", d.action, "' is no decision for a '",
+                 e.what, "' event (actors/elastic_policy.hpp)");
+    TROUPE_CHECK(d.action != "wait" || (d.wait_s >= 0 && d.wait_s <= 1e6), "elastic policy ",
+                 o.policy_role, ": wait ", d.wait_s, " s is not a wait in [0, 1e6] s");
+    return d;
+  };
   // The trainers holding the grid positions, in position order.
   auto active = [&] {
     std::vector<role_handle> out;
@@ -1268,6 +1286,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   auto stop_all = [&] {
     for (const auto& t : trainers) j.stop(t);
     for (const auto& e : expert_groups) j.stop(e);
+    if (policy_actor) j.stop(*policy_actor);
   };
   auto lines = j.ask_all<setup_reply>(trainers, setup, std::chrono::minutes(5));
   for (auto& l : lines) sum.ranks.push_back(l.line);
@@ -1305,6 +1324,17 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   };
   auto say = [&](const std::string& line) {
     if (o.on_recovery) o.on_recovery(line);
+    // A done recovery, shrink or growth: the policy hears of it (its decision is not used).
+    if (policy_actor && (line.find("recovery took") != std::string::npos ||
+                         line.find("growing took") != std::string::npos)) {
+      elastic_event e;
+      e.what = "recovered";
+      e.ranks = layout.positions;
+      e.plan = plan_text(grid);
+      e.spares = static_cast<std::int32_t>(layout.spares.size());
+      e.detail = line;
+      (void)ask_policy(e);
+    }
     try {  // the job's event log (introspection); the recovery itself does not depend on it
       n.note_event("recovery", line);
     } catch (const std::exception& e) {
@@ -1435,6 +1465,7 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
   // and dp below the plan's, the largest plan they fill (plan_grow), ZeRO 0 only. A failure
   // during it ends the run (not recovered yet).
   std::optional<std::string> grown_to;  // the first step after a growth says how long it took
+  bool policy_stays = false;            // the policy said "stay" at the last joiner
   auto grow = [&](std::int64_t done) {
     if (layout.spares.empty() || grid.degree("dp") >= cfg.plan.dp || cfg.plan.zero != 0) return;
     const int multiple =
@@ -1584,7 +1615,37 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                    phase, "); ", survivors[i].name, " holds step ", status[i].steps,
                    " but the last committed step is ", committed);
     auto plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
-    if (!plan && cfg.elastic_join_wait > 0) {
+    bool shrink_ok = true;  // a policy may end the run instead
+    if (!plan && policy_actor) {
+      double waited = 0;  // in the waits the policy asked for
+      for (;;) {
+        elastic_event e;
+        e.what = "lost";
+        e.ranks = lost_positions;
+        e.step = committed;
+        e.plan = plan_text(grid);
+        e.spares = static_cast<std::int32_t>(layout.spares.size());
+        e.waited = waited;
+        const auto d = ask_policy(e);
+        if (d.action != "wait") {
+          shrink_ok = d.action != "end";
+          break;
+        }
+        say(
+            fmt::format("elastic: {} lost in step {} ({}); no spare left: the policy {} waits up "
+                        "to {:g} s for a joiner (troupe launch --join)",
+                        who, step + 1, phase, o.policy_role, d.wait_s));
+        const auto from = std::chrono::steady_clock::now();
+        const auto deadline =
+            from + std::chrono::milliseconds(static_cast<std::int64_t>(d.wait_s * 1e3));
+        while (!plan && joiners->wait_until(deadline)) {
+          admit_joiners(committed);
+          plan = plan_recovery(grid, layout, lost, cfg.plan.zero, replicas > 0);
+        }
+        waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+        if (plan) break;
+      }
+    } else if (!plan && cfg.elastic_join_wait > 0) {
       // elastic.join_wait: a joiner may still take the lost place before the run shrinks or ends.
       say(
           fmt::format("elastic: {} lost in step {} ({}); no spare left: waiting up to {:g} s for a "
@@ -1602,7 +1663,8 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
                         cfg.elastic_join_wait));
     }
     std::string no_way = plan ? std::string() : plan.error_message();
-    if (!plan && cfg.elastic_min_ranks > 0) {
+    if (!shrink_ok) no_way += fmt::format(" (the elastic policy {} ended the run)", o.policy_role);
+    if (!plan && cfg.elastic_min_ranks > 0 && shrink_ok) {
       // elastic.min_ranks: no spare (or no copy) for a lost position - shrink onto the survivors.
       // The interleaved schedule runs micro-batches in multiples of pp (scheduler::validate).
       const int multiple =
@@ -1781,7 +1843,19 @@ training_summary drive_training(node& n, const models::train_config& cfg, const 
           ": no joiner arrived within ", wait, " s");
     }
     // A step boundary: every rank holds step s. Joiners become spares; a shrunk run grows back.
-    if (admit_joiners(s) > 0 || !layout.spares.empty()) grow(s);
+    const int admitted = admit_joiners(s);
+    bool grow_now = admitted > 0 || !layout.spares.empty();
+    if (admitted > 0 && policy_actor) {
+      elastic_event e;
+      e.what = "joined";
+      e.ranks = {joined_rank};
+      e.step = s;
+      e.plan = plan_text(grid);
+      e.spares = static_cast<std::int32_t>(layout.spares.size());
+      grow_now = ask_policy(e).action != "stay";
+      policy_stays = !grow_now;
+    }
+    if (grow_now && !policy_stays) grow(s);
     std::int64_t at = s;
     if (replicas > 0 && replica_step < 0) at = replicate(s);  // the first: the starting state
     for (;;) {

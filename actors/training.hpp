@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "actors/elastic_policy.hpp"
 #include "actors/node.hpp"
 #include "actors/roles.hpp"
 #include "models/hf/config.hpp"
@@ -92,6 +93,9 @@ struct drive_options {
   // completes.
   std::function<void(const std::string& line)> on_recovery;
   std::chrono::milliseconds step_timeout{600000};
+  // Elastic runs: a role (registered on the driver's rank) whose actor decides at membership
+  // events (actors/elastic_policy.hpp); empty: the settings decide.
+  std::string policy_role;
 };
 
 // On the driver rank: spawns a trainer on every rank, sets them up with `cfg` (its plan's degrees

@@ -167,3 +167,68 @@ TEST_CASE(
       "spare, --min-ranks 2, a joiner before step 5 -> survived: %s\n",
       first_line_with(out, "elastic: grew ").c_str());
 }
+
+TEST_CASE("An elastic policy actor waits for a joiner, else has the run shrink",
+          "[multirank][faults]") {
+  // apps/examples/elastic_policy.cpp: the "wait-for-joiner" actor on rank 0 hears each
+  // membership event (actors/elastic_policy.hpp) and decides; the drill kills rank 3 before its
+  // forward pass of step 3 in a dp2 x pp2 run with no spare.
+  scratch_dir dir("elastic-policy");
+  auto job_argv = [&](const std::string& name, const std::string& wait) {
+    return std::vector<std::string>{troupe_bin,
+                                    "launch",
+                                    "-n",
+                                    "4",
+                                    "--min-ranks",
+                                    "2",
+                                    "--token",
+                                    "policy-token",
+                                    "--grace",
+                                    "240",
+                                    "--job",
+                                    "policy-" + name + "-" + std::to_string(::getpid()),
+                                    "--",
+                                    TROUPE_EXAMPLE_ELASTIC_POLICY_BIN,
+                                    "--steps",
+                                    "6",
+                                    "--wait",
+                                    wait,
+                                    "--chaos-kill",
+                                    "3:3:forward",
+                                    "--checkpoint-dir",
+                                    dir.path + "/" + name};
+  };
+  SECTION("no joiner comes: the policy has the run shrink") {
+    const auto out = run(job_argv("shrink", "0.2"), 0);
+    CHECK(out.find("policy: rank 3 lost after step 2 under dp2 x pp2, no spare: waiting up to "
+                   "0.2 s for a joiner") != std::string::npos);
+    CHECK(out.find("policy: no joiner came in 0.2 s: shrink dp2 x pp2 onto the survivors") !=
+          std::string::npos);
+    CHECK(out.find("no spare left: shrank dp2 x pp2 -> dp1 x pp2") != std::string::npos);
+    CHECK(out.find("policy: recovered: dp1 x pp2 on ranks 0, 1") != std::string::npos);
+    CHECK(out.find("1 recoveries, 0 joiners, 0 growths") != std::string::npos);
+    std::printf("faults: SIGKILL of rank 3, a policy waiting 0.2 s for a joiner -> survived: %s\n",
+                first_line_with(out, "policy: no joiner came").c_str());
+  }
+  SECTION("a joiner comes within the wait: it takes the lost place") {
+    const auto argv = job_argv("joined", "240");
+    child_process job(argv);
+    REQUIRE(job.wait_for_count("the policy wait-for-joiner waits up to 240 s", 1, 240s));
+    child_process joiner(joiner_argv(argv, coordinator_port_of(job), "policy-token"));
+    auto sj = joiner.wait(300s);
+    auto sl = job.wait(300s);
+    const std::string out = job.output();
+    INFO(out << "\njoiner:\n" << joiner.output());
+    REQUIRE(sj);
+    REQUIRE(sl);
+    CHECK(child_process::code(*sj) == 0);
+    CHECK(child_process::code(*sl) == 0);
+    CHECK(out.find("rank 3 took its place at generation 1") != std::string::npos);
+    CHECK(out.find("shrank") == std::string::npos);
+    CHECK(out.find("1 recoveries, 1 joiners, 0 growths") != std::string::npos);
+    std::printf(
+        "faults: SIGKILL of rank 3, a policy waiting for a joiner, one came -> "
+        "survived: %s\n",
+        first_line_with(out, "elastic: rank 3 (dp 1 pp 1 tp 0) lost in step 3").c_str());
+  }
+}
