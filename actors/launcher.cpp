@@ -529,7 +529,7 @@ int launch(const launch_options& given) {
         c.taken_over = true;
         if (!terminating)
           say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) +
-              "): a joiner took its place; the job goes on");
+              "): a new process (a joiner) took its place; the job goes on");
         return true;
       });
     // Signals to the launcher go to every rank: SIGTERM first, SIGKILL on the second.
@@ -604,7 +604,7 @@ int launch(const launch_options& given) {
       ++bad;
     } else if (failed(c.status) && c.taken_over) {
       say("rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
-          describe_status(c.status) + "; a joiner took its place");
+          describe_status(c.status) + "; a new process (a joiner) took its place");
     } else if (failed(c.status)) {
       report += (report.empty() ? "" : "; ") + (name_of(c) + " " + describe_status(c.status));
       ++bad;

@@ -114,10 +114,12 @@ TEST_CASE(
   CHECK(child_process::code(*sl) == 0);  // rank 3's process was killed; a joiner took its place
   CHECK(out.find("a joiner took rank 3's place in the job after step 2") != std::string::npos);
   CHECK(out.find("rank 3 took its place at generation 1") != std::string::npos);
-  // The reason of the loss, read before the joiner cleared it from the membership.
-  CHECK(out.find("before its commit: connection lost") != std::string::npos);
+  // The reason of the loss, read before the joiner cleared it from the membership (the
+  // coordinator hears of the loss from the dropped connection or from the launcher, first wins).
+  CHECK(std::regex_search(out, std::regex("before its commit: (connection lost|its process)")));
   CHECK(out.find("its state from rank 1 (a data-parallel replica") != std::string::npos);
-  CHECK(out.find("a joiner took its place") != std::string::npos);  // the launcher's line
+  CHECK(out.find("a new process (a joiner) took its place; the job goes on") !=
+        std::string::npos);  // the launcher's line
   CHECK(out.find("shrank") == std::string::npos);
   same_bits(dir.path, "joined", "clean");
   std::printf(
