@@ -68,6 +68,20 @@ TEST_CASE("A missing token or a bad rank is an error naming the variable") {
   CHECK(nothing.error_message().find("troupe launch") != std::string::npos);
 }
 
+TEST_CASE("A joiner's variables ask for any lost rank's place") {
+  // troupe launch --join: TROUPE_JOIN=1 instead of TROUPE_RANK; the coordinator gives the rank.
+  auto j = join_info_from_env(env_of(
+      {{"TROUPE_COORDINATOR", "127.0.0.1:4000"}, {"TROUPE_TOKEN", "t"}, {"TROUPE_JOIN", "1"}}));
+  REQUIRE(j);
+  CHECK(j->rank == -1);
+  CHECK(j->world_size == -1);
+  // Without TROUPE_JOIN=1 the rank is required.
+  auto none =
+      join_info_from_env(env_of({{"TROUPE_COORDINATOR", "127.0.0.1:4000"}, {"TROUPE_TOKEN", "t"}}));
+  REQUIRE(!none);
+  CHECK(none.error_message().find("TROUPE_RANK is not set") != std::string::npos);
+}
+
 TEST_CASE("A token file is read and trimmed") {
   char path[] = "/tmp/troupe-token-test-XXXXXX";
   const int fd = ::mkstemp(path);

@@ -234,6 +234,20 @@ TEST_CASE("The memory tiers take bf16 and data-parallel ZeRO ranks") {
   CHECK(zero3->plan.world_size() == 2);
 }
 
+TEST_CASE("The [elastic] table's joiner settings: a wait and the drill, checked and sent whole") {
+  auto c = parse_train_config("[elastic]\njoin_wait = 30\nawait_join = 5\n", "job.toml");
+  REQUIRE(c.has_value());
+  CHECK(c->elastic());  // a wait for joiners makes the run elastic
+  CHECK(c->elastic_join_wait == 30.0);
+  CHECK(c->elastic_await_join == 5);
+  CHECK(parse_train_config(to_toml(*c), "again").value() == *c);
+  auto neg = parse_train_config("[elastic]\njoin_wait = -1\n", "job.toml");
+  REQUIRE(!neg.has_value());
+  CHECK(neg.error_message().find("elastic.join_wait (--join-wait) must be seconds") !=
+        std::string::npos);
+  CHECK(!parse_train_config("[elastic]\nawait_join = -2\n", "job.toml").has_value());
+}
+
 TEST_CASE("The [elastic] table: spares, buddy replicas and the drill, checked and sent whole") {
   const train_config d;
   CHECK(!d.elastic());
