@@ -192,3 +192,31 @@ TEST_CASE("Context parallelism with tensor parallelism is refused naming paralle
   std::printf("faults: ring cp2 with tp2 -> refused: %s\n", said.c_str());
   CHECK_THAT(said, Catch::Contains("parallel.cp = 2 with parallel.tp = 2"));
 }
+
+TEST_CASE("A cp x pp plan whose train.seq exceeds the model's positions is refused naming max_seq",
+          "[parallel][cp][faults]") {
+  // Each stage is planned for seq / cp positions, which fit, but they are positions of the whole
+  // sequence: GPT-2's learned positions past n_positions fall outside wpe. cp_piece refuses this
+  // (context_parallel.cpp); the stages did not (seen: the first stage failed in step 1 in the
+  // embedding op, naming no setting, and under Ulysses its cp peer was left waiting in a recv).
+  auto gpt = std::get<hf::gpt2_config>(tiny_model(false));
+  gpt.n_positions = 8;
+  train_config c = tiny_run();
+  c.seq = 16;  // 8 per cp rank: the stage's plan fits max_seq 8
+  for (auto mode : {cp_mode_kind::ring, cp_mode_kind::ulysses}) {
+    scheduler::parallel_plan p = plan_of({mode, 1, 2, 2, one_f_one_b, false});
+    c.plan = p;
+    std::string said;
+    try {
+      t::run_plan(p, [&](int, const hybrid_groups& g) {
+        hybrid_trainer tr(hf::model_config(gpt), c, g);
+        tr.step(rows_of);
+      });
+    } catch (const std::exception& e) {
+      said = e.what();
+    }
+    std::printf("faults: %s cp2 x pp2 with train.seq 16 over n_positions 8 -> refused: %s\n",
+                std::string(scheduler::name(mode)).c_str(), said.c_str());
+    CHECK_THAT(said, Catch::Contains("train.seq = 16") && Catch::Contains("max_seq 8"));
+  }
+}

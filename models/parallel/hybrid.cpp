@@ -256,7 +256,12 @@ hybrid_trainer::hybrid_trainer(const hf::model_config& model, const train_config
         if (plan.pp > 1) {
           stage_options o = stage_options::of(plan, g.pp->rank(), shape);
           o.type = compute;
-          // Context parallelism inside the stages: each holds seq / cp positions of every sample.
+          // Context parallelism inside the stages: each holds seq / cp positions of every sample,
+          // positions of the whole sequence, so the whole must fit the model (as cp_piece checks).
+          TROUPE_CHECK(
+              plan.cp == 1 || dims.seq <= c.max_seq, "context parallelism (parallel.cp = ", plan.cp,
+              ") in pipeline stages: train.seq = ", dims.seq, " exceeds the model's max_seq ",
+              c.max_seq, " (each stage holds seq / cp positions of the whole sequence)");
           const batch_dims sd{dims.batch, plan.cp > 1 ? dims.seq / plan.cp : dims.seq};
           if constexpr (std::is_same_v<F, moe_family>)
             if (ep_pp) {
