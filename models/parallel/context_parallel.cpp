@@ -165,16 +165,23 @@ cp_piece::cp_piece(const hf::model_config& model, std::int64_t rows, std::int64_
                            [this](std::int64_t i) { return exchanges_.at(i).get(); });
     return m;
   });
-  pieces_ = sequence_pieces(seq, n, cp.rank(),
-                            ring ? sequence_layout::zigzag : sequence_layout::contiguous);
   inner_ = std::make_unique<model_producer>(*model_);
-  columns_ = std::make_unique<cp_columns>(seq, pieces_);
+  feed(*inner_, seq,
+       sequence_pieces(seq, n, cp.rank(),
+                       ring ? sequence_layout::zigzag : sequence_layout::contiguous));
 }
 
 cp_piece::~cp_piece() = default;
 
-double cp_piece::forward_backward(int microbatches,
-                                  const std::function<microbatch_data(int k)>& fetch) {
+void cp_columns_piece::feed(grad_producer& inner, std::int64_t seq,
+                            std::vector<sequence_piece> pieces) {
+  inner_ = &inner;
+  columns_ = std::make_unique<cp_columns>(seq, std::move(pieces));
+}
+
+double cp_columns_piece::forward_backward(int microbatches,
+                                          const std::function<microbatch_data(int k)>& fetch) {
+  TROUPE_CHECK(inner_ != nullptr, "context parallelism: a piece run before it was fed");
   return inner_->forward_backward(microbatches, [&](int k) { return (*columns_)(fetch(k), k); });
 }
 

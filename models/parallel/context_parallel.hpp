@@ -97,7 +97,44 @@ class cp_columns {
   std::vector<std::int32_t> ids_, targets_;
 };
 
-class cp_piece final : public grad_producer {
+// A grad_producer that runs an inner one on this rank's columns (cp_columns) of the engine's
+// whole-row microbatches and is the inner one otherwise: cp_piece's (a whole model) and
+// cp_pipeline_piece's (a pipeline stage's runner, context_pipeline.hpp).
+class cp_columns_piece : public grad_producer {
+ public:
+  // The runs of global positions this rank holds of each sample, in local order.
+  const std::vector<sequence_piece>& pieces() const { return columns_->pieces(); }
+
+  layer_memory& memory() override { return inner_->memory(); }
+  const slot_list& slots() const override { return inner_->slots(); }
+  // fetch(k) gives whole rows [rows, seq] (the engine's); the inner piece gets this rank's columns.
+  double forward_backward(int microbatches,
+                          const std::function<microbatch_data(int k)>& fetch) override;
+  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
+    return inner_->set_block_grads_hook(std::move(f));
+  }
+  bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) override {
+    return inner_->set_microbatch_grads_hook(std::move(f));
+  }
+  bool set_block_use_hook(block_use_hook f) override {
+    return inner_->set_block_use_hook(std::move(f));
+  }
+  collective::communicator* norm_group() override { return inner_->norm_group(); }
+  bool counts_in_norm(const tensor_slot& parameter) const override {
+    return inner_->counts_in_norm(parameter);
+  }
+
+ protected:
+  // The derived constructor's, once its inner piece exists (kept by reference: the derived class
+  // owns it): this rank's `pieces` of `seq` positions feed `inner`.
+  void feed(grad_producer& inner, std::int64_t seq, std::vector<sequence_piece> pieces);
+
+ private:
+  grad_producer* inner_ = nullptr;
+  std::unique_ptr<cp_columns> columns_;
+};
+
+class cp_piece final : public cp_columns_piece {
  public:
   // The model of `model` planned for [rows, seq / cp.size()] (dtype t; recompute: per block,
   // models/trunk.hpp), this rank's part of the sequence cp.rank(). Refused naming parallel.cp: an
@@ -113,23 +150,7 @@ class cp_piece final : public grad_producer {
 
   causal_lm& model() { return *model_; }
   std::int64_t local_seq() const { return local_seq_; }
-  // The runs of global positions this rank holds of each sample, in local order.
-  const std::vector<sequence_piece>& pieces() const { return pieces_; }
-
-  layer_memory& memory() override { return model_->memory(); }
-  const slot_list& slots() const override { return model_->slots(); }
-  // fetch(k) gives whole rows [rows, seq] (the engine's); see above for the weight and the loss.
-  double forward_backward(int microbatches,
-                          const std::function<microbatch_data(int k)>& fetch) override;
-  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
-    return inner_->set_block_grads_hook(std::move(f));
-  }
-  bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) override {
-    return inner_->set_microbatch_grads_hook(std::move(f));
-  }
-  bool set_block_use_hook(block_use_hook f) override {
-    return inner_->set_block_use_hook(std::move(f));
-  }
+  // pieces(), and forward_backward on them (see above for the weight and the loss): the base's.
 
  private:
   collective::communicator& cp_;
@@ -139,9 +160,7 @@ class cp_piece final : public grad_producer {
   std::vector<std::unique_ptr<ulysses_exchange>> exchanges_;
   std::unique_ptr<ring_context> ring_;  // ring mode
   owned_tensor positions_;              // ring mode: the global positions of the local tokens
-  std::vector<sequence_piece> pieces_;
   std::unique_ptr<model_producer> inner_;
-  std::unique_ptr<cp_columns> columns_;
 };
 
 }  // namespace troupe::models::parallel

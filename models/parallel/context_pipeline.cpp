@@ -19,9 +19,7 @@ sequence_layout layout_of(scheduler::cp_mode_kind mode) {
 cp_pipeline_piece::cp_pipeline_piece(std::unique_ptr<pipeline_runner> runner, pipeline_stage& stage,
                                      std::int64_t seq, collective::communicator& cp,
                                      scheduler::cp_mode_kind mode)
-    : runner_(std::move(runner)),
-      columns_(seq, sequence_pieces(seq, cp.size(), cp.rank(), layout_of(mode))),
-      pool_(std::make_shared<ulysses_pool>()) {
+    : runner_(std::move(runner)), pool_(std::make_shared<ulysses_pool>()) {
   const int n = cp.size();
   const bool ring = mode == scheduler::cp_mode_kind::ring;
   TROUPE_CHECK(n >= 1 && seq % (ring ? 2 * n : n) == 0, "context parallelism (",
@@ -53,13 +51,9 @@ cp_pipeline_piece::cp_pipeline_piece(std::unique_ptr<pipeline_runner> runner, pi
     };
   }
   stage.set_context(c);
+  feed(*runner_, seq, sequence_pieces(seq, n, cp.rank(), layout_of(mode)));
 }
 
 cp_pipeline_piece::~cp_pipeline_piece() = default;
-
-double cp_pipeline_piece::forward_backward(int microbatches,
-                                           const std::function<microbatch_data(int k)>& fetch) {
-  return runner_->forward_backward(microbatches, [&](int k) { return columns_(fetch(k), k); });
-}
 
 }  // namespace troupe::models::parallel

@@ -35,7 +35,7 @@
 
 namespace troupe::models::parallel {
 
-class cp_pipeline_piece final : public grad_producer {
+class cp_pipeline_piece final : public cp_columns_piece {
  public:
   // `stage` (unsharded, planned for [rows, seq / cp.size()]) run by `runner`; attaches the
   // context of `mode` over `cp` to the stage. Refused naming parallel.cp when cp does not divide
@@ -47,31 +47,10 @@ class cp_pipeline_piece final : public grad_producer {
   cp_pipeline_piece& operator=(const cp_pipeline_piece&) = delete;
 
   pipeline_runner& runner() { return *runner_; }
-  // The runs of global positions this rank holds of each sample, in local order.
-  const std::vector<sequence_piece>& pieces() const { return columns_.pieces(); }
-
-  layer_memory& memory() override { return runner_->memory(); }
-  const slot_list& slots() const override { return runner_->slots(); }
-  // fetch(k) gives whole rows [rows, seq] (the engine's); the runner gets this rank's columns.
-  double forward_backward(int microbatches,
-                          const std::function<microbatch_data(int k)>& fetch) override;
-  bool set_block_grads_hook(std::function<void(std::int64_t block)> f) override {
-    return runner_->set_block_grads_hook(std::move(f));
-  }
-  bool set_microbatch_grads_hook(std::function<void(int k, std::int64_t block)> f) override {
-    return runner_->set_microbatch_grads_hook(std::move(f));
-  }
-  bool set_block_use_hook(block_use_hook f) override {
-    return runner_->set_block_use_hook(std::move(f));
-  }
-  collective::communicator* norm_group() override { return runner_->norm_group(); }
-  bool counts_in_norm(const tensor_slot& parameter) const override {
-    return runner_->counts_in_norm(parameter);
-  }
+  // pieces(), forward_backward on this rank's columns and the rest from the runner: the base's.
 
  private:
   std::unique_ptr<pipeline_runner> runner_;
-  cp_columns columns_;
   std::shared_ptr<ulysses_pool> pool_;
   std::vector<std::unique_ptr<ulysses_exchange>> exchanges_;  // Ulysses: by global block
   std::unique_ptr<ring_context> ring_;                        // ring
