@@ -220,3 +220,83 @@ TEST_CASE("A cp x pp plan whose train.seq exceeds the model's positions is refus
     CHECK_THAT(said, Catch::Contains("train.seq = 16") && Catch::Contains("max_seq 8"));
   }
 }
+
+namespace {
+
+// Steps [first, last) of the single-process trainer, from its init or from checkpoint `from`
+// (then first is its step), saved into `dir`; params: the final weights.
+run_result single_span(bool llama, train_config c, int first, int last, const std::string& from,
+                       const std::string& dir) {
+  const auto model = tiny_model(llama);
+  c.resume = from;
+  run_result r;
+  auto m = make_causal_lm(model, {c.batch, c.seq});
+  m->init_weights(c.seed);
+  trainer tr(*m, c);
+  if (!from.empty()) REQUIRE(tr.resume(from, model).value() == first);
+  for (int s = first; s < last; ++s) r.steps.push_back(tr.step(rows_of));
+  tr.save(dir, model).value();
+  r.params = t::flat(m->memory().params());
+  return r;
+}
+
+// Steps [0 or the checkpoint's, last) under `plan`, from checkpoint `from` when given, saved into
+// `dir`; params: the saved weights read back in the single process's layout.
+run_result planned_span(bool llama, train_config c, const scheduler::parallel_plan& plan, int last,
+                        const std::string& from, const std::string& dir) {
+  c.plan = plan;
+  c.resume = from;
+  const auto model = tiny_model(llama);
+  std::vector<run_result> got(plan.world_size());
+  t::run_plan(plan, [&](int r, const hybrid_groups& g) {
+    hybrid_trainer tr(model, c, g);
+    got[r].described = tr.describe();
+    while (tr.steps_done() < last) got[r].steps.push_back(tr.step(rows_of));
+    tr.save(dir);
+  });
+  for (int r = 1; r < plan.world_size(); ++r)
+    for (std::size_t s = 0; s < got[0].steps.size(); ++s)
+      CHECK(got[r].steps[s].loss == got[0].steps[s].loss);
+  auto whole = make_whole_model(model, c.seq);
+  hf::load_weights(dir, model, whole->slots()).value();
+  got[0].params = t::flat(whole->memory().params());
+  return got[0];
+}
+
+}  // namespace
+
+TEST_CASE(
+    "A run saved under cp2 x pp2 continues in one process, and one process's under cp2 x pp2, "
+    "like the uninterrupted single process",
+    "[parallel][cp]") {
+  // The checkpoint holds the whole model's weights and AdamW moments (the stages' parts, each
+  // ZeRO 1 shard over the dp x cp ranks of a stage gathered); resuming scatters them back. Both
+  // halves joined must be as accurate as the uninterrupted single process by the f32 rule
+  // (exact_run.hpp); a moment lost, scattered to the wrong rank or read from a cp peer's shard is
+  // off by O(lr) in the weights.
+  const int half = 4;
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama-tiny" : "gpt2-demo"));
+    const train_config c = tiny_run();
+    const run_result ref = single(llama, c);
+    auto x64 = make_causal_lm(tiny_model(llama), {c.batch, c.seq}, dtype::f64);
+    x64->init_weights(c.seed);
+    const t::exact_run exact = t::exact_training(*x64, c, rows_of);
+    temp_dir tmp;
+    const std::string a = (tmp / "a").string(), b = (tmp / "b").string();
+    const std::string d = (tmp / "d").string(), e = (tmp / "e").string();
+    auto join = [](run_result first, const run_result& second) {
+      first.steps.insert(first.steps.end(), second.steps.begin(), second.steps.end());
+      first.params = second.params;
+      return first;
+    };
+    // Ring cp2 x pp2 with ZeRO 1 for the first half, the single process for the rest.
+    const auto ring = plan_of({cp_mode_kind::ring, 1, 2, 2, one_f_one_b, false, 1});
+    const run_result r1 = planned_span(llama, c, ring, half, "", a);
+    t::check_run_as_accurate(join(r1, single_span(llama, c, half, c.steps, a, b)), ref, exact);
+    // The single process for the first half, Ulysses cp2 x pp2 (interleaved, ZeRO 1) for the rest.
+    const auto ulysses = plan_of({cp_mode_kind::ulysses, 1, 2, 2, interleaved, false, 1});
+    const run_result s1 = single_span(llama, c, 0, half, "", d);
+    t::check_run_as_accurate(join(s1, planned_span(llama, c, ulysses, c.steps, d, e)), ref, exact);
+  }
+}
