@@ -3,7 +3,8 @@
 // without recompute, and under dp2 with ZeRO 0 and 2) train GPT-2 and grouped-query Llama as the
 // single-process trainer does at the same tokens per step, by the f32 rule (tests/rounding.hpp,
 // exact_run.hpp): the losses, gradient norms and final weights as accurate as the single process's
-// against its f64 twin.
+// against its f64 twin. Checkpoints saved under cp x pp continue in one process and the other way
+// round; a train.seq beyond the model's positions and cp with tp are refused by name.
 #include <catch2/catch.hpp>
 
 #include <array>
