@@ -166,12 +166,13 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "Ring cp2 x pp2 under 1F1B, interleaved and zero-bubble stages, and dp2 x cp2 x pp2 with "
-    "ZeRO 0 and 2, train like the single process for GPT-2 and grouped-query Llama",
+    "Ring cp2 x pp2 under 1F1B, interleaved and zero-bubble stages and with recompute, and dp2 x "
+    "cp2 x pp2 with ZeRO 0 and 2, train like the single process for GPT-2 and grouped-query Llama",
     "[parallel][cp]") {
   check_rows({{cp_mode_kind::ring, 1, 2, 2, one_f_one_b, false},
               {cp_mode_kind::ring, 1, 2, 2, interleaved, false},
               {cp_mode_kind::ring, 1, 2, 2, zero_bubble, false},
+              {cp_mode_kind::ring, 1, 2, 2, one_f_one_b, true},
               {cp_mode_kind::ring, 2, 2, 2, one_f_one_b, false},
               {cp_mode_kind::ring, 2, 2, 2, one_f_one_b, false, 2}});
 }
