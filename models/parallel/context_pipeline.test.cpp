@@ -75,18 +75,18 @@ run_result single(bool llama, const train_config& c) {
   return r;
 }
 
-// `c` under `plan` (every rank must report the same losses), the final weights read back from
-// the checkpoint it saves (the single process's layout).
-run_result planned(bool llama, train_config c, const scheduler::parallel_plan& plan) {
+// Steps [0 or the checkpoint's, last) under `plan`, from checkpoint `from` when given, saved into
+// `dir`; params: the saved weights read back in the single process's layout.
+run_result planned_span(bool llama, train_config c, const scheduler::parallel_plan& plan, int last,
+                        const std::string& from, const std::string& dir) {
   c.plan = plan;
+  c.resume = from;
   const auto model = tiny_model(llama);
-  temp_dir tmp;
-  const std::string dir = (tmp / "plan").string();
   std::vector<run_result> got(plan.world_size());
   t::run_plan(plan, [&](int r, const hybrid_groups& g) {
     hybrid_trainer tr(model, c, g);
     got[r].described = tr.describe();
-    while (tr.steps_done() < c.steps) got[r].steps.push_back(tr.step(rows_of));
+    while (tr.steps_done() < last) got[r].steps.push_back(tr.step(rows_of));
     tr.save(dir);
   });
   for (int r = 1; r < plan.world_size(); ++r)
@@ -96,6 +96,13 @@ run_result planned(bool llama, train_config c, const scheduler::parallel_plan& p
   hf::load_weights(dir, model, whole->slots()).value();
   got[0].params = t::flat(whole->memory().params());
   return got[0];
+}
+
+// `c` under `plan` from its init (every rank must report the same losses), the final weights read
+// back from the checkpoint it saves (the single process's layout).
+run_result planned(bool llama, const train_config& c, const scheduler::parallel_plan& plan) {
+  temp_dir tmp;
+  return planned_span(llama, c, plan, c.steps, "", (tmp / "plan").string());
 }
 
 struct plan_row {
@@ -240,29 +247,6 @@ run_result single_span(bool llama, train_config c, int first, int last, const st
   tr.save(dir, model).value();
   r.params = t::flat(m->memory().params());
   return r;
-}
-
-// Steps [0 or the checkpoint's, last) under `plan`, from checkpoint `from` when given, saved into
-// `dir`; params: the saved weights read back in the single process's layout.
-run_result planned_span(bool llama, train_config c, const scheduler::parallel_plan& plan, int last,
-                        const std::string& from, const std::string& dir) {
-  c.plan = plan;
-  c.resume = from;
-  const auto model = tiny_model(llama);
-  std::vector<run_result> got(plan.world_size());
-  t::run_plan(plan, [&](int r, const hybrid_groups& g) {
-    hybrid_trainer tr(model, c, g);
-    got[r].described = tr.describe();
-    while (tr.steps_done() < last) got[r].steps.push_back(tr.step(rows_of));
-    tr.save(dir);
-  });
-  for (int r = 1; r < plan.world_size(); ++r)
-    for (std::size_t s = 0; s < got[0].steps.size(); ++s)
-      CHECK(got[r].steps[s].loss == got[0].steps[s].loss);
-  auto whole = make_whole_model(model, c.seq);
-  hf::load_weights(dir, model, whole->slots()).value();
-  got[0].params = t::flat(whole->memory().params());
-  return got[0];
 }
 
 }  // namespace
