@@ -161,15 +161,16 @@ constexpr auto zero_bubble = scheduler::schedule_kind::zero_bubble;
 }  // namespace
 
 TEST_CASE(
-    "Ulysses cp2 x pp2 under 1F1B, interleaved and zero-bubble stages trains like the single "
-    "process for GPT-2 and grouped-query Llama",
+    "Ulysses cp2 x pp2 under 1F1B, interleaved and zero-bubble stages, and dp2 x cp2 x pp2 with "
+    "ZeRO 2, trains like the single process for GPT-2 and grouped-query Llama",
     "[parallel][cp]") {
   // zero-bubble: split backwards, the weight passes deferred (the exchanges' heads are read in
   // the input-gradient pass, before the stash may move them).
   check_rows({{cp_mode_kind::ulysses, 1, 2, 2, one_f_one_b, false},
               {cp_mode_kind::ulysses, 1, 2, 2, interleaved, false},
               {cp_mode_kind::ulysses, 1, 2, 2, one_f_one_b, true},
-              {cp_mode_kind::ulysses, 1, 2, 2, zero_bubble, false}});
+              {cp_mode_kind::ulysses, 1, 2, 2, zero_bubble, false},
+              {cp_mode_kind::ulysses, 2, 2, 2, one_f_one_b, false, 2}});
 }
 
 TEST_CASE(
