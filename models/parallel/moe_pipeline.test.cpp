@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -35,6 +36,7 @@
 #include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
+#include "tests/rounding.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -387,6 +389,98 @@ TEST_CASE("Expert parallel pipeline plans it cannot run are refused naming the s
       CHECK(message.find("parallel.ep (--ep) 2 with parallel.pp (--pp) 2") != std::string::npos);
       CHECK(message.find(b.names) != std::string::npos);
       std::printf("faults: MoE dp%d x ep2 x pp2 with %s -> refused: %s\n", b.dp, b.what, e.what());
+    }
+  }
+}
+
+// ---- bf16 and f16 ----------------------------------------------------------------------------
+
+namespace {
+
+// The single process computing in `half` (bf16 or f16, f32 master weights) with its checkpoint in
+// `dir`, and the exact (f64) twin from the same `half`-rounded starting weights (as
+// mixed_plans.test.cpp's rows).
+struct half_reference {
+  std::vector<step_result> steps;
+  exact_run exact;
+};
+
+half_reference single_half(const hf::model_config& model, const train_config& c, dtype half,
+                           const std::string& dir) {
+  half_reference r;
+  auto m = make_causal_lm(model, {c.batch, c.seq}, half);
+  m->init_weights(c.seed);
+  auto m64 = make_causal_lm(model, {c.batch, c.seq}, dtype::f64);
+  ops::copy(m->memory().params(), m64->memory().params());  // same slots, same layout
+  trainer t(*m, c);
+  for (int s = 0; s < c.steps; ++s) r.steps.push_back(t.step(synthetic_rows));
+  t.save(dir, model).value();
+  r.exact = exact_training(*m64, c, synthetic_rows);
+  return r;
+}
+
+// The f32 master weights of a checkpoint in the single process's flat layout.
+std::vector<float> saved_params(const hf::model_config& model, const train_config& c,
+                                const std::string& dir) {
+  auto whole = make_causal_lm(model, {c.batch, c.seq});
+  hf::load_weights(dir, model, whole->slots()).value();
+  return host_params(*whole);
+}
+
+}  // namespace
+
+// bf16 (and f16 with its loss scale) MoE pipeline stages: the boundary is a bf16 / f16 tensor whose
+// extra sample carries the router statistics as f64 bytes (moe_stage.hpp), and under f16 the
+// microbatch weight in the backward's extra sample includes the loss scale. The rule is
+// mixed_plans.test.cpp's bf16 rows': both 16-bit runs (the plan's, the single process's at the same
+// tokens per step) are judged against the f64 twin from the same rounded starting weights, each
+// step's loss and gradient norm within tests::default_k of the single process's own error (every
+// activation is rounded to 8 (bf16) or 11 (f16) bits in both runs: their errors are of one size),
+// the master weights all together within default_k. Statistics garbled by the 16-bit boundary (a
+// cast, or bytes read as numbers) or an aux gradient off by the loss scale moves every router by
+// O(1) of its gradient, far beyond a 16-bit rounding of it. The f16 runs start at a loss scale
+// their gradients fit (1024), so no step is skipped and the f64 twin steps every step.
+TEST_CASE("MoE pipeline stages in bf16 and f16 train as accurately as the single process",
+          "[parallel][moe]") {
+  auto interleaved = pipeline(1, 4);
+  interleaved.schedule = scheduler::schedule_kind::interleaved;
+  interleaved.virtual_stages = 2;
+  auto zero_bubble = pipeline(1, 4);
+  zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
+  for (const char* precision : {"bf16", "f16"}) {
+    train_config c = tiny_run(4);
+    c.precision = precision;
+    c.loss_scale = 1024;
+    const dtype half = c.precision == "f16" ? dtype::f16 : dtype::bf16;
+    temp_dir tmp;
+    const std::string ref_dir = (tmp / "single").string();
+    const auto ref = single_half(mixtral(), c, half, ref_dir);
+    const auto ref_params = saved_params(mixtral(), c, ref_dir);
+    for (const auto& plan : {pipeline(1, 4), interleaved, zero_bubble, pipeline(2, 2)}) {
+      INFO(precision << " mixtral " << scheduler::describe(plan));
+      const auto got = planned(mixtral(), c, plan);
+      std::vector<double> gl, rl, gn, rn;
+      for (int s = 0; s < c.steps; ++s) {
+        CHECK_FALSE(got.steps[s].skipped);
+        CHECK_FALSE(ref.steps[s].skipped);
+        gl.push_back(got.steps[s].loss);
+        rl.push_back(ref.steps[s].loss);
+        gn.push_back(got.steps[s].grad_norm);
+        rn.push_back(ref.steps[s].grad_norm);
+      }
+      const auto losses = tests::as_accurate_as(gl, rl, ref.exact.loss, tests::default_k);
+      const auto norms = tests::as_accurate_as(gn, rn, ref.exact.grad_norm, tests::default_k);
+      const auto weights = tests::as_accurate_as(got.params, ref_params, ref.exact.params);
+      INFO("losses: " << losses.str());
+      INFO("gradient norms: " << norms.str());
+      INFO("master weights: " << weights.str());
+      CHECK(losses.ok());
+      CHECK(norms.ok());
+      CHECK(weights.ok());
+      if (std::getenv("TROUPE_ROUNDING_REPORT") != nullptr)
+        std::printf("%s MoE %s ratios: losses %.3g, norms %.3g, weights %.3g\n", precision,
+                    scheduler::describe(plan).c_str(), losses.ratio(), norms.ratio(),
+                    weights.ratio());
     }
   }
 }
