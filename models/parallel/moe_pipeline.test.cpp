@@ -13,6 +13,7 @@
 // term is ~0.02 of the loss and reaches every router's gradient).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -494,4 +495,38 @@ TEST_CASE("MoE pipeline stages in bf16 and f16 train as accurately as the single
                     weights.ratio());
     }
   }
+}
+
+// hybrid_trainer::gather_parameters (what an RL trainer under a plan sends its rollout actors)
+// under dp2 x ep2 x pp2: each dp rank holds half of every stage's experts, so the whole model is
+// summed over dp as well as over the stages, as save() does. The gathered f32 parameters are the
+// saved checkpoint's bit for bit (both copy the same master weights; the sums add zeros).
+TEST_CASE("An expert parallel pipeline gathers the parameters it saves", "[parallel][moe]") {
+  auto plan = pipeline(2, 2);
+  plan.ep = 2;
+  const auto model = mixtral();
+  train_config c = tiny_run(4);
+  c.steps = 2;
+  c.plan = plan;
+  const std::int64_t numel = make_causal_lm(model, {c.batch, c.seq})->memory().params().numel();
+  temp_dir tmp;
+  std::vector<std::vector<float>> got(plan.world_size(),
+                                      std::vector<float>(static_cast<std::size_t>(numel), -1.0f));
+  std::vector<int> wrote(plan.world_size(), 0);
+  run_ep_plan(plan, [&](int r, const hybrid_groups& g) {
+    hybrid_trainer t(model, c, g);
+    for (int s = 0; s < c.steps; ++s) t.step(synthetic_rows);
+    auto& to = got[static_cast<std::size_t>(r)];
+    wrote[r] = t.gather_parameters(tensor(to.data(), to.size() * 4, dtype::f32, {numel})) ? 1 : 0;
+    t.save(tmp.path());
+  });
+  auto whole = make_causal_lm(model, {c.batch, c.seq});
+  hf::load_weights(tmp.path(), model, whole->slots()).value();
+  const auto saved = host_params(*whole);
+  REQUIRE(std::count(wrote.begin(), wrote.end(), 1) == 1);
+  const auto& gathered =
+      got[static_cast<std::size_t>(std::find(wrote.begin(), wrote.end(), 1) - wrote.begin())];
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < saved.size(); ++i) differ += gathered[i] != saved[i] ? 1 : 0;
+  CHECK(differ == 0);
 }
