@@ -238,14 +238,19 @@ TEST_CASE("MoE pipeline stages train like the single process with the router aux
 // dp rank 0, 2-3 on dp rank 1), rows exchanged over the stage's ep group in every microbatch's
 // forward and backward, the expert gradients complete on their holder (not reduced), the rest
 // reduced over dp. dp4 x ep2 x pp2 (8 ranks): two ep groups per stage, each expert on two dp ranks
-// and its gradient reduced over those (the edp group). The same tokens per step and the same rule
-// as above.
+// and its gradient reduced over those (the edp group). dp2 x ep2 x pp2 also with zero bubble (the
+// experts' weight passes after the exchanges) and full recompute (the exchange run again before
+// each backward). The same tokens per step and the same rule as above.
 TEST_CASE("Expert parallel pipeline stages train like the single process", "[parallel][moe]") {
   auto interleaved = pipeline(2, 2);
   interleaved.schedule = scheduler::schedule_kind::interleaved;
   interleaved.virtual_stages = 2;
+  auto zero_bubble = pipeline(2, 2);
+  zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
+  auto recompute = pipeline(2, 2);
+  recompute.recompute = scheduler::recompute_policy::full;
   for (bool qwen : {false, true})
-    for (auto plan : {pipeline(2, 2), interleaved, pipeline(4, 2)}) {
+    for (auto plan : {pipeline(2, 2), interleaved, pipeline(4, 2), zero_bubble, recompute}) {
       if (qwen && plan.virtual_stages > 1) continue;
       plan.ep = 2;
       const auto model = qwen ? qwen2_moe() : mixtral();
