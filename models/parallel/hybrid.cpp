@@ -567,7 +567,8 @@ bool hybrid_trainer::gather_parameters(const tensor& to) {
     failed = std::current_exception();
   }
   agree_on_failure(failed, gather, parts, "hybrid_trainer::gather_parameters");
-  if (gather.rank() != 0) return false;  // dp rank 0's replica gathers
+  // dp rank 0's replica gathers; under ep x pp every dp rank (its own experts), as save() does.
+  if (gather.rank() != 0 && !I.ep_pp) return false;
   std::int64_t widest = 0;
   for (const auto& p : wl.params) widest = std::max(widest, p.numel());
   owned_tensor scratch = empty({widest});
@@ -575,11 +576,12 @@ bool hybrid_trainer::gather_parameters(const tensor& to) {
     const tensor full = scratch.view().narrow(0, 0, p.numel()).reshape(p.sizes);
     ops::fill(full, 0.0);
     gather_param(I.layout, I.layout.base, p.name, full);
-    if (parts.size() > 1) {
-      collective::options o;
-      o.op = collective::reduce_op::sum;
-      parts.allreduce(full.data(), static_cast<std::size_t>(p.numel()), full.type(), o).wait();
-    }
+    for (auto* group : {&parts, I.ep_pp ? &gather : nullptr})
+      if (group != nullptr && group->size() > 1) {
+        collective::options o;
+        o.op = collective::reduce_op::sum;
+        group->allreduce(full.data(), static_cast<std::size_t>(p.numel()), full.type(), o).wait();
+      }
     if (writer)
       ops::copy(full, to.reshape({wl.numel}).narrow(0, p.offset, p.numel()).reshape(p.sizes));
   }

@@ -116,8 +116,9 @@ class hybrid_trainer {
   // Collective over every rank of the job: the whole model's f32 parameters (laid out like
   // whole(): the single-process model's params()) into `to` on the rank that is rank 0 of its dp
   // and mp groups, which returns true; elsewhere `to` is not touched (it may be undefined). One
-  // parameter at a time, summed over mp from the parts the ranks own (as save() gathers the
-  // weights); an RL trainer under a plan sends them to its rollout actors.
+  // parameter at a time, summed over mp (and over dp under ep x pp, where each dp rank holds
+  // other experts) from the parts the ranks own (as save() gathers the weights); an RL trainer
+  // under a plan sends them to its rollout actors.
   bool gather_parameters(const tensor& to);
 
   // AdamW's moments in the whole layout (the single-process trainer's flat m and v, laid out like

@@ -13,7 +13,9 @@
 // term is ~0.02 of the loss and reaches every router's gradient).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -35,6 +37,7 @@
 #include "models/parallel/testing.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
+#include "tests/rounding.hpp"
 
 using namespace troupe;
 using namespace troupe::models;
@@ -235,14 +238,19 @@ TEST_CASE("MoE pipeline stages train like the single process with the router aux
 // dp rank 0, 2-3 on dp rank 1), rows exchanged over the stage's ep group in every microbatch's
 // forward and backward, the expert gradients complete on their holder (not reduced), the rest
 // reduced over dp. dp4 x ep2 x pp2 (8 ranks): two ep groups per stage, each expert on two dp ranks
-// and its gradient reduced over those (the edp group). The same tokens per step and the same rule
-// as above.
+// and its gradient reduced over those (the edp group). dp2 x ep2 x pp2 also with zero bubble (the
+// experts' weight passes after the exchanges) and full recompute (the exchange run again before
+// each backward). The same tokens per step and the same rule as above.
 TEST_CASE("Expert parallel pipeline stages train like the single process", "[parallel][moe]") {
   auto interleaved = pipeline(2, 2);
   interleaved.schedule = scheduler::schedule_kind::interleaved;
   interleaved.virtual_stages = 2;
+  auto zero_bubble = pipeline(2, 2);
+  zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
+  auto recompute = pipeline(2, 2);
+  recompute.recompute = scheduler::recompute_policy::full;
   for (bool qwen : {false, true})
-    for (auto plan : {pipeline(2, 2), interleaved, pipeline(4, 2)}) {
+    for (auto plan : {pipeline(2, 2), interleaved, pipeline(4, 2), zero_bubble, recompute}) {
       if (qwen && plan.virtual_stages > 1) continue;
       plan.ep = 2;
       const auto model = qwen ? qwen2_moe() : mixtral();
@@ -388,5 +396,188 @@ TEST_CASE("Expert parallel pipeline plans it cannot run are refused naming the s
       CHECK(message.find(b.names) != std::string::npos);
       std::printf("faults: MoE dp%d x ep2 x pp2 with %s -> refused: %s\n", b.dp, b.what, e.what());
     }
+  }
+}
+
+// ---- bf16 and f16 ----------------------------------------------------------------------------
+
+namespace {
+
+// The single process computing in `half` (bf16 or f16, f32 master weights) with its checkpoint in
+// `dir`, and the exact (f64) twin from the same `half`-rounded starting weights (as
+// mixed_plans.test.cpp's rows).
+struct half_reference {
+  std::vector<step_result> steps;
+  exact_run exact;
+};
+
+half_reference single_half(const hf::model_config& model, const train_config& c, dtype half,
+                           const std::string& dir) {
+  half_reference r;
+  auto m = make_causal_lm(model, {c.batch, c.seq}, half);
+  m->init_weights(c.seed);
+  auto m64 = make_causal_lm(model, {c.batch, c.seq}, dtype::f64);
+  ops::copy(m->memory().params(), m64->memory().params());  // same slots, same layout
+  trainer t(*m, c);
+  for (int s = 0; s < c.steps; ++s) r.steps.push_back(t.step(synthetic_rows));
+  t.save(dir, model).value();
+  r.exact = exact_training(*m64, c, synthetic_rows);
+  return r;
+}
+
+// The f32 master weights of a checkpoint in the single process's flat layout.
+std::vector<float> saved_params(const hf::model_config& model, const train_config& c,
+                                const std::string& dir) {
+  auto whole = make_causal_lm(model, {c.batch, c.seq});
+  hf::load_weights(dir, model, whole->slots()).value();
+  return host_params(*whole);
+}
+
+// Mixtral-tiny with the aux loss's coefficient 0.5 instead of 0.01: at 0.01 the aux term is ~0.02
+// of the loss and its gradient below what bf16 rounding of 4 steps shows (dropping it altogether
+// was measured at 3.7 times the single process's error, inside default_k); at 0.5 a lost or
+// mis-scaled aux gradient is far outside it.
+hf::model_config loud_aux() {
+  hf::moe_config m = std::get<hf::moe_config>(mixtral());
+  m.router_aux_loss_coef = 0.5;
+  return hf::model_config(m);
+}
+
+}  // namespace
+
+// bf16 (and f16 with its loss scale) MoE pipeline stages: the boundary is a bf16 / f16 tensor whose
+// extra sample carries the router statistics as f64 bytes (moe_stage.hpp), and under f16 the
+// microbatch weight in the backward's extra sample includes the loss scale. The rule is
+// mixed_plans.test.cpp's bf16 rows': both 16-bit runs (the plan's, the single process's at the same
+// tokens per step) are judged against the f64 twin from the same rounded starting weights, each
+// step's loss and gradient norm within tests::default_k of the single process's own error (every
+// activation is rounded to 8 (bf16) or 11 (f16) bits in both runs: their errors are of one size),
+// the master weights all together within default_k. Statistics garbled by the 16-bit boundary (a
+// cast, or bytes read as numbers) or an aux gradient off by the loss scale moves every router by
+// O(1) of its gradient, far beyond a 16-bit rounding of it. The f16 runs start at a loss scale
+// their gradients fit (1024), so no step is skipped and the f64 twin steps every step.
+TEST_CASE("MoE pipeline stages in bf16 and f16 train as accurately as the single process",
+          "[parallel][moe]") {
+  auto interleaved = pipeline(1, 4);
+  interleaved.schedule = scheduler::schedule_kind::interleaved;
+  interleaved.virtual_stages = 2;
+  auto zero_bubble = pipeline(1, 4);
+  zero_bubble.schedule = scheduler::schedule_kind::zero_bubble;
+  for (const char* precision : {"bf16", "f16"}) {
+    train_config c = tiny_run(4);
+    c.precision = precision;
+    c.loss_scale = 1024;
+    const dtype half = c.precision == "f16" ? dtype::f16 : dtype::bf16;
+    temp_dir tmp;
+    const std::string ref_dir = (tmp / "single").string();
+    const auto model = loud_aux();
+    const auto ref = single_half(model, c, half, ref_dir);
+    const auto ref_params = saved_params(model, c, ref_dir);
+    for (const auto& plan : {pipeline(1, 4), interleaved, zero_bubble, pipeline(2, 2)}) {
+      INFO(precision << " mixtral " << scheduler::describe(plan));
+      const auto got = planned(model, c, plan);
+      std::vector<double> gl, rl, gn, rn;
+      for (int s = 0; s < c.steps; ++s) {
+        CHECK_FALSE(got.steps[s].skipped);
+        CHECK_FALSE(ref.steps[s].skipped);
+        gl.push_back(got.steps[s].loss);
+        rl.push_back(ref.steps[s].loss);
+        gn.push_back(got.steps[s].grad_norm);
+        rn.push_back(ref.steps[s].grad_norm);
+      }
+      const auto losses = tests::as_accurate_as(gl, rl, ref.exact.loss, tests::default_k);
+      const auto norms = tests::as_accurate_as(gn, rn, ref.exact.grad_norm, tests::default_k);
+      const auto weights = tests::as_accurate_as(got.params, ref_params, ref.exact.params);
+      INFO("losses: " << losses.str());
+      INFO("gradient norms: " << norms.str());
+      INFO("master weights: " << weights.str());
+      CHECK(losses.ok());
+      CHECK(norms.ok());
+      CHECK(weights.ok());
+      if (std::getenv("TROUPE_ROUNDING_REPORT") != nullptr)
+        std::printf("%s MoE %s ratios: losses %.3g, norms %.3g, weights %.3g\n", precision,
+                    scheduler::describe(plan).c_str(), losses.ratio(), norms.ratio(),
+                    weights.ratio());
+    }
+  }
+}
+
+// hybrid_trainer::gather_parameters (what an RL trainer under a plan sends its rollout actors)
+// under dp2 x ep2 x pp2: each dp rank holds half of every stage's experts, so the whole model is
+// summed over dp as well as over the stages, as save() does. The gathered f32 parameters are the
+// saved checkpoint's bit for bit (both copy the same master weights; the sums add zeros).
+TEST_CASE("An expert parallel pipeline gathers the parameters it saves", "[parallel][moe]") {
+  auto plan = pipeline(2, 2);
+  plan.ep = 2;
+  const auto model = mixtral();
+  train_config c = tiny_run(4);
+  c.steps = 2;
+  c.plan = plan;
+  const std::int64_t numel = make_causal_lm(model, {c.batch, c.seq})->memory().params().numel();
+  temp_dir tmp;
+  std::vector<std::vector<float>> got(plan.world_size(),
+                                      std::vector<float>(static_cast<std::size_t>(numel), -1.0f));
+  std::vector<int> wrote(plan.world_size(), 0);
+  run_ep_plan(plan, [&](int r, const hybrid_groups& g) {
+    hybrid_trainer t(model, c, g);
+    for (int s = 0; s < c.steps; ++s) t.step(synthetic_rows);
+    auto& to = got[static_cast<std::size_t>(r)];
+    wrote[r] = t.gather_parameters(tensor(to.data(), to.size() * 4, dtype::f32, {numel})) ? 1 : 0;
+    t.save(tmp.path());
+  });
+  const auto saved = saved_params(model, c, tmp.path().string());
+  REQUIRE(std::count(wrote.begin(), wrote.end(), 1) == 1);
+  const auto& gathered =
+      got[static_cast<std::size_t>(std::find(wrote.begin(), wrote.end(), 1) - wrote.begin())];
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < saved.size(); ++i) differ += gathered[i] != saved[i] ? 1 : 0;
+  CHECK(differ == 0);
+}
+
+// Checkpoints of dp2 x ep2 x pp2 (each dp rank writes its own experts' weights and moments) after 2
+// of 4 steps resume in the single process and under dp2 x ep2 x pp2, and the last 2 steps and the
+// final weights are the uninterrupted single process's by the f32 rule above. A checkpoint missing
+// an expert's moments (or resumed into the wrong experts) restarts AdamW there: off by ~lr.
+TEST_CASE("Expert parallel pipeline checkpoints resume in one process and under the plan",
+          "[parallel][moe]") {
+  auto plan = pipeline(2, 2);
+  plan.ep = 2;
+  const auto model = mixtral();
+  const train_config c = tiny_run(4);
+  const auto ref = single_process(model, c);
+  temp_dir tmp;
+  const std::string half = (tmp / "half").string();
+  train_config pc = c;
+  pc.plan = plan;
+  run_ep_plan(plan, [&](int, const hybrid_groups& g) {
+    hybrid_trainer t(model, pc, g);
+    for (int s = 0; s < 2; ++s) t.step(synthetic_rows);
+    t.save(half);
+  });
+  run_result want{{ref.f32.steps.begin() + 2, ref.f32.steps.end()}, ref.f32.params};
+  exact_run x = ref.exact;
+  x.loss.erase(x.loss.begin(), x.loss.begin() + 2);
+  x.grad_norm.erase(x.grad_norm.begin(), x.grad_norm.begin() + 2);
+  SECTION("in one process") {
+    auto m = make_causal_lm(model, {c.batch, c.seq});
+    trainer t(*m, c);
+    REQUIRE(t.resume(half, model).value() == 2);
+    run_result got;
+    for (int s = 2; s < c.steps; ++s) got.steps.push_back(t.step(synthetic_rows));
+    got.params = host_params(*m);
+    check_run_as_accurate(got, want, x);
+  }
+  SECTION("under dp2 x ep2 x pp2") {
+    train_config rest = pc;
+    rest.resume = half;
+    const std::string dir = (tmp / "rest").string();
+    std::vector<std::vector<step_result>> steps(plan.world_size());
+    run_ep_plan(plan, [&](int r, const hybrid_groups& g) {
+      hybrid_trainer t(model, rest, g);
+      while (t.steps_done() < c.steps) steps[r].push_back(t.step(synthetic_rows));
+      t.save(dir);
+    });
+    REQUIRE(steps[0].size() == 2);
+    check_run_as_accurate(run_result{steps[0], saved_params(model, c, dir)}, want, x);
   }
 }

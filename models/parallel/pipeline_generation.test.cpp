@@ -17,6 +17,7 @@
 #include "models/generation.hpp"
 #include "models/parallel/gpt_stage.hpp"
 #include "models/parallel/llama_stage.hpp"
+#include "models/parallel/moe_stage.hpp"
 #include "models/parallel/pipeline_generation.hpp"
 #include "models/parallel/testing.hpp"
 #include "models/sampling.hpp"
@@ -47,6 +48,25 @@ llama_config tiny_llama(bool tied) {
   c.n_kv_head = 2;
   c.hidden = 48;
   c.tie_embeddings = tied;
+  return c;
+}
+
+// A Mixtral-like MoE model (4 experts, top 2, grouped-query attention) with Qwen2-MoE's shared
+// expert when `shared`.
+moe_config tiny_moe(bool shared) {
+  moe_config c;
+  c.vocab = 32;
+  c.max_seq = 16;
+  c.dim = 32;
+  c.n_layer = 4;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.expert_hidden = 24;
+  c.n_expert = 4;
+  c.top_k = 2;
+  c.shared_hidden = shared ? 40 : 0;
+  c.norm_topk_prob = !shared;
+  c.aux_loss = true;
   return c;
 }
 
@@ -206,4 +226,15 @@ TEST_CASE("A pipeline stage refuses generation steps before begin_generation", "
   gen.step_logits(one);
   CHECK_THROWS_WITH(gen.step_logits(one), Contains("exceed the cache capacity 1"));
   CHECK(gen.generated_length() == 1);
+}
+
+// The MoE family's stages (moe_stage.hpp): generation runs the same step_chunk through each
+// stage's attention and MoE layers (no router statistics travel: no loss).
+TEST_CASE("Greedy generation through MoE pipeline stages gives the single process's tokens",
+          "[parallel][moe]") {
+  for (bool shared : {false, true})
+    for (const auto& p : {plan_of(2, 1, 1, false), plan_of(2, 2, 1, false)}) {
+      INFO("shared expert " << shared << " pp " << p.pp << " virtual stages " << p.virtual_stages);
+      check_pipeline<moe, moe_stage>(tiny_moe(shared), p);
+    }
 }

@@ -1,12 +1,13 @@
-// Post-training under parallel plans (plan_samples.hpp): SFT (packed rows too), DPO and GRPO steps
-// of hybrid_trainer::step(samples) under dp2 (ZeRO 0, 2, 3), tp2 + SP, pp2 and dp2 x tp2 x pp2
-// train as the single-process steps (sft_micro_batch, dpo_micro_batch, grpo_micro_batch) at the
-// same rows, by the f32 rule (tests/rounding.hpp, models/parallel/exact_run.hpp): each run's
-// losses and gradient norms within tests::trajectory_k, and its final weights within
-// tests::default_k, of the single process's own error against the f64 single process. The plans
-// add the same terms in other orders (the vocab-parallel log-softmax, the microbatches' weighted
-// sums, the reductions), so both f32 runs sit at f32 rounding from the exact run, while a plan
-// that loses a mask or an objective on one rank is off by O(1) in its gradient (the last test).
+// Post-training under parallel plans (plan_samples.hpp): SFT (packed rows too), DPO, GRPO and PPO
+// policy steps of hybrid_trainer::step(samples) under dp2 (ZeRO 0, 2, 3), tp2 + SP, pp2 and dp2 x
+// tp2 x pp2 train as the single-process steps (sft_micro_batch, dpo_micro_batch, grpo_micro_batch,
+// ppo_policy_micro_batch) at the same rows, by the f32 rule (tests/rounding.hpp,
+// models/parallel/exact_run.hpp): each run's losses and gradient norms within tests::trajectory_k,
+// and its final weights within tests::default_k, of the single process's own error against the
+// f64 single process. The plans add the same terms in other orders (the vocab-parallel
+// log-softmax, the microbatches' weighted sums, the reductions), so both f32 runs sit at f32
+// rounding from the exact run, while a plan that loses a mask or an objective on one rank is off
+// by O(1) in its gradient (the last test).
 #include <catch2/catch.hpp>
 
 #include <cstdio>
@@ -34,6 +35,7 @@
 #include "models/post/dpo_step.hpp"
 #include "models/post/grpo_step.hpp"
 #include "models/post/plan_samples.hpp"
+#include "models/post/ppo_step.hpp"
 #include "models/post/sft_step.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
@@ -122,17 +124,25 @@ std::shared_ptr<preference_rows> dpo_data() {
   return r;
 }
 
-// Eight sampled rows (prompt of 3, completion of 5) in groups of 4, with old log-probabilities
-// near the initial policy's (so some ratios leave the clip range) and a reference.
+// Whether position t of row `row` is a sampled completion's token: after a prompt of 3, the
+// completions end early by row % 3 tokens (5, 4 or 3 trained targets), so microbatches of a plan
+// hold different numbers of completion tokens and a per-row weighting (GRPO's sequence mean) and a
+// per-token one (PPO's token mean) give different steps.
+bool completion_at(std::int64_t row, std::int64_t t) {
+  return t >= 2 && t + 1 < seq - row % 3;
+}
+
+// Eight sampled rows (prompt of 3, completions of uneven length) in groups of 4, with old
+// log-probabilities near the initial policy's (so some ratios leave the clip range) and a
+// reference.
 std::shared_ptr<grpo_batch> grpo_data(const train_config& c, const hf::model_config& model) {
   auto b = std::make_shared<grpo_batch>();
   b->rows = rows_per_step;
   b->seq = seq;
   b->ids = random_ids(static_cast<std::size_t>(b->rows * seq), 13);
-  for (std::int64_t i = 0; i < b->rows * seq; ++i) {
-    const std::int64_t t = i % seq;
-    b->targets.push_back(t >= 2 && t + 1 < seq ? b->ids[static_cast<std::size_t>(i + 1)] : -100);
-  }
+  for (std::int64_t i = 0; i < b->rows * seq; ++i)
+    b->targets.push_back(completion_at(i / seq, i % seq) ? b->ids[static_cast<std::size_t>(i + 1)]
+                                                         : -100);
   auto m = make_causal_lm(model, {b->rows, seq});
   m->init_weights(c.seed);
   const auto logp =
@@ -320,6 +330,29 @@ job dpo_job(const dpo_options& opt, bool llama = false) {
       [rows, ref_logp, opt] { return dpo_samples(rows, ref_logp, opt); }, model_of(llama)};
 }
 
+// PPO's policy batch: GRPO's rows, old log-probabilities and (per token) advantages of its
+// rewards varied along the completion.
+std::shared_ptr<ppo_batch> ppo_data(const train_config& c, const hf::model_config& model) {
+  const auto g = grpo_data(c, model);
+  auto b = std::make_shared<ppo_batch>();
+  b->rows = g->rows;
+  b->seq = g->seq;
+  b->ids = g->ids;
+  b->targets = g->targets;
+  b->old_logp = g->old_logp;
+  for (std::int64_t i = 0; i < b->rows * seq; ++i)
+    b->advantages.push_back(g->advantages[static_cast<std::size_t>(i / seq)] +
+                            0.1 * static_cast<double>(i % seq));
+  return b;
+}
+
+job ppo_job() {
+  auto batch = ppo_data(run_config(), model_of());
+  const ppo_options opt{};
+  return {[batch, opt](causal_lm&) { return ppo_policy_micro_batch(batch, opt); },
+          [batch, opt] { return ppo_samples(batch, opt); }, model_of()};
+}
+
 job grpo_job(bool llama = false) {
   auto batch = grpo_data(run_config(), model_of(llama));
   const grpo_options opt{.epsilon = 0.2, .beta = 0.04};
@@ -363,6 +396,13 @@ TEST_CASE("DPO steps under every plan train as the single-process DPO step", "[p
 
 TEST_CASE("GRPO steps under every plan train as the single-process GRPO step", "[parallel][post]") {
   check_plans(grpo_job(), every_plan);
+}
+
+// ppo_samples weighs each microbatch by its share of the batch's completion tokens (PPO's loss is
+// a token mean over the batch); with uneven completions a per-row weight is off by O(1).
+TEST_CASE("PPO policy steps under every plan train as the single-process PPO step",
+          "[parallel][post]") {
+  check_plans(ppo_job(), every_plan);
 }
 
 TEST_CASE("Llama's DPO and GRPO steps under tensor shards and stages train as one process's",
