@@ -44,6 +44,7 @@
 #include <fmt/core.h>
 #include <catch2/catch.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -54,6 +55,7 @@
 #include <vector>
 
 #include "models/hf/safetensors.hpp"
+#include "tests/multirank/elastic_runs.hpp"
 #include "tests/multirank/rl_command.hpp"
 
 using namespace troupe;
@@ -323,4 +325,55 @@ TEST_CASE("troupe grpo and ppo refuse a plan without launch, a grid beyond the r
   refused(run_troupe(launched(2, "rows", flags("rows", {"--config", rows}), {})),
           "troupe grpo with 32 rows over dp 2 x 3 microbatches",
           "32 rows per step do not split over parallel.dp (--dp) 2 x parallel.microbatches");
+}
+
+// A trainer rank lost mid-run (SIGKILL from outside, once the run has logged a few steps): its
+// peers' collectives fail on the lost peer (UCX and the coordinator's membership see it), each
+// piece's request fails, and the driver's ask of the grid ends the job with an error naming the
+// rank, promptly (the 120 s bound is a hang detector, not a timing claim: it ends in about a
+// second here). Both loops: GRPO's trainer under dp2 (its peer in the dp allreduce) and PPO's
+// policy under dp2 x pp2 (a pipeline stage's peer waiting on its activations).
+TEST_CASE("A trainer rank killed mid-run ends the GRPO or PPO job with an error naming it",
+          "[multirank][post][faults]") {
+  scratch_dir dir("rl-plan-kill");
+  struct drill {
+    const char* name;
+    int n, victim;
+    std::vector<std::string> flags;
+  };
+  const std::vector<drill> drills = {
+      {"grpo-dp2", 3, 1, {"grpo", "--group", "4", "--dp", "2"}},
+      {"ppo-dp2pp2",
+       5,
+       3,
+       {"ppo", "--samples-per-prompt", "4", "--dp", "2", "--pp", "2", "--microbatches", "2"}},
+  };
+  for (const auto& d : drills) {
+    SECTION(d.name) {
+      auto flags = d.flags;
+      // Far more steps than run before the kill: the job can only end by the failure.
+      flags.insert(flags.end(), {"--model", "llama-tiny", "--task", "addition", "--steps", "100000",
+                                 "--prompts-per-step", "2", "--max-new-tokens", "3", "--log-every",
+                                 "1", "--threads", "1"});
+      auto args = launched(d.n, std::string("kill-") + d.name, flags, {});
+      args.insert(args.begin(), troupe_bin);
+      child_process p(args, {{"TROUPE_NUM_THREADS", "1"}});
+      REQUIRE(p.wait_for("step    3/", std::chrono::seconds(120)));
+      const int pid = pid_of_rank(p, d.victim);
+      REQUIRE(pid > 0);
+      REQUIRE(::kill(pid, SIGKILL) == 0);
+      const auto st = p.wait(std::chrono::seconds(120));
+      INFO(p.output());
+      REQUIRE(st.has_value());  // the job ends by itself: nobody waits forever on the lost rank
+      CHECK(child_process::code(*st) != 0);
+      // The driver's error (rank 0) names the lost trainer rank.
+      const std::string lost = "rank " + std::to_string(d.victim) + " lost";
+      std::string said;
+      for (const auto& l : p.lines_with("[rank 0] troupe: error:"))
+        if (l.find(lost) != std::string::npos) said = l;
+      REQUIRE(!said.empty());
+      std::printf("faults: SIGKILL of trainer rank %d of %s after step 3 -> refused: %s\n",
+                  d.victim, d.name, said.substr(0, 300).c_str());
+    }
+  }
 }
