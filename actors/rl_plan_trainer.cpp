@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <memory>
 
@@ -192,9 +191,9 @@ ppo_plan_train_reply train_ppo(role_context& c, plan_state& st, const ppo_policy
       for (const auto& [begin, m] : st.ppo_seen) {
         out.clip_part += m.weight * m.clipfrac / epochs;
         out.kl_part += m.weight * m.approx_kl / epochs;
+        out.entropy_part += m.weight * m.entropy / epochs;
       }
     }
-    out.train.entropy = std::numeric_limits<double>::quiet_NaN();  // needs the whole logits
     out.train.version = st.hybrid->steps_done();
     c.record_step(out.train.version, {{"loss", out.train.loss}});
     c.set_activity("idle");
@@ -266,9 +265,11 @@ ppo_train_reply combine_ppo_plan_replies(const std::vector<ppo_plan_train_reply>
   ppo_train_reply out = replies.front().train;
   out.clipfrac = 0;
   out.approx_kl = 0;
+  out.entropy = 0;
   for (const auto& r : replies) {
     out.clipfrac += r.clip_part;
     out.approx_kl += r.kl_part;
+    out.entropy += r.entropy_part;
     out.seconds = std::max(out.seconds, r.train.seconds);
   }
   return out;

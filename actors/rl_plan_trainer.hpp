@@ -19,7 +19,9 @@
 //   grpo_save_request         hybrid_trainer::save: the plan checkpoint in HF layout
 // A train reply carries what this rank's objectives saw on tensor shard 0 (each microbatch once,
 // weighted as the step weighs it); the driver sums the ranks' parts (combine_*_replies). PPO's
-// entropy needs the whole logits, which no piece gathers: under a plan it is NaN (not computed).
+// entropy comes from the pieces holding the logits: each position's entropy reduced over the
+// vocab-parallel head's shards (models/parallel/vocab_entropy.hpp), meaned over the completion
+// tokens as the single process does.
 #pragma once
 
 #include <cstdint>
@@ -58,12 +60,12 @@ struct grpo_plan_train_reply {
 grpo_train_reply combine_grpo_plan_replies(const std::vector<grpo_plan_train_reply>& replies);
 
 // PPO's policy: one rank's reply to a ppo_policy_train_request, means over the epochs. Its
-// train.loss, grad_norm and lr are the step's; clip_part and kl_part are this rank's share of the
-// clip fraction and approx_kl (sums over its microbatches of weight x value); train.entropy NaN.
+// train.loss, grad_norm and lr are the step's; clip_part, kl_part and entropy_part are this rank's
+// share of the clip fraction, approx_kl and entropy (sums over its microbatches of weight x value).
 struct ppo_plan_train_reply {
   ppo_train_reply train;
-  double clip_part = 0, kl_part = 0;
-  auto fields() { return std::tie(train, clip_part, kl_part); }
+  double clip_part = 0, kl_part = 0, entropy_part = 0;
+  auto fields() { return std::tie(train, clip_part, kl_part, entropy_part); }
 };
 
 ppo_train_reply combine_ppo_plan_replies(const std::vector<ppo_plan_train_reply>& replies);

@@ -16,7 +16,7 @@
 // policy is G rl_plan_trainer actors on ranks 0..G-1 (actors/rl_plan_trainer.hpp); the rollout
 // actors sit on ranks G..N-1, or on rank 0 when the plan takes every rank. The critic (a whole
 // value model), the reward and the reference actors stay on rank 0. Under a plan the policy's
-// entropy is not computed (it needs the whole logits): --json writes null.
+// entropy is reduced over the vocab-parallel head's shards (models/parallel/vocab_entropy.hpp).
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <unistd.h>

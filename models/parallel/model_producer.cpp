@@ -3,6 +3,7 @@
 
 #include "memory/error.hpp"
 #include "models/parallel/param_slices.hpp"
+#include "models/parallel/vocab_entropy.hpp"
 #include "models/post/policy_logprobs.hpp"
 
 namespace troupe::models::parallel {
@@ -34,6 +35,7 @@ class microbatch_inputs {
   double forward() {
     if (!mb_.objective || own_) return m_.forward(mb_.ids, mb_.targets);
     result_ = mb_.objective(token_logprobs_of(m_, mb_.ids, mb_.targets));
+    if (result_.on_entropy) result_.on_entropy(vocab_parallel_entropy(m_.logits(), {}));
     return result_.loss;
   }
   void backward(double weight) {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "memory/error.hpp"
+#include "models/parallel/vocab_entropy.hpp"
 #include "tensor/ops.hpp"
 
 namespace troupe::models {
@@ -54,6 +55,7 @@ double tp_head<Norm>::forward(const tensor& x, const tensor& targets) {
   TROUPE_CHECK(static_cast<std::int64_t>(r.dlogp.size()) == b_ * t_,
                "tp head: the token objective gave ", r.dlogp.size(), " gradients for ", b_ * t_,
                " positions");
+  if (r.on_entropy) r.on_entropy(vocab_parallel_entropy(logits_cur_, tp));
   for (auto& d : r.dlogp) d = -d;  // logp_n = -loss_n
   loss.row_weights = std::move(r.dlogp);
   return r.loss;

@@ -233,13 +233,30 @@ parallel::sample_source ppo_samples(std::shared_ptr<const ppo_batch> batch, cons
                     mask = completion_mask(b.targets), on_result, begin = r.begin,
                     weight = mb.weight](std::span<const double> logp) {
       ppo_policy_result p = ppo_policy_loss(logp, old, adv, mask, opt.cliprange);
-      if (on_result)
-        on_result({.begin = begin,
-                   .weight = weight,
-                   .loss = p.loss,
-                   .clipfrac = p.clipfrac,
-                   .approx_kl = p.approx_kl});
-      return token_loss{p.loss, std::move(p.dlogp)};
+      token_loss out{p.loss, std::move(p.dlogp)};
+      if (!on_result) return out;
+      // The result once the head has the entropies: their mean over the completion tokens, as
+      // the single process's mean_token_entropy (models/post/ppo_loss.hpp).
+      const ppo_microbatch_result seen{.begin = begin,
+                                       .weight = weight,
+                                       .loss = p.loss,
+                                       .clipfrac = p.clipfrac,
+                                       .approx_kl = p.approx_kl};
+      out.on_entropy = [on_result, seen, mask](std::span<const double> h) {
+        TROUPE_CHECK(h.size() == mask.size(), "ppo: ", h.size(), " entropies for ", mask.size(),
+                     " positions");
+        ppo_microbatch_result r = seen;
+        double sum = 0;
+        std::size_t count = 0;
+        for (std::size_t i = 0; i < h.size(); ++i)
+          if (mask[i] != 0) {
+            sum += h[i];
+            ++count;
+          }
+        r.entropy = count == 0 ? 0.0 : sum / static_cast<double>(count);
+        on_result(r);
+      };
+      return out;
     };
     return mb;
   };

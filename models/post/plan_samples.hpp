@@ -66,11 +66,12 @@ parallel::sample_source grpo_samples(
     std::function<void(const grpo_microbatch_result&)> on_result = {});
 
 // What one PPO microbatch's objective saw (ppo_samples' on_result): as grpo_microbatch_result,
-// its weight being its share of the batch's completion tokens.
+// its weight being its share of the batch's completion tokens; entropy: the policy's mean entropy
+// over its completion tokens (token_loss::on_entropy: on_result is called once the head gave it).
 struct ppo_microbatch_result {
   std::int64_t begin = 0;
   double weight = 0;
-  double loss = 0, clipfrac = 0, approx_kl = 0;
+  double loss = 0, clipfrac = 0, approx_kl = 0, entropy = 0;
 };
 
 // The policy's steps on `*batch` (its rows, old_logp and advantages; read at each call).

@@ -24,7 +24,8 @@
 // Measured here (TROUPE_PRINT_RATIOS prints them), relative to each value's magnitude (its |value|
 // plus the run's mean |value|, for values crossing zero): GRPO dp2 x pp2 and dp2 ZeRO 2 up to
 // 7e-7, dp2 async 9.2e-6, tp2 1.3e-5 (tp's partial sums change every matmul's rounding); PPO dp2 x
-// pp2 up to 8e-7, tp2 2.2e-5. The checks allow 1e-3. The weights: AdamW normalises each update by
+// pp2 up to 8e-7, tp2 2.2e-5; PPO's entropy (reduced over tp's vocabulary shards) 3.1e-8 under dp2
+// x pp2 and 3.9e-7 under tp2. The checks allow 1e-3. The weights: AdamW normalises each update by
 // its own gradient size, so an element whose gradient is near zero can move by up to lr either
 // way from rounding alone (tests/multirank/same_weights.hpp) and an elementwise bound means
 // nothing; the distance between the two runs' final weights relative to the distance the single
@@ -40,10 +41,14 @@
 // of the batch) GRPO's step-1 gradient norm is 0.92 against 1.17 (0.2 relative), PPO's policy
 // loss, approx KL and norm differ by 0.09 to 0.8 of their scale at step 1, and the samples differ
 // from step 2 on (seen failing both tests); one update fewer moves the weights by ~1/6 of the
-// distance.
+// distance. With the entropy's sum allreduce over tp removed (each shard's own columns only), tp2's
+// entropy is off by 2.5e-3 relative at one step (0.8518 vs 0.8539, seen failing): this model's
+// mass lies on the digits, in shard 0's columns, so the check here is weak against that bug;
+// models/parallel/vocab_entropy.test.cpp is the strong one (45 of 51 checks fail).
 #include <fmt/core.h>
 #include <catch2/catch.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -54,6 +59,7 @@
 #include <vector>
 
 #include "models/hf/safetensors.hpp"
+#include "tests/multirank/elastic_runs.hpp"
 #include "tests/multirank/rl_command.hpp"
 
 using namespace troupe;
@@ -232,7 +238,7 @@ TEST_CASE("Async GRPO (staleness 1) with its trainer under dp2 gives the single 
 
 // PPO's policy under a plan; its critic (a whole value model) stays on rank 0. The policy's two
 // epochs per batch are two steps of the pieces; the critic's values and returns come from the same
-// samples, so its loss and norm are compared too. Under a plan the entropy is not computed (null).
+// samples, so its loss and norm are compared too, and so is the policy's entropy.
 TEST_CASE("PPO's policy under dp2 x pp2 and tp2 gives the single process's steps and weights",
           "[multirank][post]") {
   scratch_dir dir("rl-plan-ppo");
@@ -269,8 +275,10 @@ TEST_CASE("PPO's policy under dp2 x pp2 and tp2 gives the single process's steps
   const auto one = run_troupe(flags("one"));
   INFO(one.output);
   REQUIRE(one.code == 0);
-  const std::vector<std::string> keys = {"policy_loss", "approx_kl",  "grad_norm",
-                                         "kl",          "value_loss", "critic_grad_norm"};
+  // entropy: each position's reduced over the vocab-parallel head's shards under tp2
+  // (models/parallel/vocab_entropy.hpp), from the whole logits of the last stage under pp2.
+  const std::vector<std::string> keys = {"policy_loss", "approx_kl",        "grad_norm", "kl",
+                                         "value_loss",  "critic_grad_norm", "entropy"};
   for (const auto& [n, name, plan] :
        {std::tuple{5, std::string("dp2pp2"),
                    std::vector<std::string>{"--dp", "2", "--pp", "2", "--microbatches", "2"}},
@@ -280,7 +288,6 @@ TEST_CASE("PPO's policy under dp2 x pp2 and tp2 gives the single process's steps
     REQUIRE(r.code == 0);
     CHECK_THAT(r.output, Contains("(rl_plan_trainer pieces); critic on rank 0"));
     same_run(d, name, "one", sft, keys);
-    for (const auto& s : json_lines(d + "/" + name + ".json")) CHECK(s["entropy"].is_null());
   }
 }
 
@@ -323,4 +330,55 @@ TEST_CASE("troupe grpo and ppo refuse a plan without launch, a grid beyond the r
   refused(run_troupe(launched(2, "rows", flags("rows", {"--config", rows}), {})),
           "troupe grpo with 32 rows over dp 2 x 3 microbatches",
           "32 rows per step do not split over parallel.dp (--dp) 2 x parallel.microbatches");
+}
+
+// A trainer rank lost mid-run (SIGKILL from outside, once the run has logged a few steps): its
+// peers' collectives fail on the lost peer (UCX and the coordinator's membership see it), each
+// piece's request fails, and the driver's ask of the grid ends the job with an error naming the
+// rank, promptly (the 120 s bound is a hang detector, not a timing claim: it ends in about a
+// second here). Both loops: GRPO's trainer under dp2 (its peer in the dp allreduce) and PPO's
+// policy under dp2 x pp2 (a pipeline stage's peer waiting on its activations).
+TEST_CASE("A trainer rank killed mid-run ends the GRPO or PPO job with an error naming it",
+          "[multirank][post][faults]") {
+  scratch_dir dir("rl-plan-kill");
+  struct drill {
+    const char* name;
+    int n, victim;
+    std::vector<std::string> flags;
+  };
+  const std::vector<drill> drills = {
+      {"grpo-dp2", 3, 1, {"grpo", "--group", "4", "--dp", "2"}},
+      {"ppo-dp2pp2",
+       5,
+       3,
+       {"ppo", "--samples-per-prompt", "4", "--dp", "2", "--pp", "2", "--microbatches", "2"}},
+  };
+  for (const auto& d : drills) {
+    SECTION(d.name) {
+      auto flags = d.flags;
+      // Far more steps than run before the kill: the job can only end by the failure.
+      flags.insert(flags.end(), {"--model", "llama-tiny", "--task", "addition", "--steps", "100000",
+                                 "--prompts-per-step", "2", "--max-new-tokens", "3", "--log-every",
+                                 "1", "--threads", "1"});
+      auto args = launched(d.n, std::string("kill-") + d.name, flags, {});
+      args.insert(args.begin(), troupe_bin);
+      child_process p(args, {{"TROUPE_NUM_THREADS", "1"}});
+      REQUIRE(p.wait_for("step    3/", std::chrono::seconds(120)));
+      const int pid = pid_of_rank(p, d.victim);
+      REQUIRE(pid > 0);
+      REQUIRE(::kill(pid, SIGKILL) == 0);
+      const auto st = p.wait(std::chrono::seconds(120));
+      INFO(p.output());
+      REQUIRE(st.has_value());  // the job ends by itself: nobody waits forever on the lost rank
+      CHECK(child_process::code(*st) != 0);
+      // The driver's error (rank 0) names the lost trainer rank.
+      const std::string lost = "rank " + std::to_string(d.victim) + " lost";
+      std::string said;
+      for (const auto& l : p.lines_with("[rank 0] troupe: error:"))
+        if (l.find(lost) != std::string::npos) said = l;
+      REQUIRE(!said.empty());
+      std::printf("faults: SIGKILL of trainer rank %d of %s after step 3 -> refused: %s\n",
+                  d.victim, d.name, said.substr(0, 300).c_str());
+    }
+  }
 }
