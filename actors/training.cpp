@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -676,11 +677,31 @@ status_reply status(role_context& ctx, trainer_state& st) {
 }
 
 std::unique_ptr<collective::communicator> pair_comm(node& n, const collective::rank_group& g,
-                                                    const trainer_state& st) {
-  auto c = collective::make_communicator(n.transport(), g, "ucx:buddy");
+                                                    const trainer_state& st,
+                                                    const char* label = "ucx:buddy") {
+  auto c = collective::make_communicator(n.transport(), g, label);
   c->set_timeout(std::chrono::milliseconds(
       static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
   return c;
+}
+
+// A piece's state (parameters, m, v) from the donor to the other rank of the pair g (a recovery's
+// spare, a grown replica): both ranks call it; returns the bytes moved.
+std::int64_t move_state(node& n, const trainer_state& st, const collective::rank_group& g,
+                        bool donor, const std::array<tensor, 3>& parts, const std::string& who) {
+  auto c = pair_comm(n, g, st, "ucx:restore");
+  std::int64_t bytes = 0;
+  for (const tensor& t : parts) {
+    TROUPE_CHECK(t.type() == dtype::f32 && t.is_contiguous(), who,
+                 ": piece state must be contiguous f32");
+    const auto count = static_cast<std::size_t>(t.numel());
+    if (donor)
+      c->send(t.data(), count, dtype::f32, 1).wait();
+    else
+      c->recv(t.data(), count, dtype::f32, 0).wait();
+    bytes += t.numel() * 4;
+  }
+  return bytes;
 }
 
 replicate_reply replicate(role_context& ctx, trainer_state& st, const replicate_request& r) {
@@ -815,32 +836,19 @@ recover_reply recover(role_context& ctx, trainer_state& st, const recover_reques
   for (std::size_t k = 0; k < r.move_position.size(); ++k) {
     const int donor = r.move_donor[k], spare = r.move_spare[k];
     if (me != donor && me != spare) continue;
-    auto c = collective::make_communicator(
-        n.transport(), restore_group(r.move_position[k], donor, spare, r.generation),
-        "ucx:restore");
-    c->set_timeout(std::chrono::milliseconds(
-        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     const auto s = st.hybrid->state();
     const bool from_buddy = r.move_buddy.size() > k && r.move_buddy[k] != 0;
     TROUPE_CHECK(s.whole_optimizer || from_buddy, ctx.name(),
                  ": the piece's optimizer state is a ZeRO shard; a data-parallel replica restores ",
                  "whole pieces (parallel.zero 0) only, a shard comes from a buddy replica");
-    std::vector<tensor> parts = {s.params, s.m, s.v};
+    std::array<tensor, 3> parts = {s.params, s.m, s.v};
     if (from_buddy && me == donor) {
       TROUPE_CHECK(st.buddy.steps == r.steps, ctx.name(), ": its buddy replica of rank ", spare,
                    "'s position is of step ", st.buddy.steps, ", not ", r.steps);
       parts = {st.buddy.params.view(), st.buddy.m.view(), st.buddy.v.view()};
     }
-    for (const tensor* t : {&parts[0], &parts[1], &parts[2]}) {
-      TROUPE_CHECK(t->type() == dtype::f32 && t->is_contiguous(), ctx.name(),
-                   ": piece state must be contiguous f32");
-      const auto count = static_cast<std::size_t>(t->numel());
-      if (me == donor)
-        c->send(t->data(), count, dtype::f32, 1).wait();
-      else
-        c->recv(t->data(), count, dtype::f32, 0).wait();
-      bytes += t->numel() * 4;
-    }
+    bytes += move_state(n, st, restore_group(r.move_position[k], donor, spare, r.generation),
+                        me == donor, parts, ctx.name());
     if (me == spare) {
       st.hybrid->set_progress(r.steps, r.optimizer_steps);
       what = fmt::format("promoted spare, state from rank {}{}", donor,
@@ -1032,22 +1040,11 @@ recover_reply shrink(role_context& ctx, trainer_state& st, const shrink_request&
   for (std::size_t k = 0; k < r.move_spare.size(); ++k) {
     const int donor = r.move_donor[k], spare = r.move_spare[k];
     if (me != donor && me != spare) continue;
-    auto c = collective::make_communicator(
-        n.transport(), restore_group(r.move_position[k], donor, spare, r.generation),
-        "ucx:restore");
-    c->set_timeout(std::chrono::milliseconds(
-        static_cast<std::int64_t>(st.cfg.collective_timeout * 1000.0 + 0.5)));
     const auto s = st.hybrid->state();
     TROUPE_CHECK(s.whole_optimizer, ctx.name(),
                  ": growing needs whole piece states (parallel.zero 0) on the replicas");
-    for (const tensor* t : {&s.params, &s.m, &s.v}) {
-      const auto count = static_cast<std::size_t>(t->numel());
-      if (me == donor)
-        c->send(t->data(), count, dtype::f32, 1).wait();
-      else
-        c->recv(t->data(), count, dtype::f32, 0).wait();
-      bytes += t->numel() * 4;
-    }
+    bytes += move_state(n, st, restore_group(r.move_position[k], donor, spare, r.generation),
+                        me == donor, {s.params, s.m, s.v}, ctx.name());
     what = me == spare ? fmt::format("a new replica, its state from rank {}", donor)
                        : fmt::format("its own state, sent to rank {}", spare);
   }
