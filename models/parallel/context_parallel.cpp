@@ -196,6 +196,13 @@ microbatch_data cp_columns::operator()(const microbatch_data& mb, int k) {
   TROUPE_CHECK(mb.ids.dim() == 2 && mb.ids.size(1) == seq_ && mb.targets.sizes() == mb.ids.sizes(),
                "context parallelism: microbatch ", k, " must be [rows, ", seq_,
                "] ids and targets, got ", describe(mb.ids), " and ", describe(mb.targets));
+  // Only ids and targets are cut into this rank's columns: packed rows' segments and positions
+  // and per-token objectives (post-training) would be dropped silently, so they are refused here
+  // as well as where the commands and dp_trainer refuse post-training under cp.
+  TROUPE_CHECK(!mb.segments.defined() && !mb.positions.defined() && !mb.objective,
+               "context parallelism (parallel.cp > 1): microbatch ", k,
+               " carries packed rows or a token objective (post-training), which cp pieces do not ",
+               "run yet");
   const std::int64_t rows = mb.ids.size(0);
   const auto* ids = mb.ids.data_as<std::int32_t>();
   const auto* targets = mb.targets.data_as<std::int32_t>();

@@ -11,14 +11,17 @@
 #include <exception>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "collective/local/local_transport.hpp"
+#include "models/layers/sequence_split.hpp"
 #include "models/parallel/context_parallel.hpp"
 #include "models/parallel/data_parallel.hpp"
 #include "models/parallel/exact_run.hpp"
 #include "models/parallel/testing.hpp"
+#include "models/token_objective.hpp"
 #include "models/trainer.hpp"
 #include "tensor/ops.hpp"
 
@@ -333,4 +336,35 @@ TEST_CASE("Ring over a seq that does not split into 2 cp chunks is refused",
   }
   std::printf("faults: ring cp2 of seq 6 -> refused: %s\n", said.c_str());
   CHECK_THAT(said, Catch::Contains("2 x parallel.cp = 4") && Catch::Contains("train.seq = 6"));
+}
+
+TEST_CASE("A cp rank's columns refuse packed rows and token objectives instead of dropping them",
+          "[parallel][cp][faults]") {
+  // cp_columns cuts ids and targets only: a post-training microbatch's segments, positions or
+  // per-token objective would reach the piece without them, so each is refused naming
+  // parallel.cp; a plain microbatch of the same rows is cut.
+  constexpr std::int64_t seq = 8;
+  troupe::models::parallel::cp_columns columns(seq,
+                                               sequence_pieces(seq, 2, 1, sequence_layout::zigzag));
+  std::vector<std::int32_t> ids(2 * seq, 3), targets(2 * seq, 4), seg(2 * seq, 0);
+  const auto rows = [&](std::vector<std::int32_t>& v) {
+    return tensor(v.data(), v.size() * 4, dtype::i32, {2, seq});
+  };
+  const microbatch_data plain(rows(ids), rows(targets), 1.0);
+  CHECK(columns(plain, 0).ids.size(1) == seq / 2);
+  for (int which = 0; which < 3; ++which) {
+    microbatch_data mb(rows(ids), rows(targets), 1.0);
+    if (which == 0) mb.segments = rows(seg);
+    if (which == 1) mb.positions = rows(seg);
+    if (which == 2) mb.objective = [](std::span<const double>) { return token_loss{}; };
+    std::string said;
+    try {
+      (void)columns(mb, 0);
+    } catch (const std::exception& e) {
+      said = e.what();
+    }
+    std::printf("faults: cp columns of a post-training microbatch (%d) -> refused: %s\n", which,
+                said.c_str());
+    CHECK_THAT(said, Catch::Contains("parallel.cp") && Catch::Contains("token objective"));
+  }
 }
