@@ -19,9 +19,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "collective/grid.hpp"
@@ -46,7 +44,9 @@ using troupe::models::hf::testing::temp_dir;
 using troupe::models::testing::check_run_as_accurate;
 using troupe::models::testing::exact_run;
 using troupe::models::testing::exact_training;
+using troupe::models::testing::rank_communicators;
 using troupe::models::testing::run_plan;
+using troupe::models::testing::run_rank_threads;
 using troupe::models::testing::synthetic_rows;
 
 namespace {
@@ -125,7 +125,7 @@ void run_ep_plan(const scheduler::parallel_plan& plan,
   const int n = plan.world_size(), ep = plan.ep;
   auto world = std::make_shared<collective::local_world>(n);
   collective::rank_grid grid({{"dp", plan.dp}, {"pp", plan.pp}, {"tp", plan.tp}});
-  std::vector<std::vector<std::unique_ptr<collective::communicator>>> comms(n);
+  rank_communicators comms(n);
   for (int r = 0; r < n; ++r) {
     for (const auto& axes :
          std::vector<std::vector<std::string>>{{"dp"}, {"pp"}, {"tp"}, {"pp", "tp"}})
@@ -141,28 +141,15 @@ void run_ep_plan(const scheduler::parallel_plan& plan,
     comms[r].push_back(collective::make_communicator(world->transport(r), eg, "local", world));
     comms[r].push_back(collective::make_communicator(world->transport(r), edp, "local", world));
   }
-  std::vector<std::exception_ptr> err(n);
-  std::mutex mu;
-  int first = -1;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto& c = comms[r];
+  run_rank_threads(
+      comms,
+      [](std::vector<std::unique_ptr<collective::communicator>>& c) {
         hybrid_groups g{c[0].get(), c[1].get(), c[2].get(), c[3].get()};
         g.ep = c[4].get();
         g.edp = c[5].get();
-        fn(r, g);
-      } catch (...) {
-        err[r] = std::current_exception();
-        std::lock_guard lk(mu);
-        if (first < 0) first = r;
-        for (auto& rc : comms)
-          for (auto& x : rc) x->abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first >= 0) std::rethrow_exception(err[first]);
+        return g;
+      },
+      fn);
 }
 
 // `c` under `plan` on threads; rank 0's steps and the saved weights in the single process's layout.

@@ -24,7 +24,8 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
+
+from timed_lines import first, run_timed
 
 build = sys.argv[1] if len(sys.argv) > 1 else "build"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
@@ -46,30 +47,22 @@ rows = [
 def run(name, launch, extra, trigger, done):
     argv = [troupe, "launch", "-n", "4", "--token", token, "--grace", "300"] + launch + [
         "--job", "bench-%s-%d" % (name, os.getpid()), "--", troupe] + common + extra
-    t0 = time.monotonic()
-    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, joiner, t_join, log = [], None, None, tempfile.TemporaryFile("w+")
-    for line in job.stdout:
-        t = time.monotonic() - t0
-        lines.append((t, line.rstrip("\n")))
+    st = {"coord": None, "joiner": None, "t_join": None}
+    log = tempfile.TemporaryFile("w+")
+
+    def on_line(t, line):
         port = re.search(r"coordinator on [^ ]+:([0-9]+)", line)
         if port:
-            coord = "127.0.0.1:" + port.group(1)
-        if joiner is None and trigger in line:
-            t_join = time.monotonic() - t0
-            joiner = subprocess.Popen(
-                [troupe, "launch", "--join", "--coordinator", coord, "--token", token, "--",
+            st["coord"] = "127.0.0.1:" + port.group(1)
+        if st["joiner"] is None and trigger in line:
+            st["t_join"] = t
+            st["joiner"] = subprocess.Popen(
+                [troupe, "launch", "--join", "--coordinator", st["coord"], "--token", token, "--",
                  troupe] + common + extra, stdout=log, stderr=subprocess.STDOUT)
-    rc = job.wait()
-    jrc = joiner.wait() if joiner else -1
-    return rc, jrc, t_join, lines
 
-
-def first(lines, needle, after=0.0):
-    for t, line in lines:
-        if needle in line and t >= after:
-            return t, line
-    return None, None
+    rc, lines = run_timed(argv, on_line)
+    jrc = st["joiner"].wait() if st["joiner"] else -1
+    return rc, jrc, st["t_join"], lines
 
 
 def report(name, done, rc, jrc, t_join, lines):
